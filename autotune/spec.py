@@ -1,0 +1,224 @@
+"""Typed descriptions of the job: the model, the training setup and the hardware.
+
+Pure data plus derived quantities (parameter counts, FLOP counts); no I/O, no torch.
+Field names follow Hugging Face ``config.json`` where one exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Norm = Literal["rmsnorm", "layernorm"]
+PositionEmbedding = Literal["rope", "learned", "alibi", "none"]
+AttnImplementation = Literal["sdpa", "eager"]
+
+GATED_ACTS = ("silu", "swiglu", "swish")
+"""Activations whose MLP is gated (SwiGLU, Shazeer 2020): three projections instead of two."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, described the way HF ``config.json`` does."""
+
+    name: str
+    """Display name (preset name, HF ``_name_or_path`` or ``custom``)."""
+    num_hidden_layers: int
+    """Number of transformer blocks L."""
+    hidden_size: int
+    """Model width d."""
+    num_attention_heads: int
+    """Query heads a."""
+    num_key_value_heads: int
+    """Key/value heads (GQA/MQA when smaller than num_attention_heads)."""
+    intermediate_size: int
+    """MLP inner width."""
+    vocab_size: int
+    """Vocabulary size V."""
+    hidden_act: str = "silu"
+    """``silu`` means a gated SwiGLU MLP (Llama); ``gelu*``/``relu`` a plain 2-matrix MLP (GPT/MPT)."""
+    tie_word_embeddings: bool = False
+    """Whether the LM head shares the token-embedding matrix."""
+    norm: Norm = "rmsnorm"
+    """Normalisation layer kind."""
+    bias: bool = False
+    """Whether linear layers (and LayerNorms) carry a bias."""
+    position_embedding: PositionEmbedding = "rope"
+    """``learned`` adds a max_position_embeddings x d table; rope/alibi/none add no parameters."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model supports (size of the learned table)."""
+    attn_implementation: AttnImplementation = "sdpa"
+    """``sdpa``/flash: no s^2 matrix kept for backward; ``eager``: softmax probabilities kept."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (HF ``attn_pdrop``/``attention_dropout``)."""
+    hidden_dropout: float = 0.0
+    """Dropout on residual branches and embeddings (HF ``resid_pdrop``/``embd_pdrop``)."""
+    head_dim: Optional[int] = None
+    """Per-head width; defaults to hidden_size // num_attention_heads."""
+    source: str = ""
+    """Where the numbers come from (config URL or file)."""
+
+    def __post_init__(self) -> None:
+        # Invariants; user-facing validation with key paths happens in config.py.
+        assert self.num_hidden_layers > 0 and self.hidden_size > 0
+        assert self.num_attention_heads > 0 and self.num_key_value_heads > 0
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.hidden_act.lower() in GATED_ACTS
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_size
+
+    # ---- parameter counts (exact, matching the HF implementations) ----
+    def norm_params(self) -> int:
+        """Parameters of one norm layer (weight, plus bias for a biased LayerNorm)."""
+        return self.hidden_size * (2 if (self.norm == "layernorm" and self.bias) else 1)
+
+    def attention_params(self) -> int:
+        d = self.hidden_size
+        n = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
+        if self.bias:
+            n += self.q_size + 2 * self.kv_size + d
+        return n
+
+    def mlp_params(self) -> int:
+        d, f = self.hidden_size, self.intermediate_size
+        num_in = 2 if self.gated_mlp else 1
+        n = (num_in + 1) * d * f
+        if self.bias:
+            n += num_in * f + d
+        return n
+
+    def block_params(self) -> int:
+        """Parameters of one transformer block (attention, MLP, two norms)."""
+        return self.attention_params() + self.mlp_params() + 2 * self.norm_params()
+
+    def embedding_params(self) -> int:
+        n = self.vocab_size * self.hidden_size
+        if self.position_embedding == "learned":
+            n += self.max_position_embeddings * self.hidden_size
+        return n
+
+    def lm_head_params(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact trainable parameter count (tied embeddings counted once)."""
+        return (
+            self.embedding_params()
+            + self.num_hidden_layers * self.block_params()
+            + self.norm_params()
+            + self.lm_head_params()
+        )
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per trained token, llm-foundry's definition: 6N + 12*L*d*S.
+
+        Source: mosaicml/llm-foundry scripts/train/benchmarking/collect_results.py (and
+        Korthikanti et al. 2022 eq. 7 without the logit term, which 6N already covers).
+        """
+        return 6.0 * self.num_parameters + 12.0 * self.num_hidden_layers * self.hidden_size * seq_len
+
+    def replace(self, **changes: object) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator model: memory, peaks and bandwidths (datasheet numbers)."""
+
+    name: str
+    """Preset name, e.g. ``a100-80gb``."""
+    memory_bytes: int
+    """Usable device memory as torch reports total_memory."""
+    peak_tflops_bf16: float
+    """Dense bf16 tensor-core peak (0 when the GPU has no bf16)."""
+    peak_tflops_fp16: float
+    """Dense fp16 tensor-core peak with fp32 accumulate."""
+    peak_tflops_fp32: float
+    """Dense fp32 (non-tensor-core) peak."""
+    hbm_bandwidth_gbps: float
+    """Device memory bandwidth in GB/s."""
+    intra_node_bandwidth_gbps: float
+    """Per-GPU unidirectional bandwidth to peers in the node (NVLink or PCIe), GB/s."""
+    inter_node_bandwidth_gbps: float
+    """Per-GPU unidirectional network bandwidth between nodes, GB/s."""
+    pcie_bandwidth_gbps: float
+    """Effective host<->device bandwidth, GB/s (offload traffic)."""
+    efficiency: Optional[dict] = None
+    """Simulator efficiency parameters fitted on measured runs (None: uncalibrated defaults)."""
+    source: str = ""
+    """Datasheet the numbers come from."""
+
+    def peak_flops(self, precision: Precision) -> float:
+        tf = {"bf16": self.peak_tflops_bf16, "fp16": self.peak_tflops_fp16, "fp32": self.peak_tflops_fp32}[precision]
+        return tf * 1e12
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.efficiency)
+
+
+@dataclass(frozen=True)
+class NVMeSpec:
+    """Local NVMe used by ZeRO-Infinity offload."""
+
+    capacity_gib: float
+    """Free capacity per node, GiB."""
+    bandwidth_gbps: float = 3.0
+    """Sustained read/write bandwidth per node, GB/s."""
+    path: str = "/local_nvme"
+    """Mount point written into the DeepSpeed config."""
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """The cluster the job runs on."""
+
+    gpu: GPUSpec
+    """The accelerator model."""
+    gpus_per_node: int = 8
+    """GPUs (processes) per node."""
+    num_nodes: int = 1
+    """Number of nodes."""
+    cpu_memory_gib: float = 1024.0
+    """Host RAM per node available to the job, GiB."""
+    nvme: Optional[NVMeSpec] = None
+    """Local NVMe for offload, if any."""
+    cpu_adam_gparams_per_s: float = 1.0
+    """DeepSpeedCPUAdam throughput per node, billions of parameters updated per second."""
+    cuda_context_gib: float = 0.75
+    """Per-GPU memory outside the caching allocator (CUDA context, cuBLAS/NCCL workspaces), GiB."""
+    allocator_slack: float = 0.05
+    """Fraction of the allocated peak lost to caching-allocator fragmentation (reserved - allocated)."""
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """What one optimizer step looks like."""
+
+    seq_len: int
+    """Tokens per sequence."""
+    global_batch_size: int
+    """Sequences per optimizer step, across all data-parallel ranks."""
+    precision: Precision = "bf16"
+    """bf16 (no loss scaling), fp16 (dynamic loss scaling) or fp32."""
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    """Optimizer; adam/adamw keep two fp32 moments per parameter."""
