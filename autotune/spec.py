@@ -45,6 +45,8 @@ class ModelSpec:
     """Normalisation layer kind."""
     bias: bool = False
     """Whether linear layers (and LayerNorms) carry a bias."""
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections only (Qwen2); implied when ``bias`` is true."""
     position_embedding: PositionEmbedding = "rope"
     """``learned`` adds a max_position_embeddings x d table; rope/alibi/none add no parameters."""
     max_position_embeddings: int = 4096
@@ -89,8 +91,10 @@ class ModelSpec:
     def attention_params(self) -> int:
         d = self.hidden_size
         n = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
+        if self.bias or self.qkv_bias:
+            n += self.q_size + 2 * self.kv_size
         if self.bias:
-            n += self.q_size + 2 * self.kv_size + d
+            n += d
         return n
 
     def mlp_params(self) -> int:
