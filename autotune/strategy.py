@@ -91,34 +91,42 @@ def gradient_accumulation_steps(strategy: Strategy, training: TrainingSpec, hard
     return max(1, training.global_batch_size // (strategy.micro_batch_size * data_parallel_size(hardware)))
 
 
-def validate(strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec) -> list[str]:
-    """Rules a strategy must satisfy to be runnable at all; returns the broken ones in words."""
-    errors: list[str] = []
+def validation_errors(
+    strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
+) -> list[tuple[str, str]]:
+    """Rules a strategy must satisfy to be runnable at all, as (strategy key, message) pairs."""
+    errors: list[tuple[str, str]] = []
     s = strategy
     if s.zero_stage not in ZERO_STAGES:
-        errors.append(f"zero_stage must be one of 0-3, but got {s.zero_stage}")
+        errors.append(("zero_stage", f"zero_stage must be one of 0-3, but got {s.zero_stage}"))
     if s.micro_batch_size < 1:
-        errors.append(f"micro_batch_size must be >= 1, but got {s.micro_batch_size}")
+        errors.append(("micro_batch_size", f"micro_batch_size must be >= 1, but got {s.micro_batch_size}"))
     else:
         per_step = s.micro_batch_size * data_parallel_size(hardware)
         if training.global_batch_size % per_step:
-            errors.append(
+            errors.append(("micro_batch_size",
                 f"micro_batch_size x data-parallel size must divide global_batch_size, but got "
                 f"{s.micro_batch_size} x {data_parallel_size(hardware)} = {per_step} for {training.global_batch_size}"
-            )
+            ))
     if s.offload_params != "none" and s.zero_stage != 3:
-        errors.append(f"offload_params={s.offload_params} requires zero_stage 3, but got zero_stage {s.zero_stage}")
+        errors.append(("offload_params",
+                       f"offload_params={s.offload_params} requires zero_stage 3, but got zero_stage {s.zero_stage}"))
     if s.offload_optimizer != "none" and s.zero_stage == 0:
-        errors.append(f"offload_optimizer={s.offload_optimizer} requires zero_stage >= 1, but got 0")
-    if "nvme" in (s.offload_optimizer, s.offload_params) and hardware.nvme is None:
-        errors.append("nvme offload requires hardware.nvme, but none is configured")
+        errors.append(("offload_optimizer", f"offload_optimizer={s.offload_optimizer} requires zero_stage >= 1, but got 0"))
+    for key in ("offload_optimizer", "offload_params"):
+        if getattr(s, key) == "nvme" and hardware.nvme is None:
+            errors.append((key, f"{key}=nvme requires hardware.nvme, but none is configured"))
     if s.checkpoint_layers is not None and not 0 <= s.checkpoint_layers <= model.num_hidden_layers:
-        errors.append(
-            f"checkpoint_layers must be in 0..{model.num_hidden_layers}, but got {s.checkpoint_layers}"
-        )
+        errors.append(("checkpoint_layers",
+                       f"checkpoint_layers must be in 0..{model.num_hidden_layers}, but got {s.checkpoint_layers}"))
     if s.precision == "bf16" and hardware.gpu.peak_tflops_bf16 <= 0:
-        errors.append(f"precision bf16 is not supported by {hardware.gpu.name}")
+        errors.append(("precision", f"precision bf16 is not supported by {hardware.gpu.name}"))
     return errors
+
+
+def validate(strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec) -> list[str]:
+    """Rules a strategy must satisfy to be runnable at all; returns the broken ones in words."""
+    return [message for _, message in validation_errors(strategy, model, training, hardware)]
 
 
 def default_buckets(model: ModelSpec, strategy: Strategy) -> dict[str, int]:
