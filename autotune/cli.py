@@ -1,0 +1,157 @@
+"""Command line: ``autotune estimate | run | show | compare``. ``main(argv) -> int``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+from autotune.errors import ConfigError
+
+GIB = float(1 << 30)
+
+
+# ---------------------------------------------------------------- estimate
+
+def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("strategy (overrides the config's strategy: section)")
+    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage: 0 (plain DP), 1, 2 or 3")
+    g.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per GPU per forward/backward")
+    g.add_argument("--checkpointing", choices=("none", "selective", "full"),
+                   help="activation checkpointing: none, selective (attention core recomputed) or full (whole block)")
+    g.add_argument("--checkpoint-layers", type=int, metavar="N",
+                   help="number of blocks checkpointed, 0..num_layers (default: all when checkpointing is on)")
+    g.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"),
+                   help="where optimizer states live (ZeRO >= 1)")
+    g.add_argument("--offload-params", choices=("none", "cpu", "nvme"), help="where parameters live (ZeRO-3 only)")
+    g.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="compute precision (fp16 = loss scaling)")
+
+
+_FLAG_KEYS = ("zero_stage", "micro_batch_size", "checkpointing", "checkpoint_layers",
+              "offload_optimizer", "offload_params", "precision")
+
+
+def estimate_report(cfg: Any, strategy: Any) -> dict[str, Any]:
+    """Everything ``autotune estimate --json`` prints, as one JSON-able dict."""
+    from autotune.memory import estimate_memory
+    from autotune.simulate import simulate
+    from autotune.strategy import fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
+
+    mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy, headroom=cfg.search.headroom)
+    sim = simulate(cfg.model, cfg.training, cfg.hardware, strategy)
+    return {
+        "config": cfg.path,
+        "model": cfg.model.name,
+        "num_parameters": cfg.model.num_parameters,
+        "gpu": cfg.hardware.gpu.name,
+        "num_gpus": cfg.hardware.num_gpus,
+        "strategy": strategy.as_dict(),
+        "strategy_text": strategy.describe(cfg.model.num_hidden_layers),
+        "gradient_accumulation_steps": gradient_accumulation_steps(strategy, cfg.training, cfg.hardware),
+        "gpu_memory_bytes": dict(mem.gpu),
+        "gpu_capacity_bytes": cfg.hardware.gpu.memory_bytes,
+        "peak_phase": mem.peak_phase,
+        "cpu_memory_bytes": mem.cpu_bytes_per_node,
+        "nvme_bytes": mem.nvme_bytes_per_node,
+        "fits": mem.fits,
+        "reasons": list(mem.reasons),
+        "step_time_s": sim.step_time_s,
+        "tokens_per_s_per_gpu": sim.tokens_per_s_per_gpu,
+        "mfu": sim.mfu,
+        "time_breakdown_s": dict(sim.breakdown),
+        "calibrated": sim.calibrated,
+        "fsdp": fsdp_equivalent(strategy, cfg.hardware),
+        "deepspeed_config": to_deepspeed_config(strategy, cfg.model, cfg.training, cfg.hardware),
+    }
+
+
+def format_estimate(r: dict[str, Any]) -> str:
+    from autotune.memory import GPU_COMPONENTS
+
+    mem = r["gpu_memory_bytes"]
+    total = sum(mem[k] for k in GPU_COMPONENTS) or 1
+    lines = [
+        f"{r['model']} ({r['num_parameters']:,} parameters) on {r['num_gpus']} x {r['gpu']}",
+        f"strategy: {r['strategy_text']} (gradient accumulation {r['gradient_accumulation_steps']})",
+        f"FSDP equivalent: {r['fsdp']['sharding_strategy']}",
+        "",
+        f"{'component':<18}{'GiB':>10}{'share':>9}",
+    ]
+    for key in GPU_COMPONENTS:
+        lines.append(f"{key.replace('_', ' '):<18}{mem[key] / GIB:>10.2f}{100 * mem[key] / total:>8.1f}%")
+    lines.append(f"{'peak allocated':<18}{mem['peak'] / GIB:>10.2f}   (in {r['peak_phase']})")
+    lines.append(f"{'GPU capacity':<18}{r['gpu_capacity_bytes'] / GIB:>10.2f}")
+    if r["cpu_memory_bytes"]:
+        lines.append(f"{'CPU RAM / node':<18}{r['cpu_memory_bytes'] / GIB:>10.2f}")
+    if r["nvme_bytes"]:
+        lines.append(f"{'NVMe / node':<18}{r['nvme_bytes'] / GIB:>10.2f}")
+    lines.append("")
+    lines.append("verdict: FITS" if r["fits"] else "verdict: DOES NOT FIT")
+    lines.extend(f"  - {reason}" for reason in r["reasons"])
+    lines.append("")
+    cal = "" if r["calibrated"] else "  [uncalibrated GPU: datasheet defaults]"
+    lines.append(f"step time {r['step_time_s']:.3f} s, {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+                 f"MFU {100 * r['mfu']:.1f}%{cal}")
+    lines.append("  " + ", ".join(f"{k} {v:.3f} s" for k, v in r["time_breakdown_s"].items()))
+    return "\n".join(lines)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from autotune.config import check_strategy, load_config
+
+    cfg = load_config(args.config)
+    overrides = {k: getattr(args, k) for k in _FLAG_KEYS if getattr(args, k) is not None}
+    strategy = cfg.strategy.replace(**overrides)
+    try:
+        check_strategy(strategy, cfg.model, cfg.training, cfg.hardware)
+    except ConfigError as err:
+        flag = "--" + (err.path or "").replace("_", "-")
+        raise ConfigError(err.message, file=args.config, path=flag if err.path in overrides else f"strategy.{err.path}")
+    report = estimate_report(cfg, strategy)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_estimate(report))
+    return 0
+
+
+# ---------------------------------------------------------------- parser / main
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"estimate": cmd_estimate}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autotune",
+        description="Simulation-based training-strategy autotuner: predicts per-GPU memory and step time of "
+        "DeepSpeed strategies and searches for the memory/throughput Pareto front.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    est = sub.add_parser("estimate", help="memory breakdown, fit verdict and simulated speed of one strategy",
+                         description="Print the per-GPU memory breakdown (like the seed's table), the fits verdict "
+                         "with reasons, the simulated step time, and the DeepSpeed config of one strategy.")
+    est.add_argument("config", help="job file (YAML: model, training, hardware sections)")
+    _add_strategy_flags(est)
+    est.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as err:
+        print(f"autotune: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("autotune: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
