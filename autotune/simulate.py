@@ -1,0 +1,296 @@
+"""Throughput simulator: step time, tokens/s per GPU, MFU and a time breakdown for one strategy.
+
+Pure arithmetic on the typed specs: no I/O, no torch/deepspeed, no scipy (the search calls
+``simulate`` thousands of times, so it is a flat function of floats, a few tens of microseconds).
+
+The model (one optimizer step = ``gas`` micro-batches + optimizer step + fixed overhead):
+
+* compute: every GEMM of a block and the LM head timed at ``peak * gemm_eff`` scaled by two
+  saturating shape factors (tokens per micro-batch M and the smaller GEMM dimension K); the
+  attention core at ``peak * attn_eff`` on llm-foundry's counted FLOPs; memory-bound elementwise
+  work (norms, activation, residuals, loss/softmax over the vocabulary) at ``hbm * hbm_eff``.
+* recompute: full checkpointing repeats the forward of the checkpointed blocks, selective only the
+  attention core (Korthikanti et al. 2022, sec. 5).
+* communication: ZeRO/DP collective volumes with the ring factor (n-1)/n over intra- or
+  inter-node bandwidth, per-collective latency, overlap with the forward/backward window and the
+  non-overlappable first/last bucket; only the exposed part is charged.
+* offload: PCIe traffic for gradients/parameters, CPU-Adam and NVMe time (ZeRO-Offload/Infinity).
+* optimizer step on GPU: HBM-bound pass over the local shard; fixed per-step and per-layer overheads.
+
+The efficiency parameters (``EFFICIENCY_KEYS``) are fitted per GPU by autotune.calibration on
+measured runs and stored in the GPU presets; uncalibrated GPUs use ``default_efficiency``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from autotune.spec import GPUSpec, HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy, default_buckets
+
+EFFICIENCY_KEYS = (
+    "gemm_eff",          # fraction of dense peak a large GEMM reaches
+    "gemm_m_half",       # tokens per micro-batch at which GEMM efficiency is halved (saturating in M)
+    "gemm_k_half",       # GEMM inner/outer width at which efficiency is halved (saturating in d)
+    "attn_eff",          # fraction of peak on llm-foundry's counted attention FLOPs (12*L*d*S per token)
+    "hbm_eff",           # fraction of HBM bandwidth reached by elementwise kernels and the optimizer
+    "comm_eff",          # fraction of nominal link bandwidth NCCL reaches (bus bandwidth)
+    "overlap",           # fraction of overlappable communication actually hidden under compute
+    "coll_latency_s",    # latency per ring hop of one collective, seconds
+    "step_overhead_s",   # fixed time per optimizer step (Python, data loader, logging), seconds
+    "layer_overhead_s",  # per block per micro-batch (hooks, launches, FSDP/ZeRO bookkeeping), seconds
+)
+
+_BASE_DEFAULTS = dict(
+    gemm_eff=0.75, gemm_m_half=128.0, gemm_k_half=192.0, attn_eff=0.35, hbm_eff=0.7, comm_eff=0.7,
+    overlap=0.85, coll_latency_s=5e-6, step_overhead_s=0.05, layer_overhead_s=3e-4,
+)
+
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# Elementwise traffic per token per block, in activation elements (read + written), counted for a
+# pre-norm block without dropout: 2 norms (r d, w d each), activation (r f, w f; gated: r 2f, w f),
+# 2 residual adds (r 2d, w d each); backward about twice the forward (grad in + saved input + grad out).
+# Source: per-operation accounting in Korthikanti et al. 2022, sec. 4.1 (same ops, counted as traffic).
+
+
+def default_efficiency(gpu: GPUSpec) -> dict:
+    """Uncalibrated parameters derived from the datasheet (used when ``gpu.efficiency`` is None).
+
+    GEMM efficiency falls when the machine balance (peak FLOP/s per HBM byte/s) is high, as the
+    roofline predicts for the tile loads of moderately sized GEMMs (Williams et al. 2009, roofline);
+    PCIe-only GPUs (no NVLink, intra-node bandwidth <= PCIe) get a lower NCCL efficiency.
+    """
+    p = dict(_BASE_DEFAULTS)
+    peak = max(gpu.peak_tflops_bf16, gpu.peak_tflops_fp16) * 1e12
+    balance = peak / (gpu.hbm_bandwidth_gbps * 1e9)  # FLOP per byte; A100 ~200, H100 ~295, L40S ~420
+    p["gemm_eff"] = 0.78 * min(1.0, (200.0 / balance) ** 0.15)
+    p["attn_eff"] = 0.4 * min(1.0, (200.0 / balance) ** 0.3)
+    if gpu.intra_node_bandwidth_gbps <= gpu.pcie_bandwidth_gbps * 1.01:
+        p["comm_eff"] = 0.5
+    return p
+
+
+def efficiency_params(gpu: GPUSpec, params: Optional[dict] = None) -> tuple[dict, bool]:
+    """Merged parameters (defaults < preset efficiency < explicit params) and whether calibrated."""
+    p = default_efficiency(gpu)
+    calibrated = bool(gpu.efficiency)
+    if gpu.efficiency:
+        p.update(gpu.efficiency)
+    if params:
+        p.update(params)
+    return p, calibrated
+
+
+@dataclass(frozen=True)
+class SimResult:
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    """Model FLOPs utilisation, llm-foundry definition (ModelSpec.flops_per_token), fraction 0..1."""
+    breakdown: dict = field(default_factory=dict)
+    """Seconds per optimizer step: compute, recompute, exposed_communication, offload, optimizer, overhead."""
+    calibrated: bool = False
+    """False when the GPU preset has no fitted efficiency (datasheet-derived defaults)."""
+
+    def as_dict(self) -> dict:
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "breakdown": dict(self.breakdown),
+            "calibrated": self.calibrated,
+        }
+
+
+def _ring_time(volume_bytes: float, n: int, bw: float, lat: float) -> float:
+    """Ring all-gather / reduce-scatter of a buffer of volume_bytes over n ranks.
+
+    Source: Thakur et al. 2005 / NCCL docs (performance.md): time = (n-1)/n * V / busBW + (n-1)*alpha.
+    """
+    if n <= 1 or volume_bytes <= 0:
+        return 0.0
+    return (n - 1) / n * volume_bytes / bw + (n - 1) * lat
+
+
+def _exposed(comm: float, window: float, overlap: float) -> float:
+    """Communication left on the critical path when it runs concurrently with `window` of compute.
+
+    What exceeds the window is exposed; of the part that fits, (1-overlap) still costs (SM and HBM
+    contention, imperfect prefetch) - the usual overlap model of e.g. Calculon (Isaev et al. 2023, sec. 3).
+    """
+    hidden = min(comm, window)
+    return (comm - hidden) + (1.0 - overlap) * hidden
+
+
+def simulate(
+    model: ModelSpec,
+    training: TrainingSpec,
+    hardware: HardwareSpec,
+    strategy: Strategy,
+    params: Optional[dict] = None,
+) -> SimResult:
+    """Predict one optimizer step of `strategy`; `params` overrides the GPU's efficiency dict."""
+    gpu = hardware.gpu
+    p, calibrated = efficiency_params(gpu, params)
+    prec = strategy.precision
+    peak = gpu.peak_flops(prec)
+    if peak <= 0:  # e.g. bf16 on V100: validate() rejects it; simulate the fp16 path instead
+        peak = gpu.peak_flops("fp16")
+    hbm = gpu.hbm_bandwidth_gbps * 1e9 * p["hbm_eff"]
+    act_bytes = _BYTES[prec]
+
+    L = model.num_hidden_layers
+    d = model.hidden_size
+    f = model.intermediate_size
+    V = model.vocab_size
+    S = training.seq_len
+    b = strategy.micro_batch_size
+    n = hardware.num_gpus
+    T = float(b * S)  # tokens per micro-batch per GPU (the GEMM M dimension)
+    gas = max(1, training.global_batch_size // max(1, b * n))
+    N = float(model.num_parameters)
+
+    # ---- compute per micro-batch -------------------------------------------------------------
+    # GEMM efficiency: saturating in M (tokens) and in the smaller of K/N (width); a smooth stand-in
+    # for tile/wave quantisation (Nvidia "Matrix Multiplication Background" guide, sec. 4-5).
+    e_gemm = p["gemm_eff"] * T / (T + p["gemm_m_half"])
+    rate = peak * e_gemm
+    kh = p["gemm_k_half"]
+    q, kv = model.q_size, model.kv_size
+    n_in = 2 if model.gated_mlp else 1
+    # forward FLOPs per token of each GEMM = 2*K*N (Kaplan et al. 2020, table 1); time ~ 1/(K/(K+kh))
+    blk = (
+        2.0 * d * (q + 2 * kv) * (1.0 + kh / min(d, q + 2 * kv))
+        + 2.0 * q * d * (1.0 + kh / min(q, d))
+        + 2.0 * n_in * d * f * (1.0 + kh / min(d, f))
+        + 2.0 * f * d * (1.0 + kh / min(d, f))
+    )
+    head = 2.0 * d * V * (1.0 + kh / min(d, V))
+    gemm_fwd_block = T * blk / rate  # one block, forward
+    gemm_fwd_head = T * head / rate
+    # attention core: llm-foundry counts 4*S*d FLOPs/token forward per layer, 2x that backward
+    # (collect_results.py: attn_flops_per_seq = n_layers*2*2*d_model*seq_len**2, x3 for fwd+bwd).
+    attn_rate = peak * p["attn_eff"]
+    attn_fwd_block = T * 4.0 * S * d / attn_rate
+    # elementwise traffic (see table above): forward elements per token per block, backward 2x
+    act_elems = 2 * 2 * d + (3 if model.gated_mlp else 2) * f + 2 * 3 * d
+    elem_fwd_block = T * act_elems * act_bytes / hbm
+    # loss: bf16 logits upcast to fp32, log-softmax and its gradient (~ read 2 + write 4 + read 4 +
+    # write 4 + write 2 bytes per logit), HF LlamaForCausalLM / llm-foundry loss path.
+    loss_time = T * V * 16.0 / hbm
+
+    fwd_block = gemm_fwd_block + attn_fwd_block + elem_fwd_block
+    fwd = L * fwd_block + gemm_fwd_head + T * d * 4 * act_bytes / hbm  # + embedding gather
+    bwd = L * (2.0 * gemm_fwd_block + 2.0 * attn_fwd_block + 2.0 * elem_fwd_block) + 2.0 * gemm_fwd_head
+    compute_mb = fwd + bwd + loss_time
+
+    n_ckpt = strategy.num_checkpointed(L)
+    if strategy.checkpointing == "full":
+        recompute_mb = n_ckpt * fwd_block  # one extra forward of each checkpointed block
+    elif strategy.checkpointing == "selective":
+        recompute_mb = n_ckpt * attn_fwd_block  # only the attention core (Korthikanti 2022, sec. 5)
+    else:
+        recompute_mb = 0.0
+
+    # ---- communication -------------------------------------------------------------------------
+    multi_node = hardware.num_nodes > 1
+    # NCCL runs one ring channel per NIC (rail-aligned), so a ring crossing nodes gets the node's
+    # aggregate NIC bandwidth per GPU, capped by NVLink (nccl-tests doc/PERFORMANCE.md, busBW).
+    link = min(gpu.intra_node_bandwidth_gbps, gpu.inter_node_bandwidth_gbps * hardware.gpus_per_node) \
+        if multi_node else gpu.intra_node_bandwidth_gbps
+    bw = link * 1e9 * p["comm_eff"]
+    lat = p["coll_latency_s"]
+    pbytes = _BYTES[prec]  # 16-bit params and grads on the wire (fp32 when training in fp32)
+    ov = p["overlap"]
+    z = strategy.zero_stage
+    buckets = default_buckets(model, strategy)
+    P = N * pbytes
+    fwd_window = fwd
+    bwd_window = bwd + recompute_mb
+    comm_exposed = 0.0
+    if n > 1:
+        if z == 3:
+            # DeepSpeed ZeRO-3 / FSDP FULL_SHARD: all-gather params in forward and again in backward,
+            # reduce-scatter grads, every micro-batch (ZeRO paper, Rajbhandari et al. 2020 sec. 7.2.2: 3x).
+            nb = max(L + 1, math.ceil(N / max(1, buckets["prefetch_bucket_size"])))
+            ag = _ring_time(P, n, bw, 0.0) + nb * (n - 1) * lat
+            nr = max(L + 1, math.ceil(N / max(1, buckets["reduce_bucket_size"])))
+            rs = _ring_time(P, n, bw, 0.0) + nr * (n - 1) * lat
+            first = ag / nb  # first gather cannot be prefetched behind compute
+            last = rs / nr  # last reduce-scatter bucket starts after the backward ends
+            per_mb = first + last + _exposed(ag - first, fwd_window, ov) \
+                + _exposed(ag + rs - last, bwd_window, ov)
+            comm_exposed = gas * per_mb
+        else:
+            nr = max(1, math.ceil(N / max(1, buckets["reduce_bucket_size"])))
+            if z == 0:
+                # all-reduce = reduce-scatter + all-gather (2x), once at the accumulation boundary
+                # (deepspeed/runtime/engine.py allreduce_gradients; Rajbhandari et al. 2020 sec. 7.1).
+                red = 2.0 * _ring_time(P, n, bw, 0.0) + 2 * nr * (n - 1) * lat
+                reductions, post = 1, 0.0
+            else:
+                red = _ring_time(P, n, bw, 0.0) + nr * (n - 1) * lat
+                # ZeRO-2 reduces every micro-batch (partition_gradients), ZeRO-1 only at the boundary
+                # (deepspeed/runtime/engine.py allreduce_gradients / zero/stage_1_and_2.py).
+                reductions = gas if z == 2 else 1
+                ng = max(1, math.ceil(N / max(1, buckets.get("allgather_bucket_size", N))))
+                # updated 16-bit partitions all-gathered after the step, not overlapped (stage_1_and_2.py step)
+                post = _ring_time(P, n, bw, 0.0) + ng * (n - 1) * lat
+            last = red / nr
+            per_red = last + _exposed(red - last, bwd_window, ov)
+            comm_exposed = reductions * per_red + post
+
+    # ---- optimizer step and offload -------------------------------------------------------------
+    shard = N / n if z >= 1 else N  # parameters whose optimizer state this GPU owns
+    # Adam on GPU: read grad, fp32 param, m, v; write fp32 param, m, v and the 16-bit copy
+    # (deepspeed/ops/adam FusedAdam multi_tensor_adam: 4+4+4+4 read, 4+4+4+2 write bytes).
+    opt_bytes = 30.0 if prec != "fp32" else 28.0
+    if prec == "fp16":
+        opt_bytes += 2.0  # overflow check over the gradients (loss scaler, deepspeed/runtime/fp16)
+    optimizer = shard * opt_bytes / hbm
+    offload = 0.0
+    pcie = gpu.pcie_bandwidth_gbps * 1e9
+    gpn = hardware.gpus_per_node
+    if strategy.offload_optimizer != "none":
+        optimizer = 0.0
+        # CPU-Adam over the node's shards (DeepSpeedCPUAdam; Ren et al. 2021 ZeRO-Offload sec. 4.2),
+        # fp32 grads down (overlapped with backward) and 16-bit params up (not overlapped).
+        cpu_adam = shard * gpn / (hardware.cpu_adam_gparams_per_s * 1e9)
+        grads_down = shard * 4.0 / pcie
+        params_up = shard * pbytes / pcie
+        offload = cpu_adam + params_up + _exposed(grads_down, bwd_window, ov)
+        if strategy.offload_optimizer == "nvme" and hardware.nvme is not None:
+            # ZeRO-Infinity: fp32 param + m + v read and written per step (Rajbhandari et al. 2021 sec. 5)
+            offload += shard * gpn * 12.0 * 2.0 / (hardware.nvme.bandwidth_gbps * 1e9)
+    if strategy.offload_params != "none":
+        # ZeRO-3 param offload: each GPU fetches its shard over PCIe for forward and backward, every
+        # micro-batch, prefetched alongside the all-gathers (deepspeed/runtime/zero/partitioned_param_coordinator.py).
+        fetch = 2.0 * (N / n) * pbytes / pcie
+        if strategy.offload_params == "nvme" and hardware.nvme is not None:
+            fetch += 2.0 * (N / n) * gpn * pbytes / (hardware.nvme.bandwidth_gbps * 1e9)
+        offload += gas * _exposed(fetch, fwd_window + bwd_window, ov)
+
+    overhead = p["step_overhead_s"] + p["layer_overhead_s"] * L * gas
+    compute = gas * compute_mb
+    recompute = gas * recompute_mb
+    step = compute + recompute + comm_exposed + offload + optimizer + overhead
+    tokens = gas * T
+    tps = tokens / step
+    mfu = model.flops_per_token(S) * tps / peak
+    return SimResult(
+        step_time_s=step,
+        tokens_per_s_per_gpu=tps,
+        mfu=mfu,
+        breakdown={
+            "compute": compute,
+            "recompute": recompute,
+            "exposed_communication": comm_exposed,
+            "offload": offload,
+            "optimizer": optimizer,
+            "overhead": overhead,
+        },
+        calibrated=calibrated,
+    )
