@@ -1,0 +1,379 @@
+"""Run one DeepSpeed measurement: ``python -m autotune.profile.worker JOB.json``.
+
+Launched by ``torchrun --nproc_per_node N`` (or the ``deepspeed`` launcher) or by plain
+``python`` (then a 1-process group on a free local port is created). Reads RANK / WORLD_SIZE /
+LOCAL_RANK from the environment. Every rank writes its own result file; the launcher backend
+reads them (rank 0's file carries the cross-rank summary when all ranks finished). Failure is
+data: the process writes ``status`` != ``ok`` and exits with code 0 for a *measured* failure
+(oom, nan), 1 for ``error``. A crash or a hang leaves no result file: the launcher must treat
+a missing file (plus the exit status / timeout) as the failure.
+
+Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
+
+    {
+      "model":    {ModelSpec fields},           # autotune.spec.ModelSpec(**model)
+      "training": {TrainingSpec fields},        # seq_len, global_batch_size, precision, optimizer
+      "strategy": {Strategy fields},            # autotune.strategy.Strategy(**strategy)
+      "deepspeed_config": {...},                # default: strategy.to_deepspeed_config(...) with
+                                                #   data-parallel size = WORLD_SIZE
+      "result_path": "result.json",             # default: JOB.json's dir / "result.json";
+                                                #   rank r > 0 writes "<stem>.rank<r>.json"
+      "warmup_steps": 2, "measure_steps": 3,    # optimizer steps (each = GAS micro-steps)
+      "optimizer_impl": "auto",                 # "deepspeed": the config's optimizer section
+                                                #   (FusedAdam / DeepSpeedCPUAdam, JIT-built ops);
+                                                # "torch": torch.optim.AdamW passed to initialize
+                                                #   (no JIT builds); "auto": torch on CPU, deepspeed on CUDA
+      "memory": "auto",                         # "cuda" (max_memory_allocated), "profiler" (CPU: peak
+                                                #   tensor bytes from torch.profiler allocation events),
+                                                #   "none"; "auto": cuda on CUDA, profiler on CPU
+      "seed": 0,
+      "device": "auto"                          # "cuda" | "cpu" | "auto"
+    }
+
+Result JSON (one per rank)::
+
+    {
+      "status": "ok" | "oom" | "nan" | "error",
+      "reason": "short human sentence" | null,
+      "phase": "init" | "forward" | "backward" | "optimizer" | null,  # where it failed
+      "rank": 0, "world_size": 2, "device": "cpu" | "cuda",
+      "peak_allocated_bytes": int,          # steady-state (measured steps) peak of this rank:
+                                            #   CUDA max_memory_allocated / CPU peak tensor bytes
+      "peak_reserved_bytes": int | null,    # CUDA max_memory_reserved (null on CPU)
+      "peak_phase": "forward" | "backward" | "optimizer",  # phase containing the peak
+      "phase_peaks_bytes": {"forward": int, "backward": int, "optimizer": int},
+      "step_start_bytes": int,              # allocated at the start of the last measured step
+      "init_peak_bytes": int | null,        # peak during model build + deepspeed.initialize
+      "step_times_s": [float, ...],         # measured optimizer steps, wall clock
+      "tokens_per_s": float,                # all ranks: mbs * seq * GAS * world / median step time
+      "losses": [float, ...],               # every step (warm-up included)
+      "num_parameters": int,
+      "optimizer": "BF16_Optimizer" | ...,  # DeepSpeed's final optimizer wrapper class
+      "gradient_accumulation_steps": int,
+      "all_ranks": {"peak_allocated_bytes": [int per rank], ...}  # rank 0 only, when ok
+      "elapsed_s": float
+    }
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def result_path_for_rank(result_path: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its result (rank 0: ``result_path`` itself)."""
+    p = Path(result_path)
+    return p if rank == 0 else p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in msg or "can't allocate memory" in msg or "not enough memory" in msg
+    )
+
+
+class _CpuMemoryProbe:
+    """Peak CPU tensor bytes from torch.profiler allocation events (profile_memory=True).
+
+    The profiler reports, for every allocation and free of the c10 CPU allocator, the running
+    total of bytes allocated since profiling started. Profiling starts before the model is
+    built, so that total is the absolute tensor memory of the process (DeepSpeed's flat buffers,
+    master weights, buckets, activations...). Phase markers are record_function ranges.
+    """
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.marks: list[tuple[str, int, int]] = []  # (phase, start_ns, end_ns) of measured phases
+        self.window: Optional[tuple[int, int]] = None
+        self.init_end: Optional[int] = None
+        self.last_step_start: Optional[int] = None
+
+    def __enter__(self) -> "_CpuMemoryProbe":
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.prof.__exit__(*exc)
+
+    @staticmethod
+    def now() -> int:
+        return time.time_ns()
+
+    def analyse(self) -> dict[str, Any]:
+        from torch._C._profiler import _EventType
+
+        events: list[tuple[int, int]] = []
+        stack = list(self.prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if node.typed[0] == _EventType.Allocation and str(node.typed[1].device).startswith("cpu"):
+                events.append((node.start_time_ns, node.typed[1].total_allocated))
+            stack.extend(node.children)
+        events.sort()
+        out: dict[str, Any] = {"init_peak_bytes": None, "peak_allocated_bytes": None, "peak_phase": None,
+                               "phase_peaks_bytes": {}, "step_start_bytes": None}
+        if not events:
+            return out
+        if self.init_end is not None:
+            out["init_peak_bytes"] = max((t for ts, t in events if ts <= self.init_end), default=0)
+        if self.last_step_start is not None:
+            before = [t for ts, t in events if ts <= self.last_step_start]
+            out["step_start_bytes"] = before[-1] if before else 0
+        peaks = {ph: 0 for ph in PHASES}
+        best, best_phase = -1, None
+        for phase, t0, t1 in self.marks:
+            # the running total at t0 (last event before) also counts: a phase may allocate nothing
+            prev = [t for ts, t in events if ts <= t0]
+            vals = [t for ts, t in events if t0 <= ts <= t1] + ([prev[-1]] if prev else [])
+            m = max(vals) if vals else 0
+            peaks[phase] = max(peaks[phase], m)
+            if m > best:
+                best, best_phase = m, phase
+        out.update(peak_allocated_bytes=max(best, 0), peak_phase=best_phase, phase_peaks_bytes=peaks)
+        return out
+
+
+def _ds_config_for_job(job: dict, world_size: int) -> tuple[dict, Any, Any, Any]:
+    from autotune.presets import gpu_from_name
+    from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
+    from autotune.strategy import Strategy, to_deepspeed_config
+
+    model = ModelSpec(**job["model"])
+    training = TrainingSpec(**job["training"])
+    strategy = Strategy(**job["strategy"])
+    cfg = job.get("deepspeed_config")
+    if cfg is None:
+        hw = HardwareSpec(gpu=gpu_from_name(job.get("gpu", "h100-80gb")), gpus_per_node=world_size, num_nodes=1)
+        cfg = to_deepspeed_config(strategy, model, training, hw)
+    return json.loads(json.dumps(cfg)), model, training, strategy
+
+
+def run_job(job: dict, job_dir: Path) -> dict[str, Any]:
+    """Run the job in this process (a rank of the group); returns the result dict."""
+    t_start = time.time()
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    result: dict[str, Any] = {"status": "error", "reason": None, "phase": "init", "rank": rank, "world_size": world,
+                              "device": None, "peak_allocated_bytes": None, "peak_reserved_bytes": None,
+                              "peak_phase": None, "phase_peaks_bytes": {}, "step_start_bytes": None,
+                              "init_peak_bytes": None, "step_times_s": [], "tokens_per_s": None, "losses": [],
+                              "num_parameters": None, "optimizer": None, "gradient_accumulation_steps": None}
+    probe: Optional[_CpuMemoryProbe] = None
+    try:
+        import torch
+
+        want = job.get("device", "auto")
+        use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
+        device_kind = "cuda" if use_cuda else "cpu"
+        result["device"] = device_kind
+        if not use_cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        memory_mode = job.get("memory", "auto")
+        if memory_mode == "auto":
+            memory_mode = "cuda" if use_cuda else "profiler"
+        if memory_mode == "profiler":
+            probe = _CpuMemoryProbe()
+        with (probe if probe is not None else contextlib.nullcontext()):
+            _run(job, result, probe, rank, world, local_rank, use_cuda, memory_mode)
+    except BaseException as exc:  # failure is data
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        result["status"] = "oom" if _is_oom(exc) else "error"
+        first = (str(exc).strip().splitlines() or [""])[0]
+        result["reason"] = f"{type(exc).__name__}: {first[:300]}"
+        if result["status"] == "error":
+            result["traceback"] = traceback.format_exc()[-4000:]
+    if probe is not None:
+        try:
+            mem = probe.analyse()
+            result.update({k: v for k, v in mem.items() if v is not None or k not in result})
+        except Exception as exc:  # pragma: no cover - profiler internals changed
+            result.setdefault("reason", f"memory analysis failed: {exc}")
+    if result["status"] == "ok":
+        result["phase"] = None
+        _gather_ranks(result, world)
+    result["elapsed_s"] = round(time.time() - t_start, 3)
+    return result
+
+
+def _gather_ranks(result: dict, world: int) -> None:
+    if world <= 1:
+        result["all_ranks"] = {"peak_allocated_bytes": [result["peak_allocated_bytes"]]}
+        return
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            rows: list[Any] = [None] * world
+            dist.all_gather_object(rows, {"peak_allocated_bytes": result["peak_allocated_bytes"],
+                                          "peak_phase": result["peak_phase"]})
+            result["all_ranks"] = {k: [r[k] for r in rows] for k in rows[0]}
+    except Exception:  # pragma: no cover
+        pass
+
+
+def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, world: int, local_rank: int,
+         use_cuda: bool, memory_mode: str) -> None:
+    import torch
+
+    import deepspeed
+    from autotune.profile.models import build_model, count_parameters, synthetic_batch
+
+    ds_config, model_spec, training, strategy = _ds_config_for_job(job, world)
+    seed = int(job.get("seed", 0))
+    torch.manual_seed(seed + rank)
+
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        try:  # skip the JIT build of the shared-memory allreduce (private switch, see NOTES-cpu.md)
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        except Exception:
+            pass
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
+
+    impl = job.get("optimizer_impl", "auto")
+    if impl == "auto":
+        impl = "deepspeed" if use_cuda else "torch"
+    optimizer = None
+    model = build_model(model_spec)
+    n_ckpt = strategy.num_checkpointed(model_spec.num_hidden_layers)
+    model.set_checkpointing(strategy.checkpointing if n_ckpt else "none", n_ckpt)
+    result["num_parameters"] = count_parameters(model)
+    if impl == "torch":
+        opt_cfg = ds_config.pop("optimizer", None) or {}
+        params = dict(opt_cfg.get("params", {}))
+        params.setdefault("lr", 1e-4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=tuple(params.get("betas", (0.9, 0.999))),
+                                      eps=params.get("eps", 1e-8), weight_decay=params.get("weight_decay", 0.01),
+                                      foreach=False)
+        ds_config["zero_allow_untested_optimizer"] = True
+        ds_config["zero_force_ds_cpu_optimizer"] = False
+    ds_config.pop("activation_checkpointing", None)  # applied by the model (non-reentrant torch checkpoint)
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                      model_parameters=None if optimizer is not None else model.parameters())
+    result["optimizer"] = type(engine.optimizer).__name__
+    gas = engine.gradient_accumulation_steps()
+    result["gradient_accumulation_steps"] = gas
+    mbs = engine.train_micro_batch_size_per_gpu()
+    seq = training.seq_len
+    batches = [synthetic_batch(model_spec, mbs, seq, seed=seed * 1000 + rank * 100 + i, device=device) for i in range(2)]
+    if probe is not None:
+        probe.init_end = probe.now()
+    if use_cuda:
+        torch.cuda.synchronize()
+
+    warmup, measure = int(job.get("warmup_steps", 2)), int(job.get("measure_steps", 3))
+    phase_peaks = {ph: 0 for ph in PHASES}
+    peak_reserved = 0
+    for step in range(warmup + measure):
+        measured = step >= warmup
+        if use_cuda and measured and step == warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        if probe is not None and measured:
+            probe.last_step_start = probe.now()
+        t0 = time.perf_counter()
+        step_losses = []
+        for micro in range(gas):
+            x, y = batches[micro % len(batches)]
+            for phase in PHASES:
+                result["phase"] = phase
+                t_ph = probe.now() if probe is not None else 0
+                if phase == "forward":
+                    loss = engine(x, y)
+                elif phase == "backward":
+                    engine.backward(loss)
+                else:
+                    engine.step()
+                if use_cuda and measured and memory_mode == "cuda":
+                    torch.cuda.synchronize()
+                    phase_peaks[phase] = max(phase_peaks[phase], torch.cuda.max_memory_allocated())
+                    peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved())
+                    torch.cuda.reset_peak_memory_stats()
+                if probe is not None and measured:
+                    probe.marks.append((phase, t_ph, probe.now()))
+            step_losses.append(float(loss.detach().float()))
+        if use_cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        result["losses"].append(sum(step_losses) / len(step_losses))
+        if measured:
+            result["step_times_s"].append(dt)
+        if not all(math.isfinite(v) for v in step_losses):
+            result.update(status="nan", reason=f"non-finite loss {step_losses} at step {step}", phase="forward")
+            return
+    del loss
+    times = sorted(result["step_times_s"])
+    if times:
+        median = times[len(times) // 2]
+        result["tokens_per_s"] = mbs * seq * gas * world / median
+    if memory_mode == "cuda":
+        result["phase_peaks_bytes"] = phase_peaks
+        result["peak_allocated_bytes"] = max(phase_peaks.values())
+        result["peak_phase"] = max(phase_peaks, key=phase_peaks.get)
+        result["peak_reserved_bytes"] = peak_reserved
+    result["status"] = "ok"
+    result["reason"] = None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m autotune.profile.worker JOB.json", file=sys.stderr)
+        return 2
+    job_path = Path(argv[0])
+    job = json.loads(job_path.read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    out = result_path_for_rank(job.get("result_path") or job_path.with_name("result.json"), rank)
+    result = run_job(job, job_path.parent)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    return 1 if result["status"] == "error" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
