@@ -40,6 +40,7 @@ _BOUNDS = {
     "gemm_m_half": (1.0, 4096.0),
     "gemm_k_half": (1.0, 4096.0),
     "attn_eff": (0.05, 1.0),
+    "attn_s_half": (1.0, 65536.0),
     "hbm_eff": (0.1, 1.0),
     "comm_eff": (0.05, 1.0),
     "overlap": (0.01, 1.0),
@@ -50,9 +51,13 @@ _BOUNDS = {
 # Prior width (in log space) pulling each parameter towards its datasheet default: a weak MAP prior
 # so parameters the data cannot see (e.g. inter-node terms with single-node data) stay sensible.
 _PRIOR_SIGMA = {
-    "gemm_eff": 0.5, "gemm_m_half": 2.0, "gemm_k_half": 2.0, "attn_eff": 1.0, "hbm_eff": 0.7,
+    "gemm_eff": 0.5, "gemm_m_half": 2.0, "gemm_k_half": 2.0, "attn_eff": 1.0, "attn_s_half": 2.0, "hbm_eff": 0.7,
     "comm_eff": 0.7, "overlap": 0.5, "coll_latency_s": 2.0, "step_overhead_s": 2.0, "layer_overhead_s": 2.0,
 }
+
+# Assumed run-to-run noise of a measured throughput (log scale): weighs the prior against the data
+# (MAP with Gaussian likelihood sigma _NOISE and Gaussian log-parameter priors _PRIOR_SIGMA).
+_NOISE = 0.05
 
 _CSV_GPU = {"a100_40gb": "a100-40gb", "a100_80gb": "a100-80gb", "h100_80gb": "h100-80gb"}
 _SHARDING = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
@@ -108,10 +113,14 @@ def load_llmfoundry_csv(path, include_fp8: bool = False,
             mbs = int(row["micro_batch_size"])
             ga = int(row["grad_accum"])
             training = TrainingSpec(seq_len=S, global_batch_size=mbs * ga * n, precision="bf16")
+            # FSDP wraps each block: one all-gather / reduce-scatter per block, which the Strategy
+            # expresses as bucket sizes of one block's parameters (llm-foundry fsdp_wrap per MPTBlock).
+            blk = model.block_params()
             strategy = Strategy(
                 zero_stage=_SHARDING[row["sharding_strategy"]], micro_batch_size=mbs,
                 checkpointing="full" if row["activation_checkpointing"].strip() == "True" else "none",
-                precision="bf16",
+                precision="bf16", reduce_bucket_size=blk, allgather_bucket_size=blk,
+                prefetch_bucket_size=blk,
             )
             runs.append(MeasuredRun(model, training, hw, strategy, float(row["tokens_per_s_per_gpu"]), label))
     return runs
@@ -155,7 +164,7 @@ def fit_efficiency(runs: Sequence[MeasuredRun], initial: Optional[dict] = None,
     def resid(x):
         p = params_of(x)
         pred = np.array([math.log(predict(r, p)) for r in runs])
-        return np.concatenate([pred - meas, (x - x0) / sig])
+        return np.concatenate([pred - meas, _NOISE * (x - x0) / sig])
 
     best = None
     starts = [x0]

@@ -7,7 +7,7 @@ The model (one optimizer step = ``gas`` micro-batches + optimizer step + fixed o
 
 * compute: every GEMM of a block and the LM head timed at ``peak * gemm_eff`` scaled by two
   saturating shape factors (tokens per micro-batch M and the smaller GEMM dimension K); the
-  attention core at ``peak * attn_eff`` on llm-foundry's counted FLOPs; memory-bound elementwise
+  attention core at ``peak * attn_eff`` on the FLOPs causal flash attention executes; memory-bound elementwise
   work (norms, activation, residuals, loss/softmax over the vocabulary) at ``hbm * hbm_eff``.
 * recompute: full checkpointing repeats the forward of the checkpointed blocks, selective only the
   attention core (Korthikanti et al. 2022, sec. 5).
@@ -34,7 +34,8 @@ EFFICIENCY_KEYS = (
     "gemm_eff",          # fraction of dense peak a large GEMM reaches
     "gemm_m_half",       # tokens per micro-batch at which GEMM efficiency is halved (saturating in M)
     "gemm_k_half",       # GEMM inner/outer width at which efficiency is halved (saturating in d)
-    "attn_eff",          # fraction of peak on llm-foundry's counted attention FLOPs (12*L*d*S per token)
+    "attn_eff",          # fraction of peak reached by the (causal, flash) attention core on executed FLOPs
+    "attn_s_half",       # causal tile quantisation: attention time x (1 + attn_s_half / seq_len)
     "hbm_eff",           # fraction of HBM bandwidth reached by elementwise kernels and the optimizer
     "comm_eff",          # fraction of nominal link bandwidth NCCL reaches (bus bandwidth)
     "overlap",           # fraction of overlappable communication actually hidden under compute
@@ -44,7 +45,7 @@ EFFICIENCY_KEYS = (
 )
 
 _BASE_DEFAULTS = dict(
-    gemm_eff=0.75, gemm_m_half=128.0, gemm_k_half=192.0, attn_eff=0.35, hbm_eff=0.7, comm_eff=0.7,
+    gemm_eff=0.75, gemm_m_half=128.0, gemm_k_half=192.0, attn_eff=0.5, attn_s_half=128.0, hbm_eff=0.7, comm_eff=0.7,
     overlap=0.85, coll_latency_s=5e-6, step_overhead_s=0.05, layer_overhead_s=3e-4,
 )
 
@@ -67,7 +68,7 @@ def default_efficiency(gpu: GPUSpec) -> dict:
     peak = max(gpu.peak_tflops_bf16, gpu.peak_tflops_fp16) * 1e12
     balance = peak / (gpu.hbm_bandwidth_gbps * 1e9)  # FLOP per byte; A100 ~200, H100 ~295, L40S ~420
     p["gemm_eff"] = 0.78 * min(1.0, (200.0 / balance) ** 0.15)
-    p["attn_eff"] = 0.4 * min(1.0, (200.0 / balance) ** 0.3)
+    p["attn_eff"] = 0.55 * min(1.0, (200.0 / balance) ** 0.3)
     if gpu.intra_node_bandwidth_gbps <= gpu.pcie_bandwidth_gbps * 1.01:
         p["comm_eff"] = 0.5
     return p
@@ -171,10 +172,12 @@ def simulate(
     head = 2.0 * d * V * (1.0 + kh / min(d, V))
     gemm_fwd_block = T * blk / rate  # one block, forward
     gemm_fwd_head = T * head / rate
-    # attention core: llm-foundry counts 4*S*d FLOPs/token forward per layer, 2x that backward
-    # (collect_results.py: attn_flops_per_seq = n_layers*2*2*d_model*seq_len**2, x3 for fwd+bwd).
+    # attention core: QK^T and PV are 4*S*q FLOPs/token forward per layer without masking
+    # (llm-foundry collect_results.py attn_flops_per_seq); causal flash attention skips masked tiles,
+    # with tiles of size t it does (1 + t/S)/2 of that (Dao 2023, FlashAttention-2 sec. 3.1.1), and its
+    # backward is 5 matmuls against 2 forward, i.e. 2.5x (same paper, sec. 3.1.2, recompute of P).
     attn_rate = peak * p["attn_eff"]
-    attn_fwd_block = T * 4.0 * S * d / attn_rate
+    attn_fwd_block = T * 2.0 * S * q * (1.0 + p["attn_s_half"] / S) / attn_rate
     # elementwise traffic (see table above): forward elements per token per block, backward 2x
     act_elems = 2 * 2 * d + (3 if model.gated_mlp else 2) * f + 2 * 3 * d
     elem_fwd_block = T * act_elems * act_bytes / hbm
@@ -184,7 +187,7 @@ def simulate(
 
     fwd_block = gemm_fwd_block + attn_fwd_block + elem_fwd_block
     fwd = L * fwd_block + gemm_fwd_head + T * d * 4 * act_bytes / hbm  # + embedding gather
-    bwd = L * (2.0 * gemm_fwd_block + 2.0 * attn_fwd_block + 2.0 * elem_fwd_block) + 2.0 * gemm_fwd_head
+    bwd = L * (2.0 * gemm_fwd_block + 2.5 * attn_fwd_block + 2.0 * elem_fwd_block) + 2.0 * gemm_fwd_head
     compute_mb = fwd + bwd + loss_time
 
     n_ckpt = strategy.num_checkpointed(L)
