@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
@@ -116,9 +117,32 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- run
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from autotune.config import load_config
+    from autotune.rundir import open_run
+
+    cfg = load_config(args.config)
+    run = open_run(cfg, out=args.out, name=args.name, resume=args.resume, storage=args.storage,
+                   backend=args.backend, seed=args.seed, trials=args.trials)
+    front = run.execute(progress=not args.json)
+    if args.json:
+        print(json.dumps(front, indent=2))
+    else:
+        from autotune.output import format_front
+
+        print(format_front(front))
+        print(f"\nfiles: {run.run_dir}/ (front.json, trials.csv, ds_configs/, best.json, summary.md, "
+              f"{os.path.basename(run.storage_path) if run.storage_path else 'study in ' + run.storage_url})")
+        if run.interrupted:
+            print(f"interrupted: resume with  autotune run {args.config} --name {run.name} --out {args.out} --resume")
+    return 130 if run.interrupted else 0
+
+
 # ---------------------------------------------------------------- parser / main
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"estimate": cmd_estimate}
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"estimate": cmd_estimate, "run": cmd_run}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +159,24 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("config", help="job file (YAML: model, training, hardware sections)")
     _add_strategy_flags(est)
     est.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+    run = sub.add_parser("run", help="search the strategy space with Optuna and write the Pareto front",
+                         description="Screen every candidate of the search space with the memory model, run a "
+                         "multi-objective Optuna study (min peak memory, max tokens/s) over the survivors with the "
+                         "profile backend, and write runs/<name>/ (study, trials.csv, front.json, ds_configs/, "
+                         "best.json, summary.md).")
+    run.add_argument("config", help="job file (YAML)")
+    run.add_argument("--backend", choices=("simulate", "deepspeed", "replay"),
+                     help="how survivors are measured (default: the config's profile.backend, else simulate)")
+    run.add_argument("--trials", type=int, metavar="N", help="number of Optuna trials (default: search.trials)")
+    run.add_argument("--out", default="runs", metavar="DIR", help="parent folder of run directories (default: runs)")
+    run.add_argument("--name", metavar="NAME", help="run name (default: config stem + UTC timestamp)")
+    run.add_argument("--resume", action="store_true", help="continue the study of an existing run --name")
+    run.add_argument("--storage", metavar="URL",
+                     help="Optuna storage: an RDB URL (sqlite:///x.db, postgresql://...) or a journal file path "
+                     "(default: a journal file runs/<name>/study.journal)")
+    run.add_argument("--seed", type=int, metavar="N", help="sampler seed (default: search.seed)")
+    run.add_argument("--json", action="store_true", help="print front.json to stdout instead of the table")
     return parser
 
 

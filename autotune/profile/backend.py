@@ -1,0 +1,77 @@
+"""The profile-backend interface and the ``simulate`` backend.
+
+A backend turns one strategy into a Measurement: the peak GPU memory and the throughput it
+measured (or, for ``simulate``, predicted). The search only talks to this interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Optional, Protocol
+
+from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy
+
+Status = Literal["ok", "oom", "nan", "timeout", "crash", "error"]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a backend reports for one candidate."""
+
+    status: Status
+    """ok, or why the candidate failed (oom, nan, timeout, crash, error)."""
+    peak_memory_bytes: Optional[int] = None
+    """Peak allocated GPU memory per GPU (torch.cuda.max_memory_allocated, or the prediction)."""
+    tokens_per_s_per_gpu: Optional[float] = None
+    step_time_s: Optional[float] = None
+    mfu: Optional[float] = None
+    reason: str = ""
+    """Short failure reason (from the structured result or the exit status)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Backend-specific details (time breakdown, reserved memory, log directory...)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Backend(Protocol):
+    """Measures one strategy. Implementations: SimulateBackend here; deepspeed and replay in profile/."""
+
+    name: str
+
+    def evaluate(self, strategy: Strategy) -> Measurement: ...
+
+
+class SimulateBackend:
+    """Answers with the analytical memory model and the throughput simulator (no torch, no GPU)."""
+
+    name = "simulate"
+
+    def __init__(self, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
+                 params: Optional[dict] = None) -> None:
+        self.model, self.training, self.hardware, self.params = model, training, hardware, params
+
+    def evaluate(self, strategy: Strategy) -> Measurement:
+        from autotune.memory import estimate_memory
+        from autotune.simulate import simulate
+
+        mem = estimate_memory(self.model, self.training, self.hardware, strategy)
+        sim = simulate(self.model, self.training, self.hardware, strategy, self.params)
+        return Measurement(status="ok", peak_memory_bytes=mem.gpu["peak"],
+                           tokens_per_s_per_gpu=sim.tokens_per_s_per_gpu, step_time_s=sim.step_time_s,
+                           mfu=sim.mfu, extra={"time_breakdown_s": dict(sim.breakdown),
+                                               "calibrated": sim.calibrated})
+
+
+def make_backend(name: str, cfg: Any, run_dir: str) -> Backend:
+    """The backend named ``name`` for this job (heavy backends are imported only when chosen)."""
+    if name == "simulate":
+        return SimulateBackend(cfg.model, cfg.training, cfg.hardware)
+    from autotune.errors import ConfigError
+
+    raise ConfigError(f"backend {name!r} is not available in this version; use simulate", path="profile.backend")

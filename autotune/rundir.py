@@ -1,0 +1,135 @@
+"""A run directory (runs/<name>/): creation rules, run.json metadata, and executing the study.
+
+Re-running with an existing name never overwrites it: it is an error unless ``--resume`` is given,
+which continues the same study (same storage, same study name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from autotune.config import Config
+from autotune.errors import ConfigError
+
+RUN_FILE = "run.json"
+JOURNAL = "study.journal"
+
+
+@dataclass
+class Run:
+    """An opened run directory and the choices that drive its study."""
+
+    cfg: Config
+    run_dir: str
+    name: str
+    storage_url: str
+    backend: str
+    seed: int
+    trials: int
+    resume: bool
+    interrupted: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def storage_path(self) -> Optional[str]:
+        return None if "://" in self.storage_url else self.storage_url
+
+    def execute(self, progress: bool = True) -> dict[str, Any]:
+        """Run (or continue) the study, then write every output; returns front.json's object."""
+        from autotune.output import write_outputs
+        from autotune.profile.backend import make_backend
+        from autotune.search import run_study
+        from autotune.space import load_space
+
+        space = load_space(self.cfg.search.space, os.path.dirname(os.path.abspath(self.cfg.path)))
+        backend = make_backend(self.backend, self.cfg, self.run_dir)
+        from autotune.search import make_storage
+
+        bar = _Progress(self.trials) if progress else None
+        start = time.perf_counter()
+        outcome = run_study(
+            self.cfg, space, backend, storage=make_storage(self.storage_url), study_name=self.name,
+            n_trials=self.trials, seed=self.seed, sampler=self.cfg.search.sampler,
+            headroom=self.cfg.search.headroom, resume=self.resume, progress=bar.update if bar else None,
+        )
+        if bar:
+            bar.close()
+        self.interrupted = outcome.interrupted
+        feasible = sum(s.memory.fits for s in outcome.screened)
+        extra = {
+            "candidates screened by the memory model": f"{len(outcome.screened)} ({feasible} fit)",
+            "distinct candidates evaluated or pruned": len(outcome.evaluated),
+            "study": f"{self.name} in {self.storage_url}",
+            "search wall time": f"{time.perf_counter() - start:.2f} s",
+        }
+        return write_outputs(self.run_dir, self.cfg, space, outcome.study, self.backend, extra)
+
+
+def default_name(config_path: str) -> str:
+    stem = os.path.splitext(os.path.basename(config_path))[0]
+    return f"{stem}-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+
+
+def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storage: Optional[str],
+             backend: Optional[str], seed: Optional[int], trials: Optional[int]) -> Run:
+    """Create a new run directory, or reopen one for --resume; refuses to overwrite."""
+    if resume and not name:
+        raise ConfigError("--resume needs --name of the run to continue", path="--resume")
+    if trials is not None and trials < 1:
+        raise ConfigError(f"--trials must be >= 1, but got {trials}", path="--trials")
+    name = name or default_name(cfg.path)
+    if not name or "/" in name or name in (".", ".."):
+        raise ConfigError(f"--name must be a plain folder name, but got {name!r}", path="--name")
+    run_dir = os.path.join(out, name)
+    meta_path = os.path.join(run_dir, RUN_FILE)
+    meta: dict[str, Any] = {}
+    if resume:
+        if not os.path.isfile(meta_path):
+            raise ConfigError(f"no run to resume at {run_dir} (missing {RUN_FILE})", path="--name")
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+        storage = storage or meta["storage"]
+        backend = backend or meta.get("backend")
+        seed = meta.get("seed", 0) if seed is None else seed
+    elif os.path.exists(run_dir) and os.listdir(run_dir):
+        raise ConfigError(f"{run_dir} already exists; pass --resume to continue it or choose another --name",
+                          path="--name")
+    os.makedirs(run_dir, exist_ok=True)
+    run = Run(
+        cfg=cfg, run_dir=run_dir, name=name,
+        storage_url=storage or os.path.join(run_dir, JOURNAL),
+        backend=backend or cfg.profile.backend,
+        seed=cfg.search.seed if seed is None else seed,
+        trials=trials or cfg.search.trials, resume=resume, meta=meta,
+    )
+    meta.update(name=name, config=os.path.abspath(cfg.path), storage=run.storage_url, backend=run.backend,
+                seed=run.seed, space=cfg.search.space, created=meta.get("created") or
+                datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    with open(meta_path, "w") as fh:
+        json.dump(meta, fh, indent=2)
+    return run
+
+
+class _Progress:
+    """A one-line progress bar on stderr (only when stderr is a terminal)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.enabled = sys.stderr.isatty()
+
+    def update(self, done: int, total: int) -> None:
+        if self.enabled:
+            width = 30
+            filled = int(width * done / max(total, 1))
+            sys.stderr.write(f"\rtrials [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
