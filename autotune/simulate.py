@@ -44,9 +44,10 @@ EFFICIENCY_KEYS = (
     "layer_overhead_s",  # per block per micro-batch (hooks, launches, FSDP/ZeRO bookkeeping), seconds
 )
 
+# Typical values (close to the A100 fits in autotune/presets.py), the base of uncalibrated defaults.
 _BASE_DEFAULTS = dict(
-    gemm_eff=0.75, gemm_m_half=128.0, gemm_k_half=192.0, attn_eff=0.5, attn_s_half=128.0, hbm_eff=0.7, comm_eff=0.7,
-    overlap=0.85, coll_latency_s=5e-6, step_overhead_s=0.05, layer_overhead_s=3e-4,
+    gemm_eff=0.78, gemm_m_half=128.0, gemm_k_half=192.0, attn_eff=0.3, attn_s_half=128.0, hbm_eff=0.7,
+    comm_eff=0.6, overlap=0.7, coll_latency_s=5e-6, step_overhead_s=0.03, layer_overhead_s=5e-4,
 )
 
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -67,8 +68,13 @@ def default_efficiency(gpu: GPUSpec) -> dict:
     p = dict(_BASE_DEFAULTS)
     peak = max(gpu.peak_tflops_bf16, gpu.peak_tflops_fp16) * 1e12
     balance = peak / (gpu.hbm_bandwidth_gbps * 1e9)  # FLOP per byte; A100 ~200, H100 ~295, L40S ~420
-    p["gemm_eff"] = 0.78 * min(1.0, (200.0 / balance) ** 0.15)
-    p["attn_eff"] = 0.55 * min(1.0, (200.0 / balance) ** 0.3)
+    p["gemm_eff"] = _BASE_DEFAULTS["gemm_eff"] * min(1.0, (200.0 / balance) ** 0.15)
+    p["attn_eff"] = _BASE_DEFAULTS["attn_eff"] * min(1.0, (200.0 / balance) ** 0.5)
+    if gpu.peak_tflops_bf16 <= 0:
+        # pre-Ampere (no bf16): FlashAttention-2 needs sm80+ (Dao-AILab/flash-attention README), so
+        # attention falls back to slower kernels; V100 fp16 GEMMs also reach less of their peak.
+        p["attn_eff"] *= 0.5
+        p["gemm_eff"] *= 0.85
     if gpu.intra_node_bandwidth_gbps <= gpu.pcie_bandwidth_gbps * 1.01:
         p["comm_eff"] = 0.5
     return p
