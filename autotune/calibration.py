@@ -52,7 +52,7 @@ _BOUNDS = {
 # so parameters the data cannot see (e.g. inter-node terms with single-node data) stay sensible.
 _PRIOR_SIGMA = {
     "gemm_eff": 0.5, "gemm_m_half": 0.5, "gemm_k_half": 0.5, "attn_eff": 1.0, "attn_s_half": 1.0, "hbm_eff": 0.7,
-    "comm_eff": 0.7, "overlap": 0.5, "coll_latency_s": 2.0, "step_overhead_s": 2.0, "layer_overhead_s": 2.0,
+    "comm_eff": 0.7, "overlap": 0.5, "coll_latency_s": 2.0, "step_overhead_s": 1.0, "layer_overhead_s": 1.0,
 }
 
 # Assumed run-to-run noise of a measured throughput (log scale): weighs the prior against the data
