@@ -96,7 +96,7 @@ def load_llmfoundry_csv(path, include_fp8: bool = False,
             label = f"row {i} {row['model']} S={row['seq_len']} n={row['n_gpus']} {row['gpu']} {row['precision']}"
             if row["precision"] == "amp_fp8" and not include_fp8:
                 if excluded is not None:
-                    excluded.append((label, "amp_fp8: fp8 GEMMs, no fp8 precision in Strategy"))
+                    excluded.append((label, "fp8 GEMMs (amp_fp8); Strategy has no fp8 precision, so not predictable"))
                 continue
             if row["activation_cpu_offload"].strip() == "True":
                 if excluded is not None:
