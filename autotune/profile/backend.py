@@ -74,4 +74,15 @@ def make_backend(name: str, cfg: Any, run_dir: str) -> Backend:
         return SimulateBackend(cfg.model, cfg.training, cfg.hardware)
     from autotune.errors import ConfigError
 
-    raise ConfigError(f"backend {name!r} is not available in this version; use simulate", path="profile.backend")
+    if name == "replay":
+        if not cfg.profile.replay_csv:
+            raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
+        from autotune.profile.replay import ReplayBackend
+
+        return ReplayBackend(cfg.profile.replay_csv, cfg)
+    if name == "deepspeed":
+        # Imports only the launcher side here; torch and deepspeed load in the launched workers.
+        from autotune.profile.deepspeed_backend import DeepSpeedBackend, default_memory_limit
+
+        return DeepSpeedBackend(cfg, run_dir, memory_limit_bytes=default_memory_limit())
+    raise ConfigError(f"unknown backend {name!r}; expected simulate, deepspeed or replay", path="profile.backend")

@@ -79,6 +79,10 @@ class LaunchResult:
     aborted: str = ""
     """Why the launch was cut short before the timeout (a rank reported a failure), if it was."""
     command: list[str] = field(default_factory=list)
+    launch_id: str = ""
+    """Value of AUTOTUNE_LAUNCH_ID in every process of the launch (see alive())."""
+    pid: int = 0
+    """The launcher's pid (= its process-group id)."""
 
 
 def signal_name(code: int) -> str:
@@ -103,14 +107,23 @@ def failure_of(res: LaunchResult) -> Optional[tuple[str, str]]:
                 reason = (r.get("reason") or status).strip()
                 return status, f"rank {rank}{phase}: {reason}"[:400]
     missing = [rank for rank in range(res.nproc) if rank not in res.results]
-    for rank in missing:
-        ex = res.exits.get(rank)
-        if ex is None:
-            continue
-        if ex.get("signal") and not (res.timed_out or res.aborted):
+    # The root cause first: a rank killed by a signal of its own (SIGSEGV, SIGABRT...), then a
+    # non-zero exit, then SIGKILL (e.g. the kernel OOM killer), last SIGTERM/SIGINT, which the
+    # launcher sends to the surviving ranks once one has failed. After our own kill (timeout or
+    # abort) the TERM/KILL/INT deaths are ours, not causes.
+    ours = ("SIGTERM", "SIGINT", "SIGKILL")
+
+    def rank_order(rank: int) -> int:
+        sig = res.exits[rank].get("signal")
+        return ({"SIGTERM": 3, "SIGINT": 3, "SIGKILL": 2}.get(sig, 0)) if sig else 1
+
+    dead = [r for r in missing if r in res.exits and res.exits[r].get("returncode") not in (0, None)
+            and not ((res.timed_out or res.aborted) and res.exits[r].get("signal") in ours)]
+    for rank in sorted(dead, key=lambda r: (rank_order(r), r)):
+        ex = res.exits[rank]
+        if ex.get("signal"):
             return "crash", f"rank {rank} killed by {ex['signal']} before writing a result"
-        if ex.get("returncode") not in (0, None) and not ex.get("signal"):
-            return "crash", f"rank {rank} exited with status {ex['returncode']} without a result"
+        return "crash", f"rank {rank} exited with status {ex['returncode']} without a result"
     if res.timed_out:
         return "timeout", f"no result after {res.elapsed_s:.0f} s; process group killed"
     if res.aborted:
@@ -405,7 +418,8 @@ def launch(job_path: str, *, nproc: int, log_dir: str, timeout_s: float, launche
     elapsed = time.monotonic() - t0
     return LaunchResult(nproc=nproc, returncode=proc.returncode, timed_out=timed_out, elapsed_s=elapsed,
                         log_dir=log_dir, results=_rank_files(result_path, "result", nproc),
-                        exits=_rank_files(result_path, "exit", nproc), aborted=aborted, command=cmd)
+                        exits=_rank_files(result_path, "exit", nproc), aborted=aborted, command=cmd,
+                        launch_id=launch_id, pid=proc.pid)
 
 
 # ---------------------------------------------------------------- rank shim

@@ -1,0 +1,201 @@
+"""The ``deepspeed`` backend: every candidate is trained for real, in its own launched process group.
+
+``DeepSpeedBackend(cfg, run_dir).evaluate(strategy)`` writes ``runs/<name>/trials/<n>/job.json``
+(the schema of autotune.profile.worker), launches it through autotune.profile.launch (torchrun or
+DeepSpeed's launcher, ``hardware.gpus_per_node`` ranks; on a CPU-only machine the same number of
+ranks over gloo), and turns the per-rank results into a Measurement:
+
+* ``peak_memory_bytes``: the largest per-rank steady-state peak of allocated memory
+  (``torch.cuda.max_memory_allocated``; on CPU the worker's profiler peak of tensor bytes);
+* ``tokens_per_s_per_gpu``: all ranks' tokens per median step / world size;
+* ``step_time_s``: the median measured optimizer-step time (upper median, as the worker uses);
+* ``mfu``: tokens/s/GPU x ModelSpec.flops_per_token(seq) / the GPU's dense peak for the precision
+  (llm-foundry's MFU definition, see ModelSpec.flops_per_token); None on CPU, where the GPU peak
+  does not describe the device that ran;
+* ``extra``: predicted vs measured peak memory and tokens/s with the error in percent, the log
+  directory, reserved bytes, the phase of the peak or of the OOM, per-rank peaks, losses.
+
+Failures (oom, nan, crash, timeout, error) come from the structured results and exit statuses
+(autotune.profile.launch.failure_of); the logs stay under the trial directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from autotune.profile.backend import Measurement
+from autotune.profile.launch import LaunchResult, failure_of, launch
+from autotune.strategy import Strategy, to_deepspeed_config
+
+
+def _pct(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+    if predicted is None or not measured:
+        return None
+    return round(100.0 * (predicted / measured - 1.0), 2)
+
+
+class DeepSpeedBackend:
+    """Real DeepSpeed training steps per candidate (see the module docstring)."""
+
+    name = "deepspeed"
+
+    def __init__(self, cfg: Any, run_dir: str, *, nproc: Optional[int] = None, device: str = "auto",
+                 memory_limit_bytes: Optional[int] = None, optimizer_impl: str = "auto", memory: str = "auto",
+                 seed: int = 0, hostfile: Optional[str] = None, env: Optional[dict[str, str]] = None,
+                 params: Optional[dict] = None, calibrator: Any = None, worker_entry: Optional[str] = None,
+                 ds_config_overrides: Optional[dict] = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.trials_dir = self.run_dir / "trials"
+        self.nproc = nproc or cfg.hardware.gpus_per_node
+        self.device = device
+        self.memory_limit_bytes = memory_limit_bytes
+        """Address-space limit (RLIMIT_AS) of each worker process: produces real OOMs on CPU."""
+        self.optimizer_impl, self.memory, self.seed = optimizer_impl, memory, seed
+        self.hostfile, self.env = hostfile, dict(env or {})
+        self.params = params
+        """Simulator efficiency parameters for the predicted tokens/s (None: the GPU preset's)."""
+        self.calibrator = calibrator
+        """Optional autotune.profile.calibrate.Calibrator fed with every measurement."""
+        self.worker_entry = worker_entry
+        """Test hook: a Python script run by each rank instead of autotune.profile.worker."""
+        self.ds_config_overrides = ds_config_overrides or {}
+        """Deep-merged into the generated DeepSpeed config (e.g. the optimizer's learning rate)."""
+        self._counter = 0
+
+    # ---------------------------------------------------------------- job files
+
+    def _trial_dir(self, trial_number: Optional[int]) -> Path:
+        self.trials_dir.mkdir(parents=True, exist_ok=True)
+        if trial_number is None:
+            taken = [int(p.name) for p in self.trials_dir.iterdir() if p.name.isdigit()]
+            trial_number = max([self._counter - 1, *taken], default=-1) + 1
+            self._counter = trial_number + 1
+        base = self.trials_dir / str(trial_number)
+        path, k = base, 0
+        while path.exists():  # never overwrite an earlier attempt's logs
+            k += 1
+            path = self.trials_dir / f"{trial_number}.{k}"
+        path.mkdir(parents=True)
+        return path
+
+    def job_for(self, strategy: Strategy, trial_dir: Path) -> dict[str, Any]:
+        cfg = self.cfg
+        profile = cfg.profile
+        return {
+            "model": dataclasses.asdict(cfg.model),
+            "training": dataclasses.asdict(cfg.training),
+            "strategy": strategy.as_dict(),
+            "deepspeed_config": _merge(to_deepspeed_config(strategy, cfg.model, cfg.training, cfg.hardware),
+                                       self.ds_config_overrides),
+            "result_path": str(trial_dir / "result.json"),
+            "warmup_steps": profile.warmup_steps,
+            "measure_steps": profile.measure_steps,
+            "optimizer_impl": self.optimizer_impl,
+            "memory": self.memory,
+            "seed": self.seed,
+            "device": self.device,
+        }
+
+    # ---------------------------------------------------------------- evaluate
+
+    def evaluate(self, strategy: Strategy, trial_number: Optional[int] = None) -> Measurement:
+        trial_dir = self._trial_dir(trial_number)
+        job_path = trial_dir / "job.json"
+        job_path.write_text(json.dumps(self.job_for(strategy, trial_dir), indent=1))
+        env = dict(self.env)
+        if self.device == "cpu":
+            env.setdefault("DS_ACCELERATOR", "cpu")
+        res = launch(str(job_path), nproc=self.nproc, log_dir=str(trial_dir / "logs"),
+                     timeout_s=self.cfg.profile.timeout_s, launcher=self.cfg.profile.launcher,
+                     memory_limit_bytes=self.memory_limit_bytes, num_nodes=self.cfg.hardware.num_nodes,
+                     hostfile=self.hostfile, env=env, worker_entry=self.worker_entry)
+        m = self.measurement(strategy, res)
+        (trial_dir / "measurement.json").write_text(json.dumps(m.as_dict(), indent=1, default=str))
+        if self.calibrator is not None:
+            self.calibrator.add(strategy, m)
+        return m
+
+    def predictions(self, strategy: Strategy) -> dict[str, Optional[float]]:
+        """The analytical models' numbers for this strategy (memory model peak, simulated tokens/s)."""
+        from autotune.simulate import simulate
+
+        cfg = self.cfg
+        out: dict[str, Optional[float]] = {"predicted_peak_bytes": None, "predicted_tokens_per_s_per_gpu": None}
+        try:
+            from autotune.memory import estimate_memory
+
+            out["predicted_peak_bytes"] = int(estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy).gpu["peak"])
+        except ImportError:  # memory model not installed in this checkout
+            pass
+        params = self.calibrator.current_params() if self.calibrator is not None else self.params
+        out["predicted_tokens_per_s_per_gpu"] = simulate(cfg.model, cfg.training, cfg.hardware, strategy,
+                                                         params).tokens_per_s_per_gpu
+        return out
+
+    def measurement(self, strategy: Strategy, res: LaunchResult) -> Measurement:
+        """Convert one launch's results into a Measurement (failures included)."""
+        rank0 = res.results.get(0, {})
+        extra: dict[str, Any] = {
+            "log_dir": res.log_dir, "launcher": self.cfg.profile.launcher, "world_size": res.nproc,
+            "elapsed_s": round(res.elapsed_s, 3), "device": rank0.get("device"),
+        }
+        extra.update(self.predictions(strategy))
+        failed = failure_of(res)
+        if failed is not None:
+            status, reason = failed
+            phases = [r.get("phase") for r in res.results.values() if r.get("status") == status and r.get("phase")]
+            if status == "oom":
+                extra["oom_phase"] = phases[0] if phases else None
+            extra["exit_status"] = {str(k): v.get("signal") or v.get("returncode") for k, v in res.exits.items()}
+            extra["launcher_returncode"] = res.returncode
+            losses = rank0.get("losses")
+            if losses:
+                extra["losses"] = losses
+            return Measurement(status=status, reason=reason, extra=extra)  # type: ignore[arg-type]
+
+        ranks = [res.results[r] for r in sorted(res.results)]
+        peaks = [r.get("peak_allocated_bytes") for r in ranks]
+        if any(p is None for p in peaks) or not rank0.get("tokens_per_s") or not rank0.get("step_times_s"):
+            return Measurement(status="error", reason="worker result lacks peak memory or step times", extra=extra)
+        world = int(rank0.get("world_size") or res.nproc)
+        peak = int(max(peaks))
+        tps_gpu = float(rank0["tokens_per_s"]) / world
+        times = sorted(rank0["step_times_s"])
+        step = times[len(times) // 2]
+        mfu = None
+        if rank0.get("device") == "cuda":
+            cfg = self.cfg
+            peak_flops = cfg.hardware.gpu.peak_flops(strategy.precision)
+            if peak_flops > 0:
+                mfu = tps_gpu * cfg.model.flops_per_token(cfg.training.seq_len) / peak_flops
+        reserved = [r.get("peak_reserved_bytes") for r in ranks]
+        extra.update(
+            measured_peak_bytes=peak, per_rank_peak_bytes=peaks, peak_phase=ranks[peaks.index(peak)].get("peak_phase"),
+            peak_reserved_bytes=max((x for x in reserved if x is not None), default=None),
+            init_peak_bytes=rank0.get("init_peak_bytes"), step_times_s=rank0["step_times_s"],
+            losses=rank0.get("losses"), optimizer=rank0.get("optimizer"),
+            gradient_accumulation_steps=rank0.get("gradient_accumulation_steps"),
+            measured_tokens_per_s_per_gpu=tps_gpu,
+            memory_error_pct=_pct(extra["predicted_peak_bytes"], peak),
+            tokens_error_pct=_pct(extra["predicted_tokens_per_s_per_gpu"], tps_gpu),
+        )
+        return Measurement(status="ok", peak_memory_bytes=peak, tokens_per_s_per_gpu=tps_gpu, step_time_s=step,
+                           mfu=mfu, extra=extra)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def default_memory_limit() -> Optional[int]:
+    """``AUTOTUNE_WORKER_MEMORY_LIMIT`` (bytes) from the environment, if set."""
+    raw = os.environ.get("AUTOTUNE_WORKER_MEMORY_LIMIT")
+    return int(raw) if raw and raw.isdigit() else None

@@ -1,0 +1,110 @@
+"""The ``replay`` backend: answers trials from a CSV of measured results (same columns as trials.csv).
+
+Rows are matched on the strategy columns (autotune.output.STRATEGY_COLUMNS). A COMPLETE row answers
+``ok`` with its peak memory, tokens/s, step time and MFU; a FAIL row answers with the status and
+reason in its ``fail_reason`` (``"oom: ..."``); PRUNED rows and rows marked ``duplicate_of`` were
+never measured and are skipped. A strategy with no measured row answers
+``Measurement(status="error", reason="not in replay table")``. The first measured row of a strategy
+wins, so the answers are deterministic.
+"""
+
+from __future__ import annotations
+
+import csv
+from typing import Any, Optional
+
+from autotune.errors import ConfigError
+from autotune.profile.backend import Measurement
+from autotune.strategy import Strategy
+
+GIB = float(1 << 30)
+_STATUSES = ("oom", "nan", "timeout", "crash", "error")
+_INT_COLUMNS = ("zero_stage", "micro_batch_size", "checkpoint_layers", "reduce_bucket_size", "allgather_bucket_size",
+                "prefetch_bucket_size")
+
+
+def _strategy_columns() -> list[str]:
+    from autotune.output import STRATEGY_COLUMNS
+
+    return list(STRATEGY_COLUMNS)
+
+
+def _cell(column: str, raw: Optional[str]) -> Any:
+    raw = (raw or "").strip()
+    if raw in ("", "None"):
+        return None
+    if column in _INT_COLUMNS:
+        return int(float(raw))
+    return raw
+
+
+def _float(raw: Optional[str]) -> Optional[float]:
+    raw = (raw or "").strip()
+    return float(raw) if raw not in ("", "None") else None
+
+
+def strategy_key(values: dict[str, Any], columns: list[str]) -> tuple:
+    return tuple(values.get(c) for c in columns)
+
+
+class ReplayBackend:
+    """Measurements looked up in a table (see the module docstring)."""
+
+    name = "replay"
+
+    def __init__(self, csv_path: str, cfg: Any = None) -> None:
+        self.csv_path = csv_path
+        self.cfg = cfg
+        self.columns = _strategy_columns()
+        self.table: dict[tuple, Measurement] = {}
+        self.calls = 0
+        self._load()
+
+    def _load(self) -> None:
+        where = "profile.replay_csv"
+        try:
+            fh = open(self.csv_path, newline="", encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"cannot read replay table {self.csv_path} ({err.strerror})", path=where) from None
+        with fh:
+            reader = csv.DictReader(fh)
+            need = [*self.columns, "state", "peak_memory_gib", "tokens_per_s_per_gpu"]
+            missing = [c for c in need if c not in (reader.fieldnames or [])]
+            if missing:
+                raise ConfigError(f"replay table {self.csv_path} lacks column(s) {', '.join(missing)}", path=where)
+            for line, row in enumerate(reader, start=2):
+                if (row.get("duplicate_of") or "").strip() or row["state"] not in ("COMPLETE", "FAIL"):
+                    continue
+                try:
+                    key = strategy_key({c: _cell(c, row[c]) for c in self.columns}, self.columns)
+                    m = self._measurement(row)
+                except (TypeError, ValueError) as err:
+                    raise ConfigError(f"replay table {self.csv_path} line {line}: bad value ({err})"[:300],
+                                      path=where) from None
+                self.table.setdefault(key, m)
+
+    @staticmethod
+    def _measurement(row: dict[str, str]) -> Measurement:
+        if row["state"] == "COMPLETE":
+            mem, tps = _float(row["peak_memory_gib"]), _float(row["tokens_per_s_per_gpu"])
+            if mem is None or tps is None:
+                raise ValueError("COMPLETE row without peak_memory_gib / tokens_per_s_per_gpu")
+            return Measurement(status="ok", peak_memory_bytes=int(round(mem * GIB)), tokens_per_s_per_gpu=tps,
+                               step_time_s=_float(row.get("step_time_s")), mfu=_float(row.get("mfu")),
+                               extra={"replayed": True})
+        text = (row.get("fail_reason") or "").strip()
+        status, _, reason = text.partition(":")
+        status = status.strip()
+        if status not in _STATUSES:
+            status, reason = "error", text
+        return Measurement(status=status, reason=reason.strip(), extra={"replayed": True})  # type: ignore[arg-type]
+
+    def key_of(self, strategy: Strategy) -> tuple:
+        return strategy_key({c: getattr(strategy, c) for c in self.columns}, self.columns)
+
+    def evaluate(self, strategy: Strategy, trial_number: Optional[int] = None) -> Measurement:
+        self.calls += 1
+        found = self.table.get(self.key_of(strategy))
+        if found is None:
+            return Measurement(status="error", reason="not in replay table")
+        return found
