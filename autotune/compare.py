@@ -1,0 +1,496 @@
+"""Reading finished runs back: ``autotune show``, ``autotune compare``, and nightly baselines.
+
+Everything here reads only the files of a run directory (front.json, trials.csv, run.json), so it
+works for any finished run, wherever it was copied, without re-running or importing torch.
+
+Exit statuses (``compare`` and ``run --baseline``): 0 unchanged or better, 1 regression beyond
+``--max-regression``, 2 usage or input error (one line on stderr, via ConfigError).
+
+What counts as a regression (each is listed in the output with the reason):
+
+- the new run has no feasible point while the old one had;
+- the recommended point (best.json: fastest that fits) lost more than the threshold in tokens/s;
+- the recommended strategy is the same as before and needs more than the threshold more memory;
+- a strategy that was on the old front now FAILS when measured (oom, crash, nan, timeout).
+
+Points that merely left or joined the front, and old front strategies that the new run prunes
+(memory model) or did not try, are reported but are not regressions by themselves: what matters
+for the job is the recommended configuration.
+
+Latest links (``update_latest``): ``<out>/latest-<config stem>`` points at the newest *accepted*
+run of a config (one that had no baseline or did not regress against it); ``--baseline latest``
+reads that link, so a regression keeps failing night after night until it is fixed or a run is
+accepted by hand (``ln -sfn <run> runs/latest-<stem>`` or ``--baseline <run dir>``).
+``<out>/latest`` always points at the newest finished run of any config (for people:
+``autotune show runs/latest``, ``runs/latest/report.html``). Both are relative symlinks, so the
+runs folder can be moved or archived as a whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from autotune.errors import ConfigError
+
+STRATEGY_KEYS = ("zero_stage", "offload_optimizer", "offload_params", "micro_batch_size", "checkpointing",
+                 "checkpoint_layers", "precision", "reduce_bucket_size", "allgather_bucket_size",
+                 "prefetch_bucket_size")
+"""The strategy fields that identify a point across runs (the columns trials.csv carries)."""
+
+DEFAULT_MAX_REGRESSION = "5%"
+
+
+# ---------------------------------------------------------------- reading a run directory
+
+@dataclass
+class RunData:
+    """The files of one finished run directory."""
+
+    run_dir: str
+    front: dict[str, Any]
+    """front.json"""
+    trials: list[dict[str, str]]
+    """trials.csv rows (strings, as written)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """run.json ({} when absent)."""
+
+    @property
+    def name(self) -> str:
+        return self.meta.get("name") or os.path.basename(os.path.normpath(self.run_dir))
+
+    @property
+    def best(self) -> Optional[dict[str, Any]]:
+        return self.front.get("best") or None
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"unreadable {what} (invalid JSON at line {err.lineno}: {err.msg})", file=path) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {what}: {err.strerror}", file=path) from None
+
+
+def load_run(run_dir: str) -> RunData:
+    """Read a finished run directory; a missing or malformed one is a one-line ConfigError."""
+    if not run_dir:
+        raise ConfigError("expected a run directory, but got an empty path")
+    if not os.path.exists(run_dir):
+        raise ConfigError("no such run directory", file=run_dir)
+    if not os.path.isdir(run_dir):
+        raise ConfigError("not a directory; expected a run directory (runs/<name>/)", file=run_dir)
+    front_path = os.path.join(run_dir, "front.json")
+    if not os.path.isfile(front_path):
+        hint = " (interrupted before its outputs were written?)" if os.path.isfile(
+            os.path.join(run_dir, "run.json")) else ""
+        raise ConfigError(f"not a finished autotune run: no front.json{hint}", file=run_dir)
+    front = _read_json(front_path, "front.json")
+    if not isinstance(front, dict) or not isinstance(front.get("front"), list):
+        raise ConfigError("unexpected front.json: expected an object with a 'front' list", file=front_path)
+    trials_path = os.path.join(run_dir, "trials.csv")
+    if not os.path.isfile(trials_path):
+        raise ConfigError("not a finished autotune run: no trials.csv", file=run_dir)
+    try:
+        with open(trials_path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            trials = list(reader)
+            columns = reader.fieldnames or []
+    except (OSError, csv.Error) as err:
+        raise ConfigError(f"cannot read trials.csv: {err}", file=trials_path) from None
+    missing = [c for c in ("number", "state") if c not in columns]
+    if missing:
+        raise ConfigError(f"unexpected trials.csv: missing column(s) {', '.join(missing)}", file=trials_path)
+    meta_path = os.path.join(run_dir, "run.json")
+    meta = _read_json(meta_path, "run.json") if os.path.isfile(meta_path) else {}
+    return RunData(run_dir=run_dir, front=front, trials=trials, meta=meta if isinstance(meta, dict) else {})
+
+
+def _norm(value: Any) -> str:
+    """One strategy field as trials.csv writes it (None -> '')."""
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def strategy_key(strategy: dict[str, Any]) -> tuple[str, ...]:
+    """Identity of a strategy across runs (from a front.json strategy dict or a trials.csv row)."""
+    return tuple(_norm(strategy.get(k)) for k in STRATEGY_KEYS)
+
+
+def to_float(text: Any) -> Optional[float]:
+    if text is None or text == "":
+        return None
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------- show
+
+def format_show(run: RunData) -> str:
+    from autotune.output import format_front
+
+    f = run.front
+    hw = f.get("hardware") or {}
+    gpus = (hw.get("gpus_per_node") or 1) * (hw.get("num_nodes") or 1)
+    counts = {s: sum(t.get("state") == s for t in run.trials) for s in ("COMPLETE", "PRUNED", "FAIL")}
+    lines = [
+        f"run {run.name}: {f.get('model', '?')} on {gpus} x {hw.get('gpu', '?')}, backend {f.get('backend', '?')}, "
+        f"space {f.get('space', '?')}",
+        f"trials: {len(run.trials)} ({counts['COMPLETE']} complete, {counts['PRUNED']} pruned, "
+        f"{counts['FAIL']} failed)",
+        "",
+        format_front(f),
+        "",
+    ]
+    best = run.best
+    if best:
+        lines.append(f"recommended (*): {best['strategy_text']}: {best['peak_memory_gib']:.2f} GiB, "
+                     f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+        if best.get("launch"):
+            lines.append(f"  launch: {best['launch']}")
+        if best.get("ds_config"):
+            lines.append(f"  DeepSpeed config: {os.path.join(run.run_dir, best['ds_config'])}")
+    else:
+        lines.append("recommended: none (no candidate fits)")
+    report = os.path.join(run.run_dir, "report.html")
+    if os.path.isfile(report):
+        lines.append(f"report: {report}")
+    return "\n".join(lines)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    run = load_run(args.run_dir)
+    if getattr(args, "report", False):
+        from autotune.report import write_report
+
+        write_report(run.run_dir)
+    if args.json:
+        print(json.dumps(run.front, indent=2))
+    else:
+        print(format_show(run))
+    return 0
+
+
+# ---------------------------------------------------------------- compare
+
+def parse_threshold(spec: Any) -> float:
+    """``5%``, ``5`` (percent) or a float fraction from code (0.05) -> 0.05."""
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        value = float(spec)
+        if not 0 <= value < 1:
+            raise ConfigError(f"expected a fraction in [0, 1), but got {spec!r}", path="--max-regression")
+        return value
+    text = str(spec).strip()
+    try:
+        value = float(text[:-1] if text.endswith("%") else text)
+    except ValueError:
+        raise ConfigError(f"expected a percentage like 5%, but got {spec!r}", path="--max-regression") from None
+    if not 0 <= value < 100:
+        raise ConfigError(f"expected a percentage in [0, 100), but got {spec!r}", path="--max-regression")
+    return value / 100
+
+
+def _pct(new: Optional[float], old: Optional[float]) -> Optional[float]:
+    if new is None or old is None or old == 0:
+        return None
+    return (new - old) / old
+
+
+def _fmt_pct(p: Optional[float]) -> str:
+    return "n/a" if p is None else f"{100 * p:+.1f}%"
+
+
+def compare_runs(old: RunData, new: RunData, max_regression: float) -> dict[str, Any]:
+    """What changed between two runs, and whether it is a regression (a JSON-able dict)."""
+    old_front = {strategy_key(p["strategy"]): p for p in old.front["front"]}
+    new_front = {strategy_key(p["strategy"]): p for p in new.front["front"]}
+    new_rows: dict[tuple, list[dict[str, str]]] = {}
+    for row in new.trials:
+        new_rows.setdefault(strategy_key(row), []).append(row)
+
+    def brief(p: dict[str, Any]) -> dict[str, Any]:
+        return {"strategy_text": p["strategy_text"], "peak_memory_gib": p["peak_memory_gib"],
+                "tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"]}
+
+    left, now_failing, now_pruned, not_tried = [], [], [], []
+    for key, p in old_front.items():
+        if key in new_front:
+            continue
+        rows = [r for r in new_rows.get(key, []) if not r.get("duplicate_of")] or new_rows.get(key, [])
+        states = {r["state"] for r in rows}
+        entry = brief(p)
+        if "COMPLETE" in states:
+            r = next(r for r in rows if r["state"] == "COMPLETE")
+            entry["now"] = {"state": "COMPLETE (dominated)", "peak_memory_gib": to_float(r.get("peak_memory_gib")),
+                            "tokens_per_s_per_gpu": to_float(r.get("tokens_per_s_per_gpu"))}
+        elif "FAIL" in states:
+            r = next(r for r in rows if r["state"] == "FAIL")
+            entry["now"] = {"state": "FAIL", "reason": r.get("fail_reason", "")}
+            now_failing.append(entry)
+        elif "PRUNED" in states:
+            r = next(r for r in rows if r["state"] == "PRUNED")
+            entry["now"] = {"state": "PRUNED", "reason": r.get("prune_reason", "")}
+            now_pruned.append(entry)
+        else:
+            entry["now"] = {"state": "not tried"}
+            not_tried.append(entry)
+        left.append(entry)
+    joined = [brief(p) for k, p in new_front.items() if k not in old_front]
+    stayed = []
+    for key, p in new_front.items():
+        if key in old_front:
+            o = old_front[key]
+            stayed.append({**brief(p), "memory_change": _pct(p["peak_memory_gib"], o["peak_memory_gib"]),
+                           "throughput_change": _pct(p["tokens_per_s_per_gpu"], o["tokens_per_s_per_gpu"])})
+
+    ob, nb = old.best, new.best
+    best: dict[str, Any] = {"old": ob and brief(ob), "new": nb and brief(nb), "same_strategy": False,
+                            "throughput_change": None, "memory_change": None}
+    regressions: list[str] = []
+    if ob and nb:
+        best["same_strategy"] = strategy_key(ob["strategy"]) == strategy_key(nb["strategy"])
+        best["throughput_change"] = _pct(nb["tokens_per_s_per_gpu"], ob["tokens_per_s_per_gpu"])
+        best["memory_change"] = _pct(nb["peak_memory_gib"], ob["peak_memory_gib"])
+        if best["throughput_change"] is not None and best["throughput_change"] < -max_regression:
+            regressions.append(f"recommended throughput {_fmt_pct(best['throughput_change'])} "
+                               f"({ob['tokens_per_s_per_gpu']:,.0f} -> {nb['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU)")
+        if best["same_strategy"] and best["memory_change"] is not None and best["memory_change"] > max_regression:
+            regressions.append(f"recommended strategy needs {_fmt_pct(best['memory_change'])} memory "
+                               f"({ob['peak_memory_gib']:.2f} -> {nb['peak_memory_gib']:.2f} GiB)")
+    elif ob and not nb:
+        regressions.append("no candidate fits any more (the old run recommended "
+                           f"{ob['strategy_text']})")
+    for e in now_failing:
+        regressions.append(f"old front point now fails: {e['strategy_text']} ({e['now']['reason']})")
+
+    notes = []
+    for what in ("model", "backend", "space"):
+        if old.front.get(what) != new.front.get(what):
+            notes.append(f"{what} differs: {old.front.get(what)} -> {new.front.get(what)}")
+    if old.front.get("hardware") != new.front.get("hardware"):
+        notes.append(f"hardware differs: {old.front.get('hardware')} -> {new.front.get('hardware')}")
+    return {
+        "old": old.run_dir, "new": new.run_dir, "max_regression": max_regression,
+        "front_size": {"old": len(old_front), "new": len(new_front)},
+        "left_front": left, "joined_front": joined, "stayed_on_front": stayed,
+        "old_front_now_failing": now_failing, "old_front_now_pruned": now_pruned, "old_front_not_tried": not_tried,
+        "recommended": best, "notes": notes, "regressions": regressions,
+        "verdict": "regression" if regressions else "ok",
+        "exit_status": 1 if regressions else 0,
+    }
+
+
+def format_compare(c: dict[str, Any]) -> str:
+    thr = f"{100 * c['max_regression']:g}%"
+    lines = [f"compare {c['old']} -> {c['new']}  (max regression {thr})"]
+    lines += [f"note: {n}" for n in c["notes"]]
+    lines.append(f"front: {c['front_size']['old']} -> {c['front_size']['new']} points, "
+                 f"{len(c['stayed_on_front'])} kept, {len(c['left_front'])} left, {len(c['joined_front'])} joined")
+    b = c["recommended"]
+    if b["old"] and b["new"]:
+        same = "same strategy" if b["same_strategy"] else "strategy changed"
+        lines.append(f"recommended ({same}): throughput {_fmt_pct(b['throughput_change'])}, "
+                     f"memory {_fmt_pct(b['memory_change'])}")
+        lines.append(f"  old: {b['old']['strategy_text']}: {b['old']['peak_memory_gib']:.2f} GiB, "
+                     f"{b['old']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+        lines.append(f"  new: {b['new']['strategy_text']}: {b['new']['peak_memory_gib']:.2f} GiB, "
+                     f"{b['new']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+    else:
+        lines.append(f"recommended: old {b['old'] and b['old']['strategy_text'] or 'none'}, "
+                     f"new {b['new'] and b['new']['strategy_text'] or 'none'}")
+    for title, items in (("left the front", c["left_front"]), ("joined the front", c["joined_front"])):
+        if items:
+            lines.append(f"{title}:")
+            for e in items:
+                now = e.get("now")
+                tail = ""
+                if now:
+                    tail = f"  -> now {now['state']}" + (f": {now['reason']}" if now.get("reason") else "")
+                lines.append(f"  {e['peak_memory_gib']:8.2f} GiB {e['tokens_per_s_per_gpu']:>12,.0f} tok/s  "
+                             f"{e['strategy_text']}{tail}")
+    moved = [e for e in c["stayed_on_front"]
+             if (e["throughput_change"] or 0) != 0 or (e["memory_change"] or 0) != 0]
+    if moved:
+        lines.append("kept on the front, re-measured:")
+        for e in moved:
+            lines.append(f"  throughput {_fmt_pct(e['throughput_change']):>7}, memory {_fmt_pct(e['memory_change']):>7}"
+                         f"  {e['strategy_text']}")
+    if c["regressions"]:
+        lines.append("REGRESSION:")
+        lines += [f"  - {r}" for r in c["regressions"]]
+    else:
+        lines.append("verdict: unchanged or better")
+    return "\n".join(lines)
+
+
+def run_compare(old_dir: str, new_dir: str, max_regression: Any = DEFAULT_MAX_REGRESSION,
+                as_json: bool = False) -> int:
+    """Compare two run directories, print the result, return the exit status (0 or 1)."""
+    threshold = parse_threshold(max_regression)
+    old, new = load_run(old_dir), load_run(new_dir)
+    c = compare_runs(old, new, threshold)
+    print(json.dumps(c, indent=2) if as_json else format_compare(c))
+    return c["exit_status"]
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    return run_compare(args.old_run, args.new_run, args.max_regression, as_json=args.json)
+
+
+# ---------------------------------------------------------------- nightly baselines
+
+def baseline_compare(run_dir: str, baseline_dir: str, max_regression: Any = DEFAULT_MAX_REGRESSION,
+                     as_json: bool = False) -> int:
+    """After ``autotune run --baseline``: compare the new run against its baseline; the exit status.
+    With ``as_json`` the comparison goes to stderr (stdout carries front.json)."""
+    threshold = parse_threshold(max_regression)
+    c = compare_runs(load_run(baseline_dir), load_run(run_dir), threshold)
+    if as_json:
+        print(json.dumps(c, indent=2), file=sys.stderr)
+    else:
+        print("\n" + format_compare(c))
+    with open(os.path.join(run_dir, "compare.json"), "w") as fh:
+        json.dump({**c, "baseline": os.path.abspath(baseline_dir)}, fh, indent=2)
+        fh.write("\n")
+    return c["exit_status"]
+
+
+def latest_link_name(config_stem: str) -> str:
+    return f"latest-{config_stem}"
+
+
+def config_stem(config_path: str) -> str:
+    return os.path.splitext(os.path.basename(config_path))[0]
+
+
+def resolve_baseline(out_dir: str, config_path: str, spec: Optional[str]) -> Optional[str]:
+    """The baseline run directory for ``--baseline SPEC``: a run directory, or ``latest`` (the
+    config's ``<out>/latest-<stem>`` link). Call it *before* the run, so a bad baseline fails fast.
+    Returns None (with a note on stderr) for ``latest`` when the config has no accepted run yet:
+    the first nightly run becomes the baseline."""
+    if not spec:
+        return None
+    if spec == "latest":
+        link = os.path.join(out_dir, latest_link_name(config_stem(config_path)))
+        if not os.path.lexists(link):
+            print(f"autotune: no baseline yet ({link} does not exist); this run will become it", file=sys.stderr)
+            return None
+        if not os.path.exists(link):
+            raise ConfigError(f"broken link to {os.readlink(link)}", file=link, path="--baseline")
+        target = os.path.realpath(link)
+        load_run(target)
+        return target
+    try:
+        load_run(spec)
+    except ConfigError as err:
+        raise ConfigError(err.message, file=err.file, path="--baseline") from None
+    return spec
+
+
+def _point_link(out_dir: str, link_name: str, run_dir: str) -> str:
+    link = os.path.join(out_dir, link_name)
+    if os.path.exists(link) and not os.path.islink(link):
+        raise ConfigError("exists and is not a symlink; not replacing it", file=link)
+    target = os.path.relpath(os.path.abspath(run_dir), os.path.abspath(out_dir))
+    tmp = f"{link}.tmp{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)  # atomic: readers never see a missing link
+    return link
+
+
+def update_latest(out_dir: str, run_dir: str, config_stem: str, accepted: bool = True) -> list[str]:
+    """Point ``<out>/latest`` at ``run_dir``, and ``<out>/latest-<stem>`` too when the run is accepted
+    as the config's next baseline (no regression). Returns the links written."""
+    links = [_point_link(out_dir, "latest", run_dir)]
+    if accepted:
+        links.append(_point_link(out_dir, latest_link_name(config_stem), run_dir))
+    return links
+
+
+def baseline_seeds(baseline_dir: str, space: Any = None, model: Any = None) -> list[Any]:
+    """The baseline front's strategies, recommended point first, then memory ascending: enqueue
+    them so a nightly run re-measures yesterday's front before exploring. With ``space`` and
+    ``model`` given, strategies outside the (possibly changed) space are dropped."""
+    import dataclasses
+
+    from autotune.strategy import Strategy
+
+    run = load_run(baseline_dir)
+    fields = {f.name for f in dataclasses.fields(Strategy)}
+    points = list(run.front["front"])
+    best = run.best
+    if best:
+        points.sort(key=lambda p: p["trial"] != best["trial"])
+    seeds = []
+    for p in points:
+        try:
+            s = Strategy(**{k: v for k, v in p["strategy"].items() if k in fields})
+        except (TypeError, KeyError):
+            raise ConfigError(f"front.json has an unreadable strategy at trial {p.get('trial')}",
+                              file=os.path.join(baseline_dir, "front.json")) from None
+        if space is not None and model is not None and not _in_space(s, space, model):
+            continue
+        seeds.append(s)
+    return seeds
+
+
+def _in_space(s: Any, space: Any, model: Any) -> bool:
+    from autotune.space import strategy_params
+
+    params = strategy_params(s, space, model)
+    fixed_ok = all(getattr(s, k) == space.choices(k, model)[0] for k in _single_knobs(s, space, model))
+    return fixed_ok and all(v in space.choices(k, model) for k, v in params.items())
+
+
+def _single_knobs(s: Any, space: Any, model: Any) -> list[str]:
+    from autotune.space import KNOBS
+
+    out = []
+    for knob in KNOBS:
+        if knob == "checkpoint_layers" and s.checkpointing == "none":
+            continue
+        if knob.endswith("bucket_size") and space._bucket_values(knob, s.zero_stage) == (None,):
+            continue
+        if len(space.choices(knob, model)) == 1:
+            out.append(knob)
+    return out
+
+
+# ---------------------------------------------------------------- parsers
+
+def add_parsers(sub: Any) -> None:
+    """Register ``show`` and ``compare`` on the CLI's subparsers (``args.func`` is not used:
+    cli.COMMANDS maps the names to cmd_show / cmd_compare)."""
+    show = sub.add_parser("show", help="print a finished run's front and recommended point again",
+                          description="Print the Pareto front table and the recommended point of a finished "
+                          "run directory (read from its files; nothing is re-run).")
+    show.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. runs/llama2-7b-20250101T000000Z "
+                      "or runs/latest")
+    show.add_argument("--json", action="store_true", help="print front.json instead of the table")
+    show.add_argument("--report", action="store_true", help="(re)write report.html and front.png first")
+
+    cmp_ = sub.add_parser("compare", help="what changed between two runs; exit 1 on a regression",
+                          description="Compare two finished runs: points that left or joined the front (matched "
+                          "by strategy), the recommended point's throughput/memory change, and old front points "
+                          "that now fail or are pruned. Exit status: 0 unchanged or better, 1 regression beyond "
+                          "--max-regression, 2 usage or input error.")
+    cmp_.add_argument("old_run", metavar="OLD_RUN", help="baseline run directory")
+    cmp_.add_argument("new_run", metavar="NEW_RUN", help="run directory to judge")
+    cmp_.add_argument("--max-regression", default=DEFAULT_MAX_REGRESSION, metavar="PCT",
+                      help="tolerated loss of the recommended point's tokens/s (and memory growth of the same "
+                      "strategy), e.g. 5%% (default: %(default)s)")
+    cmp_.add_argument("--json", action="store_true", help="print the comparison as JSON")

@@ -1,0 +1,414 @@
+"""runs/<name>/report.html (self-contained, interactive) and front.png (static) for a finished run.
+
+Everything is read from the run directory's files (front.json, trials.csv, run.json), so a report
+can be (re)written for any finished run: ``autotune show RUN_DIR --report``. The HTML embeds
+plotly.js inline, so it opens from disk with no network. Never imports torch.
+
+Sections: the Pareto plot (every trial: front, dominated, failed and pruned distinguished; failed
+and pruned trials have no measurement, so they sit at their *predicted* memory and 0 tokens/s),
+the predicted memory breakdown of each front point against the GPU's capacity, the
+predicted-vs-measured table when a real backend measured, and the prune/fail reasons summarised.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+from typing import Any, Optional
+
+from autotune.compare import RunData, load_run, to_float
+
+GIB = float(1 << 30)
+COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
+"""Memory-breakdown components, bottom to top (memory.GPU_COMPONENTS; the front.json keys win)."""
+COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_states": "#e45756",
+          "activations": "#72b7b2", "logits": "#54a24b", "buffers": "#eeca3b", "overhead": "#b279a2"}
+PARETO_DIV = "autotune-pareto"
+BREAKDOWN_DIV = "autotune-breakdown"
+
+
+# ---------------------------------------------------------------- data
+
+def _components(front: list[dict[str, Any]]) -> list[str]:
+    keys: list[str] = []
+    for p in front:
+        for k in (p.get("predicted_memory_gib") or {}):
+            if k != "peak" and k not in keys:
+                keys.append(k)
+    ordered = [k for k in COMPONENTS if k in keys]
+    return ordered + [k for k in keys if k not in ordered]
+
+
+def gpu_capacity(run: RunData, cfg: Any = None) -> tuple[Optional[float], Optional[float]]:
+    """(GPU memory GiB, headroom fraction) from the config object, front.json, the GPU preset, or
+    the run's config file; (None, None) when none of them is available."""
+    if cfg is not None:
+        return cfg.hardware.gpu.memory_bytes / GIB, cfg.search.headroom
+    hw = run.front.get("hardware") or {}
+    cap = to_float(hw.get("gpu_memory_gib"))
+    headroom = to_float(run.front.get("headroom"))
+    if cap is not None:
+        return cap, headroom
+    config_path = run.meta.get("config") or run.front.get("config")
+    if config_path and os.path.isfile(config_path):
+        try:
+            from autotune.config import load_config
+
+            c = load_config(config_path)
+            if c.hardware.gpu.name == hw.get("gpu"):
+                return c.hardware.gpu.memory_bytes / GIB, c.search.headroom
+        except Exception:  # a moved or edited config must not break the report
+            pass
+    try:
+        from autotune.presets import gpu_from_name
+
+        return gpu_from_name(hw.get("gpu", "")).memory_bytes / GIB, headroom
+    except (ValueError, TypeError):
+        return None, headroom
+
+
+def measurement_extras(run: RunData) -> dict[int, dict[str, Any]]:
+    """trial number -> the ``measurement`` user attr, from the study (only for real backends; {} when
+    the storage cannot be opened, e.g. a run directory copied without its study)."""
+    storage = run.meta.get("storage")
+    if not storage or run.front.get("backend") == "simulate":
+        return {}
+    if "://" not in storage and not os.path.isabs(storage) and not os.path.exists(storage):
+        storage = os.path.join(run.run_dir, os.path.basename(storage))
+    try:
+        import optuna
+
+        from autotune.search import make_storage
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.load_study(study_name=run.name, storage=make_storage(storage))
+        return {t.number: t.user_attrs.get("measurement") or {} for t in study.get_trials(deepcopy=False)}
+    except Exception:
+        return {}
+
+
+def _predicted_tps(meas: dict[str, Any]) -> Optional[float]:
+    extra = meas.get("extra") or {}
+    pred = extra.get("predicted") if isinstance(extra.get("predicted"), dict) else {}
+    for src in (pred, extra):
+        for key in ("tokens_per_s_per_gpu", "predicted_tokens_per_s_per_gpu", "pred_tokens_per_s_per_gpu"):
+            if to_float(src.get(key)) is not None:
+                return to_float(src.get(key))
+    return None
+
+
+def reason_summary(rows: list[dict[str, str]], state: str, column: str) -> list[tuple[str, int, list[int]]]:
+    """(example reason, count, trial numbers) for distinct trials in ``state``, most common first. Reasons
+    are grouped by their first clause with the numbers masked ("needs 92.3 GiB > 76.0 GiB" and "needs
+    125.7 GiB > 76.0 GiB" are one group); the example is the first trial's reason."""
+    groups: dict[str, tuple[str, list[int]]] = {}
+    for r in rows:
+        if r.get("state") == state and not r.get("duplicate_of"):
+            first = (r.get(column) or "(no reason recorded)").split(";")[0].strip()
+            key = _NUMBER.sub("#", first)
+            groups.setdefault(key, (first, []))[1].append(int(r["number"]))
+    return sorted(((ex, len(nums), nums) for ex, nums in groups.values()), key=lambda x: -x[1])
+
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def _category(r: dict[str, str]) -> str:
+    if r["state"] == "COMPLETE":
+        return "front" if r.get("on_front") == "True" else "dominated"
+    return {"PRUNED": "pruned", "FAIL": "failed"}.get(r["state"], "other")
+
+
+def plot_points(run: RunData, clip_gib: Optional[float] = None) -> dict[str, list[dict[str, Any]]]:
+    """Every trial as a plot point, by category (front, dominated, failed, pruned). Unmeasured points
+    predicted above ``clip_gib`` are drawn at ``clip_gib`` (``clipped``: True) so that a few hopeless
+    candidates do not squeeze the front into a corner; the hover text keeps the true prediction."""
+    out: dict[str, list[dict[str, Any]]] = {"front": [], "dominated": [], "failed": [], "pruned": []}
+    for r in run.trials:
+        cat = _category(r)
+        if cat == "other":
+            continue
+        measured = cat in ("front", "dominated")
+        mem = to_float(r.get("peak_memory_gib")) if measured else to_float(r.get("pred_peak_gib"))
+        tps = to_float(r.get("tokens_per_s_per_gpu")) if measured else 0.0
+        note = ""
+        if r.get("duplicate_of"):
+            note = f"repeat of trial {r['duplicate_of']}"
+        if cat == "pruned":
+            note = "; ".join(x for x in (note, "pruned: " + (r.get("prune_reason") or "")) if x)
+        if cat == "failed":
+            note = "; ".join(x for x in (note, "failed: " + (r.get("fail_reason") or "")) if x)
+        mem = mem if mem is not None else 0.0
+        clipped = bool(not measured and clip_gib and mem > clip_gib)
+        if not measured:
+            note = f"predicted {mem:.2f} GiB; " + note
+        out[cat].append({"trial": int(r["number"]), "memory_gib": clip_gib if clipped else mem, "clipped": clipped,
+                         "tokens_per_s": tps or 0.0, "strategy": r.get("strategy", ""), "note": note})
+    out["front"].sort(key=lambda p: p["memory_gib"])
+    return out
+
+
+# ---------------------------------------------------------------- figures
+
+def _clip(run: RunData, capacity: Optional[float]) -> Optional[float]:
+    """Where unmeasured points are clipped: 1.5 x the larger of the GPU capacity and the largest
+    measured peak (None: no capacity known and nothing measured)."""
+    measured = [to_float(r.get("peak_memory_gib")) or 0.0 for r in run.trials if r.get("state") == "COMPLETE"]
+    top = max([capacity or 0.0, *measured])
+    return 1.5 * top if top > 0 else None
+
+
+def pareto_figure(run: RunData, capacity: Optional[float], headroom: Optional[float]) -> Any:
+    import plotly.graph_objects as go
+
+    pts = plot_points(run, _clip(run, capacity))
+    best = (run.best or {}).get("trial")
+    fig = go.Figure()
+    styles = {
+        "front": dict(name="Pareto front", mode="lines+markers", line=dict(color="#d62728", width=1.5, shape="hv"),
+                      marker=dict(size=[15 if p["trial"] == best else 10 for p in pts["front"]],
+                                  symbol=["star" if p["trial"] == best else "circle" for p in pts["front"]],
+                                  color="#d62728", line=dict(width=1, color="black"))),
+        "dominated": dict(name="measured, dominated", mode="markers",
+                          marker=dict(size=7, color="#1f77b4", opacity=0.6)),
+        "failed": dict(name="failed (at predicted memory, 0 tokens/s)", mode="markers",
+                       marker=dict(size=9, color="black",
+                                   symbol=["triangle-right" if p["clipped"] else "x" for p in pts["failed"]])),
+        "pruned": dict(name="pruned (at predicted memory, 0 tokens/s; \u25b7 = beyond the axis)", mode="markers",
+                       marker=dict(size=7, color="#7f7f7f", symbol=["triangle-right-open" if p["clipped"]
+                                                                    else "circle-open" for p in pts["pruned"]])),
+    }
+    for cat in ("pruned", "failed", "dominated", "front"):
+        ps = pts[cat]
+        fig.add_trace(go.Scatter(
+            x=[p["memory_gib"] for p in ps], y=[p["tokens_per_s"] for p in ps],
+            customdata=[[p["trial"], p["strategy"], p["note"]] for p in ps],
+            hovertemplate=("trial %{customdata[0]}<br><b>%{customdata[1]}</b><br>"
+                           + ("" if cat in ("pruned", "failed") else "peak memory %{x:.2f} GiB<br>")
+                           + "%{y:,.0f} tokens/s/GPU<br>%{customdata[2]}<extra>" + cat
+                           + "</extra>"),
+            **styles[cat]))
+    if capacity:
+        fig.add_vline(x=capacity, line=dict(color="black", dash="dash"), annotation_text="GPU memory",
+                      annotation_position="top left")
+        if headroom:
+            fig.add_vline(x=capacity * (1 - headroom), line=dict(color="#7f7f7f", dash="dot"),
+                          annotation_text=f"with {100 * headroom:g}% headroom", annotation_position="bottom left")
+    fig.update_layout(template="plotly_white", height=520, margin=dict(l=70, r=30, t=40, b=60),
+                      xaxis_title="peak GPU memory per GPU (GiB)", yaxis_title="tokens/s per GPU",
+                      legend=dict(orientation="h", y=-0.18), title="Memory vs throughput (star: recommended)")
+    return fig
+
+
+def breakdown_figure(run: RunData, capacity: Optional[float], headroom: Optional[float]) -> Any:
+    import plotly.graph_objects as go
+
+    front = run.front["front"]
+    comps = _components(front)
+    labels = [f"#{k} (trial {p['trial']})" for k, p in enumerate(front)]
+    texts = [p.get("strategy_text", "") for p in front]
+    fig = go.Figure()
+    for comp in comps:
+        fig.add_trace(go.Bar(
+            name=comp.replace("_", " "), x=labels,
+            y=[(p.get("predicted_memory_gib") or {}).get(comp, 0.0) for p in front],
+            marker_color=COLORS.get(comp), customdata=texts,
+            hovertemplate="%{customdata}<br>" + comp.replace("_", " ") + " %{y:.2f} GiB<extra></extra>"))
+    fig.add_trace(go.Scatter(
+        name="measured peak", x=labels, y=[p.get("peak_memory_gib") for p in front], mode="markers",
+        marker=dict(symbol="diamond", size=11, color="black"), customdata=texts,
+        hovertemplate="%{customdata}<br>measured peak %{y:.2f} GiB<extra></extra>"))
+    if capacity:
+        fig.add_hline(y=capacity, line=dict(color="#d62728", dash="dash"), annotation_text=f"GPU capacity "
+                      f"{capacity:.1f} GiB", annotation_position="top left")
+        if headroom:
+            fig.add_hline(y=capacity * (1 - headroom), line=dict(color="#7f7f7f", dash="dot"),
+                          annotation_text=f"with {100 * headroom:g}% headroom", annotation_position="bottom left")
+    fig.update_layout(template="plotly_white", barmode="stack", height=460, margin=dict(l=70, r=30, t=40, b=60),
+                      yaxis_title="GiB per GPU (predicted)", title="Predicted memory breakdown of each front point")
+    return fig
+
+
+def write_front_png(run: RunData, path: str, capacity: Optional[float] = None) -> str:
+    """The static front plot (matplotlib, Agg canvas: no display, no global backend change)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    pts = plot_points(run, _clip(run, capacity))
+    fig = Figure(figsize=(8, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for cat, kw in (("pruned", dict(marker="o", facecolors="none", edgecolors="#7f7f7f", s=18,
+                                    label="pruned (predicted memory; clipped at the right edge)")),
+                    ("failed", dict(marker="x", c="black", s=30, label="failed (predicted memory)")),
+                    ("dominated", dict(marker="o", c="#1f77b4", alpha=0.6, s=18, label="measured")),
+                    ("front", dict(marker="o", c="#d62728", s=40, zorder=3, label="Pareto front"))):
+        ps = pts[cat]
+        if ps:
+            ax.scatter([p["memory_gib"] for p in ps], [p["tokens_per_s"] for p in ps], **kw)
+    if pts["front"]:
+        ax.step([p["memory_gib"] for p in pts["front"]], [p["tokens_per_s"] for p in pts["front"]],
+                where="post", color="#d62728", lw=1)
+    best = run.best
+    if best:
+        ax.scatter([best["peak_memory_gib"]], [best["tokens_per_s_per_gpu"]], marker="*", s=260, c="gold",
+                   edgecolors="black", zorder=4, label="recommended")
+    if capacity:
+        ax.axvline(capacity, color="black", ls="--", lw=1, label="GPU memory")
+    f = run.front
+    hw = f.get("hardware") or {}
+    ax.set_title(f"{f.get('model', '')} on {(hw.get('gpus_per_node') or 1) * (hw.get('num_nodes') or 1)} x "
+                 f"{hw.get('gpu', '')} ({f.get('backend', '')})")
+    ax.set_xlabel("peak GPU memory per GPU (GiB)")
+    ax.set_ylabel("tokens/s per GPU")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+# ---------------------------------------------------------------- HTML
+
+def _table(header: list[str], rows: list[list[Any]], cls: str = "") -> str:
+    esc = html.escape
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c if isinstance(c, _Raw) else esc(str(c))}</td>" for c in row) + "</tr>"
+                   for row in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+class _Raw(str):
+    """Already-escaped HTML for a table cell."""
+
+
+def _num(v: Any, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _err(measured: Optional[float], predicted: Optional[float]) -> str:
+    if measured is None or predicted is None or measured == 0:
+        return "-"
+    return f"{100 * (predicted - measured) / measured:+.1f}%"
+
+
+def predicted_vs_measured(run: RunData) -> list[list[Any]]:
+    """Rows of the predicted-vs-measured table (empty for the simulate backend)."""
+    if run.front.get("backend") == "simulate":
+        return []
+    extras = measurement_extras(run)
+    rows = []
+    for r in run.trials:
+        if r["state"] not in ("COMPLETE", "FAIL") or r.get("duplicate_of"):
+            continue
+        n = int(r["number"])
+        pred_mem, meas_mem = to_float(r.get("pred_peak_gib")), to_float(r.get("peak_memory_gib"))
+        meas_tps = to_float(r.get("tokens_per_s_per_gpu"))
+        meas = extras.get(n, {})
+        extra = meas.get("extra") or {}
+        if to_float(extra.get("predicted_peak_bytes")) is not None:
+            pred_mem = to_float(extra.get("predicted_peak_bytes")) / GIB
+        pred_tps = _predicted_tps(meas)
+        status = "ok" if r["state"] == "COMPLETE" else (r.get("fail_reason") or "failed")
+        if extra.get("oom_phase"):
+            status += f" (OOM in {extra['oom_phase']})"
+        rows.append([n, r.get("strategy", ""), _num(pred_mem, ".2f"), _num(meas_mem, ".2f"), _err(meas_mem, pred_mem),
+                     _num(pred_tps, ",.0f"), _num(meas_tps, ",.0f"), _err(meas_tps, pred_tps), status])
+    return rows
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1200px;
+color:#222;padding:0 16px}
+h1{font-size:1.4em}h2{font-size:1.15em;margin-top:2em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:0.9em;margin:8px 0}td,th{border:1px solid #ddd;padding:3px 8px;
+text-align:left}th{background:#f4f4f4}td.num{text-align:right}.muted{color:#777}code{background:#f4f4f4;padding:1px 4px}
+"""
+
+
+def render_html(run: RunData, capacity: Optional[float], headroom: Optional[float]) -> str:
+    import plotly
+    from plotly.offline import get_plotlyjs
+
+    esc = html.escape
+    f = run.front
+    hw = f.get("hardware") or {}
+    gpus = (hw.get("gpus_per_node") or 1) * (hw.get("num_nodes") or 1)
+    counts = {s: sum(t.get("state") == s for t in run.trials) for s in ("COMPLETE", "PRUNED", "FAIL")}
+    repeats = sum(bool(t.get("duplicate_of")) for t in run.trials)
+    cfg = {"displaylogo": False, "responsive": True}
+    pareto = pareto_figure(run, capacity, headroom).to_html(full_html=False, include_plotlyjs=False,
+                                                             div_id=PARETO_DIV, config=cfg)
+    parts = [
+        f"<h1>autotune: {esc(str(f.get('model', '')))} on {gpus} x {esc(str(hw.get('gpu', '')))}</h1>",
+        f'<p class="muted">run <code>{esc(run.name)}</code>, backend <code>{esc(str(f.get("backend")))}</code>, '
+        f"space <code>{esc(str(f.get('space')))}</code>, created {esc(str(run.meta.get('created', '?')))}; "
+        f"{len(run.trials)} trials: {counts['COMPLETE']} measured, {counts['PRUNED']} pruned, {counts['FAIL']} "
+        f"failed ({repeats} repeats of an earlier strategy reuse its result).</p>",
+    ]
+    best = run.best
+    if best:
+        parts.append(f"<p><b>Recommended</b> (fastest that fits): {esc(best['strategy_text'])}: "
+                     f"{best['peak_memory_gib']:.2f} GiB, {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"
+                     + (f", MFU {100 * best['mfu']:.1f}%" if best.get("mfu") is not None else "")
+                     + f'. DeepSpeed config: <a href="best_ds_config.json">best_ds_config.json</a>; '
+                     f"<code>{esc(best.get('launch') or '')}</code></p>")
+    else:
+        parts.append("<p><b>No candidate fits.</b> See the prune and failure reasons below.</p>")
+    parts += ["<h2>Pareto front</h2>", pareto]
+    if f["front"]:
+        rows = []
+        for k, p in enumerate(f["front"]):
+            ds = p.get("ds_config")
+            rows.append([k, p["trial"], f"{p['peak_memory_gib']:.2f}", f"{p['tokens_per_s_per_gpu']:,.0f}",
+                         "-" if p.get("mfu") is None else f"{100 * p['mfu']:.1f}%",
+                         p.get("gradient_accumulation_steps", "-"),
+                         p["strategy_text"] + (" (recommended)" if best and p["trial"] == best["trial"] else ""),
+                         _Raw(f'<a href="{esc(ds)}">{esc(ds)}</a>') if ds else "-"])
+        parts.append(_table(["#", "trial", "memory GiB", "tokens/s/GPU", "MFU", "grad. acc.", "strategy",
+                             "DeepSpeed config"], rows))
+        parts += ["<h2>Memory breakdown of the front</h2>",
+                  breakdown_figure(run, capacity, headroom).to_html(full_html=False, include_plotlyjs=False,
+                                                                     div_id=BREAKDOWN_DIV, config=cfg)]
+    pvm = predicted_vs_measured(run)
+    parts.append("<h2>Predicted vs measured</h2>")
+    if pvm:
+        parts.append(_table(["trial", "strategy", "predicted GiB", "measured GiB", "memory error",
+                             "predicted tokens/s", "measured tokens/s", "throughput error", "status"], pvm))
+        parts.append('<p class="muted">error = (predicted - measured) / measured. Predicted throughput comes '
+                     "from the measurement record when the backend stored it.</p>")
+    else:
+        parts.append(f'<p class="muted">Not profiled: the {esc(str(f.get("backend")))} backend\'s numbers are '
+                     "the models' predictions.</p>")
+    for title, state, column in (("Why candidates were pruned", "PRUNED", "prune_reason"),
+                                 ("Why candidates failed", "FAIL", "fail_reason")):
+        summary = reason_summary(run.trials, state, column)
+        if summary:
+            parts.append(f"<h2>{title}</h2>")
+            parts.append(_table(["trials", "reason (first clause; example)", "trial numbers"],
+                                [[n, reason, ", ".join(map(str, nums[:8])) + (" ..." if len(nums) > 8 else "")]
+                                 for reason, n, nums in summary]))
+    parts.append(f'<p class="muted">Files: front.json, trials.csv, best.json, ds_configs/, summary.md, front.png. '
+                 f"plotly {esc(plotly.__version__)} embedded.</p>")
+    data = {"trials": len(run.trials), "front": len(f["front"]), "pareto_div": PARETO_DIV}
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>autotune report: {esc(run.name)}</title><style>{_CSS}</style>"
+            f"<script type=\"text/javascript\">{get_plotlyjs()}</script>"
+            f'<script type="application/json" id="autotune-summary">{json.dumps(data)}</script>'
+            "</head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
+
+
+def write_report(run_dir: str, cfg: Any = None) -> str:
+    """Write run_dir/report.html and run_dir/front.png from the run's files; returns report.html's path.
+    ``cfg`` (the run's Config, when at hand) gives the exact GPU capacity and headroom."""
+    run = load_run(run_dir)
+    capacity, headroom = gpu_capacity(run, cfg)
+    path = os.path.join(run_dir, "report.html")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(render_html(run, capacity, headroom))
+    os.replace(tmp, path)
+    write_front_png(run, os.path.join(run_dir, "front.png"), capacity)
+    return path
