@@ -1,0 +1,507 @@
+"""Traced memory tier: tensor-level peak memory of the real nn.Module, on CPU, allocating nothing.
+
+The model (the reference decoder built from the ModelSpec, an HF model built ``from_config`` when
+the job came from an HF ``config.json`` and transformers is installed, or the user's factory
+``package.module:function``) is built and run under ``FakeTensorMode`` on the ``cpu`` device: one
+micro-batch forward + backward with the strategy's activation checkpointing, then a
+mixed-precision AdamW step. Every tensor is accounted by torch's own
+``torch.distributed._tools.mem_tracker.MemTracker`` and FLOPs by ``torch.utils.flop_counter.
+FlopCounterMode``. Nothing is allocated: a 7B-shaped Llama at seq 4096 traces in about a minute.
+
+What the trace cannot see are DeepSpeed's own buffers (reduce/all-gather buckets, the flat fp32
+partitions, ZeRO-3 prefetch): :func:`combine` therefore takes the *activations and temporaries*
+from the trace and the *model states and buffers* from the analytical model
+(:mod:`autotune.memory`), and says which part came from where.
+
+Traps handled here (see shared/NOTES-cpu.md, "Tracing under FakeTensorMode"):
+
+* fake ``cuda`` tensors abort a CPU-only torch on backward, so the fake device is ``cpu``;
+* ``.to(torch.bfloat16)`` on a module fails under fake mode, so 16-bit models are built under
+  ``torch.set_default_dtype``;
+* MemTracker files fp32 master weights as Activation (created outside a module, outside
+  backward) and fp32 gradients as Temp (created during backward); they are re-filed here under
+  their own categories (``Master`` and ``Grad fp32``) before the step runs;
+* on CPU, ``scaled_dot_product_attention`` falls back to the math path (an s x s probability
+  matrix kept for backward) whenever dropout is on, and FlopCounterMode counts 0 FLOPs for the
+  CPU flash kernel. The trace therefore routes SDPA through a small custom op whose fake kernel
+  has the memory behaviour of FlashAttention-2 on the GPU (saves q, k, v, out and the fp32
+  log-sum-exp; Dao 2023, FlashAttention-2, alg. 1/2) and whose FLOPs are torch's own SDPA
+  formulas (``flop_counter.sdpa_flop_count`` / ``sdpa_backward_flop_count``).
+
+Importing this module does not import torch; every function imports it lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from autotune.spec import ModelSpec, TrainingSpec
+from autotune.strategy import Strategy
+
+GIB = float(1 << 30)
+
+MASTER = "Master"
+"""Category for fp32 master weights (MemTracker would file them as Activation)."""
+GRAD32 = "Grad fp32"
+"""Category for fp32 gradients fed to the optimizer (MemTracker would file them as Temp)."""
+
+STATE_CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", MASTER, GRAD32)
+"""MemTracker categories that are model states (the analytical model owns these in combine)."""
+ACT_CATEGORIES = ("Activation", "Temp", "Other")
+"""Categories that are activations / temporaries (inputs are 'Other': they live on the GPU too)."""
+
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class TraceError(RuntimeError):
+    """The model cannot be traced (missing dependency, unsupported option, user model error)."""
+
+
+# ------------------------------------------------------------------------------------- result
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """Traced memory and FLOPs of one micro-batch (fwd + bwd + optimizer step), bytes per GPU."""
+
+    model_name: str
+    source: str
+    """``reference`` (autotune.profile.models), ``hf`` (transformers from_config) or ``factory:<path>``."""
+    micro_batch_size: int
+    seq_len: int
+    precision: str
+    checkpointing: str
+    checkpoint_layers: int
+    """Number of blocks checkpointed (0 when checkpointing is none)."""
+    activation_peak: int
+    """Peak over forward+backward of activations + temporaries (+ the input ids), excluding model states."""
+    saved_activations: int
+    """Activations alive at the end of the forward (what backward needs; the classic 'activation memory')."""
+    peak: int
+    """Peak of everything the plain-torch trace holds (16-bit params, grads, masters, Adam states, activations)."""
+    phase_peaks: dict
+    """{forward|backward|optimizer: {"total": bytes, "activations": bytes}} peaks per phase."""
+    states: dict
+    """Model-state bytes the trace saw, per category (params, grads, masters, Adam states, buffers)."""
+    at_activation_peak: dict
+    """Category -> bytes at the instant of the activation peak (and its phase under ``phase``)."""
+    flops: dict
+    """FlopCounterMode totals for the micro-batch: forward, backward (incl. recompute), gemm, attention_fwd, attention_bwd, total."""
+    parameters: int
+    """Trainable parameters of the traced module (shared tensors once)."""
+    wall_s: float
+    notes: tuple = ()
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------- flash attention op
+
+_FLASH_LOCK = threading.Lock()
+_FLASH: dict[str, Any] = {}
+
+
+def _flash_ops() -> dict[str, Any]:
+    """Register (once) ``autotune_trace::flash_fwd`` / ``flash_bwd`` and return them with their FLOP formulas.
+
+    The fake kernels allocate exactly what FlashAttention-2's forward returns and saves: the output
+    (b, a, s, hd) in the input dtype and the log-sum-exp (b, a, s) in fp32; its backward returns
+    dq, dk, dv shaped like q, k, v (GQA: k/v keep their kv heads). The real kernels (not used by the
+    trace) are the math path, so the ops are also correct outside fake mode.
+    """
+    with _FLASH_LOCK:
+        if _FLASH:
+            return _FLASH
+        import torch
+        from torch.utils import flop_counter as fc
+
+        def _expand(k: "torch.Tensor", heads: int) -> "torch.Tensor":
+            rep = heads // k.shape[1]
+            return k.repeat_interleave(rep, dim=1) if rep > 1 else k
+
+        @torch.library.custom_op("autotune_trace::flash_fwd", mutates_args=(),
+                                 schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)")
+        def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            kk, vv = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+            s = torch.matmul(q.float(), kk.float().transpose(-1, -2)) * scale
+            if causal:
+                n, m = s.shape[-2:]
+                s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1 + m - n), float("-inf"))
+            lse = torch.logsumexp(s, dim=-1)
+            out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vv.float()).to(q.dtype)
+            return out, lse
+
+        @flash_fwd.register_fake
+        def _(q, k, v, causal, scale):
+            b, a, s, _ = q.shape
+            return q.new_empty((b, a, s, v.shape[-1])), q.new_empty((b, a, s), dtype=torch.float32)
+
+        @torch.library.custom_op("autotune_trace::flash_bwd", mutates_args=(),
+                                 schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                                        "bool causal, float scale) -> (Tensor, Tensor, Tensor)")
+        def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            with torch.enable_grad():
+                qq, kk, vv = (t.detach().float().requires_grad_() for t in (q, k, v))
+                ke, ve = _expand(kk, q.shape[1]), _expand(vv, q.shape[1])
+                s = torch.matmul(qq, ke.transpose(-1, -2)) * scale
+                if causal:
+                    n, m = s.shape[-2:]
+                    s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1 + m - n),
+                                      float("-inf"))
+                o = torch.matmul(torch.softmax(s, -1), ve)
+                dq, dk, dv = torch.autograd.grad(o, (qq, kk, vv), dout.float())
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+        @flash_bwd.register_fake
+        def _(dout, q, k, v, out, lse, causal, scale):
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+        class _Flash(torch.autograd.Function):
+            # A plain autograd.Function (not register_autograd): its save order is stable under
+            # non-reentrant checkpoint recomputation.
+            @staticmethod
+            def forward(ctx, q, k, v, causal, scale):
+                out, lse = torch.ops.autotune_trace.flash_fwd(q, k, v, causal, scale)
+                ctx.save_for_backward(q, k, v, out, lse)
+                ctx.causal, ctx.scale = causal, scale
+                return out
+
+            @staticmethod
+            def backward(ctx, dout):
+                q, k, v, out, lse = ctx.saved_tensors
+                dq, dk, dv = torch.ops.autotune_trace.flash_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+                return dq, dk, dv, None, None
+
+        def _q_heads_shape(q_shape, kv_shape):
+            # torch's formulas count GQA per query head; present k/v with the query head count.
+            return (kv_shape[0], q_shape[1], kv_shape[2], kv_shape[3])
+
+        # FlopCounterMode hands the formulas the argument shapes (its shape_wrapper).
+        def fwd_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
+            return fc.sdpa_flop_count(q, _q_heads_shape(q, k), _q_heads_shape(q, v))
+
+        def bwd_flops(dout, q, k, v, *args, out_shape=None, **kwargs) -> int:
+            return fc.sdpa_backward_flop_count(dout, q, _q_heads_shape(q, k), _q_heads_shape(q, v))
+
+        _FLASH.update(
+            apply=_Flash.apply,
+            fwd=torch.ops.autotune_trace.flash_fwd,
+            bwd=torch.ops.autotune_trace.flash_bwd,
+            flop_mapping={torch.ops.autotune_trace.flash_fwd: fwd_flops,
+                          torch.ops.autotune_trace.flash_bwd: bwd_flops},
+        )
+        return _FLASH
+
+
+@contextlib.contextmanager
+def _sdpa_to_flash():
+    """Route ``torch.nn.functional.scaled_dot_product_attention`` to the flash-attention op.
+
+    A patch of the module attribute rather than a TorchFunctionMode: the Python mode stack is not
+    active while the autograd engine re-runs a non-reentrant checkpoint, so a mode would see the
+    forward but not its recomputation. Code that bound the function by name at import time
+    (``from torch.nn.functional import scaled_dot_product_attention``) is not redirected.
+    """
+    import torch.nn.functional as F
+
+    ops = _flash_ops()
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        # Dropout inside flash attention keeps only an RNG state (no mask); an explicit attn_mask
+        # (HF may pass one even for padding-free causal batches) is taken as causal.
+        causal = bool(is_causal or attn_mask is not None)
+        sc = float(scale) if scale is not None else 1.0 / float(query.shape[-1]) ** 0.5
+        return ops["apply"](query, key, value, causal, sc)
+
+    with _PATCH_LOCK:
+        original = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = sdpa
+        try:
+            yield
+        finally:
+            F.scaled_dot_product_attention = original
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+# ------------------------------------------------------------------------------------- tracker
+
+
+def _make_tracker():
+    """MemTracker that also records per-phase peaks and the activation (non-state) peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class _PhaseTracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            # plain-string extra categories; MemTracker only indexes the snapshot dict with them
+            self._ref_class = list(_MemRefType) + [MASTER, GRAD32]  # type: ignore[assignment]
+            self.phase = "setup"
+            self.phase_peaks: dict[str, dict[str, int]] = {}
+            self.act_peak = 0
+            self.act_peak_snap: dict[str, int] = {}
+            self.act_peak_phase = ""
+
+        def refile(self, tensor: Any, category: Any) -> None:
+            """Put the storage of `tensor` under `category` (MemTracker's own re-filing path)."""
+            self._update_and_maybe_create_winfos(tensor, category)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            super()._update_peak_stats(peak_state)
+            for snap in self._curr_mem_snap.values():  # one device: cpu
+                total = snap.get("Total", 0)
+                act = sum(v for k, v in snap.items() if str(getattr(k, "value", k)) in ACT_CATEGORIES)
+                ph = self.phase_peaks.setdefault(self.phase, {"total": 0, "activations": 0})
+                ph["total"] = max(ph["total"], total)
+                ph["activations"] = max(ph["activations"], act)
+                if self.phase in ("forward", "backward") and act > self.act_peak:
+                    self.act_peak = act
+                    self.act_peak_phase = self.phase
+                    self.act_peak_snap = {str(getattr(k, "value", k)): v for k, v in snap.items()}
+
+        def categories(self) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for snap in self._curr_mem_snap.values():
+                for k, v in snap.items():
+                    out[str(getattr(k, "value", k))] = out.get(str(getattr(k, "value", k)), 0) + v
+            return out
+
+    return _PhaseTracker()
+
+
+# ------------------------------------------------------------------------------------- models
+
+
+def _load_factory(path: str) -> Callable[..., Any]:
+    mod_name, _, fn_name = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as err:
+        raise TraceError(f"cannot import model factory {path!r}: {err}") from err
+    return fn
+
+
+def _call_factory(fn: Callable[..., Any], spec: ModelSpec) -> Any:
+    try:
+        n_args = len([p for p in inspect.signature(fn).parameters.values()
+                      if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
+    except (TypeError, ValueError):
+        n_args = 1
+    return fn(spec) if n_args >= 1 else fn()
+
+
+def _hf_model(hf_config: str) -> Any:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as err:
+        raise TraceError("hf source needs transformers (pip install transformers)") from err
+    with open(hf_config, encoding="utf-8") as fh:
+        raw = json.load(fh)
+    kind = raw.pop("model_type", "llama")
+    for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path"):
+        raw.pop(key, None)
+    config = AutoConfig.for_model(kind, **raw)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def _set_checkpointing(model: Any, source: str, granularity: str, n: int, num_layers: int) -> list[str]:
+    """Apply the strategy's checkpointing to the built module; returns notes on approximations."""
+    if hasattr(model, "set_checkpointing"):  # reference decoder (or a factory model following it)
+        model.set_checkpointing(granularity, n)
+        return []
+    if granularity == "none" or n == 0:
+        return []
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        raise TraceError(f"{source} model has neither set_checkpointing(granularity, n) nor "
+                         "gradient_checkpointing_enable(); cannot apply checkpointing")
+    if granularity == "selective":
+        raise TraceError("selective checkpointing needs set_checkpointing() (the reference model has it); "
+                         "HF models checkpoint whole layers only")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    notes = []
+    if n < num_layers:
+        layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
+                  and type(m).__name__.endswith(("DecoderLayer", "Block"))]
+        if len(layers) != num_layers:
+            raise TraceError(f"cannot checkpoint {n} of {num_layers} layers: found {len(layers)} checkpointable layers")
+        for layer in layers[n:]:
+            layer.gradient_checkpointing = False
+        notes.append(f"HF per-layer gradient_checkpointing flags: first {n} of {num_layers} layers")
+    return notes
+
+
+def _loss(model: Any, ids: Any, labels: Any) -> Any:
+    """Forward that returns only the loss, so logits die as early as in a training loop."""
+    try:
+        out = model(ids, labels)
+    except TypeError:
+        out = model(input_ids=ids, labels=labels)
+    if hasattr(out, "loss"):
+        return out.loss
+    if isinstance(out, dict):
+        return out["loss"]
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------- trace
+
+
+def _dtype(precision: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def _checkpoint_key(strategy: Strategy, num_layers: int) -> tuple[str, int]:
+    n = strategy.num_checkpointed(num_layers)
+    return (strategy.checkpointing if n else "none", n)
+
+
+def trace_memory(
+    model_spec: ModelSpec,
+    training: TrainingSpec,
+    strategy: Strategy,
+    *,
+    hf_config: Optional[str] = None,
+    model_factory: Optional[str] = None,
+    optimizer_step: bool = True,
+) -> TraceResult:
+    """Trace one micro-batch of `strategy` (fwd + bwd + mixed-precision AdamW step) under FakeTensorMode.
+
+    Source of the module: `model_factory` (``package.module:function``, called with the ModelSpec
+    when it takes an argument) if given, else an HF model from `hf_config` when transformers is
+    installed, else the reference decoder of ``autotune.profile.models``.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    t0 = time.perf_counter()
+    precision = strategy.precision
+    dtype = _dtype(precision)
+    b, s = strategy.micro_batch_size, training.seq_len
+    L = model_spec.num_hidden_layers
+    granularity, n_ckpt = _checkpoint_key(strategy, L)
+    notes: list[str] = []
+    if model_factory:
+        source = f"factory:{model_factory}"
+    elif hf_config:
+        try:
+            import transformers  # noqa: F401
+
+            source = "hf"
+        except ImportError:
+            source = "reference"
+            notes.append("transformers not installed: traced the reference decoder built from the HF config")
+    else:
+        source = "reference"
+
+    old_dtype = torch.get_default_dtype()
+    fake = FakeTensorMode(allow_non_fake_inputs=False)
+    tracker = _make_tracker()
+    flop_mode = FlopCounterMode(display=False, custom_mapping=_flash_ops()["flop_mapping"])
+    with fake:
+        torch.set_default_dtype(dtype)
+        try:
+            if model_factory:
+                model = _call_factory(_load_factory(model_factory), model_spec)
+            elif source == "hf":
+                model = _hf_model(hf_config)  # type: ignore[arg-type]
+            else:
+                from autotune.profile.models import build_model
+
+                model = build_model(model_spec)
+        finally:
+            torch.set_default_dtype(old_dtype)
+        if not isinstance(model, torch.nn.Module):
+            raise TraceError(f"{source} did not return an nn.Module (got {type(model).__name__})")
+        model.train()
+        notes += _set_checkpointing(model, source, granularity, n_ckpt, L)
+        params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        wrong = {str(p.dtype) for p in params if p.dtype != dtype}
+        if wrong:
+            notes.append(f"parameters not in {dtype}: {sorted(wrong)} (kept as built)")
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None) or model_spec.vocab_size
+        ids = torch.randint(0, vocab, (b, s), dtype=torch.long)
+        labels = torch.randint(0, vocab, (b, s), dtype=torch.long)
+        tracker.track_external(model, ids, labels)
+        with tracker, _sdpa_to_flash():
+            # fp32 master weights, as a mixed-precision optimizer keeps them (not for fp32 training)
+            masters = []
+            if dtype != torch.float32 and optimizer_step:
+                tracker.phase = "setup"
+                for p in params:
+                    m = p.detach().float()
+                    tracker.refile(m, MASTER)
+                    masters.append(m)
+            tracker.phase = "forward"
+            with flop_mode:
+                loss = _loss(model, ids, labels)
+                flops_fwd = flop_mode.get_total_flops()
+                saved = sum(v for k, v in tracker.categories().items() if k in ACT_CATEGORIES)
+                tracker.phase = "backward"
+                loss.backward()
+                del loss
+            flops_total = flop_mode.get_total_flops()
+            tracker.phase = "optimizer"
+            states_before_step = tracker.categories()
+            if optimizer_step:
+                if masters:
+                    for p, m in zip(params, masters):
+                        g = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+                        tracker.refile(g, GRAD32)
+                        p.grad = None
+                        m.grad = g
+                    opt_params = masters
+                else:
+                    opt_params = params
+                fused = {"fused": True} if training.optimizer != "sgd" else {}
+                if training.optimizer == "sgd":
+                    opt = torch.optim.SGD(opt_params, lr=1e-4, momentum=0.9)
+                elif training.optimizer == "adam":
+                    opt = torch.optim.Adam(opt_params, lr=1e-4, **fused)
+                else:
+                    opt = torch.optim.AdamW(opt_params, lr=1e-4, weight_decay=0.1, **fused)
+                opt.step()
+                if masters:
+                    with torch.no_grad():
+                        for p, m in zip(params, masters):
+                            p.copy_(m)
+            final = tracker.categories()
+        tracker.reset_mod_stats()
+
+    counts = flop_mode.get_flop_counts().get("Global", {})
+    ops = _flash_ops()
+    attn_f = int(counts.get(ops["fwd"], 0))
+    attn_b = int(counts.get(ops["bwd"], 0))
+    gemm = int(sum(v for k, v in counts.items() if k not in (ops["fwd"], ops["bwd"])))
+    flops = {"forward": int(flops_fwd), "backward": int(flops_total - flops_fwd), "total": int(flops_total),
+             "gemm": gemm, "attention_fwd": attn_f, "attention_bwd": attn_b}
+    state_keys = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads", "Optstate": "optimizer",
+                  MASTER: "master_weights", GRAD32: "grads_fp32"}
+    states = {name: int(max(final.get(k, 0), states_before_step.get(k, 0))) for k, name in state_keys.items()}
+    phase_peaks = {k: dict(v) for k, v in tracker.phase_peaks.items() if k != "setup"}
+    peak = max((v["total"] for v in tracker.phase_peaks.values()), default=0)
+    at_peak = dict(tracker.act_peak_snap)
+    at_peak["phase"] = tracker.act_peak_phase  # type: ignore[assignment]
+    return TraceResult(
+        model_name=model_spec.name, source=source, micro_batch_size=b, seq_len=s, precision=precision,
+        checkpointing=granularity, checkpoint_layers=n_ckpt, activation_peak=int(tracker.act_peak),
+        saved_activations=int(saved), peak=int(peak), phase_peaks=phase_peaks, states=states,
+        at_activation_peak=at_peak, flops=flops, parameters=sum(p.numel() for p in params),
+        wall_s=time.perf_counter() - t0, notes=tuple(notes),
+    )
