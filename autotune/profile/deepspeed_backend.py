@@ -143,6 +143,7 @@ class DeepSpeedBackend:
         extra: dict[str, Any] = {
             "log_dir": res.log_dir, "launcher": self.cfg.profile.launcher, "world_size": res.nproc,
             "elapsed_s": round(res.elapsed_s, 3), "device": rank0.get("device"),
+            "launch_id": res.launch_id, "launcher_pid": res.pid,
         }
         extra.update(self.predictions(strategy))
         failed = failure_of(res)

@@ -1,0 +1,231 @@
+"""The deepspeed backend for real: launched process groups, real DeepSpeed engines on the CPU (gloo).
+
+Slow tests (each a few seconds to ~15 s on 2 cores). Fast ones check the pure parts: command
+lines, failure precedence, bounded logs, make_backend without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from autotune.config import load_config
+from autotune.profile.backend import make_backend
+from autotune.profile.launch import LaunchResult, _BoundedPump, alive, build_command, failure_of, launch
+from autotune.strategy import Strategy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "examples", "tiny-cpu.yaml")
+
+
+def tiny_cfg(nproc: int = 1, *, timeout_s: float = 120.0, launcher: str = "torchrun", **training):
+    cfg = load_config(TINY)
+    return dataclasses.replace(
+        cfg, hardware=dataclasses.replace(cfg.hardware, gpus_per_node=nproc),
+        training=dataclasses.replace(cfg.training, **training),
+        profile=dataclasses.replace(cfg.profile, timeout_s=timeout_s, launcher=launcher, warmup_steps=1,
+                                    measure_steps=2))
+
+
+def backend(cfg, tmp_path, **kw):
+    from autotune.profile.deepspeed_backend import DeepSpeedBackend
+
+    return DeepSpeedBackend(cfg, str(tmp_path / "run"), device="cpu", **kw)
+
+
+def script(tmp_path, body: str) -> str:
+    path = tmp_path / "fake_worker.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def assert_nothing_left(m_or_res) -> None:
+    launch_id = getattr(m_or_res, "launch_id", None) or m_or_res.extra["launch_id"]
+    pid = getattr(m_or_res, "pid", None) or m_or_res.extra["launcher_pid"]
+    assert alive(launch_id, pid) == []
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+
+
+# ---------------------------------------------------------------- fast
+
+
+def test_make_backend_deepspeed_does_not_import_torch():
+    code = ("import sys, autotune.cli, autotune.profile.backend as b; from autotune.config import load_config; "
+            f"b.make_backend('deepspeed', load_config({TINY!r}), '/tmp/x'); "
+            "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'heavy import'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_make_backend_unknown_and_replay_without_csv():
+    from autotune.errors import ConfigError
+
+    cfg = load_config(TINY)
+    with pytest.raises(ConfigError, match="unknown backend"):
+        make_backend("magic", cfg, "/tmp/x")
+    with pytest.raises(ConfigError, match="replay_csv"):
+        make_backend("replay", cfg, "/tmp/x")
+
+
+def test_build_command_launchers():
+    cmd = build_command("torchrun", 2, "/j/job.json")
+    assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    assert cmd[-3:] == ["-m", "autotune.profile.launch", "/j/job.json"]
+    ds = build_command("deepspeed", 4, "/j/job.json", master_port=1234)
+    assert ["--num_gpus", "4"] == ds[ds.index("--num_gpus"):ds.index("--num_gpus") + 2]
+    assert ds[ds.index("--hostfile") + 1] == os.devnull  # one node: never /job/hostfile, no ssh
+    multi = build_command("deepspeed", 8, "/j/job.json", num_nodes=2, hostfile="/h", master_addr="n0")
+    assert multi[multi.index("--hostfile") + 1] == "/h" and multi[multi.index("--num_nodes") + 1] == "2"
+    with pytest.raises(ValueError, match="hostfile"):
+        build_command("deepspeed", 8, "/j", num_nodes=2)
+    with pytest.raises(ValueError, match="unknown launcher"):
+        build_command("mpirun", 1, "/j")
+
+
+def _res(**kw) -> LaunchResult:
+    base = dict(nproc=2, returncode=1, timed_out=False, elapsed_s=3.0, log_dir="/x")
+    base.update(kw)
+    return LaunchResult(**base)
+
+
+def test_failure_precedence():
+    ok = {"status": "ok"}
+    assert failure_of(_res(returncode=0, results={0: ok, 1: ok})) is None
+    # a structured OOM beats the timeout it caused on the other rank
+    r = _res(timed_out=True, results={1: {"status": "oom", "phase": "backward", "reason": "OutOfMemoryError: x"}})
+    assert failure_of(r) == ("oom", "rank 1 in backward: OutOfMemoryError: x")
+    # the rank that segfaulted is the cause, not the one the launcher then terminated
+    r = _res(exits={0: {"returncode": -15, "signal": "SIGTERM"}, 1: {"returncode": -11, "signal": "SIGSEGV"}})
+    assert failure_of(r) == ("crash", "rank 1 killed by SIGSEGV before writing a result")
+    r = _res(exits={0: {"returncode": 3, "signal": None}})
+    assert failure_of(r)[1] == "rank 0 exited with status 3 without a result"
+    r = _res(timed_out=True, elapsed_s=7.2, exits={0: {"returncode": -15, "signal": "SIGTERM"}})
+    assert failure_of(r) == ("timeout", "no result after 7 s; process group killed")
+    assert failure_of(_res(returncode=-9))[1] == "launcher killed by SIGKILL; no result from rank(s) 0, 1"
+
+
+def test_bounded_log_keeps_head_and_tail(tmp_path):
+    r, w = os.pipe()
+    pump = _BoundedPump(os.fdopen(r, "rb"), str(tmp_path / "out.log"), 1000)
+    pump.start()
+    with os.fdopen(w, "wb") as fh:
+        fh.write(b"H" * 1000 + b"m" * 50_000 + b"T" * 1000)
+    pump.join(5)
+    data = (tmp_path / "out.log").read_bytes()
+    assert data.startswith(b"H" * 1000) and data.endswith(b"T" * 1000)
+    assert b"[... 50000 bytes truncated by autotune ...]" in data and len(data) < 2100
+
+
+# ---------------------------------------------------------------- slow: real DeepSpeed
+
+
+@pytest.mark.slow
+def test_zero3_two_ranks_full_checkpointing(tmp_path):
+    cfg = tiny_cfg(2)
+    be = backend(cfg, tmp_path)
+    s = Strategy(zero_stage=3, micro_batch_size=2, checkpointing="full", precision="fp32")
+    m = be.evaluate(s, trial_number=7)
+    assert m.status == "ok", m.reason
+    trial = tmp_path / "run" / "trials" / "7"
+    job = json.loads((trial / "job.json").read_text())
+    assert job["deepspeed_config"]["zero_optimization"]["stage"] == 3
+    assert job["deepspeed_config"]["train_batch_size"] == 8  # mbs 2 x GAS 2 x 2 ranks
+    assert m.extra["world_size"] == 2 and len(m.extra["per_rank_peak_bytes"]) == 2
+    assert m.peak_memory_bytes == max(m.extra["per_rank_peak_bytes"]) > 0
+    assert m.extra["gradient_accumulation_steps"] == 2
+    assert m.step_time_s > 0 and m.tokens_per_s_per_gpu == pytest.approx(2 * 64 * 2 / m.step_time_s, rel=1e-6)
+    assert m.mfu is None  # CPU: no GPU peak to compare with
+    assert m.extra["tokens_error_pct"] == pytest.approx(
+        100 * (m.extra["predicted_tokens_per_s_per_gpu"] / m.tokens_per_s_per_gpu - 1), abs=0.01)
+    assert (trial / "logs" / "stderr.log").exists() and (trial / "measurement.json").exists()
+    assert_nothing_left(m)
+
+
+@pytest.mark.slow
+def test_zero1_torchrun_and_zero2_deepspeed_launcher_one_rank(tmp_path):
+    m1 = backend(tiny_cfg(1), tmp_path).evaluate(Strategy(zero_stage=1, micro_batch_size=4, precision="fp32"))
+    assert m1.status == "ok", m1.reason
+    cfg2 = tiny_cfg(1, launcher="deepspeed")
+    m2 = backend(cfg2, tmp_path).evaluate(Strategy(zero_stage=2, micro_batch_size=2, checkpointing="selective",
+                                                   precision="fp32"))
+    assert m2.status == "ok", m2.reason
+    assert m2.extra["launcher"] == "deepspeed"
+    # the trial directories count up and never overwrite each other
+    assert sorted(os.listdir(tmp_path / "run" / "trials")) == ["0", "1"]
+    # twice the micro-batch: more activation memory at the peak (same model, same optimizer state)
+    assert m1.peak_memory_bytes > m2.peak_memory_bytes
+    assert all(v == v for v in m1.extra["losses"])
+
+
+@pytest.mark.slow
+def test_real_out_of_memory_from_address_space_limit(tmp_path):
+    # logits of 16 x 256 x 32000 fp32 = 500 MiB: no room under a 1.5 GiB address-space limit.
+    cfg = tiny_cfg(1, seq_len=256, global_batch_size=16)
+    cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=32000))
+    m = backend(cfg, tmp_path, memory_limit_bytes=3 << 29).evaluate(
+        Strategy(zero_stage=1, micro_batch_size=16, precision="fp32"))
+    assert m.status == "oom", (m.status, m.reason)
+    assert m.extra["oom_phase"] in ("forward", "backward", "optimizer")
+    assert "allocate" in m.reason or "MemoryError" in m.reason
+    assert m.peak_memory_bytes is None and m.tokens_per_s_per_gpu is None
+
+
+@pytest.mark.slow
+def test_nan_loss_is_reported_as_nan(tmp_path):
+    # Adam moves every weight by ~lr per step: with lr 1e30 the next forward overflows to inf/NaN.
+    be = backend(tiny_cfg(1), tmp_path, ds_config_overrides={"optimizer": {"params": {"lr": 1e30}}})
+    m = be.evaluate(Strategy(zero_stage=0, micro_batch_size=4, precision="fp32"))
+    assert m.status == "nan", (m.status, m.reason)
+    assert "non-finite loss" in m.reason
+
+
+@pytest.mark.slow
+def test_crashing_rank_reports_its_signal(tmp_path):
+    entry = script(tmp_path, """
+        import os, signal, time
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(600)   # rank 0 would wait forever for its peer
+    """)
+    t0 = time.monotonic()
+    m = backend(tiny_cfg(2, timeout_s=60), tmp_path, worker_entry=entry).evaluate(Strategy(micro_batch_size=4))
+    assert m.status == "crash", (m.status, m.reason)
+    assert m.reason == "rank 1 killed by SIGSEGV before writing a result"
+    assert time.monotonic() - t0 < 40  # the launcher stopped the survivor; no timeout needed
+    assert_nothing_left(m)
+
+
+@pytest.mark.slow
+def test_hang_is_killed_with_its_whole_process_tree(tmp_path):
+    # The fake worker starts a grandchild in a session of its own (as torchrun does with its
+    # workers), then hangs: neither may survive the timeout.
+    entry = script(tmp_path, """
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        time.sleep(600)
+    """)
+    t0 = time.monotonic()
+    m = backend(tiny_cfg(1, timeout_s=4), tmp_path, worker_entry=entry).evaluate(Strategy(micro_batch_size=8))
+    assert m.status == "timeout", (m.status, m.reason)
+    assert time.monotonic() - t0 < 25
+    assert_nothing_left(m)
+
+
+@pytest.mark.slow
+def test_launch_timeout_kill_on_plain_job(tmp_path):
+    # launch() directly: the result files of an earlier attempt are not read as this one's.
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"result_path": str(tmp_path / "result.json")}))
+    (tmp_path / "result.json").write_text(json.dumps({"status": "ok"}))
+    entry = script(tmp_path, "import time; time.sleep(600)\n")
+    res = launch(str(job), nproc=1, log_dir=str(tmp_path / "logs"), timeout_s=2, worker_entry=entry,
+                 kill_grace_s=2)
+    assert res.timed_out and failure_of(res)[0] == "timeout" and 0 not in res.results
+    assert_nothing_left(res)
