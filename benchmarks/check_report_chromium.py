@@ -61,6 +61,8 @@ def check(run_or_report: str, chromium: Optional[str] = None) -> dict[str, Any]:
     """Render and check; returns {'ok', 'problems', 'console', 'points', 'expected_points', ...}."""
     html_path = run_or_report if run_or_report.endswith(".html") else os.path.join(run_or_report, "report.html")
     run_dir = os.path.dirname(os.path.abspath(html_path))
+    if not os.path.isfile(html_path):
+        raise FileNotFoundError(f"{html_path}: no report.html (autotune show RUN_DIR --report writes it)")
     chromium = chromium or find_chromium()
     if not chromium:
         raise FileNotFoundError("chromium not found (apt-get install -y chromium)")
