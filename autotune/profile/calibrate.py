@@ -1,0 +1,207 @@
+"""The calibration loop: compare every profiled trial with the analytical prediction and re-fit the
+simulator's efficiency parameters from the measured trials.
+
+``Calibrator(cfg, run_dir)``:
+
+* ``add(strategy, measurement)`` records the trial with the prediction made *before* it was
+  measured (memory model peak and simulated tokens/s with the parameters current at that time, so
+  the reported errors are out-of-sample), then re-fits the parameters on every ``ok`` trial so far
+  with ``autotune.calibration.fit_efficiency`` (MAP fit with a prior towards the GPU preset's
+  parameters, or ``initial``);
+* ``current_params()`` is the dict to pass to ``simulate(..., params=...)`` for the candidates not
+  yet profiled;
+* ``report()`` gives per-trial and overall predicted vs measured errors (%);
+* ``save()`` writes ``calibration.json`` in the run directory; ``load_calibration(run_dir)`` reads
+  the parameters back (``--calibration runs/<name>``) and checks they were fitted for the same GPU.
+
+The memory model is not re-fitted (its errors are reported only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from autotune.errors import ConfigError
+from autotune.strategy import Strategy
+
+FILE_NAME = "calibration.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One profiled trial against the prediction made before it ran."""
+
+    strategy: dict
+    status: str
+    predicted_peak_bytes: Optional[int]
+    measured_peak_bytes: Optional[int]
+    memory_error_pct: Optional[float]
+    predicted_tokens_per_s_per_gpu: float
+    measured_tokens_per_s_per_gpu: Optional[float]
+    tokens_error_pct: Optional[float]
+    """100 x (predicted / measured - 1), with the parameters current before this trial."""
+
+
+def _err(pred: Optional[float], meas: Optional[float]) -> Optional[float]:
+    if pred is None or not meas:
+        return None
+    return round(100.0 * (pred / meas - 1.0), 3)
+
+
+def _stats(errs: list[Optional[float]]) -> dict[str, Any]:
+    vals = [abs(e) for e in errs if e is not None]
+    if not vals:
+        return {"n": 0, "median_abs_pct": None, "max_abs_pct": None}
+    return {"n": len(vals), "median_abs_pct": round(statistics.median(vals), 3), "max_abs_pct": round(max(vals), 3)}
+
+
+class Calibrator:
+    """Measured-vs-predicted bookkeeping and simulator re-fitting for one job (one GPU type)."""
+
+    def __init__(self, cfg: Any, run_dir: Optional[str] = None, *, initial: Optional[dict] = None,
+                 min_runs: int = 1, autosave: bool = True) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.initial = dict(initial) if initial else (dict(cfg.hardware.gpu.efficiency)
+                                                      if cfg.hardware.gpu.efficiency else None)
+        """Starting point and prior centre of the fit (None: the GPU's datasheet defaults)."""
+        self.min_runs = min_runs
+        self.autosave = autosave and run_dir is not None
+        self.comparisons: list[Comparison] = []
+        self._runs: list[Any] = []  # autotune.calibration.MeasuredRun of the ok trials
+        self._params: Optional[dict] = None
+
+    # ---------------------------------------------------------------- predictions
+
+    def current_params(self) -> dict:
+        """Efficiency parameters for ``simulate(..., params=...)``: fitted when there are enough
+        measured trials, else the initial / preset ones."""
+        from autotune.simulate import efficiency_params
+
+        if self._params is not None:
+            return dict(self._params)
+        return efficiency_params(self.cfg.hardware.gpu, self.initial)[0]
+
+    @property
+    def fitted(self) -> bool:
+        return self._params is not None
+
+    def predict(self, strategy: Strategy) -> tuple[Optional[int], float]:
+        """(memory model peak bytes or None if that model is unavailable, simulated tokens/s/GPU)."""
+        from autotune.simulate import simulate
+
+        cfg = self.cfg
+        peak = None
+        try:
+            from autotune.memory import estimate_memory
+
+            peak = int(estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy).gpu["peak"])
+        except ImportError:
+            pass
+        tps = simulate(cfg.model, cfg.training, cfg.hardware, strategy, self.current_params()).tokens_per_s_per_gpu
+        return peak, tps
+
+    # ---------------------------------------------------------------- the loop
+
+    def add(self, strategy: Strategy, measurement: Any) -> Comparison:
+        """Record one profiled trial (any status); re-fit when it measured something."""
+        peak, tps = self.predict(strategy)
+        ok = measurement.status == "ok" and measurement.tokens_per_s_per_gpu and \
+            math.isfinite(measurement.tokens_per_s_per_gpu) and measurement.tokens_per_s_per_gpu > 0
+        comp = Comparison(
+            strategy=strategy.as_dict(), status=measurement.status, predicted_peak_bytes=peak,
+            measured_peak_bytes=measurement.peak_memory_bytes if ok else None,
+            memory_error_pct=_err(peak, measurement.peak_memory_bytes) if ok else None,
+            predicted_tokens_per_s_per_gpu=tps,
+            measured_tokens_per_s_per_gpu=measurement.tokens_per_s_per_gpu if ok else None,
+            tokens_error_pct=_err(tps, measurement.tokens_per_s_per_gpu) if ok else None,
+        )
+        self.comparisons.append(comp)
+        if ok:
+            from autotune.calibration import MeasuredRun
+
+            cfg = self.cfg
+            self._runs.append(MeasuredRun(cfg.model, cfg.training, cfg.hardware, strategy,
+                                          float(measurement.tokens_per_s_per_gpu), label=f"trial {len(self.comparisons) - 1}"))
+            if len(self._runs) >= self.min_runs:
+                self.refit()
+        if self.autosave:
+            self.save()
+        return comp
+
+    def refit(self) -> dict:
+        """Fit the efficiency parameters on every measured trial so far."""
+        from autotune.calibration import fit_efficiency
+
+        if not self._runs:
+            raise ValueError("no measured trials to fit")
+        self._params = fit_efficiency(self._runs, self.initial)
+        return dict(self._params)
+
+    # ---------------------------------------------------------------- reports and files
+
+    def report(self) -> dict[str, Any]:
+        """Per-trial comparisons, the out-of-sample errors overall, and the in-sample errors of the
+        final parameters on the measured trials."""
+        from autotune.simulate import simulate
+
+        params = self.current_params()
+        fit_errs = [_err(simulate(r.model, r.training, r.hardware, r.strategy, params).tokens_per_s_per_gpu,
+                         r.tokens_per_s_per_gpu) for r in self._runs]
+        return {
+            "trials": [asdict(c) for c in self.comparisons],
+            "overall": {"memory": _stats([c.memory_error_pct for c in self.comparisons]),
+                        "tokens_per_s": _stats([c.tokens_error_pct for c in self.comparisons]),
+                        "tokens_per_s_after_fit": _stats(fit_errs)},
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        hw = self.cfg.hardware
+        return {"version": FORMAT_VERSION, "gpu": hw.gpu.name, "model": self.cfg.model.name,
+                "gpus_per_node": hw.gpus_per_node, "num_nodes": hw.num_nodes, "fitted": self.fitted,
+                "num_measured": len(self._runs), "params": self.current_params(), "initial": self.initial,
+                **self.report()}
+
+    def save(self, path: Optional[str] = None) -> str:
+        path = path or os.path.join(self.run_dir or ".", FILE_NAME)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.to_json(), fh, indent=1, default=str)
+            fh.write("\n")
+        os.replace(tmp, path)
+        return path
+
+
+def load_calibration(run_dir: str, gpu_name: Optional[str] = None) -> dict:
+    """The fitted parameters saved in ``run_dir/calibration.json`` (or that file itself).
+
+    Raises a one-line ConfigError (path ``--calibration``) when the file is missing or malformed,
+    or was fitted for a different GPU than ``gpu_name``.
+    """
+    path = run_dir if os.path.isfile(run_dir) else os.path.join(run_dir, FILE_NAME)
+    where = "--calibration"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"no {FILE_NAME} in {run_dir} (was it a profiled run?)", path=where) from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"cannot read {path} ({type(err).__name__})", path=where) from None
+    from autotune.simulate import EFFICIENCY_KEYS
+
+    params = data.get("params") if isinstance(data, dict) else None
+    if not isinstance(params, dict) or not all(
+            isinstance(params.get(k), (int, float)) and math.isfinite(params[k]) and params[k] > 0
+            for k in EFFICIENCY_KEYS):
+        raise ConfigError(f"{path} has no valid params (positive numbers for {', '.join(EFFICIENCY_KEYS)})",
+                          path=where)
+    if gpu_name is not None and data.get("gpu") != gpu_name:
+        raise ConfigError(f"{path} was fitted on {data.get('gpu')!r}, but this job runs on {gpu_name!r}", path=where)
+    return {k: float(params[k]) for k in EFFICIENCY_KEYS}
