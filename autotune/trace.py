@@ -329,7 +329,10 @@ def _set_checkpointing(model: Any, source: str, granularity: str, n: int, num_la
     if granularity == "selective":
         raise TraceError("selective checkpointing needs set_checkpointing() (the reference model has it); "
                          "HF models checkpoint whole layers only")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     notes = []
     if n < num_layers:
         layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
@@ -345,9 +348,16 @@ def _set_checkpointing(model: Any, source: str, granularity: str, n: int, num_la
 def _loss(model: Any, ids: Any, labels: Any) -> Any:
     """Forward that returns only the loss, so logits die as early as in a training loop."""
     try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        names = {}
+    if "input_ids" in names and "labels" in names:  # HF-style keyword forward
+        kwargs = {"input_ids": ids, "labels": labels}
+        if "use_cache" in names:
+            kwargs["use_cache"] = False
+        out = model(**kwargs)
+    else:
         out = model(ids, labels)
-    except TypeError:
-        out = model(input_ids=ids, labels=labels)
     if hasattr(out, "loss"):
         return out.loss
     if isinstance(out, dict):
@@ -505,3 +515,122 @@ def trace_memory(
         at_activation_peak=at_peak, flops=flops, parameters=sum(p.numel() for p in params),
         wall_s=time.perf_counter() - t0, notes=tuple(notes),
     )
+
+
+# ------------------------------------------------------------------------------------- cache
+
+
+class TraceCache:
+    """Traces keyed by what changes activations: (micro_batch, checkpointing, checkpoint_layers).
+
+    The model, sequence length, precision, optimizer and model source are part of the key too, so
+    one cache can serve several jobs; ZeRO stage, offload and bucket sizes are not: they change
+    model states and DeepSpeed buffers only, which come from the analytical model in
+    :func:`combine`. A search over N ZeRO/offload variants of one (micro-batch, checkpointing)
+    pair therefore traces once.
+    """
+
+    def __init__(self, tracer: Optional[Callable[..., TraceResult]] = None) -> None:
+        self._tracer = tracer or trace_memory
+        self._store: dict[tuple, TraceResult] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(model_spec: ModelSpec, training: TrainingSpec, strategy: Strategy, *,
+            hf_config: Optional[str] = None, model_factory: Optional[str] = None) -> tuple:
+        granularity, n = _checkpoint_key(strategy, model_spec.num_hidden_layers)
+        return (model_spec, training.seq_len, strategy.precision, training.optimizer, hf_config, model_factory,
+                strategy.micro_batch_size, granularity, n)
+
+    def get(self, model_spec: ModelSpec, training: TrainingSpec, strategy: Strategy, *,
+            hf_config: Optional[str] = None, model_factory: Optional[str] = None) -> TraceResult:
+        key = self.key(model_spec, training, strategy, hf_config=hf_config, model_factory=model_factory)
+        with self._lock:
+            hit = self._store.get(key)
+            if hit is not None:
+                self.hits += 1
+                return hit
+        result = self._tracer(model_spec, training, strategy, hf_config=hf_config, model_factory=model_factory)
+        with self._lock:
+            self.misses += 1
+            return self._store.setdefault(key, result)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+# ------------------------------------------------------------------------------------ combine
+
+ACTIVATION_COMPONENTS = ("activations", "logits")
+"""Analytical GPU components replaced by the trace (MemoryEstimate.gpu keys)."""
+NON_PEAK_COMPONENTS = ("overhead", "peak")
+"""MemoryEstimate.gpu keys that are not part of the allocated peak."""
+
+
+def combine(trace: TraceResult, estimate: Any, *, capacity_bytes: Optional[float] = None) -> tuple[Any, dict]:
+    """A MemoryEstimate whose activations/temporaries come from `trace`, model states and buffers from `estimate`.
+
+    ``gpu["activations"]`` becomes the traced activation + temporary peak over forward and backward
+    (it includes the logits, the fp32 loss upcast and every backward temporary), ``gpu["logits"]``
+    becomes 0 (already inside), and ``gpu["peak"]`` = the analytical model states and DeepSpeed
+    buffers + the traced activation peak. When `capacity_bytes` is given (GPU memory x (1 - headroom)),
+    ``fits``/``reasons`` are re-decided on the combined peak + overhead. Returns the estimate and a
+    provenance dict naming where each component came from.
+    """
+    gpu = dict(estimate.gpu)
+    analytic_act = sum(int(gpu.get(k, 0)) for k in ACTIVATION_COMPONENTS)
+    states = {k: int(v) for k, v in gpu.items() if k not in ACTIVATION_COMPONENTS + NON_PEAK_COMPONENTS}
+    for k in ACTIVATION_COMPONENTS:
+        if k in gpu:
+            gpu[k] = 0
+    gpu["activations"] = int(trace.activation_peak)
+    gpu["peak"] = int(sum(states.values()) + trace.activation_peak)
+    changes: dict[str, Any] = {"gpu": gpu}
+    if capacity_bytes is not None and hasattr(estimate, "fits"):
+        total = gpu["peak"] + int(gpu.get("overhead", 0))
+        fits_gpu = total <= capacity_bytes
+        reasons = [r for r in getattr(estimate, "reasons", []) if "GPU" not in r and "gpu" not in r]
+        if not fits_gpu:
+            reasons.insert(0, f"traced peak {gpu['peak'] / GIB:.2f} GiB + overhead "
+                              f"{int(gpu.get('overhead', 0)) / GIB:.2f} GiB exceeds {capacity_bytes / GIB:.2f} GiB of GPU memory")
+        changes["fits"] = fits_gpu and not reasons
+        if hasattr(estimate, "reasons"):
+            changes["reasons"] = type(estimate.reasons)(reasons) if not isinstance(estimate.reasons, list) else reasons
+    try:
+        combined = dataclasses.replace(estimate, **changes)
+    except (TypeError, ValueError):
+        combined = estimate
+        for k, v in changes.items():
+            setattr(combined, k, v)
+    provenance = {
+        "fidelity": "traced",
+        "traced": {"activations": f"{trace.source} model under FakeTensorMode + MemTracker: peak of activations "
+                                  f"+ temporaries over forward/backward ({trace.at_activation_peak.get('phase', '?')})",
+                   "logits": "included in traced activations"},
+        "analytic": {k: "autotune.memory (model states / DeepSpeed buffers are invisible to a plain trace)"
+                     for k in states},
+        "analytic_activations_bytes": analytic_act,
+        "traced_activations_bytes": int(trace.activation_peak),
+        "traced_saved_activations_bytes": int(trace.saved_activations),
+        "analytic_peak_bytes": int(estimate.gpu.get("peak", 0)),
+        "combined_peak_bytes": gpu["peak"],
+        "trace": {"micro_batch_size": trace.micro_batch_size, "checkpointing": trace.checkpointing,
+                  "checkpoint_layers": trace.checkpoint_layers, "wall_s": round(trace.wall_s, 2),
+                  "flops_per_micro_batch": trace.flops["total"], "notes": list(trace.notes)},
+    }
+    return combined, provenance
+
+
+def traced_estimate(cfg: Any, strategy: Strategy, cache: Optional[TraceCache] = None,
+                    headroom: Optional[float] = None) -> tuple[Any, dict]:
+    """``estimate_memory`` with activations from a trace: what ``autotune estimate --trace`` and
+    ``search: {fidelity: traced}`` call. `cfg` is an :class:`autotune.config.Config`."""
+    from autotune.memory import estimate_memory
+
+    h = cfg.search.headroom if headroom is None else headroom
+    mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy, headroom=h)
+    cache = cache if cache is not None else TraceCache()
+    trace = cache.get(cfg.model, cfg.training, strategy, hf_config=cfg.hf_config, model_factory=cfg.model_factory)
+    return combine(trace, mem, capacity_bytes=cfg.hardware.gpu.memory_bytes * (1 - h))
