@@ -1,6 +1,8 @@
 """The ``replay`` backend: answers trials from a CSV of measured results (same columns as trials.csv).
 
-Rows are matched on the strategy columns (autotune.output.STRATEGY_COLUMNS). A COMPLETE row answers
+Rows are matched on the strategy columns: every Strategy field present in the header (trials.csv
+has all of them but ``param_persistence_threshold``); the core knobs in REQUIRED_COLUMNS must be
+there. A COMPLETE row answers
 ``ok`` with its peak memory, tokens/s, step time and MFU; a FAIL row answers with the status and
 reason in its ``fail_reason`` (``"oom: ..."``); PRUNED rows and rows marked ``duplicate_of`` were
 never measured and are skipped. A strategy with no measured row answers
@@ -11,6 +13,7 @@ wins, so the answers are deterministic.
 from __future__ import annotations
 
 import csv
+import dataclasses
 from typing import Any, Optional
 
 from autotune.errors import ConfigError
@@ -20,13 +23,12 @@ from autotune.strategy import Strategy
 GIB = float(1 << 30)
 _STATUSES = ("oom", "nan", "timeout", "crash", "error")
 _INT_COLUMNS = ("zero_stage", "micro_batch_size", "checkpoint_layers", "reduce_bucket_size", "allgather_bucket_size",
-                "prefetch_bucket_size")
+                "prefetch_bucket_size", "param_persistence_threshold")
 
 
-def _strategy_columns() -> list[str]:
-    from autotune.output import STRATEGY_COLUMNS
-
-    return list(STRATEGY_COLUMNS)
+REQUIRED_COLUMNS = ("zero_stage", "micro_batch_size", "checkpointing", "offload_optimizer", "offload_params",
+                    "precision")
+STRATEGY_FIELDS = tuple(f.name for f in dataclasses.fields(Strategy))
 
 
 def _cell(column: str, raw: Optional[str]) -> Any:
@@ -55,7 +57,7 @@ class ReplayBackend:
     def __init__(self, csv_path: str, cfg: Any = None) -> None:
         self.csv_path = csv_path
         self.cfg = cfg
-        self.columns = _strategy_columns()
+        self.columns: list[str] = list(REQUIRED_COLUMNS)
         self.table: dict[tuple, Measurement] = {}
         self.calls = 0
         self._load()
@@ -68,8 +70,10 @@ class ReplayBackend:
             raise ConfigError(f"cannot read replay table {self.csv_path} ({err.strerror})", path=where) from None
         with fh:
             reader = csv.DictReader(fh)
-            need = [*self.columns, "state", "peak_memory_gib", "tokens_per_s_per_gpu"]
-            missing = [c for c in need if c not in (reader.fieldnames or [])]
+            header = reader.fieldnames or []
+            self.columns = [c for c in STRATEGY_FIELDS if c in header]
+            need = [*REQUIRED_COLUMNS, "state", "peak_memory_gib", "tokens_per_s_per_gpu"]
+            missing = [c for c in need if c not in header]
             if missing:
                 raise ConfigError(f"replay table {self.csv_path} lacks column(s) {', '.join(missing)}", path=where)
             for line, row in enumerate(reader, start=2):
