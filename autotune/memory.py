@@ -1,0 +1,431 @@
+"""Analytical per-GPU memory model of one DeepSpeed training step (pure arithmetic, no torch).
+
+``estimate_memory(model, training, hardware, strategy)`` returns a :class:`MemoryEstimate`: a
+named per-GPU breakdown (bytes), the predicted ``torch.cuda.max_memory_allocated`` of a
+steady-state step (``gpu["peak"]``), the phase where that peak falls, host RAM / NVMe needs of
+offload, and a fits / does-not-fit verdict with reasons.
+
+What is modelled, and where it comes from
+-----------------------------------------
+Model states follow what DeepSpeed 0.19 really allocates (engine.py ``_do_optimizer_sanity_check``
+and ``_configure_optimizer``, zero/stage_1_and_2.py, zero/stage3.py, fp16/*.py), checked against
+allocation traces of real steps (torch.profiler, see benchmarks/memory_vs_deepspeed.py):
+
+* ZeRO-0, fp32: plain optimizer: 4 B params + 4 B grads + 8 B Adam moments per parameter.
+* ZeRO-0, bf16/fp16: ``FP16_Optimizer`` (``FP16_UnfusedOptimizer`` for a client torch optimizer;
+  same bytes): 16-bit params and grads, fp32 master weights, fp32 moments; at the step the
+  16-bit grads are flattened into an fp32 copy. Backward ends with ``allreduce_bucket``, which
+  flattens the gradients (one bucket, at most the whole model) even on one rank.
+* ZeRO-1/2 (``DeepSpeedZeroOptimizer``): full 16-bit (or fp32) params, fp32 master + moments
+  partitioned by the data-parallel size N (a separate fp32 master copy even in fp32 training),
+  two ``reduce_bucket_size`` gradient buffers (``overlap_comm`` double buffering) during backward,
+  the gradient partition (``grads_in_partition``, model dtype, Psi/N), and at the step a
+  flattened copy of that partition plus its fp32 conversion. Stage 1 in DeepSpeed 0.19 uses the
+  same contiguous partitioned gradient path as stage 2 (same bytes).
+* ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): 16-bit param partitions (Psi/N) plus persistent
+  small params (numel <= param_persistence_threshold, kept whole), fetched (all-gathered) params
+  of the blocks in flight, the fp16/bf16 gradient partition buffer, reduce buckets, fp32 master +
+  moments partitions; at the step the fp32 gradient of the sub group.
+* Offload: optimizer -> CPU/NVMe removes master weights, moments and the fp32 gradient from
+  the GPU (host keeps them, plus pinned gradient staging); params -> CPU/NVMe (ZeRO-3) keeps only
+  the fetched working set on the GPU.
+
+Activations follow Korthikanti et al. 2022 (Reducing Activation Recomputation in Large
+Transformer Models, sec. 4) per operation, adapted to the reference decoders of
+``autotune.profile.models`` (which mirror HF Llama / GPT-2): RMSNorm with the fp32 upcast
+(4 + 2p bytes per element), LayerNorm (2p + fp32 mean/rstd), q/k/v sized by GQA, sdpa (flash:
+output + fp32 log-sum-exp, no s^2) vs eager (fp32 softmax + probabilities), SwiGLU (4 tensors
+of width f) vs GELU (2), dropout masks (1 byte) where the spec has dropout, per-block
+checkpointing (full: block input only; selective: attention core recomputed), and the logits:
+the fp32 upcast and log-softmax of the loss, which dominate small models with large
+vocabularies.
+
+The peak is the maximum over three phases: forward end (all saved activations plus the loss
+transients), backward (start: logits gradient; then per block, saved activations still alive
+plus gradients/buckets produced so far plus the recomputation of a checkpointed block), and the
+optimizer step (states plus the step's gradient copies).
+
+Not modelled: tensor/pipeline/sequence parallelism, MoE, pinned-memory fragmentation, the
+caching allocator's block rounding beyond ``hardware.allocator_slack``, NCCL internals (part of
+``cuda_context_gib``), attention dropout under sdpa on CPU (PyTorch's CPU flash kernel has no
+dropout, it falls back to the math kernel with s^2 buffers; on GPU dropout is free).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy, data_parallel_size, default_buckets, validate
+
+GPU_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
+
+GIB = 1 << 30
+
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_DS_ALLREDUCE_BUCKET = 500_000_000
+"""DeepSpeed's default ``allreduce_bucket_size`` (elements), used by ZeRO-0 gradient all-reduce."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU memory of one training step (bytes), where its peak falls, and the verdict."""
+
+    gpu: dict[str, int]
+    """GPU_COMPONENTS plus ``peak`` (predicted max_memory_allocated, overhead excluded)."""
+    peak_phase: str
+    """``forward`` | ``backward`` | ``optimizer``."""
+    cpu_bytes_per_node: int
+    """Host RAM that offload (and its pinned buffers) needs per node."""
+    nvme_bytes_per_node: int
+    """NVMe bytes that ZeRO-Infinity offload needs per node."""
+    fits: bool
+    """Whether peak + overhead fits the GPU (minus headroom) and host RAM / NVMe suffice."""
+    reasons: list[str] = field(default_factory=list)
+    """Why it does not fit, in words."""
+    phases: dict[str, int] = field(default_factory=dict)
+    """Predicted allocated bytes at the peak of each phase (forward/backward/optimizer)."""
+
+    @property
+    def total_gpu_bytes(self) -> int:
+        """Peak plus overhead: what must fit in the GPU."""
+        return self.gpu["peak"] + self.gpu["overhead"]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total_gpu_bytes"] = self.total_gpu_bytes
+        return d
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _partition(n: int, dp: int) -> int:
+    """Elements of one data-parallel partition (DeepSpeed pads to equal partitions)."""
+    return -(-n // dp)
+
+
+# ---------------------------------------------------------------------------------------------
+# activations
+# ---------------------------------------------------------------------------------------------
+
+def _norm_saved(m: ModelSpec, p: int) -> float:
+    """Bytes per token one norm keeps for backward, its output (saved by the next linear) included."""
+    h = m.hidden_size
+    if m.norm == "rmsnorm":
+        # HF LlamaRMSNorm: x.float() (4h), rsqrt (4), h.to(dtype) (p h), weight * h (p h)
+        return 4 * h + 2 * p * h + 4
+    # native_layer_norm saves input (p h), mean and rstd (fp32); output saved by the linear (p h)
+    return 2 * p * h + 8
+
+
+def _attention_core_saved(m: ModelSpec, p: int, s: int, training_dropout: bool) -> float:
+    """Bytes per token the attention core (softmax(QK^T)V) keeps, q/k/v inputs included."""
+    q, kv, a = m.q_size, m.kv_size, m.num_attention_heads
+    if m.attn_implementation == "sdpa":
+        # flash kernels save q, k, v, out and the fp32 log-sum-exp; no s x s matrix.
+        return p * (q + 2 * kv) + p * q + 4 * a
+    rep = a // m.num_key_value_heads
+    kv_eff = q if rep > 1 else kv  # repeat_kv copies are what the matmuls save
+    n = p * q + 2 * p * kv_eff  # q, k (QK^T), v (PV)
+    n += 4 * a * s  # fp32 softmax output
+    if p < 4:
+        n += p * a * s  # probabilities cast back to the model dtype (saved by PV)
+    if training_dropout and m.attention_dropout > 0:
+        n += a * s  # bool dropout mask (dropout output replaces the probs saved by PV)
+    n += p * q  # output (b,a,s,hd) transposed back: contiguous copy saved by o_proj
+    return n
+
+
+def _attention_core_selective(m: ModelSpec, p: int) -> float:
+    """Attention core under selective checkpointing: only its inputs q, k, v and its output."""
+    q, kv = m.q_size, m.kv_size
+    return p * (q + 2 * kv) + p * q
+
+
+def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing: str = "none") -> float:
+    """Bytes per token one block keeps for backward (Korthikanti et al. 2022, per operation)."""
+    h, f = m.hidden_size, m.intermediate_size
+    if checkpointing == "full":
+        return p * h  # the block input saved by the checkpoint
+    n = 2 * _norm_saved(m, p)
+    if checkpointing == "selective":
+        n += _attention_core_selective(m, p)
+    else:
+        n += _attention_core_saved(m, p, s, True)
+    n += (4 if m.gated_mlp else 2) * p * f
+    if m.hidden_dropout > 0:
+        n += 2 * h  # bool masks of the two residual-branch dropouts
+    return n
+
+
+def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str) -> float:
+    """Per-block bytes independent of the micro-batch (eager attention's s x s causal mask)."""
+    if m.attn_implementation == "eager" and checkpointing == "none":
+        return float(s * s)
+    return 0.0
+
+
+def _nonblock_saved_per_token(m: ModelSpec, p: int) -> float:
+    """Final norm, embedding dropout mask and the loss's fp32 log-softmax output (per token)."""
+    n = _norm_saved(m, p) + 4 * m.vocab_size
+    if m.hidden_dropout > 0:
+        n += m.hidden_size
+    return n
+
+
+def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Strategy) -> dict[str, float]:
+    """Saved activations at the end of the forward pass (bytes per GPU) and the loss transients."""
+    m, s, b = model, training.seq_len, strategy.micro_batch_size
+    p = _DTYPE_BYTES[strategy.precision]
+    tokens = b * s
+    L = m.num_hidden_layers
+    n_ck = min(strategy.num_checkpointed(L), L)
+    gran = strategy.checkpointing if n_ck else "none"
+    per_plain = block_activation_bytes_per_token(m, p, s, "none") * tokens + _block_fixed_bytes(m, s, "none")
+    per_ck = block_activation_bytes_per_token(m, p, s, gran) * tokens + _block_fixed_bytes(m, s, gran)
+    blocks = n_ck * per_ck + (L - n_ck) * per_plain
+    rope = 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
+    nonblock = _nonblock_saved_per_token(m, p) * tokens + rope
+    V = m.vocab_size
+    # forward end: logits (model dtype), their fp32 copy and log_softmax's output coexist
+    loss_fwd = (p + 4) * V * tokens if p < 4 else 4 * V * tokens
+    # backward start: nll grad + log_softmax grad (fp32) next to the saved log_softmax output,
+    # then the cast to the model dtype
+    loss_bwd = 8 * V * tokens
+    return {
+        "blocks": blocks,
+        "per_block_plain": per_plain,
+        "per_block_checkpointed": per_ck,
+        "num_checkpointed": n_ck,
+        "granularity": gran,
+        "nonblock": nonblock,
+        "logits_saved": 4 * V * tokens,
+        "loss_forward_transient": loss_fwd,
+        "loss_backward_transient": loss_bwd,
+        "recompute": (per_plain - per_ck) if n_ck else 0.0,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# model states
+# ---------------------------------------------------------------------------------------------
+
+def _largest_block_params(m: ModelSpec) -> int:
+    return max(m.block_params(), m.vocab_size * m.hidden_size)
+
+
+def _persistent_params(m: ModelSpec, threshold: int) -> int:
+    """ZeRO-3 params with numel <= threshold stay whole on every rank (norm weights, biases...)."""
+    d = m.hidden_size
+    sizes: list[int] = []
+    norm = [d] * (2 if (m.norm == "layernorm" and m.bias) else 1)
+    block = norm * 2
+    if m.bias:
+        block += [m.q_size, m.kv_size, m.kv_size, d] + [m.intermediate_size] * (2 if m.gated_mlp else 1) + [d]
+    for t in (d * m.q_size, d * m.kv_size, d * m.kv_size, m.q_size * d):
+        block.append(t)
+    f = m.intermediate_size
+    block += [d * f] * (3 if m.gated_mlp else 2)
+    sizes += block * m.num_hidden_layers
+    sizes += norm + [m.vocab_size * d]
+    if m.position_embedding == "learned":
+        sizes.append(m.max_position_embeddings * d)
+    if not m.tie_word_embeddings:
+        sizes.append(m.vocab_size * d)
+    return sum(n for n in sizes if n <= threshold)
+
+
+@dataclass
+class _States:
+    params: float = 0.0
+    grads: float = 0.0            # gradients held at the end of backward (model dtype)
+    optimizer: float = 0.0        # fp32 master + moments on the GPU
+    buffers_bwd: float = 0.0      # DeepSpeed buffers alive during backward (buckets, live params)
+    buffers_step: float = 0.0     # extra buffers at the optimizer step
+    buffers_fwd: float = 0.0      # extra buffers during forward (ZeRO-3 fetched params)
+    grad_per_block: float = 0.0   # gradient bytes that accumulate per block during backward
+    cpu: float = 0.0              # host bytes per GPU (offload)
+    nvme: float = 0.0             # NVMe bytes per GPU
+
+
+def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy) -> _States:
+    psi = m.num_parameters
+    dp = data_parallel_size(hardware)
+    p = _DTYPE_BYTES[s.precision]
+    k_opt = 8 if training.optimizer in ("adam", "adamw") else 4  # moments (sgd: momentum)
+    out = _States()
+    buckets = default_buckets(m, s)
+    if s.zero_stage == 0:
+        out.params = p * psi
+        out.grads = p * psi
+        master = 4 * psi if p < 4 else 0
+        out.optimizer = (k_opt * psi) + master
+        bucket = min(_DS_ALLREDUCE_BUCKET, psi)
+        out.buffers_bwd = p * bucket  # allreduce_bucket flattens the grads (even on one rank)
+        out.buffers_step = 4 * psi if p < 4 else 0  # flattened fp32 grads
+        out.grad_per_block = p * m.block_params()
+        return out
+    part = _partition(psi, dp)
+    off_opt = s.offload_optimizer != "none"
+    if s.zero_stage in (1, 2):
+        out.params = p * psi
+        bucket = min(buckets["reduce_bucket_size"], psi)
+        out.grads = p * part  # grads_in_partition
+        if off_opt:
+            # CPU keeps fp32 master, moments and the fp32 grad partition; the GPU keeps one
+            # reduce bucket and the 16-bit gradient partition
+            out.optimizer = 0
+            out.buffers_bwd = 2 * p * bucket
+            out.buffers_step = 0
+            host = (4 + k_opt + 4) * part
+        else:
+            out.optimizer = (4 + k_opt) * part
+            out.buffers_bwd = 2 * p * bucket  # ipg double buffer (overlap_comm)
+            fp32_grad = 4 * part if p < 4 else 0
+            out.buffers_step = p * part + max(p * bucket, fp32_grad)
+            host = 0
+        out.grad_per_block = 0
+    else:  # stage 3
+        thr = buckets["param_persistence_threshold"]
+        persist = _persistent_params(m, thr)
+        rb = buckets["reduce_bucket_size"]
+        prefetch = buckets["prefetch_bucket_size"]
+        live = p * min(psi, _largest_block_params(m) + prefetch)
+        off_par = s.offload_params != "none"
+        out.params = (0 if off_par else p * part) + p * persist
+        out.grads = p * part
+        if off_opt:
+            out.optimizer = 0
+            out.buffers_step = 0
+            host = (4 + k_opt + 4) * part
+        else:
+            out.optimizer = (4 + k_opt) * part
+            out.buffers_step = (4 * part if p < 4 else 0) + p * part
+            host = 0
+        out.buffers_fwd = live
+        out.buffers_bwd = live + 2 * p * min(rb, psi)
+        if off_par:
+            host += p * part
+    if s.offload_optimizer == "nvme":
+        out.nvme += host
+        host = 4 * 2 * part  # pinned swap buffers (buffer_count x sub-group staging), approx.
+    if s.offload_params == "nvme":
+        out.nvme += p * part
+    out.cpu = host
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the estimate
+# ---------------------------------------------------------------------------------------------
+
+def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,
+                    *, headroom: float = 0.0) -> MemoryEstimate:
+    """Predict per-GPU peak memory of a steady-state step, host/NVMe needs and the verdict."""
+    m, s = model, strategy
+    p = _DTYPE_BYTES[s.precision]
+    st = _model_states(m, training, hardware, s)
+    act = activation_breakdown(m, training, s)
+    L = m.num_hidden_layers
+    resident = st.params + st.optimizer
+    saved_end = act["blocks"] + act["nonblock"]
+
+    # forward: everything saved plus the loss transient (logits + fp32 copy + log_softmax)
+    fwd = resident + st.buffers_fwd + saved_end - act["logits_saved"] + act["loss_forward_transient"]
+    # backward start: saved activations + the logits gradient (lm_head grad arrives right after)
+    head_grad = p * m.vocab_size * m.hidden_size if s.zero_stage == 0 else 0
+    bwd_start = resident + st.buffers_bwd + saved_end + act["loss_backward_transient"]
+    bwd_head = resident + st.buffers_bwd + saved_end - act["logits_saved"] + head_grad \
+        + p * m.vocab_size * training.seq_len * s.micro_batch_size
+    # backward through the blocks: saved activations shrink while gradients accumulate
+    bwd_blocks = 0.0
+    n_ck = int(act["num_checkpointed"])
+    remaining = act["blocks"]
+    grads = head_grad
+    for i in reversed(range(L)):
+        ck = i < n_ck
+        per = act["per_block_checkpointed"] if ck else act["per_block_plain"]
+        extra = act["recompute"] if ck else 0.0
+        bwd_blocks = max(bwd_blocks, resident + st.buffers_bwd + remaining + extra + grads
+                         + act["nonblock"] - act["logits_saved"])
+        remaining -= per
+        grads += st.grad_per_block
+    bwd_end = resident + st.buffers_bwd + st.grads + (0 if s.zero_stage == 0 else 0)
+    bwd = max(bwd_start, bwd_head, bwd_blocks, bwd_end)
+    opt = resident + st.grads + st.buffers_step
+    phases = {"forward": int(fwd), "backward": int(bwd), "optimizer": int(opt)}
+    peak_phase = max(phases, key=phases.get)
+    peak = phases[peak_phase]
+
+    # the breakdown at the peak (components sum to peak)
+    activations = act["blocks"] + act["nonblock"] - act["logits_saved"]
+    logits_part = {"forward": act["loss_forward_transient"], "backward": act["loss_backward_transient"] + act["logits_saved"],
+                   "optimizer": 0.0}[peak_phase]
+    if peak_phase == "optimizer":
+        activations = 0.0
+    grads_part = {"forward": 0.0, "backward": 0.0, "optimizer": st.grads}[peak_phase]
+    if peak_phase == "backward" and bwd == bwd_end:
+        grads_part = st.grads
+        activations, logits_part = 0.0, 0.0
+    base = st.params + st.optimizer + grads_part + activations + logits_part
+    buffers = max(0.0, peak - base)
+    gpu = {
+        "parameters": int(st.params),
+        "gradients": int(grads_part),
+        "optimizer_states": int(st.optimizer),
+        "activations": int(activations),
+        "logits": int(logits_part),
+        "buffers": int(buffers),
+    }
+    gpu["peak"] = int(peak)
+    gpu["overhead"] = int(hardware.cuda_context_gib * GIB + hardware.allocator_slack * peak)
+    # reorder: GPU_COMPONENTS then peak
+    gpu = {k: gpu[k] for k in GPU_COMPONENTS} | {"peak": gpu["peak"]}
+
+    gpn = hardware.gpus_per_node
+    cpu = int(st.cpu * gpn)
+    nvme = int(st.nvme * gpn)
+    reasons = list(validate(s, m, training, hardware))
+    avail = hardware.gpu.memory_bytes * (1.0 - headroom)
+    total = gpu["peak"] + gpu["overhead"]
+    if total > avail:
+        biggest = max(GPU_COMPONENTS[:-1], key=lambda k: gpu[k])
+        reasons.append(
+            f"peak {_gib(total)} (incl. {_gib(gpu['overhead'])} overhead) > {_gib(avail)} free on "
+            f"{hardware.gpu.name}; largest part: {biggest.replace('_', ' ')} {_gib(gpu[biggest])}"
+        )
+        if gpu[biggest] > avail:
+            reasons.append(f"{biggest.replace('_', ' ')} {_gib(gpu[biggest])} > {_gib(avail)} free")
+    cpu_avail = hardware.cpu_memory_gib * GIB
+    if cpu > cpu_avail:
+        reasons.append(f"offload needs {_gib(cpu)} host RAM per node > {_gib(cpu_avail)} available")
+    if nvme:
+        cap = hardware.nvme.capacity_gib * GIB if hardware.nvme else 0
+        if nvme > cap:
+            reasons.append(f"offload needs {_gib(nvme)} NVMe per node > {_gib(cap)} available")
+    return MemoryEstimate(gpu=gpu, peak_phase=peak_phase, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
+                          fits=not reasons, reasons=reasons, phases=phases)
+
+
+def model_states_bytes(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
+                       strategy: Strategy) -> dict[str, int]:
+    """Model states per GPU as the ZeRO paper counts them (params, grads, fp32 master + moments).
+
+    ``zero_paper`` is the 2 + 2 + K per-parameter rule of Rajbhandari et al. 2020 (Figure 1) with
+    partitioning by stage; ``deepspeed`` additionally holds the fp32 gradient partition that
+    DeepSpeed's own estimator (``estimate_zero2_model_states_mem_needs``) counts.
+    """
+    psi = model.num_parameters
+    dp = data_parallel_size(hardware)
+    p = _DTYPE_BYTES[strategy.precision]
+    k = 12 if p < 4 else 8  # fp32 master + two moments (fp32 training: moments only)
+    z = strategy.zero_stage
+    params = p * psi / (dp if z >= 3 else 1)
+    grads = p * psi / (dp if z >= 2 else 1)
+    opt = k * psi / (dp if z >= 1 else 1)
+    return {"parameters": int(params), "gradients": int(grads), "optimizer_states": int(opt),
+            "total": int(params + grads + opt)}
