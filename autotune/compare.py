@@ -421,10 +421,10 @@ def update_latest(out_dir: str, run_dir: str, config_stem: str, accepted: bool =
     return links
 
 
-def baseline_seeds(baseline_dir: str, space: Any = None, model: Any = None) -> list[Any]:
+def baseline_seeds(baseline_dir: str, cfg: Any = None) -> list[Any]:
     """The baseline front's strategies, recommended point first, then memory ascending: enqueue
-    them so a nightly run re-measures yesterday's front before exploring. With ``space`` and
-    ``model`` given, strategies outside the (possibly changed) space are dropped."""
+    them so a nightly run re-measures yesterday's front before exploring. With the new run's
+    ``cfg``, strategies outside its search space (the space file may have changed) are dropped."""
     import dataclasses
 
     from autotune.strategy import Strategy
@@ -435,6 +435,11 @@ def baseline_seeds(baseline_dir: str, space: Any = None, model: Any = None) -> l
     best = run.best
     if best:
         points.sort(key=lambda p: p["trial"] != best["trial"])
+    space = None
+    if cfg is not None:
+        from autotune.space import load_space
+
+        space = load_space(cfg.search.space, os.path.dirname(os.path.abspath(cfg.path)))
     seeds = []
     for p in points:
         try:
@@ -442,32 +447,24 @@ def baseline_seeds(baseline_dir: str, space: Any = None, model: Any = None) -> l
         except (TypeError, KeyError):
             raise ConfigError(f"front.json has an unreadable strategy at trial {p.get('trial')}",
                               file=os.path.join(baseline_dir, "front.json")) from None
-        if space is not None and model is not None and not _in_space(s, space, model):
+        if space is not None and not in_space(s, space, cfg.model):
             continue
         seeds.append(s)
     return seeds
 
 
-def _in_space(s: Any, space: Any, model: Any) -> bool:
-    from autotune.space import strategy_params
-
-    params = strategy_params(s, space, model)
-    fixed_ok = all(getattr(s, k) == space.choices(k, model)[0] for k in _single_knobs(s, space, model))
-    return fixed_ok and all(v in space.choices(k, model) for k, v in params.items())
-
-
-def _single_knobs(s: Any, space: Any, model: Any) -> list[str]:
+def in_space(strategy: Any, space: Any, model: Any) -> bool:
+    """Whether ``space`` can produce ``strategy`` (every knob's value is one of the space's choices)."""
     from autotune.space import KNOBS
 
-    out = []
     for knob in KNOBS:
-        if knob == "checkpoint_layers" and s.checkpointing == "none":
+        if knob == "checkpoint_layers" and strategy.checkpointing == "none":
             continue
-        if knob.endswith("bucket_size") and space._bucket_values(knob, s.zero_stage) == (None,):
+        if knob.endswith("bucket_size") and space._bucket_values(knob, strategy.zero_stage) == (None,):
             continue
-        if len(space.choices(knob, model)) == 1:
-            out.append(knob)
-    return out
+        if getattr(strategy, knob) not in space.choices(knob, model):
+            return False
+    return True
 
 
 # ---------------------------------------------------------------- parsers

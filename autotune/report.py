@@ -400,15 +400,29 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
             "</head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
 
 
-def write_report(run_dir: str, cfg: Any = None) -> str:
+def write_report(run_dir: str, cfg: Any = None) -> Optional[str]:
     """Write run_dir/report.html and run_dir/front.png from the run's files; returns report.html's path.
-    ``cfg`` (the run's Config, when at hand) gives the exact GPU capacity and headroom."""
+    ``cfg`` (the run's Config, when at hand) gives the exact GPU capacity and headroom. plotly and
+    matplotlib are the optional ``report`` extra: without one of them its file is skipped with a
+    one-line note on stderr (None is returned when report.html could not be written)."""
+    import importlib.util
+    import sys
+
     run = load_run(run_dir)
     capacity, headroom = gpu_capacity(run, cfg)
-    path = os.path.join(run_dir, "report.html")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(render_html(run, capacity, headroom))
-    os.replace(tmp, path)
-    write_front_png(run, os.path.join(run_dir, "front.png"), capacity)
+    path: Optional[str] = os.path.join(run_dir, "report.html")
+    if importlib.util.find_spec("plotly") is None:
+        print("autotune: report.html skipped: plotly is not installed (pip install 'autotune[report]')",
+              file=sys.stderr)
+        path = None
+    else:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(render_html(run, capacity, headroom))
+        os.replace(tmp, path)
+    if importlib.util.find_spec("matplotlib") is None:
+        print("autotune: front.png skipped: matplotlib is not installed (pip install 'autotune[report]')",
+              file=sys.stderr)
+    else:
+        write_front_png(run, os.path.join(run_dir, "front.png"), capacity)
     return path

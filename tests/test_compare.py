@@ -216,7 +216,7 @@ def test_baseline_seeds_are_enqueued_first(runs):
         compare.strategy_key(p["strategy"]) for p in f["front"])
     cfg = load_config(str(runs["tmp"] / "job.yaml"))
     space = load_space(cfg.search.space, str(runs["tmp"]))
-    assert len(compare.baseline_seeds(runs["a100"], space, cfg.model)) == len(seeds)
+    assert compare.baseline_seeds(runs["a100"], cfg) == seeds  # all in the same space
     outcome = run_study(cfg, space, SimulateBackend(cfg.model, cfg.training, cfg.hardware),
                         storage=optuna.storages.InMemoryStorage(), study_name="seeded", n_trials=len(seeds) + 3,
                         seed=0, sampler="nsga2", headroom=0.05, enqueue=seeds)
@@ -226,14 +226,12 @@ def test_baseline_seeds_are_enqueued_first(runs):
 
 def test_baseline_seeds_outside_a_new_space_are_dropped(runs, tmp_path):
     from autotune.config import load_config
-    from autotune.space import load_space
 
-    cfg = load_config(str(runs["tmp"] / "job.yaml"))
-    narrow = tmp_path / "narrow.yaml"
     zero = front(runs["a100"])["best"]["strategy"]["zero_stage"]
-    narrow.write_text(f"zero_stage: [{(zero + 1) % 4}]\nmicro_batch_size: [1, 2]\n")
-    space = load_space(str(narrow))
-    kept = compare.baseline_seeds(runs["a100"], space, cfg.model)
+    (tmp_path / "narrow.yaml").write_text(f"zero_stage: [{(zero + 1) % 4}]\nmicro_batch_size: [1, 2]\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.format(gpu="a100-80gb", space="narrow.yaml", trials=5))
+    kept = compare.baseline_seeds(runs["a100"], load_config(str(job)))
     assert all(s.zero_stage == (zero + 1) % 4 and s.micro_batch_size in (1, 2) for s in kept)
     assert len(kept) < len(compare.baseline_seeds(runs["a100"]))
 
