@@ -247,6 +247,8 @@ def compare_runs(old: RunData, new: RunData, max_regression: float) -> dict[str,
             entry["now"] = {"state": "not tried"}
             not_tried.append(entry)
         left.append(entry)
+    order = {"FAIL": 0, "PRUNED": 1, "not tried": 2}
+    left.sort(key=lambda e: order.get(e["now"]["state"], 3))  # the ones that matter first
     joined = [brief(p) for k, p in new_front.items() if k not in old_front]
     stayed = []
     for key, p in new_front.items():
@@ -292,6 +294,16 @@ def compare_runs(old: RunData, new: RunData, max_regression: float) -> dict[str,
     }
 
 
+LIST_LIMIT = 12
+"""Lines per list in the text output (--json has everything)."""
+
+
+def _capped(items: list, lines: list[str]) -> list:
+    if len(items) > LIST_LIMIT:
+        lines.append(f"  ({len(items) - LIST_LIMIT} more not shown; --json lists all)")
+    return items[:LIST_LIMIT]
+
+
 def format_compare(c: dict[str, Any]) -> str:
     thr = f"{100 * c['max_regression']:g}%"
     lines = [f"compare {c['old']} -> {c['new']}  (max regression {thr})"]
@@ -313,20 +325,24 @@ def format_compare(c: dict[str, Any]) -> str:
     for title, items in (("left the front", c["left_front"]), ("joined the front", c["joined_front"])):
         if items:
             lines.append(f"{title}:")
-            for e in items:
+            tail_lines: list[str] = []
+            for e in _capped(items, tail_lines):
                 now = e.get("now")
                 tail = ""
                 if now:
                     tail = f"  -> now {now['state']}" + (f": {now['reason']}" if now.get("reason") else "")
                 lines.append(f"  {e['peak_memory_gib']:8.2f} GiB {e['tokens_per_s_per_gpu']:>12,.0f} tok/s  "
                              f"{e['strategy_text']}{tail}")
+            lines += tail_lines
     moved = [e for e in c["stayed_on_front"]
              if (e["throughput_change"] or 0) != 0 or (e["memory_change"] or 0) != 0]
     if moved:
         lines.append("kept on the front, re-measured:")
-        for e in moved:
+        tail_lines = []
+        for e in _capped(moved, tail_lines):
             lines.append(f"  throughput {_fmt_pct(e['throughput_change']):>7}, memory {_fmt_pct(e['memory_change']):>7}"
                          f"  {e['strategy_text']}")
+        lines += tail_lines
     if c["regressions"]:
         lines.append("REGRESSION:")
         lines += [f"  - {r}" for r in c["regressions"]]
