@@ -206,3 +206,57 @@ def test_chromium_check_catches_console_errors_and_missing_points(run, tmp_path)
     assert not result["ok"]
     assert any("noSuchFunction" in m for m in result["console"])
     assert result["points"] == 0
+
+
+# ---------------------------------------------------------------- memory snapshots (autotune.snapshot)
+
+def test_oom_note_follows_the_seed_table():
+    from autotune.snapshot import oom_note
+
+    assert oom_note("init").startswith("OOM in init: the model states do not fit") and "ZeRO-3" in oom_note("init")
+    assert "activation checkpointing" in oom_note("forward")
+    assert "gradient accumulation" in oom_note("backward")
+    assert oom_note(None) == "out of memory (phase unknown)"
+
+
+def test_snapshot_module_does_not_import_torch():
+    code = "import sys, autotune.snapshot; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def _cuda():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def test_snapshot_is_a_no_op_without_cuda(tmp_path):
+    if _cuda():
+        pytest.skip("CUDA present: covered by the CUDA test")
+    from autotune.snapshot import memory_snapshot
+
+    with memory_snapshot(str(tmp_path / "s.pickle")) as info:
+        pass
+    assert info["path"] is None and not (tmp_path / "s.pickle").exists()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_snapshot_records_allocations_and_survives_oom(tmp_path):
+    import torch
+
+    from autotune.snapshot import memory_snapshot, summarize
+
+    path = str(tmp_path / "s.pickle")
+    with memory_snapshot(path) as info:
+        x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del x
+    assert info["path"] == path
+    s = summarize(path)
+    assert s["trace_events"] >= 2 and s["segments"] >= 1
+    oom = str(tmp_path / "oom.pickle")
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        with memory_snapshot(oom):
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    assert os.path.isfile(oom)
