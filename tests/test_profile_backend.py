@@ -229,3 +229,21 @@ def test_launch_timeout_kill_on_plain_job(tmp_path):
                  kill_grace_s=2)
     assert res.timed_out and failure_of(res)[0] == "timeout" and 0 not in res.results
     assert_nothing_left(res)
+
+
+@pytest.mark.slow
+def test_results_in_then_teardown_hang_counts_as_measured(tmp_path):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"result_path": str(tmp_path / "result.json")}))
+    entry = script(tmp_path, """
+        import json, sys, time
+        job = json.load(open(sys.argv[1]))
+        open(job["result_path"], "w").write(json.dumps({"status": "ok", "tokens_per_s": 1.0}))
+        time.sleep(600)   # e.g. stuck in destroy_process_group
+    """)
+    t0 = time.monotonic()
+    res = launch(str(job), nproc=1, log_dir=str(tmp_path / "logs"), timeout_s=60, worker_entry=entry,
+                 abort_grace_s=1, kill_grace_s=1)
+    assert time.monotonic() - t0 < 20 and not res.timed_out
+    assert failure_of(res) is None and res.results[0]["status"] == "ok"
+    assert_nothing_left(res)

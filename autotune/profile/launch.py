@@ -93,12 +93,15 @@ def signal_name(code: int) -> str:
 
 
 def failure_of(res: LaunchResult) -> Optional[tuple[str, str]]:
-    """``(status, reason)`` of a failed launch, or None when every rank reported ``ok``.
+    """``(status, reason)`` of a failed launch, or None when every rank reported ``ok`` (even if the
+    processes then hung in teardown and were killed).
 
     Precedence: a structured failure reported by a rank (oom, nan, error: the root cause, even if
     the other ranks then hung or were killed) > a rank that died without a result (crash, reason
     from its exit status) > the timeout > a launcher failure with no rank information.
     """
+    if len(res.results) == res.nproc and all(r.get("status") == "ok" for r in res.results.values()):
+        return None  # every rank measured; a hang or kill during teardown does not void that
     for status in ("oom", "nan", "error"):
         for rank in sorted(res.results):
             r = res.results[rank]
@@ -399,7 +402,7 @@ def launch(job_path: str, *, nproc: int, log_dir: str, timeout_s: float, launche
                 done = _rank_files(result_path, "result", nproc)
                 bad = [r for r, d in done.items() if d.get("status") != "ok"]
                 died = [r for r in _rank_files(result_path, "exit", nproc) if r not in done]
-                if bad or died:
+                if bad or died or len(done) == nproc:  # a failure, or all results in: exit soon
                     failed_since = now
             elif now - failed_since > abort_grace_s:
                 aborted = f"a rank failed and the others did not finish within {abort_grace_s:.0f} s"
