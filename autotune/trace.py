@@ -26,7 +26,10 @@ Traps handled here (see shared/NOTES-cpu.md, "Tracing under FakeTensorMode"):
   CPU flash kernel. The trace therefore routes SDPA through a small custom op whose fake kernel
   has the memory behaviour of FlashAttention-2 on the GPU (saves q, k, v, out and the fp32
   log-sum-exp; Dao 2023, FlashAttention-2, alg. 1/2) and whose FLOPs are torch's own SDPA
-  formulas (``flop_counter.sdpa_flop_count`` / ``sdpa_backward_flop_count``).
+  formulas (``flop_counter.sdpa_flop_count`` / ``sdpa_backward_flop_count``);
+* on CPU, ``F.dropout`` is the unfused at::dropout (its mask is noise in the input dtype, 2 bytes
+  per element in bf16); the trace calls ``torch.native_dropout`` instead, which is what CUDA runs
+  (1-byte bool mask saved for backward).
 
 Importing this module does not import torch; every function imports it lazily.
 """
@@ -206,7 +209,7 @@ def _flash_ops() -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _sdpa_to_flash():
-    """Route ``torch.nn.functional.scaled_dot_product_attention`` to the flash-attention op.
+    """Route ``F.scaled_dot_product_attention`` to the flash-attention op and ``F.dropout`` to native_dropout.
 
     A patch of the module attribute rather than a TorchFunctionMode: the Python mode stack is not
     active while the autograd engine re-runs a non-reentrant checkpoint, so a mode would see the
@@ -224,13 +227,23 @@ def _sdpa_to_flash():
         sc = float(scale) if scale is not None else 1.0 / float(query.shape[-1]) ** 0.5
         return ops["apply"](query, key, value, causal, sc)
 
+    def dropout(input, p=0.5, training=True, inplace=False):
+        # GPU dropout is the fused native_dropout (saves a 1-byte bool mask); on CPU, at::dropout
+        # takes the unfused path (mask = bernoulli noise in the input dtype, 2 bytes in bf16).
+        if not training or p == 0.0:
+            return input
+        out, _mask = torch.native_dropout(input, p, True)
+        return out
+
+    import torch
+
     with _PATCH_LOCK:
-        original = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = sdpa
+        originals = (F.scaled_dot_product_attention, F.dropout)
+        F.scaled_dot_product_attention, F.dropout = sdpa, dropout
         try:
             yield
         finally:
-            F.scaled_dot_product_attention = original
+            F.scaled_dot_product_attention, F.dropout = originals
 
 
 _PATCH_LOCK = threading.Lock()
