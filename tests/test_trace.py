@@ -169,3 +169,23 @@ def test_hf_gpt2_and_llama_from_config(tmp_path):
         # attention forward runs twice per layer: forward + full-checkpoint recompute
         assert r.flops["attention_fwd"] == 2 * 4 * spec.num_hidden_layers * spec.q_size * 64 * 64
         assert r.activation_peak > r.saved_activations > 0
+
+
+def test_traced_estimate_on_the_real_memory_model():
+    from autotune import presets
+    from autotune.config import Config
+    from autotune.memory import MemoryEstimate
+    from autotune.spec import HardwareSpec
+    from autotune.trace import traced_estimate
+
+    cfg = Config(path="job.yaml", model=LLAMA, training=TRAIN,
+                 hardware=HardwareSpec(gpu=presets.gpu_from_name("a100-80gb"), gpus_per_node=2))
+    cache = TraceCache()
+    for stage in (0, 1, 2, 3):
+        mem, prov = traced_estimate(cfg, Strategy(zero_stage=stage, micro_batch_size=2), cache)
+        assert isinstance(mem, MemoryEstimate) and mem.fits
+        assert mem.gpu["peak"] == prov["combined_peak_bytes"] >= mem.phases["optimizer"]
+        if mem.peak_phase != "optimizer":
+            assert mem.gpu["activations"] == prov["traced_activations_bytes"]
+            assert sum(mem.gpu[k] for k in mem.gpu if k not in ("peak", "overhead")) == mem.gpu["peak"]
+    assert (cache.misses, cache.hits) == (1, 3)
