@@ -122,7 +122,7 @@ def _norm_saved(m: ModelSpec, p: int) -> float:
     return 2 * p * h + 8
 
 
-def _attention_core_saved(m: ModelSpec, p: int, s: int, training_dropout: bool) -> float:
+def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int) -> float:
     """Bytes per token the attention core (softmax(QK^T)V) keeps, q/k/v inputs included."""
     q, kv, a = m.q_size, m.kv_size, m.num_attention_heads
     if m.attn_implementation == "sdpa":
@@ -131,11 +131,11 @@ def _attention_core_saved(m: ModelSpec, p: int, s: int, training_dropout: bool) 
     rep = a // m.num_key_value_heads
     kv_eff = q if rep > 1 else kv  # repeat_kv copies are what the matmuls save
     n = p * q + 2 * p * kv_eff  # q, k (QK^T), v (PV)
-    n += 4 * a * s  # fp32 softmax output
-    if p < 4:
+    n += 4 * a * s  # fp32 softmax output (saved by softmax backward)
+    if m.attention_dropout > 0:
+        n += (mask_bytes + p) * a * s  # dropout mask and dropout output (saved by PV)
+    elif p < 4:
         n += p * a * s  # probabilities cast back to the model dtype (saved by PV)
-    if training_dropout and m.attention_dropout > 0:
-        n += a * s  # bool dropout mask (dropout output replaces the probs saved by PV)
     n += p * q  # output (b,a,s,hd) transposed back: contiguous copy saved by o_proj
     return n
 
@@ -146,8 +146,13 @@ def _attention_core_selective(m: ModelSpec, p: int) -> float:
     return p * (q + 2 * kv) + p * q
 
 
-def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing: str = "none") -> float:
-    """Bytes per token one block keeps for backward (Korthikanti et al. 2022, per operation)."""
+def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing: str = "none",
+                                     mask_bytes: int = 1) -> float:
+    """Bytes per token one block keeps for backward (Korthikanti et al. 2022, per operation).
+
+    ``mask_bytes``: bytes per element of a dropout mask (1 on CUDA: bool mask of the fused
+    kernel; the model dtype's size on CPU, whose dropout multiplies by a noise tensor).
+    """
     h, f = m.hidden_size, m.intermediate_size
     if checkpointing == "full":
         return p * h  # the block input saved by the checkpoint
@@ -155,10 +160,10 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     if checkpointing == "selective":
         n += _attention_core_selective(m, p)
     else:
-        n += _attention_core_saved(m, p, s, True)
+        n += _attention_core_saved(m, p, s, mask_bytes)
     n += (4 if m.gated_mlp else 2) * p * f
     if m.hidden_dropout > 0:
-        n += 2 * h  # bool masks of the two residual-branch dropouts
+        n += 2 * mask_bytes * h  # masks of the two residual-branch dropouts
     return n
 
 
@@ -169,27 +174,29 @@ def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str) -> float:
     return 0.0
 
 
-def _nonblock_saved_per_token(m: ModelSpec, p: int) -> float:
+def _nonblock_saved_per_token(m: ModelSpec, p: int, mask_bytes: int = 1) -> float:
     """Final norm, embedding dropout mask and the loss's fp32 log-softmax output (per token)."""
     n = _norm_saved(m, p) + 4 * m.vocab_size
     if m.hidden_dropout > 0:
-        n += m.hidden_size
+        n += mask_bytes * m.hidden_size
     return n
 
 
-def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Strategy) -> dict[str, float]:
+def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Strategy,
+                         device: str = "cuda") -> dict[str, float]:
     """Saved activations at the end of the forward pass (bytes per GPU) and the loss transients."""
     m, s, b = model, training.seq_len, strategy.micro_batch_size
     p = _DTYPE_BYTES[strategy.precision]
+    mb = p if device == "cpu" else 1
     tokens = b * s
     L = m.num_hidden_layers
     n_ck = min(strategy.num_checkpointed(L), L)
     gran = strategy.checkpointing if n_ck else "none"
-    per_plain = block_activation_bytes_per_token(m, p, s, "none") * tokens + _block_fixed_bytes(m, s, "none")
-    per_ck = block_activation_bytes_per_token(m, p, s, gran) * tokens + _block_fixed_bytes(m, s, gran)
+    per_plain = block_activation_bytes_per_token(m, p, s, "none", mb) * tokens + _block_fixed_bytes(m, s, "none")
+    per_ck = block_activation_bytes_per_token(m, p, s, gran, mb) * tokens + _block_fixed_bytes(m, s, gran)
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
     rope = 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
-    nonblock = _nonblock_saved_per_token(m, p) * tokens + rope
+    nonblock = _nonblock_saved_per_token(m, p, mb) * tokens + rope
     V = m.vocab_size
     # forward end: logits (model dtype), their fp32 copy and log_softmax's output coexist
     loss_fwd = (p + 4) * V * tokens if p < 4 else 4 * V * tokens
@@ -324,21 +331,26 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
 # ---------------------------------------------------------------------------------------------
 
 def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,
-                    *, headroom: float = 0.0) -> MemoryEstimate:
-    """Predict per-GPU peak memory of a steady-state step, host/NVMe needs and the verdict."""
+                    *, headroom: float = 0.0, device: str = "cuda") -> MemoryEstimate:
+    """Predict per-GPU peak memory of a steady-state step, host/NVMe needs and the verdict.
+
+    ``device="cpu"`` predicts the same step on DeepSpeed's CPU accelerator (the benchmark's
+    ground truth): only the dropout masks differ (model dtype instead of 1-byte bool).
+    """
     m, s = model, strategy
     p = _DTYPE_BYTES[s.precision]
     st = _model_states(m, training, hardware, s)
-    act = activation_breakdown(m, training, s)
+    act = activation_breakdown(m, training, s, device)
     L = m.num_hidden_layers
     resident = st.params + st.optimizer
     saved_end = act["blocks"] + act["nonblock"]
 
     # forward: everything saved plus the loss transient (logits + fp32 copy + log_softmax)
-    fwd = resident + st.buffers_fwd + saved_end - act["logits_saved"] + act["loss_forward_transient"]
+    fwd = resident + st.buffers_fwd + saved_end + act["loss_forward_transient"]
     # backward start: saved activations + the logits gradient (lm_head grad arrives right after)
     head_grad = p * m.vocab_size * m.hidden_size if s.zero_stage == 0 else 0
-    bwd_start = resident + st.buffers_bwd + saved_end + act["loss_backward_transient"]
+    # (DeepSpeed's gradient buffers appear with the first gradient, after the logits backward)
+    bwd_start = resident + st.buffers_fwd + saved_end + act["loss_backward_transient"]
     bwd_head = resident + st.buffers_bwd + saved_end - act["logits_saved"] + head_grad \
         + p * m.vocab_size * training.seq_len * s.micro_batch_size
     # backward through the blocks: saved activations shrink while gradients accumulate
@@ -411,21 +423,39 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
                           fits=not reasons, reasons=reasons, phases=phases)
 
 
+def zero_model_states(num_parameters: float, dp: int, stage: int, precision: str = "fp16", *,
+                      offload_optimizer: bool = False) -> dict[str, float]:
+    """Model states per GPU by the ZeRO paper's rule, plus DeepSpeed's estimator's count.
+
+    ``parameters``/``gradients``/``optimizer_states``/``total``: Rajbhandari et al. 2020
+    (Figure 1): 2 + 2 + K bytes per parameter (K = 12: fp32 master + two moments; 8 in pure
+    fp32 training with 4-byte params and grads), partitioned by stage (1: optimizer, 2: +grads,
+    3: +params). ``deepspeed``: what ``estimate_zero2/3_model_states_mem_needs`` counts on the
+    GPU (2 + 18/N for ZeRO-2, the extra 4 bytes being the fp32 gradient partition; 18/N for
+    ZeRO-3 without its largest-layer term; with optimizer offload only the 16-bit params).
+    """
+    psi, n = float(num_parameters), dp
+    p = _DTYPE_BYTES[precision]
+    k = 12 if p < 4 else 8
+    params = p * psi / (n if stage >= 3 else 1)
+    grads = p * psi / (n if stage >= 2 else 1)
+    opt = k * psi / (n if stage >= 1 else 1)
+    if offload_optimizer:
+        ds = params
+    else:
+        if stage == 2:
+            ds = params + (p + 4 + k) * psi / n
+        elif stage == 3:  # DeepSpeed counts 18 B/param/N here (16-bit params + grads + K + 2)
+            ds = (2 * p + k + 2) * psi / n
+        else:
+            ds = params + grads + opt
+    return {"parameters": params, "gradients": grads, "optimizer_states": opt, "total": params + grads + opt,
+            "deepspeed": ds}
+
+
 def model_states_bytes(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                        strategy: Strategy) -> dict[str, int]:
-    """Model states per GPU as the ZeRO paper counts them (params, grads, fp32 master + moments).
-
-    ``zero_paper`` is the 2 + 2 + K per-parameter rule of Rajbhandari et al. 2020 (Figure 1) with
-    partitioning by stage; ``deepspeed`` additionally holds the fp32 gradient partition that
-    DeepSpeed's own estimator (``estimate_zero2_model_states_mem_needs``) counts.
-    """
-    psi = model.num_parameters
-    dp = data_parallel_size(hardware)
-    p = _DTYPE_BYTES[strategy.precision]
-    k = 12 if p < 4 else 8  # fp32 master + two moments (fp32 training: moments only)
-    z = strategy.zero_stage
-    params = p * psi / (dp if z >= 3 else 1)
-    grads = p * psi / (dp if z >= 2 else 1)
-    opt = k * psi / (dp if z >= 1 else 1)
-    return {"parameters": int(params), "gradients": int(grads), "optimizer_states": int(opt),
-            "total": int(params + grads + opt)}
+    """:func:`zero_model_states` for a model / strategy (ints, bytes per GPU)."""
+    ms = zero_model_states(model.num_parameters, data_parallel_size(hardware), strategy.zero_stage,
+                           strategy.precision, offload_optimizer=strategy.offload_optimizer != "none")
+    return {k: int(v) for k, v in ms.items()}

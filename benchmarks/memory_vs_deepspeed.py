@@ -111,7 +111,7 @@ def run_row(row: dict, workdir: Path, timeout: float = 300) -> dict:
         out["reason"] = res.get("reason")
         return out
     peaks = res.get("all_ranks", {}).get("peak_allocated_bytes") or [res["peak_allocated_bytes"]]
-    est = estimate_memory(model, training, hardware, strategy)
+    est = estimate_memory(model, training, hardware, strategy, device="cpu")
     out.update(measured=max(peaks), measured_phase=res["peak_phase"], predicted=est.gpu["peak"],
                predicted_phase=est.peak_phase, phases_measured=res["phase_peaks_bytes"], phases_predicted=est.phases,
                optimizer=res["optimizer"])
