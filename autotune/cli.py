@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+from autotune import compare
 from autotune.errors import ConfigError
 
 GIB = float(1 << 30)
@@ -121,12 +122,17 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from autotune.config import load_config
+    from autotune.report import write_report
     from autotune.rundir import open_run
 
     cfg = load_config(args.config)
+    compare.parse_threshold(args.max_regression)  # a bad --max-regression fails before running
+    baseline = compare.resolve_baseline(args.out, args.config, args.baseline)
     run = open_run(cfg, out=args.out, name=args.name, resume=args.resume, storage=args.storage,
                    backend=args.backend, seed=args.seed, trials=args.trials)
-    front = run.execute(progress=not args.json)
+    seeds = compare.baseline_seeds(baseline, cfg) if baseline and not args.resume else None
+    front = run.execute(progress=not args.json, enqueue=seeds)
+    report = write_report(run.run_dir, cfg)
     if args.json:
         print(json.dumps(front, indent=2))
     else:
@@ -134,15 +140,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print(format_front(front))
         print(f"\nfiles: {run.run_dir}/ (front.json, trials.csv, ds_configs/, best.json, summary.md, "
+              f"{'report.html, front.png, ' if report else ''}"
               f"{os.path.basename(run.storage_path) if run.storage_path else 'study in ' + run.storage_url})")
-        if run.interrupted:
-            print(f"interrupted: resume with  autotune run {args.config} --name {run.name} --out {args.out} --resume")
-    return 130 if run.interrupted else 0
+    if run.interrupted:
+        print(f"interrupted: resume with  autotune run {args.config} --name {run.name} --out {args.out} --resume",
+              file=sys.stderr)
+        return 130
+    status = compare.baseline_compare(run.run_dir, baseline, args.max_regression, as_json=args.json) if baseline else 0
+    compare.update_latest(args.out, run.run_dir, compare.config_stem(args.config), accepted=status == 0)
+    return status
 
 
 # ---------------------------------------------------------------- parser / main
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"estimate": cmd_estimate, "run": cmd_run}
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "estimate": cmd_estimate, "run": cmd_run, "show": compare.cmd_show, "compare": compare.cmd_compare}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: a journal file runs/<name>/study.journal)")
     run.add_argument("--seed", type=int, metavar="N", help="sampler seed (default: search.seed)")
     run.add_argument("--json", action="store_true", help="print front.json to stdout instead of the table")
+    run.add_argument("--baseline", metavar="RUN_DIR|latest",
+                     help="nightly retuning: re-measure this run's front first, then compare against it and exit "
+                     "with compare's status (latest: <out>/latest-<config stem>)")
+    run.add_argument("--max-regression", default="5%", metavar="PCT",
+                     help="with --baseline: tolerated loss of the recommended point's tokens/s (default: 5%%)")
+    compare.add_parsers(sub)
     return parser
 
 

@@ -130,7 +130,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
         "space": space.name,
         "metric_names": ["peak_memory_gib", "tokens_per_s_per_gpu"],
         "front": points,
-        "best": on_front and best and next(p for p in points if p["trial"] == best.number),
+        "best": next((p for p in points if best is not None and p["trial"] == best.number), None),
     }
     _write_json(os.path.join(run_dir, "front.json"), front_obj)
     _write_trials_csv(os.path.join(run_dir, "trials.csv"), cfg, rows, on_front)
@@ -154,11 +154,7 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def _fmt(value: Any) -> Any:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return value
+    return "" if value is None else value  # floats keep full precision (replay reads them back)
 
 
 def _write_trials_csv(path: str, cfg: Config, rows: list[TrialRow], on_front: set[int]) -> None:

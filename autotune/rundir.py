@@ -40,7 +40,7 @@ class Run:
     def storage_path(self) -> Optional[str]:
         return None if "://" in self.storage_url else self.storage_url
 
-    def execute(self, progress: bool = True) -> dict[str, Any]:
+    def execute(self, progress: bool = True, enqueue: Optional[list] = None) -> dict[str, Any]:
         """Run (or continue) the study, then write every output; returns front.json's object."""
         from autotune.output import write_outputs
         from autotune.profile.backend import make_backend
@@ -49,7 +49,7 @@ class Run:
 
         space = load_space(self.cfg.search.space, os.path.dirname(os.path.abspath(self.cfg.path)))
         backend = make_backend(self.backend, self.cfg, self.run_dir)
-        from autotune.search import make_storage
+        from autotune.storage import make_storage
 
         bar = _Progress(self.trials) if progress else None
         start = time.perf_counter()
@@ -57,6 +57,7 @@ class Run:
             self.cfg, space, backend, storage=make_storage(self.storage_url), study_name=self.name,
             n_trials=self.trials, seed=self.seed, sampler=self.cfg.search.sampler,
             headroom=self.cfg.search.headroom, resume=self.resume, progress=bar.update if bar else None,
+            enqueue=enqueue,
         )
         if bar:
             bar.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import signal
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -20,6 +21,7 @@ from autotune.pareto import pareto_front
 from autotune.profile.backend import Backend, Measurement
 from autotune.simulate import simulate
 from autotune.space import SearchSpace, strategy_params
+from autotune.storage import make_storage  # noqa: F401  (re-exported for callers of search)
 from autotune.strategy import Strategy
 
 GIB = float(1 << 30)
@@ -66,16 +68,6 @@ def make_sampler(name: str, seed: int) -> Any:
     if name == "gp":
         return optuna.samplers.GPSampler(seed=seed)
     return optuna.samplers.RandomSampler(seed=seed)
-
-
-def make_storage(url: str) -> Any:
-    """An Optuna storage from a URL: RDB URLs (sqlite:///, postgresql://...) or a journal file path."""
-    import optuna
-    from optuna.storages.journal import JournalFileBackend
-
-    if "://" in url:
-        return optuna.storages.RDBStorage(url)
-    return optuna.storages.JournalStorage(JournalFileBackend(url))
 
 
 @dataclass
@@ -135,6 +127,7 @@ def run_study(
     resume: bool = False,
     progress: Optional[Callable[[int, int], None]] = None,
     enqueue: Optional[list[Strategy]] = None,
+    seed_predicted_front: bool = True,
 ) -> StudyOutcome:
     import optuna
     from optuna.trial import TrialState
@@ -154,14 +147,19 @@ def run_study(
             if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
                 cache.setdefault(trial_strategy(t, space, cfg).key(), _Outcome.of(t))
     else:
-        study.set_metric_names(METRIC_NAMES)
+        with warnings.catch_warnings():  # "experimental" since Optuna 3.2, still the API in 5.0
+            warnings.simplefilter("ignore")
+            study.set_metric_names(METRIC_NAMES)
         study.set_user_attr("space", space.path)
         study.set_user_attr("headroom", headroom)
         study.set_user_attr("num_candidates", len(screened))
         study.set_user_attr("num_feasible", sum(s.memory.fits for s in screened))
         # Seed with the analytic front: the whole space was screened in well under a second, so the
         # study starts from the predicted-best points and explores from there.
-        seeds = enqueue if enqueue is not None else [s.strategy for s in predicted_front(screened)]
+        # Caller-given seeds (e.g. a nightly baseline's front) come first.
+        seeds = list(enqueue or [])
+        if seed_predicted_front:
+            seeds += [s.strategy for s in predicted_front(screened)]
         for strategy in seeds[:n_trials]:
             study.enqueue_trial(strategy_params(strategy, space, cfg.model), skip_if_exists=True)
     all_keys = set(by_key)
@@ -192,10 +190,9 @@ class _Outcome:
 
     @classmethod
     def of(cls, trial: Any) -> "_Outcome":
-        cons = trial.system_attrs.get("constraints")
         return cls(trial.number, trial.state, trial.values,
                    {k: v for k, v in trial.user_attrs.items() if k in ("prune_reason", "fail_reason")},
-                   cons[0] if cons else None)
+                   trial.system_attrs.get("constraints:gpu_memory"))
 
 
 def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, backend: Backend, headroom: float,

@@ -60,8 +60,8 @@ class Strategy:
         return dataclasses.asdict(self)
 
     def key(self) -> tuple:
-        """Hashable identity used to detect repeated candidates."""
-        return dataclasses.astuple(self)
+        """Hashable identity used to detect repeated candidates (field values in order)."""
+        return tuple(getattr(self, name) for name in _FIELD_NAMES)
 
     def describe(self, num_layers: Optional[int] = None) -> str:
         """The strategy in words, e.g. ``ZeRO-3, optimizer->cpu, mbs 4, full ckpt 32/32, bf16``."""
@@ -78,7 +78,16 @@ class Strategy:
             of = f" {n}/{num_layers}" if num_layers else (f" {n}" if n is not None else "")
             parts.append(f"{self.checkpointing} ckpt{of}")
         parts.append(self.precision)
+        for name, short in (("reduce_bucket_size", "reduce bucket"), ("allgather_bucket_size", "allgather bucket"),
+                            ("prefetch_bucket_size", "prefetch bucket"),
+                            ("param_persistence_threshold", "persistence threshold")):
+            value = getattr(self, name)
+            if value is not None:
+                parts.append(f"{short} {value:.0e}".replace("e+0", "e"))
         return ", ".join(parts)
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Strategy))
 
 
 def data_parallel_size(hardware: HardwareSpec) -> int:

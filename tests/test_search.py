@@ -1,0 +1,147 @@
+"""`autotune run` on the simulate backend: a real Optuna study on real storage."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import optuna
+import pytest
+
+from autotune.cli import main
+from autotune.config import load_config
+from autotune.pareto import dominates, hypervolume, pareto_front
+from autotune.search import predicted_front, screen
+from autotune.space import load_space
+from autotune.storage import make_storage
+from conftest import EXAMPLES
+
+LLAMA = os.path.join(EXAMPLES, "llama2-7b.yaml")
+LLAMA_1GPU = os.path.join(EXAMPLES, "llama2-7b-1gpu.yaml")
+
+
+def run(args, capsys=None):
+    code = main(["run", *args])
+    return code
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    assert main(["run", LLAMA, "--out", str(out), "--name", "a", "--json"]) == 0
+    return out / "a"
+
+
+def load_front(run_dir):
+    with open(run_dir / "front.json") as fh:
+        return json.load(fh)
+
+
+def test_outputs_written(llama_run):
+    for name in ("study.journal", "run.json", "trials.csv", "front.json", "summary.md", "best.json",
+                 "best_ds_config.json"):
+        assert (llama_run / name).is_file(), name
+    front = load_front(llama_run)
+    assert front["front"], "llama2-7b fits on 8 x A100-80GB with ZeRO"
+    for k, point in enumerate(front["front"]):
+        assert point["ds_config"] == f"ds_configs/{k}.json"
+        ds = json.loads((llama_run / point["ds_config"]).read_text())
+        assert ds["train_micro_batch_size_per_gpu"] == point["strategy"]["micro_batch_size"]
+        assert "--deepspeed ds_configs/" in point["launch"]
+    mems = [p["peak_memory_gib"] for p in front["front"]]
+    assert mems == sorted(mems)
+    best = json.loads((llama_run / "best.json").read_text())
+    assert best["tokens_per_s_per_gpu"] == max(p["tokens_per_s_per_gpu"] for p in front["front"])
+
+
+def test_front_is_true_pareto_front_and_matches_brute_force(llama_run):
+    front = load_front(llama_run)["front"]
+    pts = [(p["peak_memory_gib"], p["tokens_per_s_per_gpu"]) for p in front]
+    assert not any(dominates(a, b) for a in pts for b in pts)
+    # Every completed trial is dominated by (or equal to) some front point.
+    rows = list(csv.DictReader(open(llama_run / "trials.csv")))
+    done = [(float(r["peak_memory_gib"]), float(r["tokens_per_s_per_gpu"])) for r in rows if r["state"] == "COMPLETE"]
+    for p in done:
+        assert any(q == p or dominates(q, p) for q in pts)
+    # Brute force over the whole default space with the same models.
+    cfg = load_config(LLAMA)
+    brute = predicted_front(screen(cfg, load_space("default"), cfg.search.headroom))
+    brute_pts = [(s.memory.gpu["peak"] / 2**30, s.tokens_per_s_per_gpu) for s in brute]
+    ref = (cfg.hardware.gpu.memory_bytes / 2**30, 0.0)
+    assert hypervolume(pts, ref) >= 0.99 * hypervolume(brute_pts, ref)
+    assert {json.dumps(p["strategy"], sort_keys=True) for p in front} == {
+        json.dumps(s.strategy.as_dict(), sort_keys=True) for s in brute}
+
+
+def test_study_is_real_and_consistent(llama_run):
+    meta = json.loads((llama_run / "run.json").read_text())
+    study = optuna.load_study(study_name=meta["name"], storage=make_storage(meta["storage"]))
+    assert study.metric_names == ["peak_memory_gib", "tokens_per_s_per_gpu"]
+    trials = study.get_trials(deepcopy=False)
+    assert len(trials) == 200
+    pruned = [t for t in trials if t.state.name == "PRUNED"]
+    assert pruned and all(t.user_attrs["prune_reason"] for t in pruned)
+    # the memory constraint is set on every trial, and is violated on memory-pruned ones
+    assert all("constraints:gpu_memory" in t.system_attrs for t in trials)
+    assert any(t.system_attrs["constraints:gpu_memory"] > 0 for t in pruned)
+    complete = [t for t in trials if t.state.name == "COMPLETE"]
+    assert all(t.system_attrs["constraints:gpu_memory"] <= 0 for t in complete)
+    # no strategy evaluated twice: repeats carry duplicate_of and reuse the first result
+    rows = list(csv.DictReader(open(llama_run / "trials.csv")))
+    firsts = [r for r in rows if not r["duplicate_of"]]
+    assert len({r["strategy"] + r["reduce_bucket_size"] for r in firsts}) == len(firsts)
+    for r in rows:
+        if r["duplicate_of"]:
+            first = rows[int(r["duplicate_of"])]
+            assert (r["state"], r["tokens_per_s_per_gpu"]) == (first["state"], first["tokens_per_s_per_gpu"])
+    assert study.user_attrs["num_candidates"] >= 1000
+
+
+def test_same_name_is_never_overwritten_and_resume_continues(tmp_path, capsys):
+    out = str(tmp_path)
+    assert main(["run", LLAMA, "--out", out, "--name", "r", "--trials", "15", "--json"]) == 0
+    before = (tmp_path / "r" / "study.journal").stat().st_size
+    assert main(["run", LLAMA, "--out", out, "--name", "r", "--trials", "5"]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert (tmp_path / "r" / "study.journal").stat().st_size == before
+    assert main(["run", LLAMA, "--out", out, "--name", "r", "--trials", "10", "--resume", "--json"]) == 0
+    study = optuna.load_study(study_name="r", storage=make_storage(str(tmp_path / "r" / "study.journal")))
+    assert len(study.trials) == 25
+    assert main(["run", LLAMA, "--out", out, "--name", "nope", "--resume"]) == 2
+
+
+def test_seeded_runs_are_reproducible(tmp_path):
+    fronts = []
+    for name in ("s1", "s2"):
+        assert main(["run", LLAMA, "--out", str(tmp_path), "--name", name, "--trials", "40", "--seed", "3",
+                     "--json"]) == 0
+        rows = list(csv.DictReader(open(tmp_path / name / "trials.csv")))
+        fronts.append([(r["strategy"], r["state"]) for r in rows])
+    assert fronts[0] == fronts[1]
+
+
+def test_seed_examples(tmp_path):
+    """The seed's point: 7B full fine-tuning does not fit one A100-80GB without offload."""
+    cfg = load_config(LLAMA_1GPU)
+    screened = screen(cfg, load_space("default"), cfg.search.headroom)
+    no_offload = [s for s in screened if s.strategy.offload_optimizer == "none" and
+                  s.strategy.offload_params == "none"]
+    assert no_offload and not any(s.memory.fits for s in no_offload)
+    assert all(s.memory.reasons for s in no_offload)
+    offloaded = [s for s in screened if s.memory.fits]
+    assert offloaded and all(s.strategy.offload_optimizer != "none" for s in offloaded)
+    assert any(s.strategy.zero_stage == 3 and s.strategy.offload_params == "cpu" for s in offloaded)
+    # on 8 GPUs, ZeRO without any offload fits
+    cfg8 = load_config(LLAMA)
+    assert any(s.memory.fits and s.strategy.zero_stage > 0 and s.strategy.offload_optimizer == "none"
+               for s in screen(cfg8, load_space("no-offload"), cfg8.search.headroom))
+
+
+def test_simulate_path_does_not_import_torch(tmp_path):
+    code = ("import sys; from autotune.cli import main; "
+            f"rc = main(['run', {LLAMA!r}, '--out', {str(tmp_path)!r}, '--trials', '5', '--json']); "
+            "assert rc == 0; bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
