@@ -129,7 +129,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     compare.parse_threshold(args.max_regression)  # a bad --max-regression fails before running
     baseline = compare.resolve_baseline(args.out, args.config, args.baseline)
     run = open_run(cfg, out=args.out, name=args.name, resume=args.resume, storage=args.storage,
-                   backend=args.backend, seed=args.seed, trials=args.trials)
+                   backend=args.backend, seed=args.seed, trials=args.trials, calibration=args.calibration)
     seeds = compare.baseline_seeds(baseline, cfg) if baseline and not args.resume else None
     front = run.execute(progress=not args.json, enqueue=seeds)
     report = write_report(run.run_dir, cfg)
@@ -180,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="job file (YAML)")
     run.add_argument("--backend", choices=("simulate", "deepspeed", "replay"),
                      help="how survivors are measured (default: the config's profile.backend, else simulate)")
-    run.add_argument("--trials", type=int, metavar="N", help="number of Optuna trials (default: search.trials)")
+    run.add_argument("--trials", type=int, metavar="N",
+                     help="candidates to evaluate with the backend (default: search.trials); pruned candidates and "
+                     "repeats do not count")
     run.add_argument("--out", default="runs", metavar="DIR", help="parent folder of run directories (default: runs)")
     run.add_argument("--name", metavar="NAME", help="run name (default: config stem + UTC timestamp)")
     run.add_argument("--resume", action="store_true", help="continue the study of an existing run --name")
@@ -188,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Optuna storage: an RDB URL (sqlite:///x.db, postgresql://...) or a journal file path "
                      "(default: a journal file runs/<name>/study.journal)")
     run.add_argument("--seed", type=int, metavar="N", help="sampler seed (default: search.seed)")
+    run.add_argument("--calibration", metavar="RUN_DIR",
+                     help="start from the simulator parameters fitted by an earlier profiled run on the same "
+                     "hardware (its calibration.json)")
     run.add_argument("--json", action="store_true", help="print front.json to stdout instead of the table")
     run.add_argument("--baseline", metavar="RUN_DIR|latest",
                      help="nightly retuning: re-measure this run's front first, then compare against it and exit "

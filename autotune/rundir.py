@@ -33,6 +33,8 @@ class Run:
     seed: int
     trials: int
     resume: bool
+    calibration: Optional[str] = None
+    """A run directory (or calibration.json) whose fitted simulator parameters to start from."""
     interrupted: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -48,7 +50,12 @@ class Run:
         from autotune.space import load_space
 
         space = load_space(self.cfg.search.space, os.path.dirname(os.path.abspath(self.cfg.path)))
-        backend = make_backend(self.backend, self.cfg, self.run_dir)
+        params = None
+        if self.calibration:
+            from autotune.profile.calibrate import load_calibration
+
+            params = load_calibration(self.calibration, self.cfg.hardware.gpu.name)
+        backend = make_backend(self.backend, self.cfg, self.run_dir, params)
         from autotune.storage import make_storage
 
         bar = _Progress(self.trials) if progress else None
@@ -57,7 +64,7 @@ class Run:
             self.cfg, space, backend, storage=make_storage(self.storage_url), study_name=self.name,
             n_trials=self.trials, seed=self.seed, sampler=self.cfg.search.sampler,
             headroom=self.cfg.search.headroom, resume=self.resume, progress=bar.update if bar else None,
-            enqueue=enqueue,
+            enqueue=enqueue, params=params, write_through=self.backend not in ("simulate", "replay"),
         )
         if bar:
             bar.close()
@@ -78,7 +85,8 @@ def default_name(config_path: str) -> str:
 
 
 def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storage: Optional[str],
-             backend: Optional[str], seed: Optional[int], trials: Optional[int]) -> Run:
+             backend: Optional[str], seed: Optional[int], trials: Optional[int],
+             calibration: Optional[str] = None) -> Run:
     """Create a new run directory, or reopen one for --resume; refuses to overwrite."""
     if resume and not name:
         raise ConfigError("--resume needs --name of the run to continue", path="--resume")
@@ -108,8 +116,10 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
         backend=backend or cfg.profile.backend,
         seed=cfg.search.seed if seed is None else seed,
         trials=trials or cfg.search.trials, resume=resume, meta=meta,
+        calibration=calibration or meta.get("calibration"),
     )
     meta.update(name=name, config=os.path.abspath(cfg.path), storage=run.storage_url, backend=run.backend,
+                calibration=run.calibration and os.path.abspath(run.calibration),
                 seed=run.seed, space=cfg.search.space, created=meta.get("created") or
                 datetime.now(timezone.utc).isoformat(timespec="seconds"))
     with open(meta_path, "w") as fh:

@@ -39,12 +39,13 @@ class Screened:
     """Simulated throughput (0 when infeasible: not simulated)."""
 
 
-def screen(cfg: Config, space: SearchSpace, headroom: float) -> list[Screened]:
-    """Every candidate of the space through the memory model, and the feasible ones through the simulator."""
+def screen(cfg: Config, space: SearchSpace, headroom: float, params: Optional[dict] = None) -> list[Screened]:
+    """Every candidate of the space through the memory model, and the feasible ones through the
+    simulator (with efficiency ``params`` when given, e.g. from a calibration)."""
     out = []
     for strategy in space.candidates(cfg.model):
         mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy, headroom=headroom)
-        tps = simulate(cfg.model, cfg.training, cfg.hardware, strategy).tokens_per_s_per_gpu if mem.fits else 0.0
+        tps = simulate(cfg.model, cfg.training, cfg.hardware, strategy, params).tokens_per_s_per_gpu if mem.fits else 0.0
         out.append(Screened(strategy, mem, tps))
     return out
 
@@ -113,6 +114,10 @@ def trial_strategy(trial: Any, space: SearchSpace, cfg: Config) -> Strategy:
     return space.suggest(optuna.trial.FixedTrial(trial.params), cfg.model)
 
 
+MAX_ASKS_PER_EVALUATION = 20
+"""Bound on Optuna trials (pruned and repeats included) per evaluation budget unit."""
+
+
 def run_study(
     cfg: Config,
     space: SearchSpace,
@@ -128,17 +133,53 @@ def run_study(
     progress: Optional[Callable[[int, int], None]] = None,
     enqueue: Optional[list[Strategy]] = None,
     seed_predicted_front: bool = True,
+    params: Optional[dict] = None,
+    write_through: bool = True,
 ) -> StudyOutcome:
+    """Run (or continue) the study until ``n_trials`` candidates have been evaluated by the backend.
+
+    Pruned candidates (memory model) and repeats are cheap and do not count against ``n_trials``;
+    at most ``MAX_ASKS_PER_EVALUATION * n_trials`` Optuna trials are asked, and the study stops early
+    once every candidate that fits has been evaluated. ``params`` are simulator efficiency parameters
+    (from ``--calibration``); a backend with a ``calibrator`` re-fits them as measurements arrive,
+    and the re-predicted front's unevaluated points are enqueued.
+
+    ``write_through=False`` (fast backends: simulate, replay) runs the study in memory and appends
+    the finished trials to ``storage`` at the end, also on interruption or error: one journal line
+    per trial instead of ~12, which keeps a 200-evaluation simulate run within seconds. Slow
+    backends write every step through, so a killed run loses at most the trial in flight.
+    """
     import optuna
-    from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    screened = screen(cfg, space, headroom)
-    by_key = {s.strategy.key(): s for s in screened}
+    screened = screen(cfg, space, headroom, params)
     study = optuna.create_study(
         study_name=study_name, storage=storage, directions=DIRECTIONS,
         sampler=make_sampler(sampler, seed), load_if_exists=resume,
     )
+    if write_through:
+        return _run(study, study, cfg, space, backend, screened, n_trials, headroom, resume, progress, enqueue,
+                    seed_predicted_front)
+    persistent = study
+    study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(sampler, seed))
+    known = persistent.get_trials(deepcopy=False) if resume else []
+    study.add_trials([t for t in known if t.state.is_finished()])
+    try:
+        outcome = _run(study, persistent, cfg, space, backend, screened, n_trials, headroom, resume, progress,
+                       enqueue, seed_predicted_front)
+    finally:
+        persistent.add_trials([t for t in study.get_trials(deepcopy=False)[len(known):] if t.state.is_finished()])
+    outcome.study = persistent
+    return outcome
+
+
+def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: Backend, screened: list[Screened],
+         n_trials: int, headroom: float, resume: bool, progress: Optional[Callable[[int, int], None]],
+         enqueue: Optional[list[Strategy]], seed_predicted_front: bool) -> StudyOutcome:
+    """The trial loop on ``study``; study-level attributes go to ``persistent``."""
+    from optuna.trial import TrialState
+
+    by_key = {s.strategy.key(): s for s in screened}
     outcome = StudyOutcome(study=study, screened=screened)
     cache: dict[tuple, _Outcome] = {}  # strategy key -> how its first trial ended
     oom_at: dict[tuple, tuple[int, int]] = {}  # strategy-without-mbs -> (smallest OOM mbs, trial number)
@@ -149,33 +190,55 @@ def run_study(
     else:
         with warnings.catch_warnings():  # "experimental" since Optuna 3.2, still the API in 5.0
             warnings.simplefilter("ignore")
-            study.set_metric_names(METRIC_NAMES)
-        study.set_user_attr("space", space.path)
-        study.set_user_attr("headroom", headroom)
-        study.set_user_attr("num_candidates", len(screened))
-        study.set_user_attr("num_feasible", sum(s.memory.fits for s in screened))
-        # Seed with the analytic front: the whole space was screened in well under a second, so the
-        # study starts from the predicted-best points and explores from there.
-        # Caller-given seeds (e.g. a nightly baseline's front) come first.
+            persistent.set_metric_names(METRIC_NAMES)
+        persistent.set_user_attr("space", space.path)
+        persistent.set_user_attr("headroom", headroom)
+        persistent.set_user_attr("num_candidates", len(screened))
+        persistent.set_user_attr("num_feasible", sum(s.memory.fits for s in screened))
+        # Caller-given seeds (e.g. a nightly baseline's front) come first, then the analytic front:
+        # the whole space was screened in well under a second, so the study starts from the
+        # predicted-best points and explores from there.
         seeds = list(enqueue or [])
         if seed_predicted_front:
             seeds += [s.strategy for s in predicted_front(screened)]
         for strategy in seeds[:n_trials]:
             study.enqueue_trial(strategy_params(strategy, space, cfg.model), skip_if_exists=True)
-    all_keys = set(by_key)
+    feasible = {k for k, s in by_key.items() if s.memory.fits}
+    calibrator = getattr(backend, "calibrator", None)
+    evaluations = asks = 0
     with _StopFlag() as flag:
-        for i in range(n_trials):
-            if flag.stop or (all_keys and all_keys <= cache.keys()):
-                outcome.interrupted = flag.stop
+        while evaluations < n_trials and asks < MAX_ASKS_PER_EVALUATION * n_trials:
+            if flag.stop:
+                outcome.interrupted = True
                 break
+            if feasible <= cache.keys() and (feasible or by_key.keys() <= cache.keys()):
+                break  # everything that fits has been evaluated (or, when nothing fits, seen)
             trial = study.ask()
+            asks += 1
             strategy = space.suggest(trial, cfg.model)
             ended = _evaluate_trial(study, trial, strategy, cfg, backend, headroom, by_key, cache, oom_at)
             cache.setdefault(strategy.key(), ended)
-            if progress:
-                progress(i + 1, n_trials)
+            if ended.measured:
+                evaluations += 1
+                if progress:
+                    progress(evaluations, n_trials)
+                if calibrator is not None and calibrator.fitted:
+                    _enqueue_recalibrated(study, space, cfg, screened, calibrator.current_params(), cache)
     outcome.evaluated = {k: o.number for k, o in cache.items()}
     return outcome
+
+
+def _enqueue_recalibrated(study: Any, space: SearchSpace, cfg: Config, screened: list[Screened],
+                          params: dict, cache: dict) -> None:
+    """Re-predict the feasible candidates with re-fitted simulator parameters and enqueue the
+    predicted-front points that have not been evaluated yet (so the front improves as it runs)."""
+    feasible = [s for s in screened if s.memory.fits]
+    tps = [simulate(cfg.model, cfg.training, cfg.hardware, s.strategy, params).tokens_per_s_per_gpu
+           for s in feasible]
+    for i in pareto_front([(s.memory.gpu["peak"], t) for s, t in zip(feasible, tps)]):
+        strategy = feasible[i].strategy
+        if strategy.key() not in cache:
+            study.enqueue_trial(strategy_params(strategy, space, cfg.model), skip_if_exists=True)
 
 
 @dataclass(frozen=True)
@@ -187,6 +250,8 @@ class _Outcome:
     values: Optional[list[float]] = None
     attrs: dict[str, Any] = field(default_factory=dict)
     constraint: Optional[float] = None
+    measured: bool = False
+    """Whether the backend was called (repeats and pruned candidates are not)."""
 
     @classmethod
     def of(cls, trial: Any) -> "_Outcome":
@@ -200,11 +265,11 @@ def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, bac
     """Finish one asked trial: reuse, prune, or evaluate it; returns how it ended."""
     from optuna.trial import TrialState
 
-    def finish(state: Any, values: Optional[list[float]] = None, **attrs: Any) -> _Outcome:
+    def finish(state: Any, values: Optional[list[float]] = None, measured: bool = False, **attrs: Any) -> _Outcome:
         for name, value in attrs.items():
             trial.set_user_attr(name, value)
         study.tell(trial, values, state=state)
-        return _Outcome(trial.number, state, values, attrs, constraint)
+        return _Outcome(trial.number, state, values, attrs, constraint, measured)
 
     key = strategy.key()
     if key in cache:
@@ -213,7 +278,7 @@ def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, bac
         if constraint is not None:
             trial.set_constraint("gpu_memory", constraint)
         trial.set_user_attr("duplicate_of", first.number)
-        return finish(first.state, first.values, **first.attrs)
+        return finish(first.state, first.values, **first.attrs)  # measured=False: reused
     screened = by_key.get(key)
     mem = screened.memory if screened else estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy,
                                                            headroom=headroom)
@@ -226,15 +291,15 @@ def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, bac
     if no_mbs in oom_at and strategy.micro_batch_size >= oom_at[no_mbs][0]:
         mbs, number = oom_at[no_mbs]
         return finish(TrialState.PRUNED, prune_reason=f"out of memory at micro_batch_size {mbs} (trial {number})")
-    result: Measurement = backend.evaluate(strategy)
+    result: Measurement = backend.evaluate(strategy, trial_number=trial.number)
     trial.set_user_attr("measurement", _json_safe(result.as_dict()))
     if not result.ok:
         if result.status == "oom":
             prev = oom_at.get(no_mbs)
             if prev is None or strategy.micro_batch_size < prev[0]:
                 oom_at[no_mbs] = (strategy.micro_batch_size, trial.number)
-        return finish(TrialState.FAIL, fail_reason=f"{result.status}: {result.reason}".rstrip(": "))
-    return finish(TrialState.COMPLETE, [result.peak_memory_bytes / GIB, result.tokens_per_s_per_gpu])
+        return finish(TrialState.FAIL, measured=True, fail_reason=f"{result.status}: {result.reason}".rstrip(": "))
+    return finish(TrialState.COMPLETE, [result.peak_memory_bytes / GIB, result.tokens_per_s_per_gpu], measured=True)
 
 
 def _json_safe(value: Any) -> Any:

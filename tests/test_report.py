@@ -23,7 +23,7 @@ search: {{space: {space}, trials: {trials}, headroom: 0.05, seed: 1}}
 """
 
 
-def make_run(tmp, name, gpus=8, space="default", trials=40):
+def make_run(tmp, name, gpus=8, space="default", trials=80):
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(JOB.format(gpus=gpus, space=space, trials=trials))
     assert autotune.cli.main(["run", str(cfg), "--out", str(tmp / "runs"), "--name", name, "--json"]) == 0

@@ -44,7 +44,9 @@ class Backend(Protocol):
 
     name: str
 
-    def evaluate(self, strategy: Strategy) -> Measurement: ...
+    def evaluate(self, strategy: Strategy, trial_number: Optional[int] = None) -> Measurement:
+        """Measure one strategy; ``trial_number`` names its log folder where the backend keeps logs."""
+        ...
 
 
 class SimulateBackend:
@@ -56,7 +58,7 @@ class SimulateBackend:
                  params: Optional[dict] = None) -> None:
         self.model, self.training, self.hardware, self.params = model, training, hardware, params
 
-    def evaluate(self, strategy: Strategy) -> Measurement:
+    def evaluate(self, strategy: Strategy, trial_number: Optional[int] = None) -> Measurement:
         from autotune.memory import estimate_memory
         from autotune.simulate import simulate
 
@@ -68,10 +70,13 @@ class SimulateBackend:
                                                "calibrated": sim.calibrated})
 
 
-def make_backend(name: str, cfg: Any, run_dir: str) -> Backend:
-    """The backend named ``name`` for this job (heavy backends are imported only when chosen)."""
+def make_backend(name: str, cfg: Any, run_dir: str, params: Optional[dict] = None) -> Backend:
+    """The backend named ``name`` for this job (heavy backends are imported only when chosen).
+
+    ``params``: simulator efficiency parameters from an earlier calibration (``--calibration``).
+    """
     if name == "simulate":
-        return SimulateBackend(cfg.model, cfg.training, cfg.hardware)
+        return SimulateBackend(cfg.model, cfg.training, cfg.hardware, params)
     from autotune.errors import ConfigError
 
     if name == "replay":
@@ -82,7 +87,10 @@ def make_backend(name: str, cfg: Any, run_dir: str) -> Backend:
         return ReplayBackend(cfg.profile.replay_csv, cfg)
     if name == "deepspeed":
         # Imports only the launcher side here; torch and deepspeed load in the launched workers.
+        from autotune.profile.calibrate import Calibrator
         from autotune.profile.deepspeed_backend import DeepSpeedBackend, default_memory_limit
 
-        return DeepSpeedBackend(cfg, run_dir, memory_limit_bytes=default_memory_limit())
+        calibrator = Calibrator(cfg, run_dir, initial=params)
+        return DeepSpeedBackend(cfg, run_dir, memory_limit_bytes=default_memory_limit(), params=params,
+                                calibrator=calibrator)
     raise ConfigError(f"unknown backend {name!r}; expected simulate, deepspeed or replay", path="profile.backend")
