@@ -5,7 +5,7 @@ on 8 x A100-80GB, default space, by default) is "measured" by the simulate backe
 a trials.csv-shaped CSV. Then, with the replay backend answering from that table:
 
 * tuner: ``autotune.search.run_study`` (NSGA-II, in-memory storage) with the analytic-front seeding
-  (default) and without it (``enqueue=[]``), over several seeds. Cost = profiled trials (calls to
+  (default) and without it (``seed_predicted_front=False``), over several seeds. Cost = profiled trials (calls to
   backend.evaluate: pruned candidates and repeats cost nothing) until the evaluated points reach
   >= 95% of the hypervolume of the table's true front (autotune.pareto.hypervolume, reference
   point: (GPU memory with headroom, 0 tokens/s)). Goal: <= 1.5 x the number of front points.
@@ -194,12 +194,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     exhaustive_order_hit, _ = trials_to_target(pts, hv_true, ref)
     print(f"{'  (same, in screening order: 95% reached at)':<44} {exhaustive_order_hit:>26}")
     summary: dict[str, list] = {}
-    for label, enqueue in (("tuner, seeded with the analytic front", None), ("tuner, no seeding (enqueue=[])", [])):
+    for label, seeded in (("tuner, seeded with the analytic front", True), ("tuner, no seeding", False)):
         hits, fracs, calls = [], [], []
         for seed in range(args.seeds):
             rec = Recording(ReplayBackend(table, cfg))
             run_study(cfg, space, rec, storage=None, study_name=f"cost-{seed}", n_trials=args.trials, seed=seed,
-                      sampler="nsga2", headroom=headroom, enqueue=enqueue)
+                      sampler="nsga2", headroom=headroom, seed_predicted_front=seeded)
             hit, frac = trials_to_target(rec.points, hv_true, ref)
             hits.append(hit)
             fracs.append(frac)
