@@ -73,21 +73,22 @@ def format_estimate(r: dict[str, Any]) -> str:
 
     mem = r["gpu_memory_bytes"]
     total = sum(mem[k] for k in GPU_COMPONENTS) or 1
+    unit, scale = ("GiB", GIB) if mem["peak"] >= GIB / 4 else ("MiB", GIB / 1024)
     lines = [
         f"{r['model']} ({r['num_parameters']:,} parameters) on {r['num_gpus']} x {r['gpu']}",
         f"strategy: {r['strategy_text']} (gradient accumulation {r['gradient_accumulation_steps']})",
         f"FSDP equivalent: {r['fsdp']['sharding_strategy']}",
         "",
-        f"{'component':<18}{'GiB':>10}{'share':>9}",
+        f"{'component':<18}{unit:>10}{'share':>9}",
     ]
     for key in GPU_COMPONENTS:
-        lines.append(f"{key.replace('_', ' '):<18}{mem[key] / GIB:>10.2f}{100 * mem[key] / total:>8.1f}%")
-    lines.append(f"{'peak allocated':<18}{mem['peak'] / GIB:>10.2f}   (in {r['peak_phase']})")
-    lines.append(f"{'GPU capacity':<18}{r['gpu_capacity_bytes'] / GIB:>10.2f}")
+        lines.append(f"{key.replace('_', ' '):<18}{mem[key] / scale:>10.2f}{100 * mem[key] / total:>8.1f}%")
+    lines.append(f"{'peak allocated':<18}{mem['peak'] / scale:>10.2f}   (in {r['peak_phase']})")
+    lines.append(f"{'GPU capacity':<18}{r['gpu_capacity_bytes'] / scale:>10.2f}")
     if r["cpu_memory_bytes"]:
-        lines.append(f"{'CPU RAM / node':<18}{r['cpu_memory_bytes'] / GIB:>10.2f}")
+        lines.append(f"{'CPU RAM / node':<18}{r['cpu_memory_bytes'] / scale:>10.2f}")
     if r["nvme_bytes"]:
-        lines.append(f"{'NVMe / node':<18}{r['nvme_bytes'] / GIB:>10.2f}")
+        lines.append(f"{'NVMe / node':<18}{r['nvme_bytes'] / scale:>10.2f}")
     lines.append("")
     lines.append("verdict: FITS" if r["fits"] else "verdict: DOES NOT FIT")
     lines.extend(f"  - {reason}" for reason in r["reasons"])

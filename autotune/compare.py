@@ -453,9 +453,9 @@ def baseline_seeds(baseline_dir: str, cfg: Any = None) -> list[Any]:
         points.sort(key=lambda p: p["trial"] != best["trial"])
     space = None
     if cfg is not None:
-        from autotune.space import load_space
+        from autotune.space import space_for
 
-        space = load_space(cfg.search.space, os.path.dirname(os.path.abspath(cfg.path)))
+        space = space_for(cfg)
     seeds = []
     for p in points:
         try:

@@ -178,11 +178,13 @@ def _write_trials_csv(path: str, cfg: Config, rows: list[TrialRow], on_front: se
 
 def format_front(front_obj: dict[str, Any]) -> str:
     """The front as a terminal table."""
-    lines = [f"{'#':>3} {'memory GiB':>10} {'tokens/s/GPU':>13} {'MFU':>6}  strategy"]
+    small = all(p["peak_memory_gib"] < 0.25 for p in front_obj["front"])
+    unit, scale = ("MiB", 1024.0) if small else ("GiB", 1.0)
+    lines = [f"{'#':>3} {'memory ' + unit:>10} {'tokens/s/GPU':>13} {'MFU':>6}  strategy"]
     for k, p in enumerate(front_obj["front"]):
         mfu = f"{100 * p['mfu']:.1f}%" if p.get("mfu") is not None else "-"
         star = " *" if front_obj.get("best") and p["trial"] == front_obj["best"]["trial"] else ""
-        lines.append(f"{k:>3} {p['peak_memory_gib']:>10.2f} {p['tokens_per_s_per_gpu']:>13,.0f} {mfu:>6}  "
+        lines.append(f"{k:>3} {p['peak_memory_gib'] * scale:>10.2f} {p['tokens_per_s_per_gpu']:>13,.0f} {mfu:>6}  "
                      f"{p['strategy_text']}{star}")
     if not front_obj["front"]:
         lines.append("    (empty: no candidate fits; see the prune reasons in trials.csv)")

@@ -47,9 +47,9 @@ class Run:
         from autotune.output import write_outputs
         from autotune.profile.backend import make_backend
         from autotune.search import run_study
-        from autotune.space import load_space
+        from autotune.space import space_for
 
-        space = load_space(self.cfg.search.space, os.path.dirname(os.path.abspath(self.cfg.path)))
+        space = space_for(self.cfg)
         params = None
         if self.calibration:
             from autotune.profile.calibrate import load_calibration

@@ -43,6 +43,7 @@ class SearchSpace:
     checkpoint_layers: tuple[Any, ...] = ("all",)
     """Absolute block counts (ints), or ("fractions", f1, f2, ...), or ("all",)."""
     precision: tuple[str, ...] = ("bf16",)
+    """Omitted in the file: the job's training.precision (see load_space)."""
     reduce_bucket_size: tuple[Optional[int], ...] = (None,)
     allgather_bucket_size: tuple[Optional[int], ...] = (None,)
     prefetch_bucket_size: tuple[Optional[int], ...] = (None,)
@@ -122,12 +123,19 @@ def resolve_space_path(name_or_path: str, base_dir: str = ".") -> str:
                       path="search.space")
 
 
-def load_space(name_or_path: str, base_dir: str = ".") -> SearchSpace:
+def load_space(name_or_path: str, base_dir: str = ".", precision: str = "bf16") -> SearchSpace:
+    """Load a space; ``precision`` fills the precision knob when the file does not list it."""
     path = resolve_space_path(name_or_path, base_dir)
     try:
-        return _parse(read_yaml(path), path)
+        return _parse(read_yaml(path), path, precision)
     except ConfigError as err:
         raise err.in_file(path) from None
+
+
+def space_for(cfg: Any) -> SearchSpace:
+    """The search space a job file names (resolved next to the file), at the job's precision
+    unless the space lists precisions itself."""
+    return load_space(cfg.search.space, os.path.dirname(os.path.abspath(cfg.path)), cfg.training.precision)
 
 
 def _values(check: Any, *, integer_range: bool = False, allow_auto: bool = False) -> Any:
@@ -195,10 +203,11 @@ SPACE_SCHEMA = {
 }
 
 
-def _parse(raw: Any, path: str) -> SearchSpace:
+def _parse(raw: Any, path: str, precision: str) -> SearchSpace:
     if raw is None:
         raise ConfigError("empty search space; expected a mapping of knob -> values")
     mapping(raw, "")
     section = check_section(raw, "", SPACE_SCHEMA)
+    section.setdefault("precision", (precision,))
     name = os.path.splitext(os.path.basename(path))[0]
     return SearchSpace(name=name, path=path, **section)
