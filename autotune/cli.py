@@ -34,13 +34,19 @@ _FLAG_KEYS = ("zero_stage", "micro_batch_size", "checkpointing", "checkpoint_lay
               "offload_optimizer", "offload_params", "precision")
 
 
-def estimate_report(cfg: Any, strategy: Any) -> dict[str, Any]:
+def estimate_report(cfg: Any, strategy: Any, trace: bool = False) -> dict[str, Any]:
     """Everything ``autotune estimate --json`` prints, as one JSON-able dict."""
     from autotune.memory import estimate_memory
     from autotune.simulate import simulate
     from autotune.strategy import fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
 
-    mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy, headroom=cfg.search.headroom)
+    provenance = None
+    if trace:
+        from autotune.trace import traced_estimate
+
+        mem, provenance = traced_estimate(cfg, strategy)
+    else:
+        mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy, headroom=cfg.search.headroom)
     sim = simulate(cfg.model, cfg.training, cfg.hardware, strategy)
     return {
         "config": cfg.path,
@@ -65,6 +71,8 @@ def estimate_report(cfg: Any, strategy: Any) -> dict[str, Any]:
         "calibrated": sim.calibrated,
         "fsdp": fsdp_equivalent(strategy, cfg.hardware),
         "deepspeed_config": to_deepspeed_config(strategy, cfg.model, cfg.training, cfg.hardware),
+        "memory_fidelity": "traced" if trace else "analytic",
+        **({"memory_provenance": provenance} if provenance else {}),
     }
 
 
@@ -89,6 +97,10 @@ def format_estimate(r: dict[str, Any]) -> str:
         lines.append(f"{'CPU RAM / node':<18}{r['cpu_memory_bytes'] / scale:>10.2f}")
     if r["nvme_bytes"]:
         lines.append(f"{'NVMe / node':<18}{r['nvme_bytes'] / scale:>10.2f}")
+    if r.get("memory_provenance"):
+        prov = r["memory_provenance"]
+        lines.append(f"memory sources: traced ({', '.join(prov.get('traced', {}))}); "
+                     f"analytic ({', '.join(k for k in prov.get('analytic', {}) if k in GPU_COMPONENTS)})")
     lines.append("")
     lines.append("verdict: FITS" if r["fits"] else "verdict: DOES NOT FIT")
     lines.extend(f"  - {reason}" for reason in r["reasons"])
@@ -111,7 +123,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     except ConfigError as err:
         flag = "--" + (err.path or "").replace("_", "-")
         raise ConfigError(err.message, file=args.config, path=flag if err.path in overrides else f"strategy.{err.path}")
-    report = estimate_report(cfg, strategy)
+    report = estimate_report(cfg, strategy, trace=args.trace)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -171,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "with reasons, the simulated step time, and the DeepSpeed config of one strategy.")
     est.add_argument("config", help="job file (YAML: model, training, hardware sections)")
     _add_strategy_flags(est)
+    est.add_argument("--trace", action="store_true",
+                     help="take activations from a FakeTensorMode trace of the real model on the CPU (allocates "
+                     "nothing; needs torch) and combine them with the analytical model states and buffers")
     est.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
     run = sub.add_parser("run", help="search the strategy space with Optuna and write the Pareto front",

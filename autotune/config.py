@@ -41,6 +41,12 @@ class SearchSection:
     """Fraction of GPU memory kept free when deciding whether a candidate fits."""
     seed: int = 0
     """Sampler seed, for reproducible studies."""
+    fidelity: Literal["analytic", "traced"] = "analytic"
+    """Memory screening: analytic formulas, or activations traced from the real nn.Module under
+    FakeTensorMode (one trace per micro-batch x checkpointing pair; needs torch)."""
+    trace_near_limit: float = 0.0
+    """In analytic mode, trace the candidates whose predicted peak is within this fraction of the
+    usable GPU memory (0 = never)."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +256,8 @@ SEARCH_SCHEMA: dict[str, Checker] = {
     "sampler": choice(*SAMPLERS),
     "headroom": float_(0.0, 0.9),
     "seed": int_(0, 2**31 - 1),
+    "fidelity": choice("analytic", "traced"),
+    "trace_near_limit": float_(0.0, 1.0),
 }
 
 PROFILE_SCHEMA: dict[str, Checker] = {

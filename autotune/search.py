@@ -41,13 +41,42 @@ class Screened:
 
 def screen(cfg: Config, space: SearchSpace, headroom: float, params: Optional[dict] = None) -> list[Screened]:
     """Every candidate of the space through the memory model, and the feasible ones through the
-    simulator (with efficiency ``params`` when given, e.g. from a calibration)."""
+    simulator (with efficiency ``params`` when given, e.g. from a calibration).
+
+    With ``search.fidelity: traced`` every candidate's activations come from a FakeTensorMode trace
+    of the real model (autotune.trace; one trace per micro-batch x checkpointing pair, reused across
+    ZeRO stages and offload); with ``search.trace_near_limit`` only those within that fraction of
+    the usable memory are traced.
+    """
+    traced = _tracer(cfg, headroom)
+    capacity = cfg.hardware.gpu.memory_bytes * (1 - headroom)
+    near = cfg.search.trace_near_limit * capacity
     out = []
     for strategy in space.candidates(cfg.model):
         mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy, headroom=headroom)
+        if traced and (cfg.search.fidelity == "traced" or
+                       abs(mem.gpu["peak"] + mem.gpu["overhead"] - capacity) <= near):
+            mem = traced(strategy)
         tps = simulate(cfg.model, cfg.training, cfg.hardware, strategy, params).tokens_per_s_per_gpu if mem.fits else 0.0
         out.append(Screened(strategy, mem, tps))
     return out
+
+
+def _tracer(cfg: Config, headroom: float) -> Optional[Callable[[Strategy], MemoryEstimate]]:
+    """A function tracing one strategy (with a shared cache), or None when tracing is off."""
+    if cfg.search.fidelity != "traced" and cfg.search.trace_near_limit <= 0:
+        return None
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        from autotune.errors import ConfigError
+
+        raise ConfigError("traced memory needs torch: pip install torch==2.13.0 -e '.[profile]'",
+                          path="search.fidelity") from None
+    from autotune.trace import TraceCache, traced_estimate
+
+    cache = TraceCache()
+    return lambda strategy: traced_estimate(cfg, strategy, cache, headroom=headroom)[0]
 
 
 def predicted_front(screened: list[Screened]) -> list[Screened]:

@@ -189,3 +189,31 @@ def test_traced_estimate_on_the_real_memory_model():
             assert mem.gpu["activations"] == prov["traced_activations_bytes"]
             assert sum(mem.gpu[k] for k in mem.gpu if k not in ("peak", "overhead")) == mem.gpu["peak"]
     assert (cache.misses, cache.hits) == (1, 3)
+
+
+def test_cli_estimate_trace_and_traced_search(tmp_path, capsys):
+    """`estimate --trace` and `search: {fidelity: traced}` go through the trace (tiny model)."""
+    import json as _json
+
+    from autotune.cli import main
+    from autotune.config import load_config
+    from autotune.search import screen
+    from autotune.space import load_space
+
+    job = tmp_path / "tiny.yaml"
+    job.write_text("model: {preset: tiny-llama}\ntraining: {seq_len: 64, global_batch_size: 4, precision: bf16}\n"
+                   "hardware: {gpu: a100-80gb, gpus_per_node: 1}\n"
+                   "search: {fidelity: traced}\n")
+    assert main(["estimate", str(job), "--trace", "--json"]) == 0
+    out = _json.loads(capsys.readouterr().out)
+    assert out["memory_fidelity"] == "traced"
+    assert out["memory_provenance"]["traced_activations_bytes"] > 0
+    space = tmp_path / "s.yaml"
+    space.write_text("zero_stage: [0, 2]\nmicro_batch_size: [1, 2]\ncheckpointing: [none, full]\n")
+    cfg = load_config(str(job))
+    screened = screen(cfg, load_space(str(space)), 0.05)
+    assert len(screened) == 8 and all(s.memory.fits for s in screened)
+    # same (mbs, ckpt) pair across ZeRO stages -> same traced activations
+    acts = {(s.strategy.micro_batch_size, s.strategy.checkpointing, s.strategy.zero_stage):
+            s.memory.gpu["activations"] for s in screened}
+    assert acts[(2, "none", 0)] == acts[(2, "none", 2)] > acts[(2, "full", 0)]
