@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal, Optional
 
@@ -92,6 +93,23 @@ class Config:
 Checker = Callable[[Any, str], Any]
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 80, 80, 40
+
+
+def show(value: Any) -> str:
+    """A bounded repr for error messages: YAML alias bombs and huge values print in O(1)."""
+    try:
+        return _REPR.repr(value)
+    except Exception:  # pragma: no cover - exotic objects from YAML tags are rejected earlier
+        return f"<{type(value).__name__}>"
+
+
+def key_name(key: Any) -> str:
+    """A key as it appears in a key path: printable keys as they are, others escaped (one line)."""
+    return key if isinstance(key, str) and key.isprintable() and len(key) <= 80 else show(key)
+
+
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
@@ -102,7 +120,7 @@ def int_(low: int = 1, high: int = MAX_INT) -> Checker:
             if isinstance(value, float) and value.is_integer() and abs(value) < MAX_INT:
                 value = int(value)
             else:
-                raise ConfigError(f"expected an integer, but got {_type_name(value)} {value!r}"[:200], path=path)
+                raise ConfigError(f"expected an integer, but got {_type_name(value)} {show(value)}"[:200], path=path)
         if not low <= value <= high:
             raise ConfigError(f"expected an integer in [{low}, {high}], but got {value}", path=path)
         return value
@@ -113,7 +131,7 @@ def int_(low: int = 1, high: int = MAX_INT) -> Checker:
 def float_(low: float = 0.0, high: float = 1e18, *, low_open: bool = False) -> Checker:
     def check(value: Any, path: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"expected a number, but got {_type_name(value)} {value!r}"[:200], path=path)
+            raise ConfigError(f"expected a number, but got {_type_name(value)} {show(value)}"[:200], path=path)
         value = float(value)
         if math.isnan(value) or math.isinf(value):
             raise ConfigError(f"expected a finite number, but got {value}", path=path)
@@ -127,13 +145,13 @@ def float_(low: float = 0.0, high: float = 1e18, *, low_open: bool = False) -> C
 
 def bool_(value: Any, path: str) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"expected true or false, but got {_type_name(value)} {value!r}"[:200], path=path)
+        raise ConfigError(f"expected true or false, but got {_type_name(value)} {show(value)}"[:200], path=path)
     return value
 
 
 def str_(value: Any, path: str) -> str:
     if not isinstance(value, str) or not value or len(value) > 4096 or "\x00" in value:
-        raise ConfigError(f"expected a non-empty string, but got {_type_name(value)} {value!r}"[:200], path=path)
+        raise ConfigError(f"expected a non-empty string, but got {_type_name(value)} {show(value)}"[:200], path=path)
     return value
 
 
@@ -142,7 +160,7 @@ def choice(*options: Any) -> Checker:
         # bool/int mix-ups (True == 1) are rejected by comparing types too.
         if not any(value == o and type(value) is type(o) for o in options):
             shown = ", ".join(str(o) for o in options)
-            raise ConfigError(f"expected one of {shown}, but got {value!r}"[:200], path=path)
+            raise ConfigError(f"expected one of {shown}, but got {show(value)}"[:200], path=path)
         return value
 
     return check
@@ -157,7 +175,7 @@ def mapping(value: Any, path: str) -> dict:
         raise ConfigError(f"expected a mapping, but got {_type_name(value)}", path=path or None)
     for key in value:
         if not isinstance(key, str):
-            raise ConfigError(f"keys must be strings, but got {_type_name(key)} {key!r}"[:200], path=path or None)
+            raise ConfigError(f"keys must be strings, but got {_type_name(key)} {show(key)}"[:200], path=path or None)
     return value
 
 
@@ -166,10 +184,10 @@ def check_section(raw: Any, path: str, schema: dict[str, Checker]) -> dict[str, 
     raw = mapping(raw, path)
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        sub = f"{path}.{key}" if path else key
+        sub = f"{path}.{key_name(key)}" if path else key_name(key)
         if key not in schema:
             allowed = ", ".join(sorted(schema))
-            raise ConfigError(f"unknown key {key!r}; expected one of: {allowed}"[:400], path=sub)
+            raise ConfigError(f"unknown key {show(key)}; expected one of: {allowed}"[:400], path=sub)
         out[key] = schema[key](value, sub)
     return out
 
@@ -302,6 +320,8 @@ def read_yaml(path: str) -> Any:
         raise ConfigError(f"malformed YAML{where}: {problem}", file=path) from None
     except RecursionError:
         raise ConfigError("malformed YAML: nesting too deep", file=path) from None
+    except (ValueError, TypeError, OverflowError) as err:  # e.g. an integer of > 4300 digits
+        raise ConfigError(f"malformed YAML: {show(str(err))}", file=path) from None
 
 
 def load_config(path: str) -> Config:
@@ -319,7 +339,8 @@ def _load(path: str) -> Config:
     top = mapping(raw, "")
     for key in top:
         if key not in TOP_SCHEMA:
-            raise ConfigError(f"unknown section {key!r}; expected one of: {', '.join(TOP_SCHEMA)}"[:300], path=key)
+            raise ConfigError(f"unknown section {show(key)}; expected one of: {', '.join(TOP_SCHEMA)}"[:300],
+                              path=key_name(key))
     for required in ("model", "training", "hardware"):
         if required not in top:
             raise ConfigError(f"missing required section {required!r}", path=required)
@@ -357,7 +378,7 @@ def _model(raw: Any, base_dir: str) -> tuple[ModelSpec, Optional[str], Optional[
     if preset and hf:
         raise ConfigError("give either preset or hf_config, not both", path="model.hf_config")
     if factory is not None and (":" not in factory or not all(part.strip() for part in factory.split(":", 1))):
-        raise ConfigError(f"expected 'package.module:function', but got {factory!r}"[:200], path="model.python")
+        raise ConfigError(f"expected 'package.module:function', but got {show(factory)}"[:200], path="model.python")
     hf_path = None
     if preset:
         base = {f.name: getattr(presets.model_from_name(preset), f.name) for f in fields(ModelSpec)}
@@ -396,6 +417,16 @@ def hf_config_fields(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read {path} as JSON ({type(err).__name__})", path="model.hf_config") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path} must hold a JSON object", path="model.hf_config")
+    try:
+        return _hf_fields(cfg, path)
+    except (TypeError, ValueError, AttributeError, OverflowError, KeyError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"{path}: a value has the wrong type or range ({type(err).__name__}: {show(str(err))})",
+                          path="model.hf_config") from None
+
+
+def _hf_fields(cfg: dict, path: str) -> dict[str, Any]:
     kind = str(cfg.get("model_type", "llama"))
 
     def get(*keys: str, default: Any = None) -> Any:

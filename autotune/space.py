@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from autotune.config import ConfigError, check_section, choice, int_, mapping, read_yaml
+from autotune.config import ConfigError, check_section, choice, int_, mapping, read_yaml, show
 from autotune.spec import ModelSpec
 from autotune.strategy import CHECKPOINTINGS, OFFLOADS, PRECISIONS, Strategy
 
@@ -151,9 +151,10 @@ def _values(check: Any, *, integer_range: bool = False, allow_auto: bool = False
             if spec.get("powers_of_two"):
                 values = [v for v in (1 << k for k in range(63)) if spec["low"] <= v <= spec["high"]]
             else:
-                values = list(range(spec["low"], spec["high"] + 1, spec.get("step", 1)))
+                values = range(spec["low"], spec["high"] + 1, spec.get("step", 1))  # never materialised if huge
             if not values or len(values) > _MAX_VALUES:
                 raise ConfigError(f"range must give 1..{_MAX_VALUES} values, but gives {len(values)}", path=path)
+            values = list(values)
             raw = values
         if not isinstance(raw, list) or not raw:
             raise ConfigError(f"expected a non-empty list of values, but got {type(raw).__name__}", path=path)
@@ -168,7 +169,7 @@ def _values(check: Any, *, integer_range: bool = False, allow_auto: bool = False
                 value = int(value)
             out.append(check(value, f"{path}[{i}]"))
         if len(set(out)) != len(out):
-            raise ConfigError(f"values must be unique, but got {raw!r}"[:200], path=path)
+            raise ConfigError(f"values must be unique, but got {show(raw)}"[:200], path=path)
         return tuple(out)
 
     return parse
@@ -184,7 +185,7 @@ def _layers(raw: Any, path: str) -> tuple:
             raise ConfigError("expected a non-empty list of fractions in (0, 1]", path=f"{path}.fractions")
         for i, f in enumerate(fractions):
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
-                raise ConfigError(f"expected a fraction in (0, 1], but got {f!r}"[:200], path=f"{path}.fractions[{i}]")
+                raise ConfigError(f"expected a fraction in (0, 1], but got {show(f)}"[:200], path=f"{path}.fractions[{i}]")
         return ("fractions", *fractions)
     return _values(int_(1, 10_000))(raw, path)
 
