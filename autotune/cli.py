@@ -144,7 +144,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     run = open_run(cfg, out=args.out, name=args.name, resume=args.resume, storage=args.storage,
                    backend=args.backend, seed=args.seed, trials=args.trials, calibration=args.calibration)
     seeds = compare.baseline_seeds(baseline, cfg) if baseline and not args.resume else None
-    front = run.execute(progress=not args.json, enqueue=seeds)
+    resume_hint = f"autotune run {args.config} --name {run.name} --out {args.out} --resume"
+    try:
+        front = run.execute(progress=not args.json, enqueue=seeds)
+    except KeyboardInterrupt as err:  # SIGTERM or a second Ctrl-C: the study is saved, the trial re-queued
+        signum = getattr(err, "signum", 2)
+        print(f"autotune: interrupted; finished trials are saved. Resume with  {resume_hint}", file=sys.stderr)
+        return 128 + signum
     report = write_report(run.run_dir, cfg)
     if args.json:
         print(json.dumps(front, indent=2))
@@ -156,8 +162,7 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"{'report.html, front.png, ' if report else ''}"
               f"{os.path.basename(run.storage_path) if run.storage_path else 'study in ' + run.storage_url})")
     if run.interrupted:
-        print(f"interrupted: resume with  autotune run {args.config} --name {run.name} --out {args.out} --resume",
-              file=sys.stderr)
+        print(f"interrupted: resume with  {resume_hint}", file=sys.stderr)
         return 130
     status = compare.baseline_compare(run.run_dir, baseline, args.max_regression, as_json=args.json) if baseline else 0
     compare.update_latest(args.out, run.run_dir, compare.config_stem(args.config), accepted=status == 0)
@@ -167,7 +172,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- parser / main
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "estimate": cmd_estimate, "run": cmd_run, "show": compare.cmd_show, "compare": compare.cmd_compare}
+    "estimate": cmd_estimate, "run": cmd_run, "show": compare.cmd_show, "compare": compare.cmd_compare,
+    "worker": lambda args: __import__("autotune.worker_cmd").worker_cmd.cmd_worker(args)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-regression", default="5%", metavar="PCT",
                      help="with --baseline: tolerated loss of the recommended point's tokens/s (default: 5%%)")
     compare.add_parsers(sub)
+    from autotune import worker_cmd
+
+    worker_cmd.add_parser(sub)
     return parser
 
 

@@ -19,6 +19,7 @@ from autotune.errors import ConfigError
 
 RUN_FILE = "run.json"
 JOURNAL = "study.journal"
+SQLITE = "study.db"
 
 
 @dataclass
@@ -56,15 +57,20 @@ class Run:
 
             params = load_calibration(self.calibration, self.cfg.hardware.gpu.name)
         backend = make_backend(self.backend, self.cfg, self.run_dir, params)
+        backend = slowed(backend)
         from autotune.storage import make_storage
 
+        fast = is_fast(self.backend)
+        storage = make_storage(self.storage_url, heartbeat=not fast)
+        if self.resume and not fast:
+            wait_for_stale_trials(storage, self.name)
         bar = _Progress(self.trials) if progress else None
         start = time.perf_counter()
         outcome = run_study(
-            self.cfg, space, backend, storage=make_storage(self.storage_url), study_name=self.name,
+            self.cfg, space, backend, storage=storage, study_name=self.name,
             n_trials=self.trials, seed=self.seed, sampler=self.cfg.search.sampler,
             headroom=self.cfg.search.headroom, resume=self.resume, progress=bar.update if bar else None,
-            enqueue=enqueue, params=params, write_through=self.backend not in ("simulate", "replay"),
+            enqueue=enqueue, params=params, write_through=not fast,
         )
         if bar:
             bar.close()
@@ -77,6 +83,71 @@ class Run:
             "search wall time": f"{time.perf_counter() - start:.2f} s",
         }
         return write_outputs(self.run_dir, self.cfg, space, outcome.study, self.backend, extra)
+
+
+SLOW_ENV = "AUTOTUNE_SLOW_BACKEND_S"
+"""Fault-injection hook for tests and benchmarks/reliability.py: every evaluation sleeps this long
+first, and the backend counts as slow (write-through storage, heartbeat)."""
+
+
+def is_fast(backend: str) -> bool:
+    """simulate and replay answer in microseconds: their study runs in memory (see run_study)."""
+    return backend in ("simulate", "replay") and not os.environ.get(SLOW_ENV)
+
+
+class _Slowed:
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+        self.name = inner.name
+        self.calibrator = getattr(inner, "calibrator", None)
+
+    def evaluate(self, strategy: Any, trial_number: Optional[int] = None) -> Any:
+        time.sleep(self.delay_s)
+        return self.inner.evaluate(strategy, trial_number=trial_number)
+
+
+def slowed(backend: Any) -> Any:
+    raw = os.environ.get(SLOW_ENV)
+    return _Slowed(backend, float(raw)) if raw else backend
+
+
+def default_storage(run_dir: str, backend: str) -> str:
+    """A journal file for fast backends (~3 ms/trial, see storage.py), SQLite for slow ones: every
+    profiled trial is written through, and Optuna's heartbeat (RDB storages only in Optuna 5) lets
+    --resume find and re-run the trial a killed run had in flight."""
+    return os.path.join(run_dir, JOURNAL) if is_fast(backend) else "sqlite:///" + os.path.abspath(
+        os.path.join(run_dir, SQLITE))
+
+
+def wait_for_stale_trials(storage: Any, study_name: str) -> None:
+    """--resume of a killed run: wait (at most the heartbeat grace period) until its RUNNING trials
+    have gone stale, so that they are failed and re-queued before the study continues."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from autotune.storage import has_heartbeat
+
+    if not has_heartbeat(storage):
+        return
+    try:
+        study = optuna.load_study(study_name=study_name, storage=storage)
+    except KeyError:
+        return
+    grace = storage.get_heartbeat_interval() * 4
+    deadline = time.monotonic() + grace
+    told = False
+    while time.monotonic() < deadline:
+        running = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+        if not running:
+            return
+        if not told:
+            print(f"autotune: waiting up to {grace} s for the heartbeat of running trial(s) "
+                  f"{', '.join(map(str, running))} to go stale (re-queued if their process is gone)", file=sys.stderr)
+            told = True
+        from autotune.search import _fail_stale
+
+        _fail_stale(study)
+        time.sleep(0.5)
 
 
 def default_name(config_path: str) -> str:
@@ -112,7 +183,7 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
     os.makedirs(run_dir, exist_ok=True)
     run = Run(
         cfg=cfg, run_dir=run_dir, name=name,
-        storage_url=storage or os.path.join(run_dir, JOURNAL),
+        storage_url=storage or default_storage(run_dir, backend or cfg.profile.backend),
         backend=backend or cfg.profile.backend,
         seed=cfg.search.seed if seed is None else seed,
         trials=trials or cfg.search.trials, resume=resume, meta=meta,

@@ -8,9 +8,11 @@ an already evaluated strategy reuse its result (user attr ``duplicate_of``).
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -109,31 +111,44 @@ class StudyOutcome:
     interrupted: bool = False
     evaluated: dict[tuple, int] = field(default_factory=dict)
     """strategy key -> number of the trial that evaluated it."""
+    evaluations: int = 0
+    """Backend evaluations made by this process."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or a second SIGINT) while a trial runs: abort it, persist the study, exit."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 class _StopFlag:
-    """First SIGINT: finish the current trial, then stop. Second SIGINT: stop now."""
+    """First SIGINT: finish the current trial, then stop. Second SIGINT or SIGTERM: stop now
+    (raise Terminated; the trial in flight is recorded as interrupted and re-queued, the study is
+    persisted, the backend's launch is killed by its own cleanup)."""
 
     def __init__(self) -> None:
         self.stop = False
-        self._old: Any = None
+        self._old: dict[int, Any] = {}
 
     def __enter__(self) -> "_StopFlag":
-        try:
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread
-            self._old = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.stop:
-            raise KeyboardInterrupt
+        if self.stop or signum == signal.SIGTERM:
+            raise Terminated(signum)
         self.stop = True
         print("\nautotune: stopping after the current trial (Ctrl-C again to abort it)", file=sys.stderr)
 
     def __exit__(self, *exc: Any) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for sig, old in self._old.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
 def trial_strategy(trial: Any, space: SearchSpace, cfg: Config) -> Strategy:
@@ -164,6 +179,7 @@ def run_study(
     seed_predicted_front: bool = True,
     params: Optional[dict] = None,
     write_through: bool = True,
+    join: bool = False,
 ) -> StudyOutcome:
     """Run (or continue) the study until ``n_trials`` candidates have been evaluated by the backend.
 
@@ -177,6 +193,12 @@ def run_study(
     the finished trials to ``storage`` at the end, also on interruption or error: one journal line
     per trial instead of ~12, which keeps a 200-evaluation simulate run within seconds. Slow
     backends write every step through, so a killed run loses at most the trial in flight.
+    The in-memory study is also appended every ``FLUSH_EVERY_S`` seconds, so SIGKILL of a fast run
+    loses at most that much work; SIGINT and SIGTERM lose nothing.
+
+    ``join=True`` (``autotune worker``): create the study if it does not exist, else continue it;
+    several processes (on several nodes with PostgreSQL) may run the same study at once. Write-through
+    studies always use the claim protocol of ``_claim`` so that each candidate is evaluated once.
     """
     import optuna
 
@@ -184,69 +206,133 @@ def run_study(
     screened = screen(cfg, space, headroom, params)
     study = optuna.create_study(
         study_name=study_name, storage=storage, directions=DIRECTIONS,
-        sampler=make_sampler(sampler, seed), load_if_exists=resume,
+        sampler=make_sampler(sampler, seed), load_if_exists=resume or join,
     )
     if write_through:
+        if join and "num_candidates" not in study.user_attrs:
+            resume = False  # the first worker of a new study initialises it
+        elif join:
+            resume = True
         return _run(study, study, cfg, space, backend, screened, n_trials, headroom, resume, progress, enqueue,
-                    seed_predicted_front)
+                    seed_predicted_front, shared=True)
     persistent = study
     study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(sampler, seed))
-    known = persistent.get_trials(deepcopy=False) if resume else []
-    study.add_trials([t for t in known if t.state.is_finished()])
+    known = [t for t in persistent.get_trials(deepcopy=False) if t.state.is_finished()] if resume else []
+    study.add_trials(known)
+    flushed = len(known)
+    last_flush = time.monotonic()
+
+    def flush(final: bool = False) -> None:
+        """Append the finished in-memory trials to ``persistent`` (every FLUSH_EVERY_S, and at the end),
+        so a SIGKILLed fast run loses at most the last couple of seconds of work."""
+        nonlocal flushed, last_flush
+        if not final and time.monotonic() - last_flush < FLUSH_EVERY_S:
+            return
+        trials = study.get_trials(deepcopy=False)
+        batch = []
+        for t in trials[flushed:]:
+            if not t.state.is_finished():
+                if final:
+                    continue
+                break
+            batch.append(t)
+        if batch:
+            persistent.add_trials(batch)
+        flushed += len(batch)
+        last_flush = time.monotonic()
+
     try:
         outcome = _run(study, persistent, cfg, space, backend, screened, n_trials, headroom, resume, progress,
-                       enqueue, seed_predicted_front)
+                       enqueue, seed_predicted_front, after_trial=flush)
     finally:
-        persistent.add_trials([t for t in study.get_trials(deepcopy=False)[len(known):] if t.state.is_finished()])
+        flush(final=True)
     outcome.study = persistent
     return outcome
 
 
+FLUSH_EVERY_S = 1.0
+"""In-memory (fast backend) studies are appended to storage at least this often."""
+
+
 def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: Backend, screened: list[Screened],
          n_trials: int, headroom: float, resume: bool, progress: Optional[Callable[[int, int], None]],
-         enqueue: Optional[list[Strategy]], seed_predicted_front: bool) -> StudyOutcome:
-    """The trial loop on ``study``; study-level attributes go to ``persistent``."""
+         enqueue: Optional[list[Strategy]], seed_predicted_front: bool, shared: bool = False,
+         after_trial: Optional[Callable[[], None]] = None) -> StudyOutcome:
+    """The trial loop on ``study``; study-level attributes go to ``persistent``.
+
+    ``shared``: the study lives in storage that other processes may use at the same time (and a
+    killed process may have left RUNNING trials behind): outcomes of other processes' trials are
+    read back before every ask, stale trials are failed and re-queued through Optuna's heartbeat,
+    and every evaluation is claimed first (``_claim``).
+    """
     from optuna.trial import TrialState
 
     by_key = {s.strategy.key(): s for s in screened}
     outcome = StudyOutcome(study=study, screened=screened)
     cache: dict[tuple, _Outcome] = {}  # strategy key -> how its first trial ended
     oom_at: dict[tuple, tuple[int, int]] = {}  # strategy-without-mbs -> (smallest OOM mbs, trial number)
+    seen: set[int] = set()  # trial numbers already folded into cache (shared mode)
+    heartbeat = shared and _heartbeat_enabled(study)
     if resume:
         for t in study.get_trials(deepcopy=False):
-            if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
-                cache.setdefault(trial_strategy(t, space, cfg).key(), _Outcome.of(t))
+            if _has_result(t):
+                seen.add(t.number)
+                strategy = trial_strategy(t, space, cfg)
+                cache.setdefault(strategy.key(), _Outcome.of(t))
+                _note_oom(t, strategy, oom_at)
     else:
         with warnings.catch_warnings():  # "experimental" since Optuna 3.2, still the API in 5.0
             warnings.simplefilter("ignore")
             persistent.set_metric_names(METRIC_NAMES)
         persistent.set_user_attr("space", space.path)
         persistent.set_user_attr("headroom", headroom)
-        persistent.set_user_attr("num_candidates", len(screened))
-        persistent.set_user_attr("num_feasible", sum(s.memory.fits for s in screened))
+        persistent.set_user_attr("config", cfg.path)
         # Caller-given seeds (e.g. a nightly baseline's front) come first, then the analytic front:
         # the whole space was screened in well under a second, so the study starts from the
         # predicted-best points and explores from there.
         seeds = list(enqueue or [])
         if seed_predicted_front:
             seeds += [s.strategy for s in predicted_front(screened)]
-        for strategy in seeds[:n_trials]:
+        for strategy in seeds[:n_trials or len(seeds)]:  # n_trials 0: a worker only initialising
             study.enqueue_trial(strategy_params(strategy, space, cfg.model), skip_if_exists=True)
+        # Set last: a joining worker treats a study with num_candidates as initialised.
+        persistent.set_user_attr("num_feasible", sum(s.memory.fits for s in screened))
+        persistent.set_user_attr("num_candidates", len(screened))
     feasible = {k for k, s in by_key.items() if s.memory.fits}
     calibrator = getattr(backend, "calibrator", None)
     evaluations = asks = 0
+    # ask/tell with a heartbeat storage: Optuna warns that heartbeats are meant for optimize(); here
+    # the heartbeat thread is started around each evaluation (_heartbeat_thread), as optimize does.
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
     with _StopFlag() as flag:
         while evaluations < n_trials and asks < MAX_ASKS_PER_EVALUATION * n_trials:
             if flag.stop:
                 outcome.interrupted = True
                 break
+            if shared:
+                if heartbeat:
+                    _fail_stale(study)
+                _sync(study, space, cfg, seen, cache, oom_at)
             if feasible <= cache.keys() and (feasible or by_key.keys() <= cache.keys()):
                 break  # everything that fits has been evaluated (or, when nothing fits, seen)
             trial = study.ask()
             asks += 1
-            strategy = space.suggest(trial, cfg.model)
-            ended = _evaluate_trial(study, trial, strategy, cfg, backend, headroom, by_key, cache, oom_at)
+            try:
+                strategy = space.suggest(trial, cfg.model)
+                if shared:
+                    trial.set_user_attr(KEY_ATTR, key_text(strategy))
+                    owner = _claim(study, trial, strategy, space, cfg, heartbeat)
+                    if owner is not None:
+                        cache.setdefault(strategy.key(), _Outcome.of(owner))
+                with _heartbeat_thread(trial, study, heartbeat):
+                    ended = _evaluate_trial(study, trial, strategy, cfg, backend, headroom, by_key, cache, oom_at)
+            except BaseException as err:
+                _abandon(study, trial, err)
+                raise
             cache.setdefault(strategy.key(), ended)
+            seen.add(trial.number)
+            if after_trial is not None:
+                after_trial()
             if ended.measured:
                 evaluations += 1
                 if progress:
@@ -254,7 +340,161 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
                 if calibrator is not None and calibrator.fitted:
                     _enqueue_recalibrated(study, space, cfg, screened, calibrator.current_params(), cache)
     outcome.evaluated = {k: o.number for k, o in cache.items()}
+    outcome.evaluations = evaluations
     return outcome
+
+
+KEY_ATTR = "strategy_key"
+"""User attr set right after ask(): the trial's claim on its strategy (see _claim)."""
+CLAIM_WAIT_S = 300.0
+"""Longest wait for a lower-numbered trial to record its key (without a heartbeat to fail it)."""
+
+
+def key_text(strategy: Strategy) -> str:
+    return json.dumps(list(strategy.key()))
+
+
+def _has_result(t: Any) -> bool:
+    """Finished with an outcome that repeats may reuse: COMPLETE, PRUNED, or FAIL with a reason from
+    the backend. A FAIL without fail_reason is a lost trial (interrupted, or its process died and
+    the heartbeat failed it): it is re-run, never reused."""
+    from optuna.trial import TrialState
+
+    if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+        return True
+    return t.state == TrialState.FAIL and "fail_reason" in t.user_attrs
+
+
+def _note_oom(t: Any, strategy: Strategy, oom_at: dict) -> None:
+    reason = t.user_attrs.get("fail_reason", "")
+    if reason.startswith("oom"):
+        no_mbs = strategy.replace(micro_batch_size=0).key()
+        prev = oom_at.get(no_mbs)
+        if prev is None or strategy.micro_batch_size < prev[0]:
+            oom_at[no_mbs] = (strategy.micro_batch_size, t.number)
+
+
+def _sync(study: Any, space: SearchSpace, cfg: Config, seen: set, cache: dict, oom_at: dict) -> None:
+    """Fold outcomes that other processes wrote into the local cache (first trial per key wins)."""
+    for t in study.get_trials(deepcopy=False):
+        if t.number in seen or not _has_result(t):
+            continue
+        seen.add(t.number)
+        if "duplicate_of" in t.user_attrs:
+            continue
+        strategy = trial_strategy(t, space, cfg)
+        cache.setdefault(strategy.key(), _Outcome.of(t))
+        _note_oom(t, strategy, oom_at)
+
+
+def _claim(study: Any, trial: Any, strategy: Strategy, space: SearchSpace, cfg: Config,
+           heartbeat: bool) -> Optional[Any]:
+    """Decide whether this trial evaluates its strategy or repeats an earlier trial's.
+
+    The protocol (race-free because the storage assigns trial numbers atomically): every trial
+    records its strategy key right after ask(). A trial first waits until every lower-numbered
+    RUNNING trial has recorded its key. The owner of a key is the lowest-numbered trial with that
+    key that is running or has a result (lost trials, FAIL without a reason, do not count). If the
+    owner is this trial, it evaluates; otherwise it waits for the owner to finish and returns the
+    owner's FrozenTrial (a lost owner hands the key on: the claim is re-decided).
+    """
+    from optuna.trial import TrialState
+
+    me = trial.number
+    mine = key_text(strategy)
+    deadline = time.monotonic() + CLAIM_WAIT_S
+    delay = 0.02
+    while True:
+        trials = study.get_trials(deepcopy=False)
+        pending = [t for t in trials if t.number < me and t.state == TrialState.RUNNING and KEY_ATTR not in
+                   t.user_attrs and "duplicate_of" not in t.user_attrs]
+        if pending and (heartbeat or time.monotonic() < deadline):
+            if heartbeat:
+                _fail_stale(study)
+            time.sleep(delay)
+            delay = min(0.5, delay * 1.5)
+            continue
+        owners = [t for t in trials if t.number < me and _key_of(t, space, cfg) == mine and
+                  (t.state == TrialState.RUNNING or _has_result(t))]
+        if not owners:
+            return None
+        owner = min(owners, key=lambda t: t.number)
+        if _has_result(owner):
+            # a repeat of a repeat carries the first trial's number
+            first = owner.user_attrs.get("duplicate_of")
+            if first is not None:
+                origin = [t for t in trials if t.number == first]
+                if origin and _has_result(origin[0]):
+                    return origin[0]
+            return owner
+        if heartbeat:
+            _fail_stale(study)
+        time.sleep(delay)
+        delay = min(0.5, delay * 1.5)
+
+
+def _key_of(t: Any, space: SearchSpace, cfg: Config) -> Optional[str]:
+    key = t.user_attrs.get(KEY_ATTR)
+    if key is None and t.state.is_finished() and t.params:
+        try:
+            key = key_text(trial_strategy(t, space, cfg))
+        except Exception:  # params from another space: not a claim on ours
+            return None
+    return key
+
+
+def _abandon(study: Any, trial: Any, err: BaseException) -> None:
+    """The trial in flight is cut short (SIGTERM, second Ctrl-C, an error): record it as FAIL without
+    a result (so it is never reused) and, when interrupted, queue its parameters again so that a
+    resumed run or another worker re-runs it."""
+    from optuna.trial import TrialState
+
+    try:
+        frozen = study._storage.get_trial(trial._trial_id)
+        if frozen.state.is_finished():
+            return
+        trial.set_user_attr("interrupted", type(err).__name__)
+        study.tell(trial, state=TrialState.FAIL)
+        if isinstance(err, KeyboardInterrupt) and frozen.params:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                study.enqueue_trial(dict(frozen.params), user_attrs={"retry_of": trial.number})
+    except Exception:  # the storage itself is gone: a resumed run's heartbeat check recovers it
+        pass
+
+
+def _heartbeat_enabled(study: Any) -> bool:
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    return is_heartbeat_enabled(study._storage)
+
+
+def _fail_stale(study: Any) -> None:
+    """Optuna's own stale-trial handling: FAIL + RetryHeartbeatStaleTrialCallback re-queues it."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optuna.storages.fail_stale_trials(study)
+
+
+class _heartbeat_thread:
+    """Optuna's heartbeat thread for an ask/tell trial (study.optimize starts it itself)."""
+
+    def __init__(self, trial: Any, study: Any, enabled: bool) -> None:
+        self._thread = None
+        if enabled:
+            from optuna.storages._heartbeat import get_heartbeat_thread
+
+            self._thread = get_heartbeat_thread(trial._trial_id, study._storage)
+
+    def __enter__(self) -> None:
+        if self._thread is not None:
+            self._thread.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is not None:
+            self._thread.__exit__(*exc)
 
 
 def _enqueue_recalibrated(study: Any, space: SearchSpace, cfg: Config, screened: list[Screened],

@@ -56,10 +56,66 @@ class UnsyncedJournalFileBackend(JournalFileBackend):
             self._lock.release()
 
 
-def make_storage(url: str) -> Any:
-    """An Optuna storage from a URL: RDB URLs (sqlite:///, postgresql://...) or a journal file path."""
+HEARTBEAT_ENV = "AUTOTUNE_HEARTBEAT_S"
+"""Heartbeat interval in seconds (default 10; tests use 1). The grace period is 3 intervals."""
+MAX_RETRY = 3
+"""A trial whose process died is re-queued at most this many times (then it stays FAIL)."""
+
+
+def heartbeat_interval() -> int:
+    raw = os.environ.get(HEARTBEAT_ENV, "")
+    return max(1, int(raw)) if raw.isdigit() else 10
+
+
+def make_storage(url: str, heartbeat: bool = False) -> Any:
+    """An Optuna storage from a URL: RDB URLs (sqlite:///, postgresql://...) or a journal file path.
+
+    ``heartbeat=True`` (slow backends, workers) turns on Optuna's trial heartbeat for RDB storages:
+    every running trial's process records a heartbeat every ``heartbeat_interval()`` seconds; a
+    RUNNING trial whose heartbeat is older than the grace period (its process was SIGKILLed, its
+    node died) is set to FAIL by ``optuna.storages.fail_stale_trials`` and re-queued as a WAITING
+    copy with the same parameters by ``RetryHeartbeatStaleTrialCallback`` (Optuna 5's name for
+    RetryFailedTrialCallback, which 5.0 deprecates). Optuna 5's JournalStorage does not implement
+    heartbeats (it is not a BaseHeartbeat), which is why slow backends default to SQLite.
+    """
     import optuna
 
-    if "://" in url:
-        return optuna.storages.RDBStorage(url)
-    return JournalStorage(UnsyncedJournalFileBackend(url))
+    if "://" not in url:
+        return JournalStorage(UnsyncedJournalFileBackend(url))
+    kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite"):
+        # Several worker processes on one SQLite file: wait for the write lock instead of failing.
+        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
+    else:
+        kwargs["engine_kwargs"] = {"pool_pre_ping": True}
+    if heartbeat:
+        import warnings
+
+        interval = heartbeat_interval()
+        with warnings.catch_warnings():  # experimental since 2.8, still the API in 5.0
+            warnings.simplefilter("ignore")
+            callback = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
+        kwargs.update(heartbeat_interval=interval, grace_period=3 * interval,
+                      heartbeat_stale_trial_callback=callback)
+    with _quiet():
+        return optuna.storages.RDBStorage(url, **kwargs)
+
+
+def has_heartbeat(storage: Any) -> bool:
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    return is_heartbeat_enabled(storage)
+
+
+class _quiet:
+    """Silence Optuna's ExperimentalWarning for heartbeat arguments."""
+
+    def __enter__(self) -> None:
+        import warnings
+
+        self._cm = warnings.catch_warnings()
+        self._cm.__enter__()
+        warnings.simplefilter("ignore")
+
+    def __exit__(self, *exc: Any) -> None:
+        self._cm.__exit__(*exc)
