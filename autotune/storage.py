@@ -82,6 +82,7 @@ def make_storage(url: str, heartbeat: bool = False) -> Any:
 
     if "://" not in url:
         return JournalStorage(UnsyncedJournalFileBackend(url))
+    url = _postgres_driver(url)
     kwargs: dict[str, Any] = {}
     if url.startswith("sqlite"):
         # Several worker processes on one SQLite file: wait for the write lock instead of failing.
@@ -99,6 +100,18 @@ def make_storage(url: str, heartbeat: bool = False) -> Any:
                       heartbeat_stale_trial_callback=callback)
     with _quiet():
         return optuna.storages.RDBStorage(url, **kwargs)
+
+
+def _postgres_driver(url: str) -> str:
+    """``postgresql://`` means psycopg (v3) to SQLAlchemy 2.1; use psycopg2 when only it is installed."""
+    scheme, sep, rest = url.partition("://")
+    if scheme not in ("postgresql", "postgres"):
+        return url
+    import importlib.util
+
+    if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+        return f"postgresql+psycopg2://{rest}"
+    return f"postgresql://{rest}"
 
 
 def has_heartbeat(storage: Any) -> bool:
