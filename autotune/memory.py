@@ -60,6 +60,9 @@ from typing import Any
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size, default_buckets, validate
 
+_DS_MAX_LIVE = 1_000_000_000
+"""stage3_max_live_parameters / stage3_max_reuse_distance autotune writes (elements)."""
+
 GPU_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
 
 GIB = 1 << 30
@@ -251,10 +254,13 @@ class _States:
     params: float = 0.0
     grads: float = 0.0            # gradients held at the end of backward (model dtype)
     optimizer: float = 0.0        # fp32 master + moments on the GPU
-    buffers_bwd: float = 0.0      # DeepSpeed buffers alive during backward (buckets, live params)
+    buffers_bwd: float = 0.0      # DeepSpeed buffers alive from the first gradient on (buckets, live params)
+    buffers_bwd_end: float = 0.0  # extra buffers at the end of backward (ZeRO-0 all-reduce flatten)
     buffers_step: float = 0.0     # extra buffers at the optimizer step
     buffers_fwd: float = 0.0      # extra buffers during forward (ZeRO-3 fetched params)
     grad_per_block: float = 0.0   # gradient bytes that accumulate per block during backward
+    grad_buffer: float = 0.0      # gradient storage allocated once and resident (ZeRO-3 partition)
+    resident_buffers: float = 0.0  # other always-allocated buffers (ZeRO-3 reduce bucket)
     cpu: float = 0.0              # host bytes per GPU (offload)
     nvme: float = 0.0             # NVMe bytes per GPU
 
@@ -272,7 +278,7 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         master = 4 * psi if p < 4 else 0
         out.optimizer = (k_opt * psi) + master
         bucket = min(_DS_ALLREDUCE_BUCKET, psi)
-        out.buffers_bwd = p * bucket  # allreduce_bucket flattens the grads (even on one rank)
+        out.buffers_bwd_end = p * bucket  # allreduce_bucket flattens the grads (even on one rank)
         out.buffers_step = 4 * psi if p < 4 else 0  # flattened fp32 grads
         out.grad_per_block = p * m.block_params()
         return out
@@ -301,10 +307,17 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         persist = _persistent_params(m, thr)
         rb = buckets["reduce_bucket_size"]
         prefetch = buckets["prefetch_bucket_size"]
-        live = p * min(psi, _largest_block_params(m) + prefetch)
+        # Fetched (all-gathered) params stay alive while their reuse distance is below
+        # stage3_max_reuse_distance and their count below stage3_max_live_parameters (autotune
+        # writes 1e9 for both, like HF's "auto"): up to 1e9 params stay gathered through forward
+        # and backward. With one rank the gathered tensor is the partition itself.
+        live = 0.0 if dp == 1 else p * min(psi - persist, _DS_MAX_LIVE + prefetch)
         off_par = s.offload_params != "none"
         out.params = (0 if off_par else p * part) + p * persist
-        out.grads = p * part
+        # the 16-bit gradient partition and the reduce bucket are allocated at init, once
+        out.grad_buffer = p * part
+        out.resident_buffers = p * min(rb, psi)
+        out.grads = 0
         if off_opt:
             out.optimizer = 0
             out.buffers_step = 0
@@ -314,7 +327,7 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
             out.buffers_step = (4 * part if p < 4 else 0) + p * part
             host = 0
         out.buffers_fwd = live
-        out.buffers_bwd = live + 2 * p * min(rb, psi)
+        out.buffers_bwd = live
         if off_par:
             host += p * part
     if s.offload_optimizer == "nvme":
@@ -342,7 +355,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     st = _model_states(m, training, hardware, s)
     act = activation_breakdown(m, training, s, device)
     L = m.num_hidden_layers
-    resident = st.params + st.optimizer
+    resident = st.params + st.optimizer + st.grad_buffer + st.resident_buffers
     saved_end = act["blocks"] + act["nonblock"]
 
     # forward: everything saved plus the loss transient (logits + fp32 copy + log_softmax)
@@ -366,7 +379,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
                          + act["nonblock"] - act["logits_saved"])
         remaining -= per
         grads += st.grad_per_block
-    bwd_end = resident + st.buffers_bwd + st.grads + (0 if s.zero_stage == 0 else 0)
+    bwd_end = resident + st.buffers_bwd + st.buffers_bwd_end + st.grads
     bwd = max(bwd_start, bwd_head, bwd_blocks, bwd_end)
     opt = resident + st.grads + st.buffers_step
     phases = {"forward": int(fwd), "backward": int(bwd), "optimizer": int(opt)}

@@ -165,10 +165,14 @@ class Decoder(nn.Module):
         self.embed_dropout = nn.Dropout(spec.hidden_dropout)
         self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_hidden_layers))
         self.norm = _norm(spec)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(d, spec.vocab_size, bias=False)
+        # an nn.Linear module in both cases (like HF), so ZeRO-3's module hooks fetch its weight;
+        # tied: the head's weight *is* the embedding matrix (one parameter)
+        self.lm_head = nn.Linear(d, spec.vocab_size, bias=False)
         self._ckpt_full = [False] * spec.num_hidden_layers
         self.rope_theta = 10000.0
         self.apply(self._init_weights)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -214,8 +218,7 @@ class Decoder(nn.Module):
             else:
                 x = block(x, cos, sin)
         x = self.norm(x)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, weight)
+        logits = self.lm_head(x)
         return F.cross_entropy(logits.float().view(-1, self.spec.vocab_size), labels.reshape(-1))
 
 

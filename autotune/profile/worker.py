@@ -27,6 +27,12 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   tensor bytes from torch.profiler allocation events),
                                                 #   "none"; "auto": cuda on CUDA, profiler on CPU
       "seed": 0,
+      "gc_collect": true,                       # after backward and after the step: gc.collect()
+                                                #   and, on CPU, a few 1-element all-reduces per
+                                                #   process group: ProcessGroupGloo keeps each worker
+                                                #   thread's last work (tensors included) alive, so
+                                                #   0-3 of DeepSpeed's flat all-reduce buckets would
+                                                #   outlive the step at random (not so with NCCL)
       "device": "auto"                          # "cuda" | "cpu" | "auto"
     }
 
@@ -42,6 +48,8 @@ Result JSON (one per rank)::
       "peak_reserved_bytes": int | null,    # CUDA max_memory_reserved (null on CPU)
       "peak_phase": "forward" | "backward" | "optimizer",  # phase containing the peak
       "phase_peaks_bytes": {"forward": int, "backward": int, "optimizer": int},
+      "step_peaks_bytes": [int, ...],       # CPU profiler: peak of each measured step
+      "min_step_peak_bytes": int,           # CPU profiler: smallest of those (see "gc_collect")
       "step_start_bytes": int,              # allocated at the start of the last measured step
       "init_peak_bytes": int | null,        # peak during model build + deepspeed.initialize
       "step_times_s": [float, ...],         # measured optimizer steps, wall clock
@@ -50,14 +58,17 @@ Result JSON (one per rank)::
       "num_parameters": int,
       "optimizer": "BF16_Optimizer" | ...,  # DeepSpeed's final optimizer wrapper class
       "gradient_accumulation_steps": int,
-      "all_ranks": {"peak_allocated_bytes": [int per rank], ...}  # rank 0 only, when ok
+      "all_ranks": {"peak_allocated_bytes": [per rank], "min_step_peak_bytes": [...],
+                    "peak_phase": [...], "phase_peaks_bytes": [...]}  # rank 0 only, when ok
       "elapsed_s": float
     }
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import gc
 import json
 import math
 import os
@@ -69,6 +80,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 PHASES = ("forward", "backward", "optimizer")
+_MARK = "autotune::measured::"
 
 
 def result_path_for_rank(result_path: str | Path, rank: int) -> Path:
@@ -127,34 +139,89 @@ class _CpuMemoryProbe:
         from torch._C._profiler import _EventType
 
         events: list[tuple[int, int]] = []
+        ranges = []
         stack = list(self.prof.profiler.kineto_results.experimental_event_tree())
         while stack:
             node = stack.pop()
             if node.typed[0] == _EventType.Allocation and str(node.typed[1].device).startswith("cpu"):
                 events.append((node.start_time_ns, node.typed[1].total_allocated))
+            elif node.name.startswith(_MARK):
+                ranges.append(node)
             stack.extend(node.children)
         events.sort()
         out: dict[str, Any] = {"init_peak_bytes": None, "peak_allocated_bytes": None, "peak_phase": None,
                                "phase_peaks_bytes": {}, "step_start_bytes": None}
         if not events:
             return out
+        # phase windows from the profiler's own record_function events (same clock as allocations)
+        marks = [(n.name.rsplit(":", 1)[-1], n.start_time_ns, n.end_time_ns) for n in ranges]
+        if not marks:
+            marks = self.marks
+        marks.sort(key=lambda m: m[1])
+        times = [ts for ts, _ in events]
+        totals = [t for _, t in events]
+
+        def at(t: int) -> int:  # running total just before time t
+            i = bisect.bisect_right(times, t) - 1
+            return totals[i] if i >= 0 else 0
+
+        def peak_in(t0: int, t1: int) -> int:
+            i, j = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
+            return max([at(t0)] + totals[i:j])
+
         if self.init_end is not None:
-            out["init_peak_bytes"] = max((t for ts, t in events if ts <= self.init_end), default=0)
-        if self.last_step_start is not None:
-            before = [t for ts, t in events if ts <= self.last_step_start]
-            out["step_start_bytes"] = before[-1] if before else 0
+            out["init_peak_bytes"] = max(totals[: bisect.bisect_right(times, self.init_end)], default=0)
+        if marks:
+            out["step_start_bytes"] = at(marks[-3][1] if len(marks) >= 3 else marks[0][1])
         peaks = {ph: 0 for ph in PHASES}
         best, best_phase = -1, None
-        for phase, t0, t1 in self.marks:
-            # the running total at t0 (last event before) also counts: a phase may allocate nothing
-            prev = [t for ts, t in events if ts <= t0]
-            vals = [t for ts, t in events if t0 <= ts <= t1] + ([prev[-1]] if prev else [])
-            m = max(vals) if vals else 0
+        step_peaks: list[int] = []
+        for k, (phase, t0, t1) in enumerate(marks):
+            m = peak_in(t0, t1)
+            if phase == "forward" and (k == 0 or marks[k - 1][0] == "optimizer"):
+                step_peaks.append(0)
+            if step_peaks:
+                step_peaks[-1] = max(step_peaks[-1], m)
             peaks[phase] = max(peaks[phase], m)
             if m > best:
                 best, best_phase = m, phase
-        out.update(peak_allocated_bytes=max(best, 0), peak_phase=best_phase, phase_peaks_bytes=peaks)
+        out.update(peak_allocated_bytes=max(best, 0), peak_phase=best_phase, phase_peaks_bytes=peaks,
+                   step_peaks_bytes=step_peaks, min_step_peak_bytes=min(step_peaks) if step_peaks else None)
         return out
+
+
+def _process_groups(engine: Any) -> list:
+    """The distinct process groups DeepSpeed uses (None = the default group)."""
+    out: list = [None]
+    for owner, attr in ((engine, "data_parallel_group"), (engine, "seq_data_parallel_group"),
+                        (engine.optimizer, "dp_process_group"), (engine.optimizer, "real_dp_process_group")):
+        g = getattr(owner, attr, None)
+        for grp in (g if isinstance(g, (list, tuple)) else [g]):
+            if grp is not None and all(grp is not o for o in out):
+                out.append(grp)
+    return out
+
+
+def _flush_gloo(groups: list) -> None:
+    """Release the tensors gloo's worker threads keep from their last collective.
+
+    ProcessGroupGloo holds each worker thread's last work (and so its tensors) until that thread
+    runs the next one: on the CPU a flat gradient bucket of DeepSpeed's all-reduce outlives the
+    step by a random number of steps (0-3 buckets seen). NCCL on a GPU has no such retention, so
+    the worker pushes a few 1-element all-reduces through every group to measure the clean state.
+    """
+    import torch
+    import torch.distributed as dist
+
+    for grp in groups:
+        for _ in range(4):
+            dist.all_reduce(torch.zeros(1), group=grp)
+
+
+def _record(name: str):
+    from torch.profiler import record_function
+
+    return record_function(name)
 
 
 def _ds_config_for_job(job: dict, world_size: int) -> tuple[dict, Any, Any, Any]:
@@ -223,7 +290,8 @@ def run_job(job: dict, job_dir: Path) -> dict[str, Any]:
 
 def _gather_ranks(result: dict, world: int) -> None:
     if world <= 1:
-        result["all_ranks"] = {"peak_allocated_bytes": [result["peak_allocated_bytes"]]}
+        result["all_ranks"] = {k: [result.get(k)] for k in ("peak_allocated_bytes", "min_step_peak_bytes",
+                                                              "peak_phase", "phase_peaks_bytes")}
         return
     try:
         import torch.distributed as dist
@@ -231,7 +299,9 @@ def _gather_ranks(result: dict, world: int) -> None:
         if dist.is_initialized():
             rows: list[Any] = [None] * world
             dist.all_gather_object(rows, {"peak_allocated_bytes": result["peak_allocated_bytes"],
-                                          "peak_phase": result["peak_phase"]})
+                                          "min_step_peak_bytes": result.get("min_step_peak_bytes"),
+                                          "peak_phase": result["peak_phase"],
+                                          "phase_peaks_bytes": result.get("phase_peaks_bytes")})
             result["all_ranks"] = {k: [r[k] for r in rows] for k in rows[0]}
     except Exception:  # pragma: no cover
         pass
@@ -298,6 +368,8 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
         torch.cuda.synchronize()
 
     warmup, measure = int(job.get("warmup_steps", 2)), int(job.get("measure_steps", 3))
+    groups = _process_groups(engine)
+    collect = bool(job.get("gc_collect", True))
     phase_peaks = {ph: 0 for ph in PHASES}
     peak_reserved = 0
     for step in range(warmup + measure):
@@ -314,12 +386,18 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
             for phase in PHASES:
                 result["phase"] = phase
                 t_ph = probe.now() if probe is not None else 0
-                if phase == "forward":
-                    loss = engine(x, y)
-                elif phase == "backward":
-                    engine.backward(loss)
-                else:
-                    engine.step()
+                mark = _record(_MARK + phase) if (probe is not None and measured) else contextlib.nullcontext()
+                with mark:
+                    if phase == "forward":
+                        loss = engine(x, y)
+                    elif phase == "backward":
+                        engine.backward(loss)
+                    else:
+                        engine.step()
+                if collect and phase != "forward":
+                    gc.collect()  # see the "gc_collect" note in the module docstring
+                    if not use_cuda:
+                        _flush_gloo(groups)
                 if use_cuda and measured and memory_mode == "cuda":
                     torch.cuda.synchronize()
                     phase_peaks[phase] = max(phase_peaks[phase], torch.cuda.max_memory_allocated())

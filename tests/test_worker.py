@@ -1,0 +1,95 @@
+"""The DeepSpeed measurement worker on the CPU accelerator (real engines; marked slow)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.memory import estimate_memory
+from autotune.presets import gpu_from_name
+from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(name="tiny", num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=344, vocab_size=2048, max_position_embeddings=512)
+
+pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+
+
+def _run(tmp_path: Path, job: dict, nproc: int = 1, timeout: float = 120) -> list[dict]:
+    job = dict(job, result_path=str(tmp_path / "result.json"), device="cpu")
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "autotune.profile.worker", str(tmp_path / "job.json")]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(29700 + os.getpid() % 500), "-m", "autotune.profile.worker", str(tmp_path / "job.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    from autotune.profile.worker import result_path_for_rank
+
+    out = []
+    for r in range(nproc):
+        path = result_path_for_rank(tmp_path / "result.json", r)
+        assert path.exists(), proc.stderr[-3000:]
+        out.append(json.loads(path.read_text()))
+    return out
+
+
+def _job(stage: int, nproc: int, mbs: int, seq: int, ckpt: str = "none", precision: str = "bf16") -> dict:
+    return {"model": TINY, "training": {"seq_len": seq, "global_batch_size": mbs * nproc, "precision": precision},
+            "strategy": Strategy(zero_stage=stage, micro_batch_size=mbs, checkpointing=ckpt,
+                                 precision=precision).as_dict(),
+            "warmup_steps": 1, "measure_steps": 2}
+
+
+def _predicted(job: dict, nproc: int) -> int:
+    model = ModelSpec(**job["model"])
+    training = TrainingSpec(**job["training"])
+    hw = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=nproc)
+    return estimate_memory(model, training, hw, Strategy(**job["strategy"]), device="cpu").gpu["peak"]
+
+
+@pytest.mark.slow
+def test_zero2_one_process_matches_model(tmp_path):
+    job = _job(stage=2, nproc=1, mbs=2, seq=256, ckpt="full")
+    (res,) = _run(tmp_path, job)
+    assert res["status"] == "ok", res
+    assert res["device"] == "cpu" and res["world_size"] == 1
+    assert res["optimizer"] == "DeepSpeedZeroOptimizer"
+    assert res["num_parameters"] == ModelSpec(**TINY).num_parameters
+    assert len(res["step_times_s"]) == 2 and len(res["losses"]) == 3 and res["tokens_per_s"] > 0
+    assert all(l == l and l < 20 for l in res["losses"])
+    assert res["peak_phase"] in ("forward", "backward", "optimizer")
+    assert res["peak_allocated_bytes"] == max(res["phase_peaks_bytes"].values())
+    pred = _predicted(job, 1)
+    assert abs(pred - res["peak_allocated_bytes"]) / res["peak_allocated_bytes"] < 0.05
+
+
+@pytest.mark.slow
+def test_zero3_two_processes_matches_model(tmp_path):
+    job = _job(stage=3, nproc=2, mbs=2, seq=128)
+    results = _run(tmp_path, job, nproc=2)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["status"] == "ok" for r in results), results
+    assert results[0]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+    peaks = results[0]["all_ranks"]["peak_allocated_bytes"]
+    assert len(peaks) == 2
+    pred = _predicted(job, 2)
+    assert abs(pred - max(peaks)) / max(peaks) < 0.05
+
+
+@pytest.mark.slow
+def test_out_of_memory_is_data(tmp_path):
+    huge = dict(TINY, name="huge", vocab_size=4_000_000, hidden_size=16_384, num_attention_heads=128,
+                num_key_value_heads=128, intermediate_size=128)
+    job = dict(_job(stage=0, nproc=1, mbs=1, seq=8), model=huge, memory="none")
+    (res,) = _run(tmp_path, job)
+    assert res["status"] == "oom", res
+    assert res["phase"] == "init" and res["reason"]
