@@ -98,8 +98,19 @@ def make_storage(url: str, heartbeat: bool = False) -> Any:
             callback = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
         kwargs.update(heartbeat_interval=interval, grace_period=3 * interval,
                       heartbeat_stale_trial_callback=callback)
-    with _quiet():
-        return optuna.storages.RDBStorage(url, **kwargs)
+    for attempt in range(20):
+        try:
+            with _quiet():
+                return optuna.storages.RDBStorage(url, **kwargs)
+        except Exception as err:
+            # Several processes opening a fresh database at once race on creating Optuna's tables
+            # (UNIQUE constraint on alembic_version, "table already exists"): the loser retries.
+            if attempt == 19 or type(err).__name__ not in ("IntegrityError", "OperationalError", "ProgrammingError"):
+                raise
+            import time
+
+            time.sleep(0.1 + 0.05 * attempt)
+    raise AssertionError("unreachable")
 
 
 def _postgres_driver(url: str) -> str:
