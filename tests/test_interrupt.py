@@ -132,7 +132,7 @@ def pid_alive(pid: int) -> bool:
 def test_sigkill_mid_profile_then_resume_reruns_the_trial_in_flight(tmp_path):
     """A real launched process group (torchrun -> rank shim -> worker) is in flight when the parent
     is SIGKILLed: resume keeps the finished trial and re-runs the one in flight; no process of the
-    killed launch survives it (see the launch.py PDEATHSIG note in the report) and nothing else is killed."""
+    killed launch survives it (PR_SET_PDEATHSIG at every level, launch.py) and nothing else is killed."""
     entry = tmp_path / "fake_worker.py"
     entry.write_text(textwrap.dedent(FAKE_WORKER))
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -154,6 +154,7 @@ def test_sigkill_mid_profile_then_resume_reruns_the_trial_in_flight(tmp_path):
         survivors = [p for p in pids if pid_alive(p)]
         for p in survivors:  # do not leak it into the rest of the test session
             os.kill(p, signal.SIGKILL)
+        assert not survivors, f"launch processes outlived the SIGKILLed parent: {survivors}"
         before = {t.number: t.state.name for t in trials_of(run_dir)}
         assert "RUNNING" in before.values()
         finished = {n for n, s in before.items() if s == "COMPLETE"}
@@ -168,8 +169,6 @@ def test_sigkill_mid_profile_then_resume_reruns_the_trial_in_flight(tmp_path):
         retried = [t for t in after if t.system_attrs.get("failed_trial") in {s.number for s in stale}]
         assert retried and all(t.state.name == "COMPLETE" for t in retried), [(t.number, t.state) for t in after]
         assert bystander.poll() is None  # kills no foreign process
-        if survivors:  # launch.py owns the fix (PR_SET_PDEATHSIG on the launcher + shim); see issue 8 report
-            pytest.xfail(f"launch processes outlived the SIGKILLed parent: {survivors}")
     finally:
         bystander.kill()
         if proc.poll() is None:

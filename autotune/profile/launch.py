@@ -383,7 +383,8 @@ def launch(job_path: str, *, nproc: int, log_dir: str, timeout_s: float, launche
     _install_exit_handlers()
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=penv, cwd=str(Path(job_path).parent), start_new_session=True)
+                            env=penv, cwd=str(Path(job_path).parent), start_new_session=True,
+                            preexec_fn=lambda: _set_pdeathsig(signal.SIGTERM))
     with _LIVE_LOCK:
         _LIVE[launch_id] = proc
     pumps = [_BoundedPump(proc.stdout, os.path.join(log_dir, "stdout.log"), log_limit_bytes),
@@ -428,13 +429,15 @@ def launch(job_path: str, *, nproc: int, log_dir: str, timeout_s: float, launche
 # ---------------------------------------------------------------- rank shim
 
 
-def _set_pdeathsig() -> None:
-    """PR_SET_PDEATHSIG(SIGKILL): the worker dies when the shim does (Linux; best effort)."""
+def _set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    """prctl(PR_SET_PDEATHSIG, sig): this process gets ``sig`` when its parent dies (Linux; best
+    effort). Used at every level: launcher (SIGTERM when ``autotune run`` dies, even by SIGKILL),
+    rank shim (SIGTERM when the launcher dies) and worker (SIGKILL when its shim dies)."""
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG = 1 (linux/prctl.h)
     except Exception:
         pass
 
@@ -455,6 +458,9 @@ def shim_main(argv: Sequence[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m autotune.profile.launch JOB.json", file=sys.stderr)
         return 2
+    _set_pdeathsig(signal.SIGTERM)
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        return 1
     job_path = Path(argv[0])
     job = json.loads(job_path.read_text())
     rank = int(os.environ.get("RANK", "0"))
