@@ -1,0 +1,67 @@
+"""`autotune estimate` output and the help texts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autotune.cli import build_parser, main
+from conftest import EXAMPLES
+
+LLAMA = os.path.join(EXAMPLES, "llama2-7b.yaml")
+
+
+def test_estimate_json_has_the_documented_keys(capsys):
+    assert main(["estimate", LLAMA, "--zero-stage", "3", "--micro-batch-size", "2", "--checkpointing", "full",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_parameters"] == 6_738_415_616
+    assert out["strategy"]["zero_stage"] == 3 and out["strategy"]["micro_batch_size"] == 2
+    mem = out["gpu_memory_bytes"]
+    assert set(mem) >= {"parameters", "gradients", "optimizer_states", "activations", "logits", "buffers",
+                        "overhead", "peak"}
+    assert all(isinstance(v, int) and v >= 0 for v in mem.values())
+    assert out["fits"] is True and out["reasons"] == []
+    assert out["deepspeed_config"]["zero_optimization"]["stage"] == 3
+    assert out["step_time_s"] > 0 and 0 < out["mfu"] < 1 and out["tokens_per_s_per_gpu"] > 0
+    assert set(out["time_breakdown_s"]) >= {"compute", "recompute", "exposed_communication", "offload", "optimizer"}
+    assert abs(sum(out["time_breakdown_s"].values()) - out["step_time_s"]) < 1e-6 * out["step_time_s"] + 1e-9
+    assert out["calibrated"] is True and out["fsdp"]["sharding_strategy"] == "FULL_SHARD"
+
+
+def test_estimate_table_and_does_not_fit_reasons(capsys):
+    one_gpu = os.path.join(EXAMPLES, "llama2-7b-1gpu.yaml")
+    assert main(["estimate", one_gpu]) == 0
+    text = capsys.readouterr().out
+    for row in ("parameters", "gradients", "optimizer states", "activations", "peak allocated", "GPU capacity"):
+        assert row in text
+    assert "DOES NOT FIT" in text and "GiB" in text
+    assert main(["estimate", one_gpu, "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu",
+                 "--checkpointing", "full", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["cpu_memory_bytes"] > 16 * 6.7e9  # fp32 master + moments + grads on the host
+
+
+def test_uncalibrated_gpu_is_marked(write, capsys):
+    path = write("model: {preset: gpt2}\ntraining: {seq_len: 1024, global_batch_size: 8}\n"
+                 "hardware: {gpu: h200-141gb, gpus_per_node: 1}\n")
+    assert main(["estimate", path]) == 0
+    assert "uncalibrated" in capsys.readouterr().out
+
+
+def test_every_option_has_help():
+    parser = build_parser()
+    subs = parser._subparsers._group_actions[0].choices  # argparse keeps them here
+    assert {"estimate", "run", "show", "compare", "worker"} <= set(subs)
+    for name, sub in subs.items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings} has no help"
+
+
+def test_help_exits_zero():
+    for args in (["--help"], ["estimate", "--help"], ["run", "--help"]):
+        proc = subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True)
+        assert proc.returncode == 0 and "usage: autotune" in proc.stdout
