@@ -60,6 +60,8 @@ from typing import Any
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size, default_buckets, validate
 
+_DS_SUB_GROUP = 1_000_000_000
+"""ZeRO-3 sub_group_size autotune writes (elements)."""
 _DS_MAX_LIVE = 1_000_000_000
 """stage3_max_live_parameters / stage3_max_reuse_distance autotune writes (elements)."""
 
@@ -224,8 +226,11 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
 # model states
 # ---------------------------------------------------------------------------------------------
 
-def _largest_block_params(m: ModelSpec) -> int:
-    return max(m.block_params(), m.vocab_size * m.hidden_size)
+def _largest_param(m: ModelSpec) -> int:
+    """Elements of the largest single parameter tensor."""
+    d = m.hidden_size
+    return max(m.vocab_size * d, d * m.intermediate_size, d * m.q_size,
+               m.max_position_embeddings * d if m.position_embedding == "learned" else 0)
 
 
 def _persistent_params(m: ModelSpec, threshold: int) -> int:
@@ -261,6 +266,7 @@ class _States:
     grad_per_block: float = 0.0   # gradient bytes that accumulate per block during backward
     grad_buffer: float = 0.0      # gradient storage allocated once and resident (ZeRO-3 partition)
     resident_buffers: float = 0.0  # other always-allocated buffers (ZeRO-3 reduce bucket)
+    partition_after: float = 0.0  # ZeRO-1/2: grads (elements) after which the partition buffer exists
     cpu: float = 0.0              # host bytes per GPU (offload)
     nvme: float = 0.0             # NVMe bytes per GPU
 
@@ -287,14 +293,17 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
     if s.zero_stage in (1, 2):
         out.params = p * psi
         bucket = min(buckets["reduce_bucket_size"], psi)
-        out.grads = p * part  # grads_in_partition
+        out.grads = p * part  # grads_in_partition (allocated when the first bucket is reduced)
+        out.partition_after = bucket
         if off_opt:
-            # CPU keeps fp32 master, moments and the fp32 grad partition; the GPU keeps one
-            # reduce bucket and the 16-bit gradient partition
+            # ZeRO-Offload: fp32 master, moments and the fp32 gradient partition live in host
+            # RAM; reduced gradients go straight from the reduce buckets to the host (through a
+            # GPU staging buffer of the largest parameter), so the GPU holds no gradient partition
             out.optimizer = 0
-            out.buffers_bwd = 2 * p * bucket
+            out.grads = 0
+            out.buffers_bwd = 2 * p * bucket + p * _largest_param(m)
             out.buffers_step = 0
-            host = (4 + k_opt + 4) * part
+            host = (4 + k_opt + 4) * part + 4 * _largest_param(m)  # + pinned staging buffer
         else:
             out.optimizer = (4 + k_opt) * part
             out.buffers_bwd = 2 * p * bucket  # ipg double buffer (overlap_comm)
@@ -331,10 +340,14 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         if off_par:
             host += p * part
     if s.offload_optimizer == "nvme":
+        # states swap to NVMe; host keeps buffer_count (4) pinned fp32 swap buffers of one sub group
         out.nvme += host
-        host = 4 * 2 * part  # pinned swap buffers (buffer_count x sub-group staging), approx.
+        host = 4 * 4 * min(_DS_SUB_GROUP, part)
     if s.offload_params == "nvme":
+        # params swap to NVMe through buffer_count (5) x buffer_size (1e8) pinned buffers
         out.nvme += p * part
+        host -= p * part
+        host += 5 * 100_000_000 * p
     out.cpu = host
     return out
 
@@ -355,61 +368,63 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     st = _model_states(m, training, hardware, s)
     act = activation_breakdown(m, training, s, device)
     L = m.num_hidden_layers
-    resident = st.params + st.optimizer + st.grad_buffer + st.resident_buffers
-    saved_end = act["blocks"] + act["nonblock"]
+    tokens = training.seq_len * s.micro_batch_size
+    saved_blocks, nonblock, logits_saved = act["blocks"], act["nonblock"], act["logits_saved"]
+    other_saved = nonblock - logits_saved  # final norm, masks, rope tables
 
-    # forward: everything saved plus the loss transient (logits + fp32 copy + log_softmax)
-    fwd = resident + st.buffers_fwd + saved_end + act["loss_forward_transient"]
-    # backward start: saved activations + the logits gradient (lm_head grad arrives right after)
-    head_grad = p * m.vocab_size * m.hidden_size if s.zero_stage == 0 else 0
-    # (DeepSpeed's gradient buffers appear with the first gradient, after the logits backward)
-    bwd_start = resident + st.buffers_fwd + saved_end + act["loss_backward_transient"]
-    bwd_head = resident + st.buffers_bwd + saved_end - act["logits_saved"] + head_grad \
-        + p * m.vocab_size * training.seq_len * s.micro_batch_size
-    # backward through the blocks: saved activations shrink while gradients accumulate
-    bwd_blocks = 0.0
+    def state(grads: float = 0.0, activations: float = 0.0, logits: float = 0.0, buffers: float = 0.0) -> dict:
+        """One point in time: the components that are alive (bytes)."""
+        return {"parameters": st.params, "gradients": st.grad_buffer + grads, "optimizer_states": st.optimizer,
+                "activations": activations, "logits": logits, "buffers": st.resident_buffers + buffers}
+
+    cands: list[tuple[str, dict]] = []
+    # forward end: everything saved plus the loss transient (logits, their fp32 copy, log_softmax)
+    cands.append(("forward", state(activations=saved_blocks + other_saved,
+                                   logits=logits_saved + act["loss_forward_transient"], buffers=st.buffers_fwd)))
+    # backward start: the logits gradient (fp32 nll grad + log_softmax grad next to its saved output);
+    # DeepSpeed's gradient buffers appear with the first parameter gradient, right after
+    cands.append(("backward", state(activations=saved_blocks + other_saved,
+                                    logits=logits_saved + act["loss_backward_transient"], buffers=st.buffers_fwd)))
+    head = m.vocab_size * m.hidden_size
+    # lm_head backward: its weight gradient is computed next to the logits gradient (model dtype)
+    cands.append(("backward", state(grads=p * head, activations=saved_blocks + other_saved,
+                                    logits=p * m.vocab_size * tokens, buffers=st.buffers_fwd)))
+    # its gradient hook: ZeRO-1/2 allocate the reduce buckets (the logits gradient is gone)
+    cands.append(("backward", state(grads=p * head, activations=saved_blocks + other_saved, buffers=st.buffers_bwd)))
+    head_grad = p * head if s.zero_stage == 0 else 0.0
+    # through the blocks (last to first): saved activations shrink while gradients accumulate;
+    # a checkpointed block is recomputed (its full activations) before its backward
     n_ck = int(act["num_checkpointed"])
-    remaining = act["blocks"]
-    grads = head_grad
+    remaining = saved_blocks
+    grads, produced = head_grad, head
+    bucket = st.partition_after or 0
     for i in reversed(range(L)):
         ck = i < n_ck
         per = act["per_block_checkpointed"] if ck else act["per_block_plain"]
-        extra = act["recompute"] if ck else 0.0
-        bwd_blocks = max(bwd_blocks, resident + st.buffers_bwd + remaining + extra + grads
-                         + act["nonblock"] - act["logits_saved"])
+        recompute = act["per_block_plain"] if ck else 0.0
+        g = grads + (st.grads if (bucket and produced > bucket) else 0.0)
+        cands.append(("backward", state(grads=g, activations=remaining + recompute + other_saved,
+                                        buffers=st.buffers_bwd)))
         remaining -= per
         grads += st.grad_per_block
-    bwd_end = resident + st.buffers_bwd + st.buffers_bwd_end + st.grads
-    bwd = max(bwd_start, bwd_head, bwd_blocks, bwd_end)
-    opt = resident + st.grads + st.buffers_step
-    phases = {"forward": int(fwd), "backward": int(bwd), "optimizer": int(opt)}
-    peak_phase = max(phases, key=phases.get)
-    peak = phases[peak_phase]
+        produced += m.block_params()
+    # backward end: all gradients, ZeRO-0's flat all-reduce bucket
+    cands.append(("backward", state(grads=st.grads, buffers=st.buffers_bwd + st.buffers_bwd_end)))
+    # optimizer step
+    cands.append(("optimizer", state(grads=st.grads, buffers=st.buffers_step)))
 
-    # the breakdown at the peak (components sum to peak)
-    activations = act["blocks"] + act["nonblock"] - act["logits_saved"]
-    logits_part = {"forward": act["loss_forward_transient"], "backward": act["loss_backward_transient"] + act["logits_saved"],
-                   "optimizer": 0.0}[peak_phase]
-    if peak_phase == "optimizer":
-        activations = 0.0
-    grads_part = {"forward": 0.0, "backward": 0.0, "optimizer": st.grads}[peak_phase]
-    if peak_phase == "backward" and bwd == bwd_end:
-        grads_part = st.grads
-        activations, logits_part = 0.0, 0.0
-    base = st.params + st.optimizer + grads_part + activations + logits_part
-    buffers = max(0.0, peak - base)
-    gpu = {
-        "parameters": int(st.params),
-        "gradients": int(grads_part),
-        "optimizer_states": int(st.optimizer),
-        "activations": int(activations),
-        "logits": int(logits_part),
-        "buffers": int(buffers),
-    }
-    gpu["peak"] = int(peak)
+    phases: dict[str, int] = {}
+    best: tuple[float, str, dict] = (-1.0, "forward", {})
+    for phase, comp in cands:
+        total = sum(comp.values())
+        phases[phase] = max(phases.get(phase, 0), int(total))
+        if total > best[0]:
+            best = (total, phase, comp)
+    peak, peak_phase, comp = best
+    gpu = {k: int(v) for k, v in comp.items()}
+    peak = sum(gpu.values())
     gpu["overhead"] = int(hardware.cuda_context_gib * GIB + hardware.allocator_slack * peak)
-    # reorder: GPU_COMPONENTS then peak
-    gpu = {k: gpu[k] for k in GPU_COMPONENTS} | {"peak": gpu["peak"]}
+    gpu = {k: gpu[k] for k in GPU_COMPONENTS} | {"peak": int(peak)}
 
     gpn = hardware.gpus_per_node
     cpu = int(st.cpu * gpn)

@@ -33,7 +33,15 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   thread's last work (tensors included) alive, so
                                                 #   0-3 of DeepSpeed's flat all-reduce buckets would
                                                 #   outlive the step at random (not so with NCCL)
-      "device": "auto"                          # "cuda" | "cpu" | "auto"
+      "device": "auto",                         # "cuda" | "cpu" | "auto"
+      "hf_config": "path/config.json",          # build an HF model from_config (transformers installed)
+      "model_factory": "pkg.mod:build_model",   # the user's factory (contract: autotune.profile.user_models)
+      "python_path": ["dir", ...],              # put first on sys.path before importing the factory
+      "snapshot": "trials/3/memory_snapshot.pickle",  # CUDA: record allocation history, dump it here
+                                                #   (also on OOM; rank r > 0: "<stem>.rank<r>.pickle");
+                                                #   CPU: no-op with a note
+      "exchange_timeout_s": 60,                 # bound of the final cross-rank exchange
+      "fault": {"rank": 1, "phase": "init" | "end", "kind": "error" | "oom"}  # test-only injection
     }
 
 Result JSON (one per rank)::
@@ -58,10 +66,17 @@ Result JSON (one per rank)::
       "num_parameters": int,
       "optimizer": "BF16_Optimizer" | ...,  # DeepSpeed's final optimizer wrapper class
       "gradient_accumulation_steps": int,
-      "all_ranks": {"peak_allocated_bytes": [per rank], "min_step_peak_bytes": [...],
-                    "peak_phase": [...], "phase_peaks_bytes": [...]}  # rank 0 only, when ok
+      "all_ranks": {"status": [per rank], "phase": [...], "peak_allocated_bytes": [...],
+                    "min_step_peak_bytes": [...], "peak_phase": [...], "phase_peaks_bytes": [...]},
+                                            # every rank joins this one exchange whatever its status
+                                            #   (absent if the exchange failed or timed out)
+      "model_source": "reference" | "hf" | "factory:pkg.mod:fn",
+      "notes": [str, ...],                  # approximations, snapshot no-op on CPU...
+      "snapshot_path": str | null,          # the memory snapshot written (CUDA, "snapshot" set)
       "elapsed_s": float
     }
+
+An ``oom`` reason starts with autotune.snapshot.oom_note(phase) (the seed's OOM table).
 """
 
 from __future__ import annotations
@@ -239,8 +254,11 @@ def _ds_config_for_job(job: dict, world_size: int) -> tuple[dict, Any, Any, Any]
     return json.loads(json.dumps(cfg)), model, training, strategy
 
 
-def run_job(job: dict, job_dir: Path) -> dict[str, Any]:
-    """Run the job in this process (a rank of the group); returns the result dict."""
+def run_job(job: dict, job_dir: Path, write_early: Optional[Any] = None) -> dict[str, Any]:
+    """Run the job in this process (a rank of the group); returns the result dict.
+
+    ``write_early(result)``: called with a failed rank's result before the cross-rank exchange, so
+    the launcher sees the failure at once even if a peer keeps the exchange waiting."""
     t_start = time.time()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -251,8 +269,13 @@ def run_job(job: dict, job_dir: Path) -> dict[str, Any]:
                               "init_peak_bytes": None, "step_times_s": [], "tokens_per_s": None, "losses": [],
                               "num_parameters": None, "optimizer": None, "gradient_accumulation_steps": None}
     probe: Optional[_CpuMemoryProbe] = None
+    notes: list[str] = []
+    result["notes"] = notes
+    snap_info: dict[str, Any] = {"path": None}
     try:
         import torch
+
+        from autotune import snapshot
 
         want = job.get("device", "auto")
         use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
@@ -265,14 +288,24 @@ def run_job(job: dict, job_dir: Path) -> dict[str, Any]:
             memory_mode = "cuda" if use_cuda else "profiler"
         if memory_mode == "profiler":
             probe = _CpuMemoryProbe()
-        with (probe if probe is not None else contextlib.nullcontext()):
-            _run(job, result, probe, rank, world, local_rank, use_cuda, memory_mode)
+        snap_path = job.get("snapshot")
+        if snap_path and not use_cuda:
+            notes.append("memory snapshot requested, but torch.cuda memory history needs CUDA and this worker "
+                         "ran on the CPU: no snapshot written")
+        snap_path = str(result_path_for_rank(snap_path, rank)) if snap_path else ""
+        with snapshot.memory_snapshot(snap_path, enabled=bool(snap_path) and use_cuda) as snap_info:
+            with (probe if probe is not None else contextlib.nullcontext()):
+                _run(job, result, probe, rank, world, local_rank, use_cuda, memory_mode)
     except BaseException as exc:  # failure is data
         if isinstance(exc, KeyboardInterrupt):
             raise
         result["status"] = "oom" if _is_oom(exc) else "error"
         first = (str(exc).strip().splitlines() or [""])[0]
         result["reason"] = f"{type(exc).__name__}: {first[:300]}"
+        if result["status"] == "oom":
+            from autotune.snapshot import oom_note
+
+            result["reason"] = f"{oom_note(result.get('phase'))}; {type(exc).__name__}: {first[:200]}"
         if result["status"] == "error":
             result["traceback"] = traceback.format_exc()[-4000:]
     if probe is not None:
@@ -281,30 +314,63 @@ def run_job(job: dict, job_dir: Path) -> dict[str, Any]:
             result.update({k: v for k, v in mem.items() if v is not None or k not in result})
         except Exception as exc:  # pragma: no cover - profiler internals changed
             result.setdefault("reason", f"memory analysis failed: {exc}")
+    result["snapshot_path"] = snap_info.get("path")
     if result["status"] == "ok":
         result["phase"] = None
-        _gather_ranks(result, world)
+    elif write_early is not None:
+        result["elapsed_s"] = round(time.time() - t_start, 3)
+        write_early(result)
+    _gather_ranks(result, world)
     result["elapsed_s"] = round(time.time() - t_start, 3)
     return result
 
 
+_EXCHANGE: dict[str, Any] = {"group": None}
+"""The gloo group (with its own short timeout) of the final cross-rank exchange, made at init."""
+_SUMMARY_KEYS = ("status", "phase", "peak_allocated_bytes", "min_step_peak_bytes", "peak_phase", "phase_peaks_bytes")
+
+
+def _make_exchange_group(timeout_s: float) -> None:
+    """Created right after init_distributed, while every rank is still in step (new_group is
+    collective). gloo also on CUDA: the exchange is a handful of small CPU objects."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    _EXCHANGE["group"] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def _gather_ranks(result: dict, world: int) -> None:
+    """Every rank, whatever its status, takes part in one all_gather of its summary (status and
+    peaks). A rank that failed before the exchange group existed cannot join: the others then give
+    up after the group's timeout ("exchange_timeout_s") instead of waiting forever."""
+    row = {k: result.get(k) for k in _SUMMARY_KEYS}
     if world <= 1:
-        result["all_ranks"] = {k: [result.get(k)] for k in ("peak_allocated_bytes", "min_step_peak_bytes",
-                                                              "peak_phase", "phase_peaks_bytes")}
+        result["all_ranks"] = {k: [v] for k, v in row.items()}
+        return
+    group = _EXCHANGE["group"]
+    if group is None:
+        result["notes"].append("no cross-rank exchange: the process group was never set up on this rank")
         return
     try:
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            rows: list[Any] = [None] * world
-            dist.all_gather_object(rows, {"peak_allocated_bytes": result["peak_allocated_bytes"],
-                                          "min_step_peak_bytes": result.get("min_step_peak_bytes"),
-                                          "peak_phase": result["peak_phase"],
-                                          "phase_peaks_bytes": result.get("phase_peaks_bytes")})
-            result["all_ranks"] = {k: [r[k] for r in rows] for k in rows[0]}
-    except Exception:  # pragma: no cover
-        pass
+        rows: list[Any] = [None] * world
+        dist.all_gather_object(rows, row, group=group)
+        result["all_ranks"] = {k: [r[k] for r in rows] for k in _SUMMARY_KEYS}
+    except Exception as exc:
+        result["notes"].append(f"cross-rank exchange failed: {type(exc).__name__}: "
+                               f"{(str(exc).strip().splitlines() or [''])[0][:200]}")
+
+
+def _maybe_fault(job: dict, rank: int, phase: str) -> None:
+    """Test-only fault injection: ``"fault": {"rank": 1, "phase": "init" | "end", "kind": "error" | "oom"}``."""
+    fault = job.get("fault")
+    if not fault or int(fault.get("rank", -1)) != rank or fault.get("phase", "end") != phase:
+        return
+    if fault.get("kind") == "oom":
+        raise MemoryError(f"injected out-of-memory fault on rank {rank} at {phase}")
+    raise RuntimeError(f"injected fault on rank {rank} at {phase}")
 
 
 def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, world: int, local_rank: int,
@@ -312,7 +378,8 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
     import torch
 
     import deepspeed
-    from autotune.profile.models import build_model, count_parameters, synthetic_batch
+    from autotune.profile.models import count_parameters
+    from autotune.profile.user_models import build_for_job, loss_of, set_checkpointing
 
     ds_config, model_spec, training, strategy = _ds_config_for_job(job, world)
     seed = int(job.get("seed", 0))
@@ -334,14 +401,20 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
         except Exception:
             pass
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
+    if world > 1:
+        _make_exchange_group(float(job.get("exchange_timeout_s", 60)))
+    _maybe_fault(job, rank, "init")
 
     impl = job.get("optimizer_impl", "auto")
     if impl == "auto":
         impl = "deepspeed" if use_cuda else "torch"
     optimizer = None
-    model = build_model(model_spec)
+    built = build_for_job(job, model_spec, training, seed=seed * 1000 + rank * 100)
+    model = built.module
+    result["model_source"] = built.source
     n_ckpt = strategy.num_checkpointed(model_spec.num_hidden_layers)
-    model.set_checkpointing(strategy.checkpointing if n_ckpt else "none", n_ckpt)
+    set_checkpointing(built, strategy.checkpointing if n_ckpt else "none", n_ckpt, model_spec.num_hidden_layers)
+    result["notes"].extend(built.notes)
     result["num_parameters"] = count_parameters(model)
     if impl == "torch":
         opt_cfg = ds_config.pop("optimizer", None) or {}
@@ -361,7 +434,7 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
     result["gradient_accumulation_steps"] = gas
     mbs = engine.train_micro_batch_size_per_gpu()
     seq = training.seq_len
-    batches = [synthetic_batch(model_spec, mbs, seq, seed=seed * 1000 + rank * 100 + i, device=device) for i in range(2)]
+    batches = [built.batch_fn(mbs, seq, device) for _ in range(2)]
     if probe is not None:
         probe.init_end = probe.now()
     if use_cuda:
@@ -382,14 +455,14 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
         t0 = time.perf_counter()
         step_losses = []
         for micro in range(gas):
-            x, y = batches[micro % len(batches)]
+            batch = batches[micro % len(batches)]
             for phase in PHASES:
                 result["phase"] = phase
                 t_ph = probe.now() if probe is not None else 0
                 mark = _record(_MARK + phase) if (probe is not None and measured) else contextlib.nullcontext()
                 with mark:
                     if phase == "forward":
-                        loss = engine(x, y)
+                        loss = loss_of(engine(**batch), built.source)
                     elif phase == "backward":
                         engine.backward(loss)
                     else:
@@ -416,6 +489,7 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
             result.update(status="nan", reason=f"non-finite loss {step_losses} at step {step}", phase="forward")
             return
     del loss
+    _maybe_fault(job, rank, "end")
     times = sorted(result["step_times_s"])
     if times:
         median = times[len(times) // 2]
@@ -438,11 +512,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     job = json.loads(job_path.read_text())
     rank = int(os.environ.get("RANK", "0"))
     out = result_path_for_rank(job.get("result_path") or job_path.with_name("result.json"), rank)
-    result = run_job(job, job_path.parent)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    def write(res: dict) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(res, indent=1, default=str))
+        tmp.replace(out)
+
+    result = run_job(job, job_path.parent, write_early=write)
+    write(result)
     try:
         import torch.distributed as dist
 
