@@ -47,7 +47,7 @@ class DeepSpeedBackend:
                  memory_limit_bytes: Optional[int] = None, optimizer_impl: str = "auto", memory: str = "auto",
                  seed: int = 0, hostfile: Optional[str] = None, env: Optional[dict[str, str]] = None,
                  params: Optional[dict] = None, calibrator: Any = None, worker_entry: Optional[str] = None,
-                 ds_config_overrides: Optional[dict] = None) -> None:
+                 ds_config_overrides: Optional[dict] = None, snapshot_trial: Optional[int] = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.trials_dir = self.run_dir / "trials"
@@ -65,6 +65,8 @@ class DeepSpeedBackend:
         """Test hook: a Python script run by each rank instead of autotune.profile.worker."""
         self.ds_config_overrides = ds_config_overrides or {}
         """Deep-merged into the generated DeepSpeed config (e.g. the optimizer's learning rate)."""
+        self.snapshot_trial = snapshot_trial
+        """Trial number whose workers record a CUDA memory snapshot (``--snapshot TRIAL``)."""
         self._counter = 0
 
     # ---------------------------------------------------------------- job files
@@ -83,10 +85,10 @@ class DeepSpeedBackend:
         path.mkdir(parents=True)
         return path
 
-    def job_for(self, strategy: Strategy, trial_dir: Path) -> dict[str, Any]:
+    def job_for(self, strategy: Strategy, trial_dir: Path, trial_number: Optional[int] = None) -> dict[str, Any]:
         cfg = self.cfg
         profile = cfg.profile
-        return {
+        job: dict[str, Any] = {
             "model": dataclasses.asdict(cfg.model),
             "training": dataclasses.asdict(cfg.training),
             "strategy": strategy.as_dict(),
@@ -100,13 +102,25 @@ class DeepSpeedBackend:
             "seed": self.seed,
             "device": self.device,
         }
+        if getattr(cfg, "model_factory", None):
+            job["model_factory"] = cfg.model_factory
+            # the factory's module is looked up next to the config file, then in the current directory
+            job["python_path"] = [os.path.dirname(os.path.abspath(cfg.path)), os.getcwd()]
+        elif getattr(cfg, "hf_config", None):
+            job["hf_config"] = os.path.abspath(cfg.hf_config)
+        if self.snapshot_trial is not None and trial_number == self.snapshot_trial:
+            from autotune.snapshot import SNAPSHOT_FILE
+
+            job["snapshot"] = str(trial_dir / SNAPSHOT_FILE)
+        return job
 
     # ---------------------------------------------------------------- evaluate
 
     def evaluate(self, strategy: Strategy, trial_number: Optional[int] = None) -> Measurement:
         trial_dir = self._trial_dir(trial_number)
         job_path = trial_dir / "job.json"
-        job_path.write_text(json.dumps(self.job_for(strategy, trial_dir), indent=1))
+        number = trial_number if trial_number is not None else _number_of(trial_dir)
+        job_path.write_text(json.dumps(self.job_for(strategy, trial_dir, number), indent=1))
         env = dict(self.env)
         if self.device == "cpu":
             env.setdefault("DS_ACCELERATOR", "cpu")
@@ -115,6 +129,13 @@ class DeepSpeedBackend:
                      memory_limit_bytes=self.memory_limit_bytes, num_nodes=self.cfg.hardware.num_nodes,
                      hostfile=self.hostfile, env=env, worker_entry=self.worker_entry)
         m = self.measurement(strategy, res)
+        rank0 = res.results.get(0, {})
+        if rank0.get("notes"):
+            m.extra["notes"] = rank0["notes"]
+        if rank0.get("model_source"):
+            m.extra["model_source"] = rank0["model_source"]
+        if "snapshot" in json.loads(job_path.read_text()):
+            m.extra["snapshot_path"] = rank0.get("snapshot_path")
         (trial_dir / "measurement.json").write_text(json.dumps(m.as_dict(), indent=1, default=str))
         if self.calibrator is not None:
             self.calibrator.add(strategy, m)
@@ -187,6 +208,11 @@ class DeepSpeedBackend:
         )
         return Measurement(status="ok", peak_memory_bytes=peak, tokens_per_s_per_gpu=tps_gpu, step_time_s=step,
                            mfu=mfu, extra=extra)
+
+
+def _number_of(trial_dir: Path) -> Optional[int]:
+    head = trial_dir.name.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -1,0 +1,249 @@
+"""Which nn.Module the profiling worker trains, and how it is fed: reference, Hugging Face or user factory.
+
+Three sources, chosen from the job (autotune.profile.worker's JSON, filled by DeepSpeedBackend.job_for):
+
+* ``model_factory: "package.module:function"`` (``model: {python: ...}`` in the config): the user's
+  factory, called ``build_model(spec: ModelSpec, training: TrainingSpec)`` and returning
+  ``(module, batch_fn)``:
+
+  - ``module``: a ``torch.nn.Module`` built on the CPU in fp32 (DeepSpeed casts it to the strategy's
+    precision and moves it to the device);
+  - ``batch_fn(micro_batch_size: int, seq_len: int, device) -> dict``: keyword arguments for
+    ``module(**batch)`` (tensors already on ``device``); called a few times before the timed steps;
+  - ``module(**batch)`` returns a scalar loss tensor, or an object / dict with a ``loss``.
+
+  Checkpointing: if the module has ``set_checkpointing(granularity, num_layers)`` (granularity
+  ``"none" | "selective" | "full"``) it is called; otherwise an HF-style
+  ``gradient_checkpointing_enable`` is used for ``full``; otherwise a strategy with checkpointing
+  fails with status ``error`` (strategies without checkpointing still run).
+  The factory's module directory must be importable: the worker prepends ``python_path`` (the
+  directory of the config file and the directory ``autotune run`` was started in) to ``sys.path``.
+* ``hf_config: path`` (and transformers importable): ``AutoModelForCausalLM.from_config`` with
+  ``attn_implementation="sdpa"``, nothing downloaded (``HF_HUB_OFFLINE=1``); batches
+  ``{input_ids, labels=input_ids, use_cache=False}`` (HF shifts the labels itself).
+  Checkpointing: ``full`` = non-reentrant ``gradient_checkpointing_enable``, on the first N layers
+  through the per-layer ``gradient_checkpointing`` flags; ``selective`` is an error.
+  Without transformers the reference decoder built from the same ModelSpec is used (with a note).
+* otherwise the reference decoder of autotune.profile.models.
+
+Every contract violation raises :class:`UserModelError` with one short sentence; the worker turns it
+into ``status: "error"``. This module imports torch lazily (only the builders need it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+
+class UserModelError(RuntimeError):
+    """The model cannot be built or fed as the contract says (short, user-facing reason)."""
+
+
+@dataclass
+class BuiltModel:
+    module: Any
+    batch_fn: Callable[[int, int, Any], dict]
+    source: str
+    """``reference`` | ``hf`` | ``factory:<package.module:function>``."""
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------ factory
+
+
+def load_factory(path: str, python_path: Optional[list[str]] = None) -> Callable[..., Any]:
+    """Import ``package.module:function``; ``python_path`` entries are put first on sys.path."""
+    for entry in reversed(python_path or []):
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)
+    mod_name, sep, fn_name = str(path).partition(":")
+    if not sep or not mod_name.strip() or not fn_name.strip():
+        raise UserModelError(f"model factory must be 'package.module:function', got {path!r}")
+    try:
+        module = importlib.import_module(mod_name.strip())
+    except Exception as err:  # ImportError, or the module itself raising at import
+        raise UserModelError(f"cannot import model factory module {mod_name!r}: {type(err).__name__}: "
+                             f"{_first_line(err)}") from err
+    fn = getattr(module, fn_name.strip(), None)
+    if fn is None:
+        raise UserModelError(f"model factory module {mod_name!r} has no attribute {fn_name.strip()!r}")
+    if not callable(fn):
+        raise UserModelError(f"model factory {path!r} is not callable ({type(fn).__name__})")
+    return fn
+
+
+def build_factory_model(path: str, spec: Any, training: Any, python_path: Optional[list[str]] = None) -> BuiltModel:
+    """Call the user's factory and check its return value against the contract."""
+    import torch
+
+    fn = load_factory(path, python_path)
+    try:
+        out = fn(spec, training)
+    except UserModelError:
+        raise
+    except Exception as err:
+        if _is_oom_like(err):
+            raise
+        raise UserModelError(f"model factory {path!r} raised {type(err).__name__}: {_first_line(err)}") from err
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise UserModelError(f"model factory {path!r} must return (nn.Module, batch_fn), "
+                             f"got {_describe(out)}")
+    module, batch_fn = out
+    if not isinstance(module, torch.nn.Module):
+        raise UserModelError(f"model factory {path!r} returned {_describe(module)} instead of an nn.Module")
+    if not callable(batch_fn):
+        raise UserModelError(f"model factory {path!r} returned a non-callable batch_fn ({_describe(batch_fn)})")
+    return BuiltModel(module, _checked_batch_fn(batch_fn, path), f"factory:{path}")
+
+
+def _checked_batch_fn(batch_fn: Callable[..., Any], path: str) -> Callable[[int, int, Any], dict]:
+    def call(micro_batch_size: int, seq_len: int, device: Any) -> dict:
+        try:
+            batch = batch_fn(micro_batch_size, seq_len, device)
+        except Exception as err:
+            if _is_oom_like(err):
+                raise
+            raise UserModelError(f"batch_fn of {path!r} raised {type(err).__name__}: {_first_line(err)}") from err
+        if not isinstance(batch, dict) or not all(isinstance(k, str) for k in batch):
+            raise UserModelError(f"batch_fn of {path!r} must return a dict of keyword arguments, "
+                                 f"got {_describe(batch)}")
+        return batch
+
+    return call
+
+
+def loss_of(out: Any, source: str = "model") -> Any:
+    """The scalar loss tensor from a forward's output (tensor, ``.loss`` or ``["loss"]``)."""
+    import torch
+
+    loss = out
+    if not isinstance(out, torch.Tensor):
+        if isinstance(out, dict) and "loss" in out:
+            loss = out["loss"]
+        elif getattr(out, "loss", None) is not None:
+            loss = out.loss
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise UserModelError(f"{source} forward must return a scalar loss tensor or an object with .loss, "
+                             f"got {_describe(loss)}")
+    return loss.reshape(())
+
+
+# ------------------------------------------------------------------------------------ HF / reference
+
+
+def transformers_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def build_hf_model(hf_config: str, seed: int = 0) -> BuiltModel:
+    """``AutoModelForCausalLM.from_config`` (sdpa attention, random init, nothing downloaded)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from autotune.trace import _hf_model  # same conventions as the traced memory screening
+
+    try:
+        module = _hf_model(hf_config)
+    except Exception as err:
+        if _is_oom_like(err):
+            raise
+        raise UserModelError(f"cannot build the Hugging Face model from {hf_config}: {type(err).__name__}: "
+                             f"{_first_line(err)}") from err
+    vocab = int(module.config.vocab_size)
+
+    counter = [seed]
+
+    def batch_fn(micro_batch_size: int, seq_len: int, device: Any) -> dict:
+        import torch
+
+        g = torch.Generator().manual_seed(counter[0])
+        counter[0] += 1
+        ids = torch.randint(0, vocab, (micro_batch_size, seq_len), generator=g).to(device)
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+    return BuiltModel(module, batch_fn, "hf")
+
+
+def build_reference_model(spec: Any, seed: int = 0) -> BuiltModel:
+    from autotune.profile.models import build_model, synthetic_batch
+
+    module = build_model(spec)
+
+    counter = [seed]
+
+    def batch_fn(micro_batch_size: int, seq_len: int, device: Any) -> dict:
+        x, y = synthetic_batch(spec, micro_batch_size, seq_len, seed=counter[0], device=device)
+        counter[0] += 1
+        return {"input_ids": x, "labels": y}
+
+    return BuiltModel(module, batch_fn, "reference")
+
+
+def build_for_job(job: dict, spec: Any, training: Any, seed: int = 0) -> BuiltModel:
+    """The module and batch function the job asks for (see the module docstring); ``seed``: the
+    first synthetic batch's seed (built-in sources; a factory seeds its own batches)."""
+    factory, hf_config = job.get("model_factory"), job.get("hf_config")
+    if factory:
+        return build_factory_model(factory, spec, training, job.get("python_path"))
+    if hf_config:
+        if transformers_available():
+            return build_hf_model(hf_config, seed)
+        built = build_reference_model(spec, seed)
+        built.notes.append("transformers not installed: profiled the reference decoder built from the HF config")
+        return built
+    return build_reference_model(spec, seed)
+
+
+def set_checkpointing(built: BuiltModel, granularity: str, n: int, num_layers: int) -> None:
+    """Apply the strategy's activation checkpointing (first ``n`` of ``num_layers`` layers)."""
+    model = built.module
+    if hasattr(model, "set_checkpointing"):
+        try:
+            model.set_checkpointing(granularity if n else "none", n)
+        except Exception as err:
+            raise UserModelError(f"{built.source} set_checkpointing({granularity!r}, {n}) failed: "
+                                 f"{type(err).__name__}: {_first_line(err)}") from err
+        return
+    if granularity == "none" or n == 0:
+        return
+    from autotune.trace import _set_checkpointing
+
+    try:
+        built.notes += _set_checkpointing(model, built.source, granularity, n, num_layers)
+    except Exception as err:
+        raise UserModelError(f"cannot apply {granularity} checkpointing to {n} layers: {_first_line(err)}") from err
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _first_line(err: BaseException) -> str:
+    return ((str(err).strip().splitlines() or [""])[0])[:200]
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            return f"a tensor of shape {tuple(x.shape)}"
+    except ImportError:  # pragma: no cover
+        pass
+    return type(x).__name__
+
+
+def _is_oom_like(err: BaseException) -> bool:
+    """Out-of-memory errors pass through untouched (the worker reports them as oom, not error)."""
+    if isinstance(err, MemoryError):
+        return True
+    msg = str(err).lower()
+    return type(err).__name__ == "OutOfMemoryError" or "out of memory" in msg or "can't allocate memory" in msg
