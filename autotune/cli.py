@@ -142,7 +142,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     compare.parse_threshold(args.max_regression)  # a bad --max-regression fails before running
     baseline = compare.resolve_baseline(args.out, args.config, args.baseline)
     run = open_run(cfg, out=args.out, name=args.name, resume=args.resume, storage=args.storage,
-                   backend=args.backend, seed=args.seed, trials=args.trials, calibration=args.calibration)
+                   backend=args.backend, seed=args.seed, trials=args.trials, calibration=args.calibration,
+                   snapshot=args.snapshot)
     seeds = compare.baseline_seeds(baseline, cfg) if baseline and not args.resume else None
     resume_hint = f"autotune run {args.config} --name {run.name} --out {args.out} --resume"
     try:
@@ -216,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start from the simulator parameters fitted by an earlier profiled run on the same "
                      "hardware (its calibration.json)")
     run.add_argument("--json", action="store_true", help="print front.json to stdout instead of the table")
+    run.add_argument("--snapshot", type=int, metavar="TRIAL",
+                     help="backend deepspeed: the workers of trial number TRIAL record a CUDA memory snapshot "
+                     "(runs/<name>/trials/TRIAL/memory_snapshot.pickle, also on OOM; open it in "
+                     "https://pytorch.org/memory_viz); a no-op with a note on CPU")
     run.add_argument("--baseline", metavar="RUN_DIR|latest",
                      help="nightly retuning: re-measure this run's front first, then compare against it and exit "
                      "with compare's status (latest: <out>/latest-<config stem>)")

@@ -38,6 +38,8 @@ class Run:
     """A run directory (or calibration.json) whose fitted simulator parameters to start from."""
     interrupted: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
+    snapshot: Optional[int] = None
+    """Trial number whose profiling workers save a CUDA memory snapshot (``--snapshot``)."""
 
     @property
     def storage_path(self) -> Optional[str]:
@@ -57,6 +59,12 @@ class Run:
 
             params = load_calibration(self.calibration, self.cfg.hardware.gpu.name)
         backend = make_backend(self.backend, self.cfg, self.run_dir, params)
+        if self.snapshot is not None:
+            if hasattr(backend, "snapshot_trial"):
+                backend.snapshot_trial = self.snapshot
+            else:
+                print(f"autotune: --snapshot is ignored by backend {self.backend} (it runs no worker; "
+                      "use --backend deepspeed)", file=sys.stderr)
         backend = slowed(backend)
         from autotune.storage import make_storage
 
@@ -157,7 +165,7 @@ def default_name(config_path: str) -> str:
 
 def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storage: Optional[str],
              backend: Optional[str], seed: Optional[int], trials: Optional[int],
-             calibration: Optional[str] = None) -> Run:
+             calibration: Optional[str] = None, snapshot: Optional[int] = None) -> Run:
     """Create a new run directory, or reopen one for --resume; refuses to overwrite."""
     if resume and not name:
         raise ConfigError("--resume needs --name of the run to continue", path="--resume")
@@ -187,7 +195,7 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
         backend=backend or cfg.profile.backend,
         seed=cfg.search.seed if seed is None else seed,
         trials=trials or cfg.search.trials, resume=resume, meta=meta,
-        calibration=calibration or meta.get("calibration"),
+        calibration=calibration or meta.get("calibration"), snapshot=snapshot,
     )
     meta.update(name=name, config=os.path.abspath(cfg.path), storage=run.storage_url, backend=run.backend,
                 calibration=run.calibration and os.path.abspath(run.calibration),

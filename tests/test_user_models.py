@@ -181,3 +181,36 @@ def test_hf_llama_from_config_through_deepspeed(tmp_path):
     assert m.status == "ok", m.reason
     assert m.extra["model_source"] == "hf"
     assert any("first 1 of 2 layers" in n for n in m.extra["notes"])
+
+
+def test_job_for_carries_model_source_and_snapshot_only_for_the_chosen_trial(tmp_path):
+    from autotune.profile.deepspeed_backend import DeepSpeedBackend
+
+    cfg = load_config(EXAMPLE)
+    be = DeepSpeedBackend(cfg, str(tmp_path / "run"), device="cpu", snapshot_trial=3)
+    s = Strategy(micro_batch_size=2, precision="fp32")
+    job3 = be.job_for(s, tmp_path / "3", 3)
+    assert job3["snapshot"] == str(tmp_path / "3" / "memory_snapshot.pickle")
+    assert "snapshot" not in be.job_for(s, tmp_path / "2", 2)
+    assert job3["model_factory"] == "custom_model:build_model" and "hf_config" not in job3
+    hf = dataclasses.replace(cfg, model_factory=None, hf_config="/x/config.json")
+    job = DeepSpeedBackend(hf, str(tmp_path / "run")).job_for(s, tmp_path / "0", 0)
+    assert job["hf_config"] == "/x/config.json" and "model_factory" not in job and "snapshot" not in job
+
+
+@pytest.mark.slow
+def test_cli_run_snapshot_option_reaches_the_trial_worker(tmp_path):
+    """`autotune run --backend deepspeed --snapshot 0`: trial 0's job asks for the snapshot; on the
+    CPU the worker notes that it wrote none (the CUDA path is autotune.snapshot.memory_snapshot)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "autotune.cli", "run", EXAMPLE, "--backend", "deepspeed", "--trials", "1",
+           "--snapshot", "0", "--out", str(tmp_path), "--name", "snap", "--json"]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trial = tmp_path / "snap" / "trials" / "0"
+    assert json.loads((trial / "job.json").read_text())["snapshot"] == str(trial / "memory_snapshot.pickle")
+    meas = json.loads((trial / "measurement.json").read_text())
+    assert meas["extra"]["snapshot_path"] is None
+    assert any("no snapshot written" in n for n in meas["extra"]["notes"])
