@@ -168,6 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     if errs:
         print(f"\nconfigs: {len(results)} run, {len(ok)} ok; |error| median {100 * statistics.median(errs):.2f}% "
               f"max {100 * max(errs):.2f}% (target: median <= 2%, max <= 5%)")
+        groups = {
+            "1 process": [r for r in ok if r["nproc"] == 1],
+            "2 processes, ZeRO-0/1/2": [r for r in ok if r["nproc"] > 1 and r["stage"] < 3],
+            "2 processes, ZeRO-3": [r for r in ok if r["nproc"] > 1 and r["stage"] == 3],
+        }
+        for name, rs in groups.items():
+            if rs:
+                e = [abs(r["error"]) for r in rs]
+                print(f"  {name:<24} n={len(rs):<3} median {100 * statistics.median(e):.2f}%  max {100 * max(e):.2f}%  "
+                      f"mean signed {100 * statistics.fmean(r['error'] for r in rs):+.2f}%")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0 if ok and len(ok) == len(results) else 1
