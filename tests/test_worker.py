@@ -129,3 +129,47 @@ def test_snapshot_is_a_noted_no_op_on_cpu_and_oom_reason_has_the_phase(tmp_path)
     assert res["reason"].startswith("OOM in init: the model states do not fit")
     assert res["snapshot_path"] is None and not (tmp_path / "memory_snapshot.pickle").exists()
     assert any("no snapshot written" in n for n in res["notes"])
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "gpt2-xl", "llama2-7b", "llama2-70b", "llama3-8b", "mistral-7b", "mpt-7b",
+                                    "tiny-llama"])
+def test_reference_model_parameter_count_is_exact(preset):
+    """Tiny variants of every preset family: the torch model has exactly ModelSpec.num_parameters."""
+    import torch
+
+    from autotune.presets import model_from_name
+    from autotune.profile.models import build_model, count_parameters, synthetic_batch
+
+    full = model_from_name(preset)
+    gqa = full.num_key_value_heads < full.num_attention_heads
+    spec = full.replace(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                        num_key_value_heads=2 if gqa else 4, intermediate_size=96, vocab_size=128,
+                        max_position_embeddings=64)
+    model = build_model(spec)
+    assert count_parameters(model) == spec.num_parameters
+    x, y = synthetic_batch(spec, 2, 16)
+    loss = model(x, y)
+    loss.backward()
+    assert torch.isfinite(loss) and 3 < float(loss) < 7  # ~ln(128) at init
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("granularity", ["selective", "full"])
+def test_checkpointing_keeps_loss_and_gradients(granularity):
+    import torch
+
+    from autotune.profile.models import build_model, synthetic_batch
+
+    spec = ModelSpec(**TINY).replace(attn_implementation="eager")
+    torch.manual_seed(0)
+    ref = build_model(spec)
+    ck = build_model(spec)
+    ck.load_state_dict(ref.state_dict())
+    ck.set_checkpointing(granularity, 1)
+    x, y = synthetic_batch(spec, 2, 32)
+    l0, l1 = ref(x, y), ck(x, y)
+    l0.backward()
+    l1.backward()
+    assert torch.allclose(l0, l1)
+    for (n, a), b in zip(ref.named_parameters(), ck.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), n
