@@ -17,6 +17,11 @@ ranks over gloo), and turns the per-rank results into a Measurement:
 
 Failures (oom, nan, crash, timeout, error) come from the structured results and exit statuses
 (autotune.profile.launch.failure_of); the logs stay under the trial directory.
+
+The job names the model source (``hf_config`` or ``model_factory`` + ``python_path`` from the config,
+see autotune.profile.user_models) and, for trial ``snapshot_trial`` (``--snapshot TRIAL``), the path
+of the CUDA memory snapshot (``trials/<n>/memory_snapshot.pickle``); the worker's notes, model source
+and snapshot path are copied into ``extra``.
 """
 
 from __future__ import annotations
