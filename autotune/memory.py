@@ -187,6 +187,17 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     return n
 
 
+def _attention_backward_transient(m: ModelSpec, p: int, s: int) -> float:
+    """Gradient buffers of the attention core's backward, per token, beyond its saved tensors.
+
+    Eager: the probabilities' gradient in the model dtype next to the fp32 gradient of the
+    softmax (s x s per head). sdpa/flash: dq, dk, dv.
+    """
+    if m.attn_implementation == "eager":
+        return (4 + p) * m.num_attention_heads * s
+    return p * (m.q_size + 2 * m.kv_size)
+
+
 def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str) -> float:
     """Per-block bytes independent of the micro-batch (eager attention's s x s causal mask)."""
     if m.attn_implementation == "eager" and checkpointing == "none":
@@ -234,6 +245,8 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
         "loss_forward_transient": loss_fwd,
         "loss_backward_transient": loss_bwd,
         "recompute": (per_plain - per_ck) if n_ck else 0.0,
+        "mlp_saved_per_block": (4 if m.gated_mlp else 2) * p * m.intermediate_size * tokens,
+        "attention_backward_transient": _attention_backward_transient(m, p, s) * tokens,
     }
 
 
@@ -419,6 +432,10 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         recompute = act["per_block_plain"] if ck else 0.0
         g = grads + (st.grads if (bucket and produced > bucket) else 0.0)
         cands.append(("backward", state(grads=g, activations=remaining + recompute + other_saved,
+                                        buffers=st.buffers_bwd)))
+        # its attention backward: the MLP's saved tensors are gone, the core's gradients appear
+        cands.append(("backward", state(grads=g, activations=remaining + recompute + other_saved
+                                        - act["mlp_saved_per_block"] + act["attention_backward_transient"],
                                         buffers=st.buffers_bwd)))
         remaining -= per
         grads += st.grad_per_block
