@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib
 import inspect
 import json
@@ -462,6 +463,10 @@ def trace_memory(
         ids = torch.randint(0, vocab, (b, s), dtype=torch.long)
         labels = torch.randint(0, vocab, (b, s), dtype=torch.long)
         tracker.track_external(model, ids, labels)
+        # Cyclic garbage (autograd/checkpoint frames under fake mode) is freed whenever Python's
+        # collector runs; collecting first resets its counters, so the collections inside the trace
+        # fall at the same points whatever ran before in this process (a deterministic peak).
+        gc.collect()
         with tracker, _sdpa_to_flash():
             # fp32 master weights, as a mixed-precision optimizer keeps them (not for fp32 training)
             masters = []
