@@ -39,9 +39,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import importlib
 import inspect
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -298,24 +298,6 @@ def _make_tracker():
 # ------------------------------------------------------------------------------------- models
 
 
-def _load_factory(path: str) -> Callable[..., Any]:
-    mod_name, _, fn_name = path.partition(":")
-    try:
-        fn = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError) as err:
-        raise TraceError(f"cannot import model factory {path!r}: {err}") from err
-    return fn
-
-
-def _call_factory(fn: Callable[..., Any], spec: ModelSpec) -> Any:
-    try:
-        n_args = len([p for p in inspect.signature(fn).parameters.values()
-                      if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
-    except (TypeError, ValueError):
-        n_args = 1
-    return fn(spec) if n_args >= 1 else fn()
-
-
 def _hf_model(hf_config: str) -> Any:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -402,13 +384,15 @@ def trace_memory(
     *,
     hf_config: Optional[str] = None,
     model_factory: Optional[str] = None,
+    python_path: Optional[list[str]] = None,
     optimizer_step: bool = True,
 ) -> TraceResult:
     """Trace one micro-batch of `strategy` (fwd + bwd + mixed-precision AdamW step) under FakeTensorMode.
 
-    Source of the module: `model_factory` (``package.module:function``, called with the ModelSpec
-    when it takes an argument) if given, else an HF model from `hf_config` when transformers is
-    installed, else the reference decoder of ``autotune.profile.models``.
+    Source of the module: `model_factory` (``package.module:function`` following the profiling
+    contract of autotune.profile.user_models: ``build_model(spec, training) -> (module, batch_fn)``;
+    the batch comes from ``batch_fn``) if given, else an HF model from `hf_config` when transformers
+    is installed, else the reference decoder of ``autotune.profile.models``.
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -438,11 +422,18 @@ def trace_memory(
     fake = FakeTensorMode(allow_non_fake_inputs=False)
     tracker = _make_tracker()
     flop_mode = FlopCounterMode(display=False, custom_mapping=_flash_ops()["flop_mapping"])
+    batch_fn = None
     with fake:
         torch.set_default_dtype(dtype)
         try:
             if model_factory:
-                model = _call_factory(_load_factory(model_factory), model_spec)
+                from autotune.profile.user_models import UserModelError, build_factory_model
+
+                try:
+                    built = build_factory_model(model_factory, model_spec, training, python_path)
+                except UserModelError as err:
+                    raise TraceError(str(err)) from err
+                model, batch_fn = built.module, built.batch_fn
             elif source == "hf":
                 model = _hf_model(hf_config)  # type: ignore[arg-type]
             else:
@@ -460,9 +451,14 @@ def trace_memory(
         if wrong:
             notes.append(f"parameters not in {dtype}: {sorted(wrong)} (kept as built)")
         vocab = getattr(getattr(model, "config", None), "vocab_size", None) or model_spec.vocab_size
-        ids = torch.randint(0, vocab, (b, s), dtype=torch.long)
-        labels = torch.randint(0, vocab, (b, s), dtype=torch.long)
-        tracker.track_external(model, ids, labels)
+        if batch_fn is not None:
+            batch = batch_fn(b, s, torch.device("cpu"))
+            inputs = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+        else:
+            ids = torch.randint(0, vocab, (b, s), dtype=torch.long)
+            labels = torch.randint(0, vocab, (b, s), dtype=torch.long)
+            inputs = [ids, labels]
+        tracker.track_external(model, *inputs)
         # Cyclic garbage (autograd/checkpoint frames under fake mode) is freed whenever Python's
         # collector runs; collecting first resets its counters, so the collections inside the trace
         # fall at the same points whatever ran before in this process (a deterministic peak).
@@ -478,7 +474,12 @@ def trace_memory(
                     masters.append(m)
             tracker.phase = "forward"
             with flop_mode:
-                loss = _loss(model, ids, labels)
+                if batch_fn is not None:
+                    from autotune.profile.user_models import loss_of
+
+                    loss = loss_of(model(**batch), f"model factory {model_factory!r}")
+                else:
+                    loss = _loss(model, *inputs)
                 flops_fwd = flop_mode.get_total_flops()
                 saved = sum(v for k, v in tracker.categories().items() if k in ACT_CATEGORIES)
                 tracker.phase = "backward"
@@ -683,6 +684,10 @@ def traced_estimate(cfg: Any, strategy: Strategy, cache: Optional[TraceCache] = 
     h = cfg.search.headroom if headroom is None else headroom
     mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy, headroom=h)
     cache = cache if cache is not None else TraceCache()
+    if cfg.model_factory:  # the factory module may sit next to the job file, as for profiling
+        from autotune.profile.user_models import load_factory
+
+        load_factory(cfg.model_factory, [os.path.dirname(os.path.abspath(cfg.path)), os.getcwd()])
     trace = cache.get(cfg.model, cfg.training, strategy, hf_config=cfg.hf_config, model_factory=cfg.model_factory)
     return combine(trace, mem, capacity_bytes=cfg.hardware.gpu.memory_bytes * (1 - h),
                    model=cfg.model, training=cfg.training, strategy=strategy)

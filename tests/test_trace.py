@@ -217,3 +217,17 @@ def test_cli_estimate_trace_and_traced_search(tmp_path, capsys):
     acts = {(s.strategy.micro_batch_size, s.strategy.checkpointing, s.strategy.zero_stage):
             s.memory.gpu["activations"] for s in screened}
     assert acts[(2, "none", 0)] == acts[(2, "none", 2)] > acts[(2, "full", 0)]
+
+
+def test_trace_follows_the_factory_contract(capsys):
+    """model.python factories (build_model(spec, training) -> (module, batch_fn)) trace too."""
+    import json as _json
+    import os as _os
+
+    from autotune.cli import main
+    from conftest import EXAMPLES
+
+    assert main(["estimate", _os.path.join(EXAMPLES, "custom-model.yaml"), "--trace", "--json"]) == 0
+    out = _json.loads(capsys.readouterr().out)
+    assert out["memory_provenance"]["trace"]["source"].startswith("factory:custom_model")
+    assert out["memory_provenance"]["traced_activations_bytes"] > 0
