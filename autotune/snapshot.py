@@ -80,7 +80,10 @@ def memory_snapshot(path: str, enabled: bool = True, max_entries: int = DEFAULT_
         yield info
     finally:
         if recording:
-            info["path"] = dump(path)
+            try:
+                info["path"] = dump(path)
+            except Exception as err:  # never hide the block's own exception (often the OOM itself)
+                info["error"] = f"snapshot not written: {type(err).__name__}: {err}"[:300]
 
 
 def summarize(path: str) -> dict[str, Any]:
