@@ -2,7 +2,7 @@
 
     python benchmarks/memory_vs_deepspeed.py            # default grid (~10 min on 2 cores)
     python benchmarks/memory_vs_deepspeed.py --quick    # a dozen configs (~1-2 min)
-    python benchmarks/memory_vs_deepspeed.py --json out.json --filter stage=3
+    python benchmarks/memory_vs_deepspeed.py --json out.json --filter stage=3 --repeat 3
 
 Every config runs ``autotune.profile.worker`` in fresh processes (``python`` for 1 rank,
 ``torchrun --nproc_per_node 2`` with gloo for 2), with a torch AdamW (fused, like DeepSpeed's
@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write all rows (measured, predicted, per-phase) to this file")
     ap.add_argument("--filter", action="append", default=[], help="KEY=VALUE on grid rows, e.g. stage=3")
     ap.add_argument("--jobs", type=int, default=2, help="1-process configs run this many at a time")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each multi-process config this many times and keep the smallest (clean) peak: "
+                         "gloo keeps collective buffers alive at random")
     args = ap.parse_args(argv)
     rows = grid(args.quick)
     for f in args.filter:
@@ -160,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             show(r)
     for row in multis:
-        r = run_row(row, workdir)
+        runs = [run_row(row, workdir) for _ in range(max(1, args.repeat))]
+        good = [x for x in runs if x.get("status") == "ok"]
+        r = min(good, key=lambda x: x["measured"]) if good else runs[0]
+        if good:
+            r["measured_max"] = max(x["measured_max"] for x in good)
         results.append(r)
         show(r)
     ok = [r for r in results if r.get("status") == "ok"]
