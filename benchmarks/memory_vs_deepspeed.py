@@ -15,6 +15,13 @@ minimum over ranks and measured steps (the clean steady state), and rows where s
 held more say so. Prints one row per config and the median / max absolute relative error.
 Optimizer offload is not in the grid: on a CPU-only machine "GPU" and host memory are the same
 allocator, so the split cannot be measured here.
+
+The summary splits the errors into 1 process, 2 processes ZeRO-0/1/2 and 2 processes ZeRO-3.
+Known residuals (all CPU/gloo effects, see autotune/memory.py): gloo retention not cleared by
+the worker's flush shows up as a few under-predicted rows with "+x MiB retained" (use
+``--repeat 3`` to filter it); with 2 ranks ZeRO-3's running total exceeds the Python-visible live
+allocations by about one 16-bit copy of the params (checked on one config: the model matched
+the visible allocations within 1%), so that group under-predicts by ~5-10% on these tiny models.
 """
 
 from __future__ import annotations

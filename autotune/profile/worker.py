@@ -32,7 +32,10 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   process group: ProcessGroupGloo keeps each worker
                                                 #   thread's last work (tensors included) alive, so
                                                 #   0-3 of DeepSpeed's flat all-reduce buckets would
-                                                #   outlive the step at random (not so with NCCL)
+                                                #   outlive the step at random (not so with NCCL);
+                                                #   this reduces, but does not remove, the effect:
+                                                #   "min_step_peak_bytes" (min over ranks) is the
+                                                #   clean steady state to compare models with
       "device": "auto",                         # "cuda" | "cpu" | "auto"
       "hf_config": "path/config.json",          # build an HF model from_config (transformers installed)
       "model_factory": "pkg.mod:build_model",   # the user's factory (contract: autotune.profile.user_models)
@@ -313,7 +316,7 @@ def run_job(job: dict, job_dir: Path, write_early: Optional[Any] = None) -> dict
             mem = probe.analyse()
             result.update({k: v for k, v in mem.items() if v is not None or k not in result})
         except Exception as exc:  # pragma: no cover - profiler internals changed
-            result.setdefault("reason", f"memory analysis failed: {exc}")
+            result["notes"].append(f"memory analysis failed: {type(exc).__name__}: {exc}")
     result["snapshot_path"] = snap_info.get("path")
     if result["status"] == "ok":
         result["phase"] = None
