@@ -68,6 +68,7 @@ original full copy of the embedding / LM-head weights (fp32 single rank; one ran
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -261,6 +262,7 @@ def _largest_param(m: ModelSpec) -> int:
                m.max_position_embeddings * d if m.position_embedding == "learned" else 0)
 
 
+@functools.lru_cache(maxsize=4096)
 def _persistent_params(m: ModelSpec, threshold: int) -> int:
     """ZeRO-3 params with numel <= threshold stay whole on every rank (norm weights, biases...)."""
     d = m.hidden_size
@@ -400,60 +402,67 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     saved_blocks, nonblock, logits_saved = act["blocks"], act["nonblock"], act["logits_saved"]
     other_saved = nonblock - logits_saved  # final norm, masks, rope tables
 
-    def state(grads: float = 0.0, activations: float = 0.0, logits: float = 0.0, buffers: float = 0.0) -> dict:
-        """One point in time: the components that are alive (bytes)."""
-        return {"parameters": st.params, "gradients": st.grad_buffer + grads, "optimizer_states": st.optimizer,
-                "activations": activations, "logits": logits, "buffers": st.resident_buffers + buffers}
+    fixed = st.params + st.optimizer + st.grad_buffer + st.resident_buffers
+    cands: list[tuple[str, float, float, float, float, float]] = []  # phase, total, grads, act, logits, buffers
 
-    cands: list[tuple[str, dict]] = []
+    def add(phase: str, grads: float = 0.0, activations: float = 0.0, logits: float = 0.0,
+            buffers: float = 0.0) -> None:
+        cands.append((phase, fixed + grads + activations + logits + buffers, grads, activations, logits, buffers))
+
     # forward end: everything saved plus the loss transient (logits, their fp32 copy, log_softmax)
-    cands.append(("forward", state(activations=saved_blocks + other_saved,
-                                   logits=logits_saved + act["loss_forward_transient"], buffers=st.buffers_fwd)))
+    add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_forward_transient"],
+        buffers=st.buffers_fwd)
     # backward start: the logits gradient (fp32 nll grad + log_softmax grad next to its saved output);
     # DeepSpeed's gradient buffers appear with the first parameter gradient, right after
-    cands.append(("backward", state(activations=saved_blocks + other_saved,
-                                    logits=logits_saved + act["loss_backward_transient"], buffers=st.buffers_fwd)))
+    add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_backward_transient"],
+        buffers=st.buffers_fwd)
     head = m.vocab_size * m.hidden_size
     # lm_head backward: its weight gradient is computed next to the logits gradient (model dtype)
-    cands.append(("backward", state(grads=p * head, activations=saved_blocks + other_saved,
-                                    logits=p * m.vocab_size * tokens, buffers=st.buffers_fwd)))
+    add("backward", grads=p * head, activations=saved_blocks + other_saved, logits=p * m.vocab_size * tokens,
+        buffers=st.buffers_fwd)
     # its gradient hook: ZeRO-1/2 allocate the reduce buckets (the logits gradient is gone)
-    cands.append(("backward", state(grads=p * head, activations=saved_blocks + other_saved, buffers=st.buffers_bwd)))
+    add("backward", grads=p * head, activations=saved_blocks + other_saved, buffers=st.buffers_bwd)
     head_grad = p * head if s.zero_stage == 0 else 0.0
     # through the blocks (last to first): saved activations shrink while gradients accumulate;
     # a checkpointed block is recomputed (its full activations) before its backward
     n_ck = int(act["num_checkpointed"])
-    remaining = saved_blocks
-    grads, produced = head_grad, head
     bucket = st.partition_after or 0
-    for i in reversed(range(L)):
+    per_plain, per_ck = act["per_block_plain"], act["per_block_checkpointed"]
+    attn_delta = act["attention_backward_transient"] - act["mlp_saved_per_block"]
+    block_params = m.block_params()
+    # the state at block i is linear in i within a run of same-kind blocks, so only the ends of
+    # each run (and both sides of the point where ZeRO-1/2's gradient partition appears) matter
+    points = {L - 1, n_ck, n_ck - 1, 0}
+    if bucket and block_params:
+        k = int(max(0.0, bucket - head) // block_params)  # blocks done before the partition exists
+        points.update({L - 1 - k, L - 2 - k})
+    for i in sorted((i for i in points if 0 <= i < L), reverse=True):
         ck = i < n_ck
-        per = act["per_block_checkpointed"] if ck else act["per_block_plain"]
-        recompute = act["per_block_plain"] if ck else 0.0
-        g = grads + (st.grads if (bucket and produced > bucket) else 0.0)
-        cands.append(("backward", state(grads=g, activations=remaining + recompute + other_saved,
-                                        buffers=st.buffers_bwd)))
-        # its attention backward: the MLP's saved tensors are gone, the core's gradients appear
-        cands.append(("backward", state(grads=g, activations=remaining + recompute + other_saved
-                                        - act["mlp_saved_per_block"] + act["attention_backward_transient"],
-                                        buffers=st.buffers_bwd)))
-        remaining -= per
-        grads += st.grad_per_block
-        produced += m.block_params()
+        done = L - 1 - i  # blocks whose backward is complete
+        remaining = min(i + 1, n_ck) * per_ck + max(0, i + 1 - n_ck) * per_plain
+        g = head_grad + done * st.grad_per_block
+        if bucket and head + done * block_params > bucket:
+            g += st.grads
+        a = remaining + (per_plain if ck else 0.0) + other_saved
+        add("backward", grads=g, activations=a, buffers=st.buffers_bwd)
+        if attn_delta > 0:  # its attention backward: MLP tensors freed, the core's gradients appear
+            add("backward", grads=g, activations=a + attn_delta, buffers=st.buffers_bwd)
     # backward end: all gradients, ZeRO-0's flat all-reduce bucket
-    cands.append(("backward", state(grads=st.grads, buffers=st.buffers_bwd + st.buffers_bwd_end)))
+    add("backward", grads=st.grads, buffers=st.buffers_bwd + st.buffers_bwd_end)
     # optimizer step
-    cands.append(("optimizer", state(grads=st.grads, buffers=st.buffers_step)))
+    add("optimizer", grads=st.grads, buffers=st.buffers_step)
 
     phases: dict[str, int] = {}
-    best: tuple[float, str, dict] = (-1.0, "forward", {})
-    for phase, comp in cands:
-        total = sum(comp.values())
-        phases[phase] = max(phases.get(phase, 0), int(total))
-        if total > best[0]:
-            best = (total, phase, comp)
-    peak, peak_phase, comp = best
-    gpu = {k: int(v) for k, v in comp.items()}
+    best = cands[0]
+    for c in cands:
+        if c[1] > phases.get(c[0], -1):
+            phases[c[0]] = int(c[1])
+        if c[1] > best[1]:
+            best = c
+    peak_phase = best[0]
+    gpu = {"parameters": int(st.params), "gradients": int(st.grad_buffer + best[2]),
+           "optimizer_states": int(st.optimizer), "activations": int(best[3]), "logits": int(best[4]),
+           "buffers": int(st.resident_buffers + best[5])}
     peak = sum(gpu.values())
     gpu["overhead"] = int(hardware.cuda_context_gib * GIB + hardware.allocator_slack * peak)
     gpu = {k: gpu[k] for k in GPU_COMPONENTS} | {"peak": int(peak)}
