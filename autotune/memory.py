@@ -62,8 +62,10 @@ copy of the model each rank builds before ``deepspeed.initialize`` (use zero.Ini
 Measured but not modelled (CPU runs): with gloo, flat all-reduce buckets that ProcessGroupGloo's
 idle worker thread keeps alive (0-3 buckets, random per rank and run; the profiling worker
 flushes them between phases); with ZeRO-3 over 2 gloo ranks about one extra 16-bit copy of the
-params that does not appear in Python-visible allocation events; ZeRO-3 sometimes keeping the
-original full copy of the embedding / LM-head weights (fp32 single rank; one rank in bf16).
+params that does not appear in Python-visible allocation events (most likely gloo's allgather,
+which stages each gathered parameter through a flat temporary on its worker thread, kept alive
+like the buckets above; NCCL gathers in place); ZeRO-3 sometimes keeping the original full copy
+of the embedding / LM-head weights (fp32 single rank; one rank in bf16).
 """
 
 from __future__ import annotations
