@@ -265,6 +265,7 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
     read back before every ask, stale trials are failed and re-queued through Optuna's heartbeat,
     and every evaluation is claimed first (``_claim``).
     """
+    from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
     by_key = {s.strategy.key(): s for s in screened}
@@ -326,6 +327,12 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
                         cache.setdefault(strategy.key(), _Outcome.of(owner))
                 with _heartbeat_thread(trial, study, heartbeat):
                     ended = _evaluate_trial(study, trial, strategy, cfg, backend, headroom, by_key, cache, oom_at)
+            except UpdateFinishedTrialError:
+                # Another worker's heartbeat check declared this trial stale (our heartbeat was late,
+                # e.g. on an overloaded machine) and re-queued it: its retry evaluates the candidate,
+                # so this result is dropped and nothing is cached for the strategy.
+                seen.add(trial.number)
+                continue
             except BaseException as err:
                 _abandon(study, trial, err)
                 raise
