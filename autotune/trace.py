@@ -118,7 +118,7 @@ def _flash_ops() -> dict[str, Any]:
     """Register (once) ``autotune_trace::flash_fwd`` / ``flash_bwd`` and return them with their FLOP formulas.
 
     The fake kernels allocate exactly what FlashAttention-2's forward returns and saves: the output
-    (b, a, s, hd) in the input dtype and the log-sum-exp (b, a, s) in fp32; its backward returns
+    (b, a, s, hd) in the input dtype, laid out (b, s, a, hd) in memory as FA2 does, and the log-sum-exp (b, a, s) in fp32; its backward returns
     dq, dk, dv shaped like q, k, v (GQA: k/v keep their kv heads). The real kernels (not used by the
     trace) are the math path, so the ops are also correct outside fake mode.
     """
@@ -143,12 +143,15 @@ def _flash_ops() -> dict[str, Any]:
                 s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1 + m - n), float("-inf"))
             lse = torch.logsumexp(s, dim=-1)
             out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vv.float()).to(q.dtype)
-            return out, lse
+            return out.transpose(1, 2).contiguous().transpose(1, 2), lse  # (b, s, a, hd) memory, like FA2
 
         @flash_fwd.register_fake
         def _(q, k, v, causal, scale):
             b, a, s, _ = q.shape
-            return q.new_empty((b, a, s, v.shape[-1])), q.new_empty((b, a, s), dtype=torch.float32)
+            # FA2 (and PyTorch's flash kernels) allocate the output (b, s, a, hd) and return it
+            # transposed, so the caller's transpose(1, 2).reshape(b, s, a*hd) is a free view.
+            out = q.new_empty((b, s, a, v.shape[-1])).transpose(1, 2)
+            return out, q.new_empty((b, a, s), dtype=torch.float32)
 
         @torch.library.custom_op("autotune_trace::flash_bwd", mutates_args=(),
                                  schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
