@@ -103,9 +103,9 @@ class Recording:
         self.inner, self.name, self.points = inner, inner.name, []
         self.calls = 0
 
-    def evaluate(self, strategy: Strategy) -> Measurement:
+    def evaluate(self, strategy: Strategy, trial_number: Optional[int] = None) -> Measurement:
         self.calls += 1
-        m = self.inner.evaluate(strategy)
+        m = self.inner.evaluate(strategy, trial_number=trial_number)
         self.points.append((m.peak_memory_bytes / GIB, m.tokens_per_s_per_gpu) if m.ok else None)
         return m
 
