@@ -60,6 +60,7 @@ def estimate_report(cfg: Any, strategy: Any, trace: bool = False) -> dict[str, A
         "gpu_memory_bytes": dict(mem.gpu),
         "gpu_capacity_bytes": cfg.hardware.gpu.memory_bytes,
         "peak_phase": mem.peak_phase,
+        "peak_by_phase_bytes": dict(mem.phases),
         "cpu_memory_bytes": mem.cpu_bytes_per_node,
         "nvme_bytes": mem.nvme_bytes_per_node,
         "fits": mem.fits,
@@ -91,7 +92,8 @@ def format_estimate(r: dict[str, Any]) -> str:
     ]
     for key in GPU_COMPONENTS:
         lines.append(f"{key.replace('_', ' '):<18}{mem[key] / scale:>10.2f}{100 * mem[key] / total:>8.1f}%")
-    lines.append(f"{'peak allocated':<18}{mem['peak'] / scale:>10.2f}   (in {r['peak_phase']})")
+    lines.append(f"{'peak allocated':<18}{mem['peak'] / scale:>10.2f}   (in {r['peak_phase']}; by phase: "
+                 + ", ".join(f"{k} {v / scale:.2f}" for k, v in r["peak_by_phase_bytes"].items()) + ")")
     lines.append(f"{'GPU capacity':<18}{r['gpu_capacity_bytes'] / scale:>10.2f}")
     if r["cpu_memory_bytes"]:
         lines.append(f"{'CPU RAM / node':<18}{r['cpu_memory_bytes'] / scale:>10.2f}")
