@@ -35,7 +35,7 @@ def worker(url: str, study: str, *extra: str, env: dict | None = None, out: str 
 def run_workers(url: str, study: str, config: str, n: int, tmp_path, delay: str = "0.2") -> list[dict]:
     create = worker(url, study, "--config", config, "--create", "--trials", "0", out=str(tmp_path))
     assert create.wait(120) == 0, create.stderr.read()
-    env = {"AUTOTUNE_SLOW_BACKEND_S": delay, "AUTOTUNE_HEARTBEAT_S": "2"}
+    env = {"AUTOTUNE_SLOW_BACKEND_S": delay, "AUTOTUNE_HEARTBEAT_S": "5"}
     procs = [worker(url, study, "--trials", "100", env=env, out=str(tmp_path)) for _ in range(n)]
     summaries = []
     for p in procs:
