@@ -214,6 +214,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "attention_dropout": float_(0.0, 1.0),
     "hidden_dropout": float_(0.0, 1.0),
     "head_dim": optional(int_(1, 1 << 16)),
+    "implementation": choice("reference", "hf"),
 }
 MODEL_SCHEMA: dict[str, Checker] = {"preset": choice(*presets.model_names()), "hf_config": str_, "python": str_,
                                     **MODEL_FIELDS}
@@ -470,6 +471,7 @@ def _hf_fields(cfg: dict, path: str) -> dict[str, Any]:
                    attention_dropout=float(cfg.get("attention_dropout") or 0.0))
         if cfg.get("head_dim"):
             out["head_dim"] = cfg["head_dim"]
+    out["implementation"] = "hf"  # trained as the transformers class of this model_type
     # Re-check the mapped values with the same rules as explicit fields.
     return {k: (MODEL_FIELDS[k](v, f"model.hf_config:{k}") if k in MODEL_FIELDS else v) for k, v in out.items()}
 

@@ -185,6 +185,11 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     else:
         n += _attention_core_saved(m, p, s, mask_bytes)
     n += (4 if m.gated_mlp else 2) * p * f
+    if m.implementation == "hf" and m.hidden_act == "gelu_new":
+        # transformers activations.py NewGELUActivation is a Python composite,
+        # 0.5*x*(1+tanh(c*(x+0.044715*x^3))): autograd keeps x, tanh(.), 0.5*x and 1+tanh(.)
+        # where F.gelu(approximate="tanh") keeps x alone: three more f-wide tensors.
+        n += 3 * p * f
     if m.hidden_dropout > 0:
         n += 2 * mask_bytes * h  # masks of the two residual-branch dropouts
     return n

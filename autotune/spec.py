@@ -57,6 +57,9 @@ class ModelSpec:
     """Dropout on attention probabilities (HF ``attn_pdrop``/``attention_dropout``)."""
     hidden_dropout: float = 0.0
     """Dropout on residual branches and embeddings (HF ``resid_pdrop``/``embd_pdrop``)."""
+    implementation: Literal["reference", "hf"] = "reference"
+    """Code the model runs: autotune's reference decoders, or the Hugging Face transformers classes
+    (set for ``model.hf_config``); the memory model adds HF's composite-op activations for ``hf``."""
     head_dim: Optional[int] = None
     """Per-head width; defaults to hidden_size // num_attention_heads."""
     source: str = ""

@@ -83,6 +83,7 @@ def test_hf_config_llama_and_gpt2(write, tmp_path):
     for name, count in (("llama.json", 6_738_415_616), ("gpt2.json", 124_439_808)):
         cfg = load_config(write(BASE.replace("preset: llama2-7b", f"hf_config: {name}")))
         assert cfg.model.num_parameters == count
+        assert cfg.model.implementation == "hf"  # predicted as the transformers class
     # explicit fields override the HF file
     cfg = load_config(write(BASE.replace("preset: llama2-7b", "hf_config: llama.json, num_hidden_layers: 2")))
     assert cfg.model.num_hidden_layers == 2

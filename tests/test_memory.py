@@ -162,3 +162,21 @@ def test_fast():
     for _ in range(2000):
         estimate_memory(LLAMA7, TRAIN, HW8, s)
     assert (time.perf_counter() - t0) / 2000 < 500e-6
+
+
+def test_hf_gelu_new_composite_keeps_three_more_tensors():
+    """HF GPT-2's NewGELUActivation is a Python composite (found by tracing, benchmarks/trace_vs_analytic.py):
+    an hf-implementation model keeps 3 more intermediate-size tensors per token per block."""
+    from autotune.memory import block_activation_bytes_per_token
+    from autotune.presets import model_from_name
+
+    ref = model_from_name("gpt2")
+    hf = ref.replace(implementation="hf")
+    p, s = 2, 1024
+    extra = block_activation_bytes_per_token(hf, p, s) - block_activation_bytes_per_token(ref, p, s)
+    assert extra == 3 * p * ref.intermediate_size
+    # only the composite activation differs; full checkpointing keeps the block input either way
+    assert block_activation_bytes_per_token(hf, p, s, "full") == block_activation_bytes_per_token(ref, p, s, "full")
+    llama = model_from_name("llama2-7b")
+    assert block_activation_bytes_per_token(llama.replace(implementation="hf"), p, s) == \
+        block_activation_bytes_per_token(llama, p, s)
