@@ -98,6 +98,13 @@ def make_sampler(name: str, seed: int) -> Any:
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True)
     if name == "gp":
+        try:
+            import scipy  # noqa: F401  (GPSampler's optimiser; not a core dependency)
+        except ImportError:
+            from autotune.errors import ConfigError
+
+            raise ConfigError("sampler gp needs scipy: pip install scipy (or -e '.[profile]')",
+                              path="search.sampler") from None
         return optuna.samplers.GPSampler(seed=seed)
     return optuna.samplers.RandomSampler(seed=seed)
 
