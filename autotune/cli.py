@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from autotune import compare
+from autotune import compare, worker_cmd
 from autotune.errors import ConfigError
 
 GIB = float(1 << 30)
@@ -176,7 +176,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "estimate": cmd_estimate, "run": cmd_run, "show": compare.cmd_show, "compare": compare.cmd_compare,
-    "worker": lambda args: __import__("autotune.worker_cmd").worker_cmd.cmd_worker(args)}
+    "worker": worker_cmd.cmd_worker}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the study of an existing run --name")
     run.add_argument("--storage", metavar="URL",
                      help="Optuna storage: an RDB URL (sqlite:///x.db, postgresql://...) or a journal file path "
-                     "(default: a journal file runs/<name>/study.journal)")
+                     "(default: runs/<name>/study.journal for simulate/replay, runs/<name>/study.db (SQLite, "
+                     "with a trial heartbeat) for deepspeed)")
     run.add_argument("--seed", type=int, metavar="N", help="sampler seed (default: search.seed)")
     run.add_argument("--calibration", metavar="RUN_DIR",
                      help="start from the simulator parameters fitted by an earlier profiled run on the same "
@@ -229,8 +230,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-regression", default="5%", metavar="PCT",
                      help="with --baseline: tolerated loss of the recommended point's tokens/s (default: 5%%)")
     compare.add_parsers(sub)
-    from autotune import worker_cmd
-
     worker_cmd.add_parser(sub)
     return parser
 

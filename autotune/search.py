@@ -282,12 +282,7 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
     seen: set[int] = set()  # trial numbers already folded into cache (shared mode)
     heartbeat = shared and _heartbeat_enabled(study)
     if resume:
-        for t in study.get_trials(deepcopy=False):
-            if _has_result(t):
-                seen.add(t.number)
-                strategy = trial_strategy(t, space, cfg)
-                cache.setdefault(strategy.key(), _Outcome.of(t))
-                _note_oom(t, strategy, oom_at)
+        _sync(study, space, cfg, seen, cache, oom_at)  # the earlier trials' outcomes
     else:
         with warnings.catch_warnings():  # "experimental" since Optuna 3.2, still the API in 5.0
             warnings.simplefilter("ignore")
@@ -379,13 +374,17 @@ def _has_result(t: Any) -> bool:
     return t.state == TrialState.FAIL and "fail_reason" in t.user_attrs
 
 
+def _record_oom(oom_at: dict, strategy: Strategy, number: int) -> None:
+    """Remember the smallest micro-batch at which this strategy ran out of memory (trial ``number``)."""
+    no_mbs = strategy.replace(micro_batch_size=0).key()
+    prev = oom_at.get(no_mbs)
+    if prev is None or strategy.micro_batch_size < prev[0]:
+        oom_at[no_mbs] = (strategy.micro_batch_size, number)
+
+
 def _note_oom(t: Any, strategy: Strategy, oom_at: dict) -> None:
-    reason = t.user_attrs.get("fail_reason", "")
-    if reason.startswith("oom"):
-        no_mbs = strategy.replace(micro_batch_size=0).key()
-        prev = oom_at.get(no_mbs)
-        if prev is None or strategy.micro_batch_size < prev[0]:
-            oom_at[no_mbs] = (strategy.micro_batch_size, t.number)
+    if t.user_attrs.get("fail_reason", "").startswith("oom"):
+        _record_oom(oom_at, strategy, t.number)
 
 
 def _sync(study: Any, space: SearchSpace, cfg: Config, seen: set, cache: dict, oom_at: dict) -> None:
@@ -578,9 +577,7 @@ def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, bac
     trial.set_user_attr("measurement", _json_safe(result.as_dict()))
     if not result.ok:
         if result.status == "oom":
-            prev = oom_at.get(no_mbs)
-            if prev is None or strategy.micro_batch_size < prev[0]:
-                oom_at[no_mbs] = (strategy.micro_batch_size, trial.number)
+            _record_oom(oom_at, strategy, trial.number)
         return finish(TrialState.FAIL, measured=True, fail_reason=f"{result.status}: {result.reason}".rstrip(": "))
     return finish(TrialState.COMPLETE, [result.peak_memory_bytes / GIB, result.tokens_per_s_per_gpu], measured=True)
 
