@@ -206,6 +206,21 @@ def _attention_backward_transient(m: ModelSpec, p: int, s: int) -> float:
     return p * (m.q_size + 2 * m.kv_size)
 
 
+def _mlp_backward_transient(m: ModelSpec, p: int, mask_bytes: int) -> float:
+    """Per token, what the MLP's backward adds next to the block's saved tensors (its peak).
+
+    Measured on allocation traces of the reference decoders (benchmarks/memory_vs_deepspeed.py):
+    the down projection's input gradient (f wide; a gated MLP's multiply backward then adds the
+    gradients of both factors before the first is freed: 3 f-wide), and with residual dropout the
+    dropout backward's output (h) while the dropout mask itself has been released. The down
+    projection's weight gradient (f x h, not per token) is added by the caller.
+    """
+    n = (3 if m.gated_mlp else 1) * p * m.intermediate_size
+    if m.hidden_dropout > 0:
+        n += p * m.hidden_size - mask_bytes * m.hidden_size
+    return n
+
+
 def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str) -> float:
     """Per-block bytes independent of the micro-batch (eager attention's s x s causal mask)."""
     if m.attn_implementation == "eager" and checkpointing == "none":
@@ -255,6 +270,9 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
         "recompute": (per_plain - per_ck) if n_ck else 0.0,
         "mlp_saved_per_block": (4 if m.gated_mlp else 2) * p * m.intermediate_size * tokens,
         "attention_backward_transient": _attention_backward_transient(m, p, s) * tokens,
+        "final_norm_saved": _norm_saved(m, p) * tokens,
+        "hidden_grad": p * m.hidden_size * tokens,
+        "mlp_backward_transient": _mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
     }
 
 
@@ -304,6 +322,7 @@ class _States:
     grad_buffer: float = 0.0      # gradient storage allocated once and resident (ZeRO-3 partition)
     resident_buffers: float = 0.0  # other always-allocated buffers (ZeRO-3 reduce bucket)
     partition_after: float = 0.0  # ZeRO-1/2: grads (elements) after which the partition buffer exists
+    reduce_flat: float = 0.0      # ZeRO-1/2, several ranks: flat copy of a bucket while it is all-reduced
     cpu: float = 0.0              # host bytes per GPU (offload)
     nvme: float = 0.0             # NVMe bytes per GPU
 
@@ -347,6 +366,10 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
             fp32_grad = 4 * part if p < 4 else 0
             out.buffers_step = p * part + max(p * bucket, fp32_grad)
             host = 0
+        if dp > 1:
+            # each bucket reduce goes through allreduce_and_scatter -> allreduce_bucket, which
+            # flattens the bucket's gradients (zero/stage_1_and_2.py allreduce_bucket: self.flatten)
+            out.reduce_flat = p * bucket
         out.grad_per_block = 0
     else:  # stage 3
         thr = buckets["param_persistence_threshold"]
@@ -429,7 +452,10 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         buffers=st.buffers_fwd)
     # its gradient hook: ZeRO-1/2 allocate the reduce buckets (the logits gradient is gone)
     add("backward", grads=p * head, activations=saved_blocks + other_saved, buffers=st.buffers_bwd)
-    head_grad = p * head if s.zero_stage == 0 else 0.0
+    # the head's weight gradient stays alive through the blocks: ZeRO-0 keeps every gradient; with
+    # tied embeddings autograd holds it in the shared weight's input buffer until the embedding's
+    # own backward has added its part (one AccumulateGrad for both uses), so no hook fires before
+    head_grad = p * head if (s.zero_stage == 0 or m.tie_word_embeddings) else 0.0
     # through the blocks (last to first): saved activations shrink while gradients accumulate;
     # a checkpointed block is recomputed (its full activations) before its backward
     n_ck = int(act["num_checkpointed"])
@@ -440,9 +466,17 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     # the state at block i is linear in i within a run of same-kind blocks, so only the ends of
     # each run (and both sides of the point where ZeRO-1/2's gradient partition appears) matter
     points = {L - 1, n_ck, n_ck - 1, 0}
+    reduces: dict[int, bool] = {}  # block -> whether the gradient partition exists at its bucket reduce
     if bucket and block_params:
         k = int(max(0.0, bucket - head) // block_params)  # blocks done before the partition exists
-        points.update({L - 1 - k, L - 2 - k})
+        k2 = int(max(0.0, 2 * bucket - head) // block_params)  # ... before the second reduce
+        points.update({L - 1 - k, L - 2 - k, L - 2 - k2})
+        if st.reduce_flat:
+            reduces = {L - 2 - k2: True, L - 2 - k: False}
+    # during the blocks' backward the final norm's saved tensors are already released, and the
+    # gradient of the hidden states (one h-wide tensor per token) flows from block to block
+    block_other = other_saved - act["final_norm_saved"] + act["hidden_grad"]
+    mlp_bwd = act["mlp_backward_transient"]
     for i in sorted((i for i in points if 0 <= i < L), reverse=True):
         ck = i < n_ck
         done = L - 1 - i  # blocks whose backward is complete
@@ -450,12 +484,20 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         g = head_grad + done * st.grad_per_block
         if bucket and head + done * block_params > bucket:
             g += st.grads
-        a = remaining + (per_plain if ck else 0.0) + other_saved
-        add("backward", grads=g, activations=a, buffers=st.buffers_bwd)
+        # a checkpointed block is recomputed in full; what its checkpoint saved (the block input,
+        # or selective's kept tensors) is part of the recomputed set, not a second copy
+        a = remaining + (per_plain - per_ck if ck else 0.0) + block_other
+        add("backward", grads=g, activations=a + mlp_bwd, buffers=st.buffers_bwd)
         if attn_delta > 0:  # its attention backward: MLP tensors freed, the core's gradients appear
             add("backward", grads=g, activations=a + attn_delta, buffers=st.buffers_bwd)
+        if i in reduces:  # a bucket is all-reduced during this block's backward
+            g0 = g if reduces[i] else g - st.grads * (head + done * block_params > bucket)
+            add("backward", grads=g0, activations=a, buffers=st.buffers_bwd + st.reduce_flat)
     # backward end: all gradients, ZeRO-0's flat all-reduce bucket
     add("backward", grads=st.grads, buffers=st.buffers_bwd + st.buffers_bwd_end)
+    if st.reduce_flat:  # the last bucket's reduce; the partition exists if an earlier reduce made it
+        add("backward", grads=st.grads if m.num_parameters > bucket else 0.0,
+            buffers=st.buffers_bwd + st.reduce_flat)
     # optimizer step
     add("optimizer", grads=st.grads, buffers=st.buffers_step)
 
