@@ -75,9 +75,6 @@ def test_zero2_one_process_matches_model(tmp_path):
 
 @pytest.mark.slow
 def test_zero3_two_processes_matches_model(tmp_path):
-    # activations large next to the tiny model's states: with 2 gloo ranks ZeRO-3 shows about one
-    # 16-bit copy of the params more than modelled (not in Python-visible allocations; see
-    # benchmarks/memory_vs_deepspeed.py), which would dominate a tinier step
     job = _job(stage=3, nproc=2, mbs=4, seq=256)
     results = _run(tmp_path, job, nproc=2)
     assert [r["rank"] for r in results] == [0, 1]
@@ -85,11 +82,20 @@ def test_zero3_two_processes_matches_model(tmp_path):
     assert results[0]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
     peaks = results[0]["all_ranks"]["peak_allocated_bytes"]
     assert len(peaks) == 2 and all(p > 0 for p in peaks)
-    # gloo keeps some collective buffers alive at random (see the worker's "gc_collect" note):
+    # blocks freed unseen on gloo's threads and not reused yet still count (worker._live_totals):
     # compare the clean steady state, the smallest per-step peak over ranks
     clean = min(results[0]["all_ranks"]["min_step_peak_bytes"])
     pred = _predicted(job, 2)
-    assert abs(pred - clean) / clean < 0.05
+    assert abs(pred - clean) / clean < 0.03
+
+
+def test_live_totals_drop_blocks_freed_on_unprofiled_threads():
+    from autotune.profile.worker import _live_totals
+
+    # 100 B at address 1 is freed on a thread the profiler does not see (no event); the allocator
+    # then hands address 1 out again: the old block must not be counted twice
+    raw = [(1, 1, 100), (2, 2, 50), (3, 1, 30), (4, 2, -50), (5, 9, -7), (6, 1, -30)]
+    assert _live_totals(raw) == [(1, 100), (2, 150), (3, 80), (4, 30), (5, 30), (6, 0)]
 
 
 @pytest.mark.slow

@@ -33,7 +33,9 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   thread's last work (tensors included) alive, so
                                                 #   0-3 of DeepSpeed's flat all-reduce buckets would
                                                 #   outlive the step at random (not so with NCCL);
-                                                #   this reduces, but does not remove, the effect:
+                                                #   this reduces, but does not remove, the effect
+                                                #   (and blocks released on gloo's threads are
+                                                #   invisible to the profiler: see _live_totals):
                                                 #   "min_step_peak_bytes" (min over ranks) is the
                                                 #   clean steady state to compare models with
       "device": "auto",                         # "cuda" | "cpu" | "auto"
@@ -156,17 +158,18 @@ class _CpuMemoryProbe:
     def analyse(self) -> dict[str, Any]:
         from torch._C._profiler import _EventType
 
-        events: list[tuple[int, int]] = []
+        raw: list[tuple[int, int, int]] = []  # (time, ptr, +size allocated / -size freed)
         ranges = []
         stack = list(self.prof.profiler.kineto_results.experimental_event_tree())
         while stack:
             node = stack.pop()
             if node.typed[0] == _EventType.Allocation and str(node.typed[1].device).startswith("cpu"):
-                events.append((node.start_time_ns, node.typed[1].total_allocated))
+                raw.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
             elif node.name.startswith(_MARK):
                 ranges.append(node)
             stack.extend(node.children)
-        events.sort()
+        raw.sort()
+        events = _live_totals(raw)
         out: dict[str, Any] = {"init_peak_bytes": None, "peak_allocated_bytes": None, "peak_phase": None,
                                "phase_peaks_bytes": {}, "step_start_bytes": None}
         if not events:
@@ -206,6 +209,30 @@ class _CpuMemoryProbe:
         out.update(peak_allocated_bytes=max(best, 0), peak_phase=best_phase, phase_peaks_bytes=peaks,
                    step_peaks_bytes=step_peaks, min_step_peak_bytes=min(step_peaks) if step_peaks else None)
         return out
+
+
+def _live_totals(raw: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """Running live tensor bytes from allocation events ``(time, ptr, +size | -size)``.
+
+    Not the profiler's own ``total_allocated``: c10's ProfiledCPUMemoryReporter only updates its
+    tally on threads with the profiler active, so a tensor allocated on the main thread and
+    released on one of gloo's worker threads (ProcessGroupGloo drops the last reference to a
+    collective's tensors there) is never subtracted: the tally drifts up by random amounts per
+    rank and run. An allocation at an address that is still live proves that block was freed
+    unseen, so it is dropped here; a block freed unseen and not reused yet still counts (this
+    errs high, never low).
+    """
+    live: dict[int, int] = {}
+    total = 0
+    out: list[tuple[int, int]] = []
+    for t, ptr, size in raw:
+        if size > 0:
+            total += size - live.get(ptr, 0)
+            live[ptr] = size
+        else:
+            total -= live.pop(ptr, 0)
+        out.append((t, total))
+    return out
 
 
 def _process_groups(engine: Any) -> list:
