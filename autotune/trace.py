@@ -253,6 +253,37 @@ def _sdpa_to_flash():
 _PATCH_LOCK = threading.Lock()
 
 
+_HF_PATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _unpacked_positions(source: str):
+    """HF models: tell transformers' mask code the batch is not packed, as a real run finds out.
+
+    ``masking_utils.find_packed_sequence_indices`` cannot read fake position ids, so under
+    FakeTensorMode it assumes packed sequences and builds an explicit mask; with a mask the sdpa
+    integration repeats k/v for GQA (``repeat_kv``: two q-sized copies per layer) where a real
+    run, whose ``arange`` positions show one sequence per row, passes no mask and lets sdpa
+    handle GQA (``use_gqa_in_sdpa``). The traced batch is unpacked by construction.
+    """
+    mu = None
+    if source == "hf":
+        try:
+            import transformers.masking_utils as mu
+        except ImportError:
+            mu = None
+    if mu is None or not hasattr(mu, "find_packed_sequence_indices"):
+        yield
+        return
+    with _HF_PATCH_LOCK:
+        original = mu.find_packed_sequence_indices
+        mu.find_packed_sequence_indices = lambda position_ids: None
+        try:
+            yield
+        finally:
+            mu.find_packed_sequence_indices = original
+
+
 # ------------------------------------------------------------------------------------- tracker
 
 
@@ -466,7 +497,7 @@ def trace_memory(
         # collector runs; collecting first resets its counters, so the collections inside the trace
         # fall at the same points whatever ran before in this process (a deterministic peak).
         gc.collect()
-        with tracker, _sdpa_to_flash():
+        with tracker, _sdpa_to_flash(), _unpacked_positions(source):
             # fp32 master weights, as a mixed-precision optimizer keeps them (not for fp32 training)
             masters = []
             if dtype != torch.float32 and optimizer_step:

@@ -145,6 +145,7 @@ class _CpuMemoryProbe:
         self.last_step_start: Optional[int] = None
 
     def __enter__(self) -> "_CpuMemoryProbe":
+        self.all_threads = _track_all_threads()
         self.prof.__enter__()
         return self
 
@@ -164,12 +165,16 @@ class _CpuMemoryProbe:
         while stack:
             node = stack.pop()
             if node.typed[0] == _EventType.Allocation and str(node.typed[1].device).startswith("cpu"):
-                raw.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
+                f = node.typed[1]
+                raw.append((node.start_time_ns, f.ptr, f.alloc_size, f.total_allocated))
             elif node.name.startswith(_MARK):
                 ranges.append(node)
             stack.extend(node.children)
         raw.sort()
-        events = _live_totals(raw)
+        if self.all_threads:  # c10's tally is exact (every thread's allocations and frees)
+            events = [(t, total) for t, _, _, total in raw]
+        else:
+            events = _live_totals([(t, ptr, size) for t, ptr, size, _ in raw])
         out: dict[str, Any] = {"init_peak_bytes": None, "peak_allocated_bytes": None, "peak_phase": None,
                                "phase_peaks_bytes": {}, "step_start_bytes": None}
         if not events:
@@ -211,16 +216,35 @@ class _CpuMemoryProbe:
         return out
 
 
+def _track_all_threads() -> bool:
+    """Make c10's CPU allocation tally count every thread (``FLAGS_caffe2_report_cpu_memory_usage``).
+
+    c10's ProfiledCPUMemoryReporter (c10/core/CPUAllocator.cpp) updates the tally that the
+    profiler reports as ``total_allocated`` only on threads with the profiler active unless this
+    flag is set: a tensor allocated on the main thread and released on one of gloo's worker
+    threads (ProcessGroupGloo drops the last reference to a collective's tensors there) is never
+    subtracted, and the tally drifts up by random amounts per rank and run. The flag is a plain
+    exported global of libc10 (no Python API), set through ctypes; False if that fails.
+    """
+    try:
+        import ctypes
+
+        import torch
+
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _live_totals(raw: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
     """Running live tensor bytes from allocation events ``(time, ptr, +size | -size)``.
 
-    Not the profiler's own ``total_allocated``: c10's ProfiledCPUMemoryReporter only updates its
-    tally on threads with the profiler active, so a tensor allocated on the main thread and
-    released on one of gloo's worker threads (ProcessGroupGloo drops the last reference to a
-    collective's tensors there) is never subtracted: the tally drifts up by random amounts per
-    rank and run. An allocation at an address that is still live proves that block was freed
-    unseen, so it is dropped here; a block freed unseen and not reused yet still counts (this
-    errs high, never low).
+    The fallback when c10's tally cannot be made to count every thread (``_track_all_threads``):
+    frees on other threads have no event, but an allocation at an address that is still live
+    proves that block was freed unseen, so it is dropped here; a block freed unseen and not
+    reused yet still counts (this errs high, never low).
     """
     live: dict[int, int] = {}
     total = 0
