@@ -59,13 +59,14 @@ caching allocator's block rounding beyond ``hardware.allocator_slack``, NCCL int
 ``cuda_context_gib``), attention dropout under sdpa on CPU (PyTorch's CPU flash kernel has no
 dropout, it falls back to the math kernel with s^2 buffers; on GPU dropout is free), the host
 copy of the model each rank builds before ``deepspeed.initialize`` (use zero.Init for big models).
-Measured but not modelled (CPU runs): with gloo, flat all-reduce buckets that ProcessGroupGloo's
-idle worker thread keeps alive (0-3 buckets, random per rank and run; the profiling worker
-flushes them between phases); with ZeRO-3 over 2 gloo ranks about one extra 16-bit copy of the
-params that does not appear in Python-visible allocation events (most likely gloo's allgather,
-which stages each gathered parameter through a flat temporary on its worker thread, kept alive
-like the buckets above; NCCL gathers in place); ZeRO-3 sometimes keeping the original full copy
-of the embedding / LM-head weights (fp32 single rank; one rank in bf16).
+Also found on allocation traces and modelled: ZeRO-1/2 with several ranks flatten each bucket
+again to all-reduce it (``allreduce_bucket``), which makes the end of backward the peak under full
+checkpointing; tied embeddings keep the LM head's weight gradient alive through every block's
+backward (one AccumulateGrad for both uses); a block's MLP backward (input gradient of the down
+projection, a gated MLP's factor gradients, the down projection's weight gradient) tops the
+recomputed block's activations. Earlier CPU "retention" of gloo buckets and a ZeRO-3 2-rank gap of
+~5% were not memory at all: c10's CPU tally ignored frees on gloo's threads (see
+``autotune.profile.worker._track_all_threads``).
 """
 
 from __future__ import annotations

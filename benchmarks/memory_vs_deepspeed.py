@@ -1,32 +1,32 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py            # default grid (~10 min on 2 cores)
+    python benchmarks/memory_vs_deepspeed.py            # default grid (~15 min on 2 cores)
     python benchmarks/memory_vs_deepspeed.py --quick    # a dozen configs (~1-2 min)
     python benchmarks/memory_vs_deepspeed.py --json out.json --filter stage=3 --repeat 3
 
-Every config runs ``autotune.profile.worker`` in fresh processes (``python`` for 1 rank,
+The grid: reference Llama- and GPT-2-style decoders (autotune.profile.models), plus, when
+transformers is installed, HF LlamaForCausalLM (GQA) and GPT2LMHeadModel built from config.json
+(``model.hf_config``). Every config runs ``autotune.profile.worker`` in fresh processes (``python`` for 1 rank,
 ``torchrun --nproc_per_node 2`` with gloo for 2), with a torch AdamW (fused, like DeepSpeed's
 FusedAdam: no full-size temporaries) passed to ``deepspeed.initialize``. The measured number is
-the peak tensor bytes of the measured steps (torch.profiler allocation events, max over ranks);
+the peak tensor bytes of the measured steps (torch.profiler allocation events);
 the prediction is ``estimate_memory(..., device="cpu").gpu["peak"]`` for the same model,
-strategy and data-parallel size. With 2 ranks, gloo runs of ZeRO-0/1/2 keep 0-3 flat all-reduce
-buckets alive at random (C++-held, differs per rank and run); the measured value is therefore the
-minimum over ranks and measured steps (the clean steady state), and rows where some rank/step
-held more say so. Prints one row per config and the median / max absolute relative error.
+strategy and data-parallel size. The worker makes c10's CPU allocation tally count every thread
+(``autotune.profile.worker._track_all_threads``): without it, tensors released on gloo's worker
+threads were never subtracted and 2-rank runs showed "retained" buckets at random. The measured
+value is the smallest per-step peak over ranks and measured steps; rows where some rank or step
+peaked higher say so (``--repeat N`` reruns multi-process configs and keeps the smallest).
+Prints one row per config and the median / max absolute relative error, overall and split into
+1 process, 2 processes ZeRO-0/1/2 and 2 processes ZeRO-3.
 Optimizer offload is not in the grid: on a CPU-only machine "GPU" and host memory are the same
 allocator, so the split cannot be measured here.
-
-The summary splits the errors into 1 process, 2 processes ZeRO-0/1/2 and 2 processes ZeRO-3.
-Known residuals (all CPU/gloo effects, see autotune/memory.py): gloo retention not cleared by
-the worker's flush shows up as a few under-predicted rows with "+x MiB retained" (use
-``--repeat 3`` to filter it); with 2 ranks ZeRO-3's running total exceeds the Python-visible live
-allocations by about one 16-bit copy of the params (checked on one config: the model matched
-the visible allocations within 1%), so that group under-predicts by ~5-10% on these tiny models.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import itertools
 import json
 import os
@@ -65,6 +65,34 @@ MODELS = {
 }
 
 
+# Hugging Face transformers models (``model.hf_config``: built with from_config, sdpa attention,
+# HF's own loss and gradient_checkpointing_enable); rows run only when transformers is installed
+HF_MODELS = {
+    "hf-llama": {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 8,
+                 "num_key_value_heads": 2, "intermediate_size": 688, "vocab_size": 4096,
+                 "max_position_embeddings": 1024, "hidden_act": "silu", "tie_word_embeddings": False},
+    # attention dropout 0: on the CPU, sdpa with dropout leaves the flash kernel for the s^2 math
+    # path (not modelled; free on a GPU); residual and embedding dropout kept
+    "hf-gpt2": {"model_type": "gpt2", "n_layer": 2, "n_embd": 192, "n_head": 6, "vocab_size": 4096,
+                "n_positions": 1024, "attn_pdrop": 0.0, "resid_pdrop": 0.1, "embd_pdrop": 0.1},
+}
+
+
+def hf_grid() -> list[dict]:
+    rows = []
+    for model in HF_MODELS:
+        for stage, mbs, seq, ck in ((0, 2, 256, "none"), (2, 4, 128, "full"), (3, 2, 256, "none")):
+            rows.append(dict(model=model, stage=stage, nproc=1, mbs=mbs, seq=seq, ckpt=ck, precision="bf16"))
+    return rows
+
+
+def _hf_path(name: str, workdir: Path) -> str:
+    path = workdir / f"{name}.json"
+    if not path.exists():
+        path.write_text(json.dumps(HF_MODELS[name]))
+    return str(path)
+
+
 def grid(quick: bool) -> list[dict]:
     """(model, stage, nproc, mbs, seq, checkpointing, precision) rows."""
     rows = []
@@ -83,8 +111,13 @@ def grid(quick: bool) -> list[dict]:
     return rows
 
 
-def specs(row: dict) -> tuple[ModelSpec, TrainingSpec, HardwareSpec, Strategy]:
-    model = ModelSpec(**MODELS[row["model"]])
+def specs(row: dict, workdir: Path | None = None) -> tuple[ModelSpec, TrainingSpec, HardwareSpec, Strategy]:
+    if row["model"] in HF_MODELS:
+        from autotune.config import hf_config_fields
+
+        model = ModelSpec(**hf_config_fields(_hf_path(row["model"], workdir or Path(tempfile.gettempdir()))))
+    else:
+        model = ModelSpec(**MODELS[row["model"]])
     training = TrainingSpec(seq_len=row["seq"], global_batch_size=row["mbs"] * row["nproc"], precision=row["precision"])
     hardware = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=row["nproc"], num_nodes=1)
     strategy = Strategy(zero_stage=row["stage"], micro_batch_size=row["mbs"], checkpointing=row["ckpt"],
@@ -93,13 +126,15 @@ def specs(row: dict) -> tuple[ModelSpec, TrainingSpec, HardwareSpec, Strategy]:
 
 
 def run_row(row: dict, workdir: Path, timeout: float = 300) -> dict:
-    model, training, hardware, strategy = specs(row)
+    model, training, hardware, strategy = specs(row, workdir)
     d = Path(tempfile.mkdtemp(prefix="mem_", dir=workdir))
-    job = {"model": MODELS[row["model"]], "training": {"seq_len": training.seq_len,
+    job = {"model": dataclasses.asdict(model), "training": {"seq_len": training.seq_len,
                                                        "global_batch_size": training.global_batch_size,
                                                        "precision": training.precision},
            "strategy": strategy.as_dict(), "warmup_steps": 2, "measure_steps": 3, "device": "cpu",
            "result_path": str(d / "result.json")}
+    if row["model"] in HF_MODELS:
+        job["hf_config"] = _hf_path(row["model"], workdir)
     (d / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if row["nproc"] == 1:
@@ -124,8 +159,8 @@ def run_row(row: dict, workdir: Path, timeout: float = 300) -> dict:
     peaks = ranks.get("peak_allocated_bytes") or [res["peak_allocated_bytes"]]
     clean = ranks.get("min_step_peak_bytes") or [res.get("min_step_peak_bytes") or res["peak_allocated_bytes"]]
     est = estimate_memory(model, training, hardware, strategy, device="cpu")
-    # the clean steady state: min over ranks and measured steps (see autotune.profile.worker's
-    # note on the flat all-reduce buckets that gloo runs keep alive at random); max also kept
+    # the steady state: min over ranks and measured steps (see the worker's "gc_collect" note);
+    # the max is kept to show when some rank or step peaked higher
     out.update(measured=min(clean), measured_max=max(peaks), measured_phase=res["peak_phase"], predicted=est.gpu["peak"],
                predicted_phase=est.peak_phase, phases_measured=res["phase_peaks_bytes"], phases_predicted=est.phases,
                optimizer=res["optimizer"])
@@ -144,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                          "gloo keeps collective buffers alive at random")
     args = ap.parse_args(argv)
     rows = grid(args.quick)
+    if not args.quick and importlib.util.find_spec("transformers") is not None:
+        rows += hf_grid()
     for f in args.filter:
         k, v = f.split("=", 1)
         rows = [r for r in rows if str(r[k]) == v]
