@@ -171,6 +171,25 @@ def test_hf_gpt2_and_llama_from_config(tmp_path):
         assert r.activation_peak > r.saved_activations > 0
 
 
+def test_hf_llama_gqa_trace_matches_the_analytic_saved_activations(tmp_path):
+    # Real runs of HF Llama pass no attention mask, so transformers lets sdpa handle GQA without
+    # repeat_kv copies (benchmarks/memory_vs_deepspeed.py hf-llama rows: -0.01%); the trace must
+    # take the same path (trace._unpacked_positions), not the packed-sequence mask path
+    pytest.importorskip("transformers")
+    from autotune.config import hf_config_fields
+    from autotune.memory import activation_breakdown
+
+    raw = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 512}
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(raw))
+    spec = ModelSpec(**hf_config_fields(str(path)))
+    training, strategy = TrainingSpec(seq_len=128, global_batch_size=2), Strategy(micro_batch_size=2)
+    r = trace_memory(spec, training, strategy, hf_config=str(path))
+    ab = activation_breakdown(spec, training, strategy)
+    assert abs(ab["blocks"] + ab["nonblock"] - r.saved_activations) / r.saved_activations < 0.02
+
+
 def test_traced_estimate_on_the_real_memory_model():
     from autotune import presets
     from autotune.config import Config
