@@ -111,6 +111,9 @@ class MemoryEstimate:
     """Why it does not fit, in words."""
     phases: dict[str, int] = field(default_factory=dict)
     """Predicted allocated bytes at the peak of each phase (forward/backward/optimizer)."""
+    activation_peak: int = 0
+    """Largest activations + logits at any point of the step (the peak's own may be smaller when
+    the step's peak falls where model states dominate, e.g. the optimizer step)."""
 
     @property
     def total_gpu_bytes(self) -> int:
@@ -539,7 +542,8 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         if nvme > cap:
             reasons.append(f"offload needs {_gib(nvme)} NVMe per node > {_gib(cap)} available")
     return MemoryEstimate(gpu=gpu, peak_phase=peak_phase, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
-                          fits=not reasons, reasons=reasons, phases=phases)
+                          fits=not reasons, reasons=reasons, phases=phases,
+                          activation_peak=int(max(c[3] + c[4] for c in cands)))
 
 
 def zero_model_states(num_parameters: float, dp: int, stage: int, precision: str = "fp16", *,

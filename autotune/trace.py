@@ -375,6 +375,26 @@ def _set_checkpointing(model: Any, source: str, granularity: str, n: int, num_la
     return notes
 
 
+def _collect_after_each_layer(model: Any) -> None:
+    """Run the cycle collector after each layer's backward (layers: the children of ModuleLists).
+
+    Under FakeTensorMode a checkpointed layer's recomputed tensors end up in reference cycles, so
+    they outlive the layer's backward until Python's collector happens to run: with 22 layers the
+    traced activation peak came out 28% above what the tensors' lifetimes give (measured with and
+    without this hook; real CPU runs of the same model match the analytic model within 0.1%,
+    benchmarks/memory_vs_deepspeed.py). Collecting once per layer gives the real lifetimes back
+    (about +30% trace time). The trace's module is thrown away afterwards, so the hooks stay.
+    """
+    import torch
+
+    def collect(module: Any, grad_input: Any, grad_output: Any) -> None:
+        gc.collect()
+
+    for mlist in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for layer in mlist:
+            layer.register_full_backward_hook(collect)
+
+
 def _loss(model: Any, ids: Any, labels: Any) -> Any:
     """Forward that returns only the loss, so logits die as early as in a training loop."""
     try:
@@ -480,6 +500,8 @@ def trace_memory(
             raise TraceError(f"{source} did not return an nn.Module (got {type(model).__name__})")
         model.train()
         notes += _set_checkpointing(model, source, granularity, n_ckpt, L)
+        if granularity != "none" and n_ckpt:
+            _collect_after_each_layer(model)
         params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         wrong = {str(p.dtype) for p in params if p.dtype != dtype}
         if wrong:

@@ -96,10 +96,7 @@ def main() -> int:
                 comb, _ = combine(tr, est, model=spec, training=training, strategy=strategy)
                 ab = activation_breakdown(spec, training, strategy)
                 saved_an = ab["blocks"] + ab["nonblock"]
-                if est.peak_phase == "optimizer":
-                    act_an = ab["blocks"] + ab["nonblock"] + ab["loss_backward_transient"]
-                else:
-                    act_an = est.gpu["activations"] + est.gpu["logits"]
+                act_an = est.activation_peak
                 row = dict(source=src, model=spec.name, seq=seq, mbs=mbs, checkpointing=ck,
                            saved_traced=tr.saved_activations, saved_analytic=saved_an,
                            act_traced=tr.activation_peak, act_analytic=act_an, act_phase=tr.at_activation_peak["phase"],
