@@ -318,7 +318,7 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
                 _sync(study, space, cfg, seen, cache, oom_at)
             if feasible <= cache.keys() and (feasible or by_key.keys() <= cache.keys()):
                 break  # everything that fits has been evaluated (or, when nothing fits, seen)
-            trial = study.ask()
+            trial = _ask(study)
             asks += 1
             try:
                 strategy = space.suggest(trial, cfg.model)
@@ -474,6 +474,32 @@ def _abandon(study: Any, trial: Any, err: BaseException) -> None:
                 study.enqueue_trial(dict(frozen.params), user_attrs={"retry_of": trial.number})
     except Exception:  # the storage itself is gone: a resumed run's heartbeat check recovers it
         pass
+
+
+def _ask(study: Any) -> Any:
+    """``study.ask()``, except that re-queued trials go first.
+
+    Optuna pops WAITING trials oldest first, so the retry of a lost trial (the heartbeat's
+    RetryHeartbeatStaleTrialCallback, or ``_abandon`` after an interruption) would wait behind
+    every seed enqueued at the start: a resumed run with a small budget could end with the trial
+    that was in flight never re-run. This claims a retry the way ``Study._pop_waiting_trial_id``
+    claims any waiting trial (WAITING -> RUNNING in storage, atomic) and falls back to ``ask()``.
+    """
+    import optuna
+    from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.trial import TrialState
+
+    storage = study._storage
+    for t in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
+        if "failed_trial" not in t.system_attrs and "retry_of" not in t.user_attrs:
+            continue
+        try:
+            if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                study._thread_local.cached_all_trials = None
+                return optuna.Trial(study, t._trial_id)
+        except UpdateFinishedTrialError:
+            continue
+    return study.ask()
 
 
 def _heartbeat_enabled(study: Any) -> bool:
