@@ -87,6 +87,16 @@ def predicted_front(screened: list[Screened]) -> list[Screened]:
     return [feasible[i] for i in idx]
 
 
+def spread(points: list, k: int) -> list:
+    """At most ``k`` of ``points`` (a front, memory ascending), evenly spaced and always including
+    both ends: a budget smaller than the predicted front still covers low memory and top speed."""
+    if k >= len(points):
+        return list(points)
+    if k == 1:
+        return [points[-1]]
+    return [points[round(i * (len(points) - 1) / (k - 1))] for i in range(k)]
+
+
 def make_sampler(name: str, seed: int) -> Any:
     """NSGA-II by default: the space is small, discrete and categorical, the problem is bi-objective
     with constraints, and NSGA-II handles all three at ~0.4 ms/trial (TPE ~5 ms, GP needs scipy and is
@@ -295,7 +305,8 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
         # predicted-best points and explores from there.
         seeds = list(enqueue or [])
         if seed_predicted_front:
-            seeds += [s.strategy for s in predicted_front(screened)]
+            front = [s.strategy for s in predicted_front(screened)]
+            seeds += spread(front, max(1, n_trials - len(seeds)) if n_trials else len(front))
         for strategy in seeds[:n_trials or len(seeds)]:  # n_trials 0: a worker only initialising
             study.enqueue_trial(strategy_params(strategy, space, cfg.model), skip_if_exists=True)
         # Set last: a joining worker treats a study with num_candidates as initialised.

@@ -27,3 +27,13 @@ def test_hypervolume():
     assert hypervolume(pts, (4.0, 0.0)) == 7.0
     assert hypervolume(pts[:1], (4.0, 0.0)) < hypervolume(pts, (4.0, 0.0))
     assert hypervolume([], (4.0, 0.0)) == 0.0
+
+
+def test_spread_keeps_both_ends_and_budget():
+    from autotune.search import spread
+
+    pts = list(range(46))
+    assert spread(pts, 100) == pts
+    got = spread(pts, 20)
+    assert len(got) == len(set(got)) == 20 and got[0] == 0 and got[-1] == 45 and got == sorted(got)
+    assert spread(pts, 1) == [45]  # the fastest point when only one evaluation is allowed
