@@ -213,13 +213,15 @@ def _attention_backward_transient(m: ModelSpec, p: int, s: int) -> float:
 def _mlp_backward_transient(m: ModelSpec, p: int, mask_bytes: int) -> float:
     """Per token, what the MLP's backward adds next to the block's saved tensors (its peak).
 
-    Measured on allocation traces of the reference decoders (benchmarks/memory_vs_deepspeed.py):
-    the down projection's input gradient (f wide; a gated MLP's multiply backward then adds the
-    gradients of both factors before the first is freed: 3 f-wide), and with residual dropout the
-    dropout backward's output (h) while the dropout mask itself has been released. The down
-    projection's weight gradient (f x h, not per token) is added by the caller.
+    Measured on allocation traces of real CPU steps (benchmarks/memory_vs_deepspeed.py, and a
+    SwiGLU MLP alone under non-reentrant checkpointing): the down projection's input gradient
+    (f wide). A gated MLP's multiply backward then adds the gradients of both factors while that
+    input gradient is alive, but the product (the down projection's saved input) was released
+    after the down projection's backward: +2 f-wide net. With residual dropout, the dropout
+    backward's output (h) while the dropout mask itself has been released. The down projection's
+    weight gradient (f x h, not per token) is added by the caller.
     """
-    n = (3 if m.gated_mlp else 1) * p * m.intermediate_size
+    n = (2 if m.gated_mlp else 1) * p * m.intermediate_size
     if m.hidden_dropout > 0:
         n += p * m.hidden_size - mask_bytes * m.hidden_size
     return n
