@@ -487,9 +487,8 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         ck = i < n_ck
         done = L - 1 - i  # blocks whose backward is complete
         remaining = min(i + 1, n_ck) * per_ck + max(0, i + 1 - n_ck) * per_plain
-        g = head_grad + done * st.grad_per_block
-        if bucket and head + done * block_params > bucket:
-            g += st.grads
+        g_before = head_grad + done * st.grad_per_block  # without ZeRO-1/2's gradient partition
+        g = g_before + (st.grads if bucket and head + done * block_params > bucket else 0.0)
         # a checkpointed block is recomputed in full; what its checkpoint saved (the block input,
         # or selective's kept tensors) is part of the recomputed set, not a second copy
         a = remaining + (per_plain - per_ck if ck else 0.0) + block_other
@@ -497,8 +496,8 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         if attn_delta > 0:  # its attention backward: MLP tensors freed, the core's gradients appear
             add("backward", grads=g, activations=a + attn_delta, buffers=st.buffers_bwd)
         if i in reduces:  # a bucket is all-reduced during this block's backward
-            g0 = g if reduces[i] else g - st.grads * (head + done * block_params > bucket)
-            add("backward", grads=g0, activations=a, buffers=st.buffers_bwd + st.reduce_flat)
+            add("backward", grads=g if reduces[i] else g_before, activations=a,
+                buffers=st.buffers_bwd + st.reduce_flat)
     # backward end: all gradients, ZeRO-0's flat all-reduce bucket
     add("backward", grads=st.grads, buffers=st.buffers_bwd + st.buffers_bwd_end)
     if st.reduce_flat:  # the last bucket's reduce; the partition exists if an earlier reduce made it

@@ -378,7 +378,7 @@ def _set_checkpointing(model: Any, source: str, granularity: str, n: int, num_la
 @contextlib.contextmanager
 def _frozen_heap():
     """Collect once, then move every existing object to the collector's permanent generation
-    (``gc.freeze``) for the trace: the collections inside it (``_collect_after_each_layer``) then
+    (``gc.freeze``) for the trace: the collections inside it (``_collect_after_each_module``) then
     scan only objects the trace created, not the whole torch/transformers heap."""
     gc.collect()
     gc.freeze()
@@ -388,7 +388,7 @@ def _frozen_heap():
         gc.unfreeze()
 
 
-def _collect_after_each_layer(model: Any) -> None:
+def _collect_after_each_module(model: Any) -> None:
     """Run the cycle collector after the backward of each layer and of each of its leaf modules
     (layers: the children of ModuleLists).
 
@@ -409,7 +409,7 @@ def _collect_after_each_layer(model: Any) -> None:
     for mlist in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
         for layer in mlist:
             for sub in layer.modules():
-                if sub is layer or not any(True for _ in sub.children()):
+                if sub is layer or next(sub.children(), None) is None:
                     sub.register_full_backward_hook(collect)
 
 
@@ -519,7 +519,7 @@ def trace_memory(
         model.train()
         notes += _set_checkpointing(model, source, granularity, n_ckpt, L)
         if granularity != "none" and n_ckpt:
-            _collect_after_each_layer(model)
+            _collect_after_each_module(model)
         params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         wrong = {str(p.dtype) for p in params if p.dtype != dtype}
         if wrong:
@@ -535,7 +535,7 @@ def trace_memory(
         tracker.track_external(model, *inputs)
         # Cyclic garbage (autograd/checkpoint frames under fake mode) is freed whenever Python's
         # collector runs: _frozen_heap collects first (the collections inside the trace then fall at
-        # the same points whatever ran before in this process) and _collect_after_each_layer runs it
+        # the same points whatever ran before in this process) and _collect_after_each_module runs it
         # where real autograd would free the tensors (a deterministic, real-lifetime peak).
         with _frozen_heap(), tracker, _sdpa_to_flash(), _unpacked_positions(source):
             # fp32 master weights, as a mixed-precision optimizer keeps them (not for fp32 training)

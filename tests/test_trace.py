@@ -33,6 +33,15 @@ def _matmul_weights(spec: ModelSpec) -> int:
     return spec.num_hidden_layers * (attn + mlp) + spec.vocab_size * d
 
 
+def _hf_spec(tmp_path, raw: dict) -> tuple[ModelSpec, str]:
+    """Write an HF config.json and read it back as autotune does (model.hf_config)."""
+    from autotune.config import hf_config_fields
+
+    path = tmp_path / f"{raw['model_type']}.json"
+    path.write_text(json.dumps(raw))
+    return ModelSpec(**hf_config_fields(str(path))), str(path)
+
+
 def test_import_does_not_import_torch():
     code = "import sys, autotune.trace; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -157,14 +166,10 @@ def test_hf_gpt2_and_llama_from_config(tmp_path):
     gpt2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 300, "n_positions": 128}
     llama = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300}
-    from autotune.config import hf_config_fields
-
     for raw in (gpt2, llama):
-        path = tmp_path / f"{raw['model_type']}.json"
-        path.write_text(json.dumps(raw))
-        spec = ModelSpec(**hf_config_fields(str(path)))
+        spec, path = _hf_spec(tmp_path, raw)
         r = trace_memory(spec, TrainingSpec(seq_len=64, global_batch_size=2), Strategy(checkpointing="full"),
-                         hf_config=str(path))
+                         hf_config=path)
         assert r.source == "hf" and r.parameters == spec.num_parameters
         # attention forward runs twice per layer: forward + full-checkpoint recompute
         assert r.flops["attention_fwd"] == 2 * 4 * spec.num_hidden_layers * spec.q_size * 64 * 64
@@ -176,16 +181,13 @@ def test_hf_llama_gqa_trace_matches_the_analytic_saved_activations(tmp_path):
     # repeat_kv copies (benchmarks/memory_vs_deepspeed.py hf-llama rows: -0.01%); the trace must
     # take the same path (trace._unpacked_positions), not the packed-sequence mask path
     pytest.importorskip("transformers")
-    from autotune.config import hf_config_fields
     from autotune.memory import activation_breakdown
 
-    raw = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 8,
-           "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 512}
-    path = tmp_path / "llama.json"
-    path.write_text(json.dumps(raw))
-    spec = ModelSpec(**hf_config_fields(str(path)))
+    spec, path = _hf_spec(tmp_path, {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128,
+                                     "num_attention_heads": 8, "num_key_value_heads": 2,
+                                     "intermediate_size": 256, "vocab_size": 512})
     training, strategy = TrainingSpec(seq_len=128, global_batch_size=2), Strategy(micro_batch_size=2)
-    r = trace_memory(spec, training, strategy, hf_config=str(path))
+    r = trace_memory(spec, training, strategy, hf_config=path)
     ab = activation_breakdown(spec, training, strategy)
     assert abs(ab["blocks"] + ab["nonblock"] - r.saved_activations) / r.saved_activations < 0.02
 

@@ -34,8 +34,8 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   0-3 of DeepSpeed's flat all-reduce buckets would
                                                 #   outlive the step at random (not so with NCCL);
                                                 #   this reduces, but does not remove, the effect
-                                                #   (and blocks released on gloo's threads are
-                                                #   invisible to the profiler: see _live_totals):
+                                                #   (blocks released on gloo's threads are counted
+                                                #   through _track_all_threads):
                                                 #   "min_step_peak_bytes" (min over ranks) is the
                                                 #   clean steady state to compare models with
       "device": "auto",                         # "cuda" | "cpu" | "auto"
