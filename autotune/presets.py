@@ -60,17 +60,17 @@ GPU_PRESETS: list[dict[str, Any]] = [
          inter_node_bandwidth_gbps=12.5, pcie_bandwidth_gbps=12.0, source=_NV + "Tesla V100 SXM2"),
     dict(name="a100-40gb", memory_bytes=40960 * _MIB, peak_tflops_bf16=312.0, peak_tflops_fp16=312.0,
          peak_tflops_fp32=19.5, hbm_bandwidth_gbps=1555.0, intra_node_bandwidth_gbps=300.0,
-         # fitted on ../shared/reference/llmfoundry-calibration.csv (38 rows): python benchmarks/simulator_cv.py
+         # fitted on data/reference/llmfoundry-calibration.csv (38 rows): python benchmarks/simulator_cv.py
          efficiency=dict(gemm_eff=0.7867, gemm_m_half=143.9, gemm_k_half=187.4, attn_eff=0.3117, attn_s_half=122.5, hbm_eff=0.6917, comm_eff=0.402, overlap=0.5715, coll_latency_s=3.201e-06, step_overhead_s=0.03549, layer_overhead_s=0.0006461),
          inter_node_bandwidth_gbps=25.0, pcie_bandwidth_gbps=24.0, source=_NV + "A100 SXM4 40GB"),
     dict(name="a100-80gb", memory_bytes=81920 * _MIB, peak_tflops_bf16=312.0, peak_tflops_fp16=312.0,
          peak_tflops_fp32=19.5, hbm_bandwidth_gbps=2039.0, intra_node_bandwidth_gbps=300.0,
-         # fitted on ../shared/reference/llmfoundry-calibration.csv (30 rows): python benchmarks/simulator_cv.py
+         # fitted on data/reference/llmfoundry-calibration.csv (30 rows): python benchmarks/simulator_cv.py
          efficiency=dict(gemm_eff=0.867, gemm_m_half=123.5, gemm_k_half=251.3, attn_eff=0.3176, attn_s_half=192.3, hbm_eff=0.4947, comm_eff=0.5722, overlap=0.6587, coll_latency_s=5.74e-06, step_overhead_s=0.02255, layer_overhead_s=0.000939),
          inter_node_bandwidth_gbps=25.0, pcie_bandwidth_gbps=24.0, source=_NV + "A100 SXM4 80GB"),
     dict(name="h100-80gb", memory_bytes=81559 * _MIB, peak_tflops_bf16=989.0, peak_tflops_fp16=989.0,
          peak_tflops_fp32=67.0, hbm_bandwidth_gbps=3350.0, intra_node_bandwidth_gbps=450.0,
-         # fitted on ../shared/reference/llmfoundry-calibration.csv (34 rows): python benchmarks/simulator_cv.py
+         # fitted on data/reference/llmfoundry-calibration.csv (34 rows): python benchmarks/simulator_cv.py
          efficiency=dict(gemm_eff=0.7152, gemm_m_half=137.9, gemm_k_half=205.0, attn_eff=0.1779, attn_s_half=134.1, hbm_eff=0.454, comm_eff=0.4719, overlap=0.4546, coll_latency_s=2.635e-06, step_overhead_s=0.0189, layer_overhead_s=0.000532),
          inter_node_bandwidth_gbps=50.0, pcie_bandwidth_gbps=50.0, source=_NV + "H100 SXM5"),
     dict(name="h200-141gb", memory_bytes=143771 * _MIB, peak_tflops_bf16=989.0, peak_tflops_fp16=989.0,

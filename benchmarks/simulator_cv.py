@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from autotune.calibration import cross_validate, fit_efficiency, load_llmfoundry_csv  # noqa: E402
 
-DEFAULT_CSV = ROOT.parent / "shared" / "reference" / "llmfoundry-calibration.csv"
+DEFAULT_CSV = ROOT / "data" / "reference" / "llmfoundry-calibration.csv"
 
 
 def _fmt(s: dict) -> str:
@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = ap.parse_args(argv)
 
+    if not Path(args.csv).is_file():
+        print(f"simulator_cv: error: --csv: no such file {args.csv}", file=sys.stderr)
+        return 2
     excluded: list = []
     runs = load_llmfoundry_csv(args.csv, excluded=excluded)
     t0 = time.perf_counter()

@@ -13,8 +13,7 @@ from autotune.simulate import EFFICIENCY_KEYS, default_efficiency, simulate
 from autotune.spec import HardwareSpec, TrainingSpec
 from autotune.strategy import Strategy
 
-CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llmfoundry-calibration.csv"
-needs_csv = pytest.mark.skipif(not CSV.exists(), reason=f"reference data not found at {CSV}")
+CSV = Path(__file__).resolve().parents[1] / "data" / "reference" / "llmfoundry-calibration.csv"
 
 
 def _synthetic_runs(params: dict) -> list[MeasuredRun]:
@@ -82,7 +81,6 @@ def test_mpt_model_matches_published_parameter_formula():
     assert m.num_parameters == L * (12 * d * d + 13 * d) + 2 * d + V * d + S * d
 
 
-@needs_csv
 def test_loader_maps_rows_and_excludes_fp8():
     excluded: list = []
     runs = load_llmfoundry_csv(CSV, excluded=excluded)
@@ -96,7 +94,6 @@ def test_loader_maps_rows_and_excludes_fp8():
         assert r.strategy.checkpointing in ("none", "full")
 
 
-@needs_csv
 def test_cross_validation_runs_on_a_subset_and_returns_finite_errors():
     runs = [r for r in load_llmfoundry_csv(CSV) if r.hardware.gpu.name == "h100-80gb"][:15]
     res = cross_validate(runs, k=3, seed=0)
