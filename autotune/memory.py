@@ -126,6 +126,12 @@ class MemoryEstimate:
         return d
 
 
+def overhead_bytes(hardware: HardwareSpec, peak_allocated: float) -> int:
+    """Memory outside the allocator's live tensors: the CUDA context plus the caching allocator's
+    fragmentation, a fraction of the allocated peak (hardware.cuda_context_gib, allocator_slack)."""
+    return int(hardware.cuda_context_gib * GIB + hardware.allocator_slack * peak_allocated)
+
+
 def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
@@ -518,7 +524,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
            "optimizer_states": int(st.optimizer), "activations": int(best[3]), "logits": int(best[4]),
            "buffers": int(st.resident_buffers + best[5])}
     peak = sum(gpu.values())
-    gpu["overhead"] = int(hardware.cuda_context_gib * GIB + hardware.allocator_slack * peak)
+    gpu["overhead"] = overhead_bytes(hardware, peak)
     gpu = {k: gpu[k] for k in GPU_COMPONENTS} | {"peak": int(peak)}
 
     gpn = hardware.gpus_per_node
