@@ -131,12 +131,19 @@ def predict(run: MeasuredRun, params: Optional[dict] = None) -> float:
 
 
 def fit_efficiency(runs: Sequence[MeasuredRun], initial: Optional[dict] = None,
-                   fixed: Sequence[str] = ()) -> dict:
+                   fixed: Sequence[str] = (), start: Optional[dict] = None, max_nfev: int = 400,
+                   restarts: int = 2) -> dict:
     """Fitted efficiency parameters for one GPU type (all runs must share it).
 
     Minimises sum of log(predicted/measured)^2 plus a weak log-space prior towards ``initial``
     (default: the datasheet defaults of that GPU), with scipy's bounded least squares (trf) from
     a few starting points. ``fixed`` names parameters held at their initial value.
+
+    ``start`` (e.g. the previous fit of the same job), ``max_nfev`` and ``restarts`` make an
+    incremental re-fit: the profiling loop re-fits after every measurement from the last solution
+    with a few trust-region steps and no random restarts, which keeps each re-fit well under 0.2 s
+    on 2 cores with 60 measured runs (benchmarks/calibration_speed.py) while successive re-fits keep
+    descending the same objective.
     """
     import numpy as np
     from scipy.optimize import least_squares
@@ -168,11 +175,15 @@ def fit_efficiency(runs: Sequence[MeasuredRun], initial: Optional[dict] = None,
 
     best = None
     starts = [x0]
+    if start:
+        merged = dict(prior)
+        merged.update(start)
+        starts = [np.clip(np.array([math.log(merged[k]) for k in keys]), lo + 1e-9, hi - 1e-9)]
     rng = np.random.default_rng(0)
-    for _ in range(2):
+    for _ in range(restarts):
         starts.append(np.clip(x0 + rng.normal(0, 0.3, size=len(keys)), lo + 1e-9, hi - 1e-9))
     for s in starts:
-        sol = least_squares(resid, s, bounds=(lo, hi), method="trf", x_scale=1.0, max_nfev=400)
+        sol = least_squares(resid, s, bounds=(lo, hi), method="trf", x_scale=1.0, max_nfev=max_nfev)
         if best is None or sol.cost < best.cost:
             best = sol
     return {k: _round(v) for k, v in params_of(best.x).items()}

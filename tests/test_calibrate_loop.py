@@ -113,3 +113,55 @@ def test_load_calibration_errors(tmp_path, cfg, truth):
     with pytest.raises(ConfigError) as err:
         load_calibration(str(tmp_path), gpu_name="h100-80gb")
     assert "\n" not in str(err.value) and "fitted on" in str(err.value)
+
+
+def test_memory_is_calibrated_per_family(cfg, truth, tmp_path):
+    """Measured / predicted peak of a family corrects that family's unprofiled candidates only."""
+    from autotune.memory import estimate_memory
+
+    cal = Calibrator(cfg, str(tmp_path))
+    pred = lambda s: estimate_memory(cfg.model, cfg.training, cfg.hardware, s).gpu["peak"]  # noqa: E731
+    z3 = [Strategy(zero_stage=3, micro_batch_size=m, checkpointing="full") for m in (1, 2, 4)]
+    for s, f in zip(z3[:2], (1.10, 1.12)):
+        m = measured(cfg, truth, s)
+        cal.add(s, Measurement(status="ok", peak_memory_bytes=int(pred(s) * f),
+                               tokens_per_s_per_gpu=m.tokens_per_s_per_gpu))
+    unprofiled = z3[2]
+    assert cal.memory_factor(unprofiled) == pytest.approx(1.11, abs=1e-3)
+    assert cal.corrected_peak(unprofiled, pred(unprofiled)) == pytest.approx(1.11 * pred(unprofiled), rel=1e-3)
+    other = Strategy(zero_stage=2, micro_batch_size=2, checkpointing="full")  # another family: untouched
+    assert cal.memory_factor(other) is None and cal.corrected_peak(other, 5.0) == 5.0
+    assert cal.memory_sd(unprofiled) > 0  # the two ratios differ
+    # the correction is reported, and the next trial of the family records the corrected prediction
+    cal.add(unprofiled, measured(cfg, truth, unprofiled))
+    rep = json.loads((tmp_path / "calibration.json").read_text())
+    (corr,) = rep["memory_correction"]
+    assert (corr["zero_stage"], corr["precision"], corr["n"]) == (3, "bf16", 3)
+    assert rep["trials"][2]["corrected_peak_bytes"] == pytest.approx(1.11 * pred(unprofiled), rel=1e-3)
+
+
+def test_spread_is_recorded_and_noise_is_its_median(cfg, truth, tmp_path):
+    from autotune.profile.calibrate import throughput_spread
+
+    cal = Calibrator(cfg, str(tmp_path))
+    for s, times in zip(STRATEGIES[:3], ([1.0, 1.1, 0.9], [2.0, 2.0, 2.2], [1.0, 1.0, 1.0])):
+        m = measured(cfg, truth, s)
+        cal.add(s, Measurement(status="ok", peak_memory_bytes=m.peak_memory_bytes,
+                               tokens_per_s_per_gpu=m.tokens_per_s_per_gpu, extra={"step_times_s": times}))
+    spreads = [c.tokens_spread_pct for c in cal.comparisons]
+    assert spreads == pytest.approx([10.0, 5.0, 0.0])
+    assert cal.noise() == pytest.approx(0.05)
+    assert throughput_spread({"extra": {"tokens_per_s_spread": 0.03}}) == 0.03
+    assert throughput_spread(Measurement(status="ok")) is None
+
+
+def test_incremental_refit_matches_the_full_fit(cfg, truth, tmp_path):
+    """Each re-fit takes a few trust-region steps from the last one; after the loop its held-out
+    error is as good as a from-scratch multi-start fit's."""
+    cal = Calibrator(cfg, None, autosave=False)
+    for s in STRATEGIES[:8]:
+        cal.add(s, measured(cfg, truth, s))
+    assert len(cal.refit_seconds) == 8
+    incremental = held_out_error(cfg, truth, cal.current_params())
+    cal.refit(full=True)
+    assert incremental <= held_out_error(cfg, truth, cal.current_params()) + 0.01

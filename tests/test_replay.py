@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import dataclasses
 import os
 
@@ -127,3 +128,54 @@ def test_replays_a_real_trials_csv(tmp_path):
         assert m.ok
         assert m.peak_memory_bytes / GIB == pytest.approx(t.values[0], rel=1e-5)
         assert m.tokens_per_s_per_gpu == pytest.approx(t.values[1], rel=1e-5)
+
+
+def _tiny_job(tmp_path, rows):
+    """A tiny-llama job whose replay table holds ``rows``; the table perturbs the simulator."""
+    cfg = load_config(os.path.join(ROOT, "examples", "tiny-cpu.yaml"))
+    table = write_table(tmp_path / "measured.csv", rows)
+    return dataclasses.replace(cfg, profile=dataclasses.replace(cfg.profile, backend="replay", replay_csv=table))
+
+
+def test_replay_runs_the_profiling_loop(tmp_path):
+    """--backend replay runs the deepspeed backend's loop: the calibrator sees every answer (failures
+    too), re-fits, writes calibration.json; an OOM at a micro-batch prunes the larger ones."""
+    from autotune.search import run_study
+    from autotune.simulate import simulate
+
+    from autotune.space import load_space
+
+    (tmp_path / "space.yaml").write_text("zero_stage: [0, 1]\nmicro_batch_size: [1, 2, 4, 8]\ncheckpointing: [none]\n")
+    cfg = _tiny_job(tmp_path, [])
+    space = load_space(str(tmp_path / "space.yaml"), precision=cfg.training.precision)
+    rows = []
+    for n, s in enumerate(space.candidates(cfg.model)):
+        if s.zero_stage == 1 and s.micro_batch_size >= 2:
+            rows.append(row(n, "FAIL", s, fail_reason="oom: rank 0 in forward: out of memory"))
+            continue
+        tps = 0.6 * simulate(cfg.model, cfg.training, cfg.hardware, s).tokens_per_s_per_gpu
+        rows.append(row(n, "COMPLETE", s, peak_memory_gib=0.01 * s.micro_batch_size, tokens_per_s_per_gpu=tps))
+    cfg = _tiny_job(tmp_path, rows)
+    be = make_backend("replay", cfg, str(tmp_path / "run"))
+    assert be.calibrator is not None
+    first = [Strategy(zero_stage=1, micro_batch_size=m, precision=cfg.training.precision) for m in (2, 8)]
+    out = run_study(cfg, space, be, storage=None, study_name="r", n_trials=8, seed=0, sampler="nsga2",
+                    headroom=cfg.search.headroom, enqueue=first)
+    trials = out.study.get_trials()
+    assert out.evaluations == be.calls == len(be.calibrator.comparisons)
+    statuses = [c.status for c in be.calibrator.comparisons]
+    assert "oom" in statuses and "ok" in statuses and be.calibrator.fitted
+    # the fit learnt that this "GPU" is 40% slower than its datasheet
+    rep = json.loads((tmp_path / "run" / "calibration.json").read_text())
+    assert rep["overall"]["tokens_per_s_after_fit"]["median_abs_pct"] < rep["overall"]["tokens_per_s"]["max_abs_pct"]
+    pruned = [t for t in trials if "out of memory at micro_batch_size" in t.user_attrs.get("prune_reason", "")]
+    assert pruned and all(t.params["micro_batch_size"] > 2 and t.params["zero_stage"] == 1 for t in pruned)
+    assert any(t.params["micro_batch_size"] == 8 for t in pruned)  # asked right after the OOM at 2
+    assert out.evaluations + len({t.params["micro_batch_size"] for t in pruned}) == 8  # 4 and 8 never run
+
+
+def test_replay_passes_the_spread_on(tmp_path):
+    cols = COLUMNS + ["tokens_per_s_spread"]
+    path = write_table(tmp_path / "s.csv", [row(0, "COMPLETE", A, peak_memory_gib=1.0, tokens_per_s_per_gpu=5.0,
+                                                tokens_per_s_spread=0.04)], columns=cols)
+    assert ReplayBackend(path).evaluate(A).extra["tokens_per_s_spread"] == 0.04

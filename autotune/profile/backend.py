@@ -82,9 +82,11 @@ def make_backend(name: str, cfg: Any, run_dir: str, params: Optional[dict] = Non
     if name == "replay":
         if not cfg.profile.replay_csv:
             raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
+        from autotune.profile.calibrate import Calibrator
         from autotune.profile.replay import ReplayBackend
 
-        return ReplayBackend(cfg.profile.replay_csv, cfg)
+        # the profiling loop's test double: the same calibrator as the deepspeed backend
+        return ReplayBackend(cfg.profile.replay_csv, cfg, calibrator=Calibrator(cfg, run_dir, initial=params))
     if name == "deepspeed":
         # Imports only the launcher side here; torch and deepspeed load in the launched workers.
         from autotune.profile.calibrate import Calibrator

@@ -14,7 +14,17 @@ simulator's efficiency parameters from the measured trials.
 * ``save()`` writes ``calibration.json`` in the run directory; ``load_calibration(run_dir)`` reads
   the parameters back (``--calibration runs/<name>``) and checks they were fitted for the same GPU.
 
-The memory model is not re-fitted (its errors are reported only).
+Re-fitting is incremental (``FAST_NFEV`` trust-region steps from the previous solution, no
+restarts), so the loop stays cheap after every measurement; ``refit(full=True)`` does the
+multi-start fit.
+
+Memory is calibrated per family (same ZeRO stage, offload and precision): the median of measured /
+predicted peak over the family's measured trials multiplies the memory model's peak of the family's
+unprofiled candidates (``corrected_peak``); the factors are in ``report()["memory_correction"]``.
+
+A measured throughput is the median over measured steps (the worker's); its spread
+(``throughput_spread``: half the range of the per-step times over their median) is recorded per
+trial, and the median spread (``noise()``) is the level below which differences are not chased.
 """
 
 from __future__ import annotations
@@ -30,7 +40,29 @@ from autotune.errors import ConfigError
 from autotune.strategy import Strategy
 
 FILE_NAME = "calibration.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+FAST_NFEV = 6
+"""Trust-region steps of one incremental re-fit (see autotune.calibration.fit_efficiency)."""
+
+
+def family(strategy: Strategy) -> tuple:
+    """Candidates whose memory-model error is shared: same ZeRO stage, offload and precision."""
+    return (strategy.zero_stage, strategy.offload_optimizer, strategy.offload_params, strategy.precision)
+
+
+def throughput_spread(measurement: Any) -> Optional[float]:
+    """Relative spread of a measured throughput: half the range of the measured step times over
+    their median (a Measurement, or its ``as_dict()``); ``extra["tokens_per_s_spread"]`` (replay
+    tables) is taken as is. None when unknown."""
+    extra = measurement.get("extra") if isinstance(measurement, dict) else getattr(measurement, "extra", None)
+    extra = extra or {}
+    given = extra.get("tokens_per_s_spread")
+    if isinstance(given, (int, float)) and math.isfinite(given) and given >= 0:
+        return float(given)
+    times = [t for t in (extra.get("step_times_s") or []) if isinstance(t, (int, float)) and t > 0]
+    if len(times) < 2:
+        return None
+    return (max(times) - min(times)) / 2.0 / statistics.median(times)
 
 
 @dataclass(frozen=True)
@@ -46,6 +78,11 @@ class Comparison:
     measured_tokens_per_s_per_gpu: Optional[float]
     tokens_error_pct: Optional[float]
     """100 x (predicted / measured - 1), with the parameters current before this trial."""
+    tokens_spread_pct: Optional[float] = None
+    """100 x throughput_spread of the measurement (step-to-step noise), None when unknown."""
+    corrected_peak_bytes: Optional[int] = None
+    """The memory prediction after the family's correction current before this trial (None: no
+    measured trial of the family yet)."""
 
 
 def _err(pred: Optional[float], meas: Optional[float]) -> Optional[float]:
@@ -76,6 +113,12 @@ class Calibrator:
         self.comparisons: list[Comparison] = []
         self._runs: list[Any] = []  # autotune.calibration.MeasuredRun of the ok trials
         self._params: Optional[dict] = None
+        self._memory: dict[tuple, list[tuple[int, int]]] = {}  # family -> [(predicted, measured) peak]
+        self._spreads: list[float] = []
+        self.keys: set[tuple] = set()
+        """Strategy keys of every trial added (the sampler feeds the ones other processes measured)."""
+        self.refit_seconds: list[float] = []
+        """Wall time of each re-fit (benchmarks/calibration_speed.py)."""
 
     # ---------------------------------------------------------------- predictions
 
@@ -107,6 +150,35 @@ class Calibrator:
         tps = simulate(cfg.model, cfg.training, cfg.hardware, strategy, self.current_params()).tokens_per_s_per_gpu
         return peak, tps
 
+    def memory_factor(self, strategy: Strategy) -> Optional[float]:
+        """Median measured / predicted peak of the strategy's family (None: none measured yet)."""
+        pairs = self._memory.get(family(strategy))
+        if not pairs:
+            return None
+        return statistics.median(m / p for p, m in pairs)
+
+    def corrected_peak(self, strategy: Strategy, predicted: float) -> float:
+        """The memory model's ``predicted`` peak corrected by the family's measured ratio."""
+        factor = self.memory_factor(strategy)
+        return predicted * factor if factor is not None else predicted
+
+    def memory_sd(self, strategy: Strategy) -> float:
+        """Sd of log(measured / corrected peak) expected for an unprofiled candidate: the pooled
+        spread within families (median absolute deviation x 1.4826), plus the spread of the family
+        factors when the strategy's family has not been measured yet. 0 until measurements show it."""
+        logs = [[math.log(m / p) for p, m in pairs] for pairs in self._memory.values()]
+        dev = [abs(v - statistics.median(g)) for g in logs if len(g) >= 2 for v in g]
+        within = 1.4826 * statistics.median(dev) if dev else 0.0
+        if family(strategy) in self._memory:
+            return within
+        centres = [statistics.median(g) for g in logs]
+        between = statistics.pstdev(centres) if len(centres) >= 2 else 0.0
+        return math.hypot(within, between)
+
+    def noise(self) -> float:
+        """Median relative throughput spread of the measured trials (0 when unknown)."""
+        return statistics.median(self._spreads) if self._spreads else 0.0
+
     # ---------------------------------------------------------------- the loop
 
     def add(self, strategy: Strategy, measurement: Any) -> Comparison:
@@ -114,6 +186,9 @@ class Calibrator:
         peak, tps = self.predict(strategy)
         ok = measurement.status == "ok" and measurement.tokens_per_s_per_gpu and \
             math.isfinite(measurement.tokens_per_s_per_gpu) and measurement.tokens_per_s_per_gpu > 0
+        spread = throughput_spread(measurement) if ok else None
+        factor = self.memory_factor(strategy)
+        self.keys.add(strategy.key())
         comp = Comparison(
             strategy=strategy.as_dict(), status=measurement.status, predicted_peak_bytes=peak,
             measured_peak_bytes=measurement.peak_memory_bytes if ok else None,
@@ -121,8 +196,14 @@ class Calibrator:
             predicted_tokens_per_s_per_gpu=tps,
             measured_tokens_per_s_per_gpu=measurement.tokens_per_s_per_gpu if ok else None,
             tokens_error_pct=_err(tps, measurement.tokens_per_s_per_gpu) if ok else None,
+            tokens_spread_pct=round(100.0 * spread, 3) if spread is not None else None,
+            corrected_peak_bytes=int(peak * factor) if peak and factor is not None else None,
         )
         self.comparisons.append(comp)
+        if ok and peak and measurement.peak_memory_bytes:
+            self._memory.setdefault(family(strategy), []).append((int(peak), int(measurement.peak_memory_bytes)))
+        if spread is not None:
+            self._spreads.append(spread)
         if ok:
             from autotune.calibration import MeasuredRun
 
@@ -135,13 +216,26 @@ class Calibrator:
             self.save()
         return comp
 
-    def refit(self) -> dict:
-        """Fit the efficiency parameters on every measured trial so far."""
-        from autotune.calibration import fit_efficiency
+    def refit(self, full: bool = False) -> dict:
+        """Fit the efficiency parameters on every measured trial so far: incrementally from the
+        previous fit (``FAST_NFEV`` steps), or from scratch with restarts when ``full``. Without
+        scipy (the ``profile`` extra) the parameters stay the initial ones."""
+        import time
 
         if not self._runs:
             raise ValueError("no measured trials to fit")
-        self._params = fit_efficiency(self._runs, self.initial)
+        try:
+            from autotune.calibration import fit_efficiency
+            import scipy  # noqa: F401
+        except ImportError:
+            return self.current_params()
+        t0 = time.perf_counter()
+        if full:
+            self._params = fit_efficiency(self._runs, self.initial)
+        else:
+            self._params = fit_efficiency(self._runs, self.initial, start=self._params, max_nfev=FAST_NFEV,
+                                          restarts=0)
+        self.refit_seconds.append(time.perf_counter() - t0)
         return dict(self._params)
 
     # ---------------------------------------------------------------- reports and files
@@ -154,7 +248,12 @@ class Calibrator:
         params = self.current_params()
         fit_errs = [_err(simulate(r.model, r.training, r.hardware, r.strategy, params).tokens_per_s_per_gpu,
                          r.tokens_per_s_per_gpu) for r in self._runs]
+        corrections = [{"zero_stage": f[0], "offload_optimizer": f[1], "offload_params": f[2], "precision": f[3],
+                        "n": len(pairs), "factor": round(statistics.median(m / p for p, m in pairs), 5)}
+                       for f, pairs in sorted(self._memory.items(), key=lambda kv: str(kv[0]))]
         return {
+            "memory_correction": corrections,
+            "throughput_noise_pct": round(100.0 * self.noise(), 3),
             "trials": [asdict(c) for c in self.comparisons],
             "overall": {"memory": _stats([c.memory_error_pct for c in self.comparisons]),
                         "tokens_per_s": _stats([c.tokens_error_pct for c in self.comparisons]),

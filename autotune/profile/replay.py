@@ -7,7 +7,14 @@ there. A COMPLETE row answers
 reason in its ``fail_reason`` (``"oom: ..."``); PRUNED rows and rows marked ``duplicate_of`` were
 never measured and are skipped. A strategy with no measured row answers
 ``Measurement(status="error", reason="not in replay table")``. The first measured row of a strategy
-wins, so the answers are deterministic.
+wins, so the answers are deterministic. An optional ``tokens_per_s_spread`` column (relative
+step-to-step spread of the measured throughput, see autotune.profile.calibrate.throughput_spread)
+is passed on in ``extra``.
+
+Replay is the profiling loop's test double: ``make_backend("replay", ...)`` gives it the same
+``Calibrator`` the deepspeed backend has, fed with every answer, so a replayed run re-fits the
+simulator, corrects the memory model per family, re-predicts and re-seeds exactly as a profiled
+run does; only the source of the measurements differs.
 """
 
 from __future__ import annotations
@@ -54,9 +61,11 @@ class ReplayBackend:
 
     name = "replay"
 
-    def __init__(self, csv_path: str, cfg: Any = None) -> None:
+    def __init__(self, csv_path: str, cfg: Any = None, calibrator: Any = None) -> None:
         self.csv_path = csv_path
         self.cfg = cfg
+        self.calibrator = calibrator
+        """Optional autotune.profile.calibrate.Calibrator fed with every answer (as DeepSpeedBackend)."""
         self.columns: list[str] = list(REQUIRED_COLUMNS)
         self.table: dict[tuple, Measurement] = {}
         self.calls = 0
@@ -93,9 +102,13 @@ class ReplayBackend:
             mem, tps = _float(row["peak_memory_gib"]), _float(row["tokens_per_s_per_gpu"])
             if mem is None or tps is None:
                 raise ValueError("COMPLETE row without peak_memory_gib / tokens_per_s_per_gpu")
+            extra: dict[str, Any] = {"replayed": True}
+            spread = _float(row.get("tokens_per_s_spread"))
+            if spread is not None:
+                extra["tokens_per_s_spread"] = spread
             return Measurement(status="ok", peak_memory_bytes=int(round(mem * GIB)), tokens_per_s_per_gpu=tps,
                                step_time_s=_float(row.get("step_time_s")), mfu=_float(row.get("mfu")),
-                               extra={"replayed": True})
+                               extra=extra)
         text = (row.get("fail_reason") or "").strip()
         status, _, reason = text.partition(":")
         status = status.strip()
@@ -110,5 +123,7 @@ class ReplayBackend:
         self.calls += 1
         found = self.table.get(self.key_of(strategy))
         if found is None:
-            return Measurement(status="error", reason="not in replay table")
+            found = Measurement(status="error", reason="not in replay table")
+        if self.calibrator is not None:
+            self.calibrator.add(strategy, found)
         return found
