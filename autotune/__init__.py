@@ -13,12 +13,19 @@ The pieces, in the order data flows (cli -> search -> {memory, simulate, profile
 Importing ``autotune`` never imports torch or deepspeed.
 """
 
+from importlib.metadata import PackageNotFoundError as _NotInstalled
+from importlib.metadata import version as _version
+
+from autotune.checkpointing import apply_checkpointing
 from autotune.errors import ConfigError
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.spec import GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, TrainingSpec
 from autotune.strategy import Strategy, to_deepspeed_config
 
-__version__ = "0.1.0"
+try:
+    __version__ = _version("autotune")
+except _NotInstalled:  # imported from a source tree that was never installed
+    __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
@@ -28,6 +35,7 @@ __all__ = [
     "NVMeSpec",
     "Strategy",
     "TrainingSpec",
+    "apply_checkpointing",
     "gpu_from_name",
     "model_from_name",
     "to_deepspeed_config",

@@ -42,6 +42,11 @@ def estimate_report(cfg: Any, strategy: Any, trace: bool = False) -> dict[str, A
 
     provenance = None
     if trace:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise ConfigError("--trace needs torch, from the profile extra: pip install torch==2.13.0 "
+                              "-e '.[profile]'", path="--trace") from None
         from autotune.trace import traced_estimate
 
         mem, provenance = traced_estimate(cfg, strategy)
@@ -58,7 +63,10 @@ def estimate_report(cfg: Any, strategy: Any, trace: bool = False) -> dict[str, A
         "strategy_text": strategy.describe(cfg.model.num_hidden_layers),
         "gradient_accumulation_steps": gradient_accumulation_steps(strategy, cfg.training, cfg.hardware),
         "gpu_memory_bytes": dict(mem.gpu),
+        "gpu_total_bytes": mem.total_gpu_bytes,
         "gpu_capacity_bytes": cfg.hardware.gpu.memory_bytes,
+        "gpu_usable_bytes": int(cfg.hardware.gpu.memory_bytes * (1 - cfg.search.headroom)),
+        "headroom": cfg.search.headroom,
         "peak_phase": mem.peak_phase,
         "peak_by_phase_bytes": dict(mem.phases),
         "cpu_memory_bytes": mem.cpu_bytes_per_node,
@@ -78,23 +86,31 @@ def estimate_report(cfg: Any, strategy: Any, trace: bool = False) -> dict[str, A
 
 
 def format_estimate(r: dict[str, Any]) -> str:
+    """The breakdown as a table whose rows add up: the components at the peak sum to the peak
+    allocated; the overhead on top of it gives the memory the GPU must hold, which is what the
+    verdict compares with the usable capacity."""
     from autotune.memory import GPU_COMPONENTS
 
     mem = r["gpu_memory_bytes"]
-    total = sum(mem[k] for k in GPU_COMPONENTS) or 1
-    unit, scale = ("GiB", GIB) if mem["peak"] >= GIB / 4 else ("MiB", GIB / 1024)
+    total = r["gpu_total_bytes"]
+    unit, scale = ("GiB", GIB) if total >= GIB / 4 else ("MiB", GIB / 1024)
     lines = [
         f"{r['model']} ({r['num_parameters']:,} parameters) on {r['num_gpus']} x {r['gpu']}",
         f"strategy: {r['strategy_text']} (gradient accumulation {r['gradient_accumulation_steps']})",
         f"FSDP equivalent: {r['fsdp']['sharding_strategy']}",
         "",
-        f"{'component':<18}{unit:>10}{'share':>9}",
+        f"{'component (at the peak)':<30}{unit:>10}{'share':>9}",
     ]
     for key in GPU_COMPONENTS:
-        lines.append(f"{key.replace('_', ' '):<18}{mem[key] / scale:>10.2f}{100 * mem[key] / total:>8.1f}%")
-    lines.append(f"{'peak allocated':<18}{mem['peak'] / scale:>10.2f}   (in {r['peak_phase']}; by phase: "
+        if key != "overhead":
+            lines.append(f"  {key.replace('_', ' '):<28}{mem[key] / scale:>10.2f}{100 * mem[key] / total:>8.1f}%")
+    lines.append(f"{'= peak allocated':<30}{mem['peak'] / scale:>10.2f}{100 * mem['peak'] / total:>8.1f}%   "
+                 f"(in {r['peak_phase']}; by phase: "
                  + ", ".join(f"{k} {v / scale:.2f}" for k, v in r["peak_by_phase_bytes"].items()) + ")")
-    lines.append(f"{'GPU capacity':<18}{r['gpu_capacity_bytes'] / scale:>10.2f}")
+    lines.append(f"{'+ context and allocator':<30}{mem['overhead'] / scale:>10.2f}{100 * mem['overhead'] / total:>8.1f}%")
+    lines.append(f"{'= GPU memory needed':<30}{total / scale:>10.2f}")
+    lines.append(f"{'usable of the GPU':<30}{r['gpu_usable_bytes'] / scale:>10.2f}   "
+                 f"({r['gpu_capacity_bytes'] / scale:.2f} {unit} less {100 * r['headroom']:g}% headroom)")
     if r["cpu_memory_bytes"]:
         lines.append(f"{'CPU RAM / node':<18}{r['cpu_memory_bytes'] / scale:>10.2f}")
     if r["nvme_bytes"]:
@@ -150,10 +166,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     resume_hint = f"autotune run {args.config} --name {run.name} --out {args.out} --resume"
     try:
         front = run.execute(progress=not args.json, enqueue=seeds)
+    except ConfigError:
+        run.discard()  # refused before the study started: leave nothing behind
+        raise
     except KeyboardInterrupt as err:  # SIGTERM or a second Ctrl-C: the study is saved, the trial re-queued
         signum = getattr(err, "signum", 2)
         print(f"autotune: interrupted; finished trials are saved. Resume with  {resume_hint}", file=sys.stderr)
         return 128 + signum
+    if not front["front"]:  # nothing usable: say why, exit 1, and leave the latest links alone
+        from autotune.output import empty_front_reason
+
+        write_report(run.run_dir, cfg)
+        if args.json:
+            print(json.dumps(front, indent=2))
+        print(f"autotune: {empty_front_reason(front)} (run folder {run.run_dir})", file=sys.stderr)
+        return 130 if run.interrupted else 1
     report = write_report(run.run_dir, cfg)
     if args.json:
         print(json.dumps(front, indent=2))
@@ -161,6 +188,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from autotune.output import format_front
 
         print(format_front(front))
+        print("\n" + "\n".join(compare.recommendation_lines(front["best"], run.run_dir)))
         print(f"\nfiles: {run.run_dir}/ (front.json, trials.csv, ds_configs/, best.json, summary.md, "
               f"{'report.html, front.png, ' if report else ''}"
               f"{os.path.basename(run.storage_path) if run.storage_path else 'study in ' + run.storage_url})")
@@ -180,15 +208,18 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from autotune import __version__
+
     parser = argparse.ArgumentParser(
         prog="autotune",
         description="Simulation-based training-strategy autotuner: predicts per-GPU memory and step time of "
         "DeepSpeed strategies and searches for the memory/throughput Pareto front.",
     )
+    parser.add_argument("--version", action="version", version=f"autotune {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     est = sub.add_parser("estimate", help="memory breakdown, fit verdict and simulated speed of one strategy",
-                         description="Print the per-GPU memory breakdown (like the seed's table), the fits verdict "
+                         description="Print the per-GPU memory breakdown at the peak, the fits verdict "
                          "with reasons, the simulated step time, and the DeepSpeed config of one strategy.")
     est.add_argument("config", help="job file (YAML: model, training, hardware sections)")
     _add_strategy_flags(est)

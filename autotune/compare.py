@@ -138,6 +138,25 @@ def to_float(text: Any) -> Optional[float]:
 
 # ---------------------------------------------------------------- show
 
+def recommendation_lines(best: Optional[dict[str, Any]], run_dir: str) -> list[str]:
+    """The recommended point, why, and how to reproduce it (DeepSpeed config + model-side call)."""
+    from autotune.output import format_gib, point_memory_gib
+
+    if not best:
+        return ["recommended: none"]
+    lines = [f"recommended (*): {best['strategy_text']}: {format_gib(point_memory_gib(best))}, "
+             f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"]
+    if best.get("why"):
+        lines.append(f"  why: {best['why']}")
+    if best.get("ds_config"):
+        lines.append(f"  DeepSpeed config: {os.path.join(run_dir, best['ds_config'])}")
+    if best.get("checkpointing"):
+        lines.append(f"  checkpointing in the model: {best['checkpointing']}")
+    if best.get("launch"):
+        lines.append(f"  launch: {best['launch']}")
+    return lines
+
+
 def format_show(run: RunData) -> str:
     from autotune.output import format_front
 
@@ -154,16 +173,7 @@ def format_show(run: RunData) -> str:
         format_front(f),
         "",
     ]
-    best = run.best
-    if best:
-        lines.append(f"recommended (*): {best['strategy_text']}: {best['peak_memory_gib']:.2f} GiB, "
-                     f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
-        if best.get("launch"):
-            lines.append(f"  launch: {best['launch']}")
-        if best.get("ds_config"):
-            lines.append(f"  DeepSpeed config: {os.path.join(run.run_dir, best['ds_config'])}")
-    else:
-        lines.append("recommended: none (no candidate fits)")
+    lines += recommendation_lines(run.best, run.run_dir)
     report = os.path.join(run.run_dir, "report.html")
     if os.path.isfile(report):
         lines.append(f"report: {report}")
@@ -212,10 +222,19 @@ def _fmt_pct(p: Optional[float]) -> str:
     return "n/a" if p is None else f"{100 * p:+.1f}%"
 
 
+def _front_by_key(front_obj: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
+    """Every strategy on a front, each point's equivalents (within measurement resolution) included."""
+    points = {}
+    for p in front_obj["front"]:
+        for q in (p, *p.get("equivalents", ())):
+            points[strategy_key(q["strategy"])] = q
+    return points
+
+
 def compare_runs(old: RunData, new: RunData, max_regression: float) -> dict[str, Any]:
     """What changed between two runs, and whether it is a regression (a JSON-able dict)."""
-    old_front = {strategy_key(p["strategy"]): p for p in old.front["front"]}
-    new_front = {strategy_key(p["strategy"]): p for p in new.front["front"]}
+    old_front = _front_by_key(old.front)
+    new_front = _front_by_key(new.front)
     new_rows: dict[tuple, list[dict[str, str]]] = {}
     for row in new.trials:
         new_rows.setdefault(strategy_key(row), []).append(row)

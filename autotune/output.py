@@ -10,10 +10,10 @@ import csv
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from autotune.config import Config
-from autotune.memory import GPU_COMPONENTS, estimate_memory
+from autotune.memory import GPU_COMPONENTS, estimate_memory, overhead_bytes
 from autotune.pareto import pareto_front
 from autotune.space import SearchSpace
 from autotune.strategy import Strategy, fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
@@ -42,6 +42,10 @@ class TrialRow:
     prune_reason: str
     fail_reason: str
     duplicate_of: Optional[int]
+    fail_status: str = ""
+    """oom | crash | timeout | error | nan for a failed evaluation ("" otherwise)."""
+    log_dir: str = ""
+    """Where the backend kept the evaluation's logs ("" when it keeps none)."""
 
 
 def collect_rows(study: Any, space: SearchSpace, cfg: Config) -> list[TrialRow]:
@@ -59,6 +63,8 @@ def collect_rows(study: Any, space: SearchSpace, cfg: Config) -> list[TrialRow]:
             step_time_s=meas.get("step_time_s"), mfu=meas.get("mfu"),
             prune_reason=t.user_attrs.get("prune_reason", ""), fail_reason=t.user_attrs.get("fail_reason", ""),
             duplicate_of=t.user_attrs.get("duplicate_of"),
+            fail_status=(meas.get("status") or "") if t.state.name == "FAIL" else "",
+            log_dir=(meas.get("extra") or {}).get("log_dir") or "",
         ))
     return rows
 
@@ -67,6 +73,49 @@ def front_rows(rows: list[TrialRow]) -> list[TrialRow]:
     """The Pareto front of the completed, distinct trials, memory ascending."""
     done = [r for r in rows if r.state == "COMPLETE" and r.duplicate_of is None]
     return [done[i] for i in pareto_front([(r.peak_memory_gib, r.tokens_per_s_per_gpu) for r in done])]
+
+
+EQUIVALENCE_TOLERANCE = 0.01
+"""Measurement resolution of both objectives (step-time noise on a GPU is about 1%): front points
+closer than this are not different choices, so listing them separately only buries the real ones."""
+
+
+@dataclass
+class _Group:
+    rep: TrialRow
+    """The group's fastest point: the one front.json lists."""
+    members: list[TrialRow]
+    """Its equivalents: within the tolerance of the group in both objectives."""
+    anchor_gib: float
+    """The least memory of any point the group stands for (its own or one it displaced)."""
+
+
+def collapse_front(front: list[TrialRow], tol: float = EQUIVALENCE_TOLERANCE) -> list[tuple[TrialRow, list[TrialRow]]]:
+    """The front at measurement resolution, as ``(representative, equivalents)`` pairs, memory ascending.
+
+    One sweep, memory ascending (a front's speed then ascends too). A point that is not more than
+    ``tol`` faster than the last kept group joins it as an equivalent when its memory is within ``tol``
+    of the group's, and is dropped otherwise (bucket-size twins: 2% more memory for 0.4% speed). A
+    point more than ``tol`` faster displaces the groups whose memory is within ``tol`` of its own
+    (selective checkpointing that saves 0.01 GiB and costs 5% speed), and inherits their least memory,
+    so displacement never chains beyond ``tol``. Every dropped point thus has a listed point within
+    ``tol`` of it (or better) in both objectives."""
+    groups: list[_Group] = []
+    for r in sorted(front, key=lambda r: (r.peak_memory_gib, -r.tokens_per_s_per_gpu)):
+        last = groups[-1] if groups else None
+        if last and r.tokens_per_s_per_gpu <= last.rep.tokens_per_s_per_gpu * (1 + tol):
+            if r.peak_memory_gib <= last.anchor_gib * (1 + tol):
+                if r.tokens_per_s_per_gpu > last.rep.tokens_per_s_per_gpu:
+                    last.members.append(last.rep)
+                    last.rep = r
+                else:
+                    last.members.append(r)
+            continue
+        anchor = r.peak_memory_gib
+        while groups and groups[-1].anchor_gib * (1 + tol) >= r.peak_memory_gib:
+            anchor = min(anchor, groups.pop().anchor_gib)
+        groups.append(_Group(r, [], anchor))
+    return [(g.rep, sorted(g.members, key=lambda m: m.peak_memory_gib)) for g in groups]
 
 
 def pick_best(front: list[TrialRow]) -> Optional[TrialRow]:
@@ -85,13 +134,30 @@ def launch_command(cfg: Config, ds_config_file: str) -> str:
     return f"deepspeed --num_gpus {hw.gpus_per_node} train.py --deepspeed {ds_config_file}"
 
 
-def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str]) -> dict[str, Any]:
+def gpu_memory_gib(cfg: Config, peak_allocated_gib: float) -> float:
+    """What the GPU must hold for a step whose allocated peak is ``peak_allocated_gib``: the peak
+    plus the CUDA context and allocator slack, the figure the memory model's ``fits`` compares
+    with the usable capacity."""
+    return peak_allocated_gib + overhead_bytes(cfg.hardware, peak_allocated_gib * GIB) / GIB
+
+
+def equivalent_dict(cfg: Config, row: TrialRow) -> dict[str, Any]:
+    """A front point's near-identical twin (see collapse_front), as front.json lists it."""
+    return {"trial": row.number, "strategy": row.strategy.as_dict(),
+            "strategy_text": row.strategy.describe(cfg.model.num_hidden_layers),
+            "peak_memory_gib": row.peak_memory_gib, "gpu_memory_gib": gpu_memory_gib(cfg, row.peak_memory_gib),
+            "tokens_per_s_per_gpu": row.tokens_per_s_per_gpu}
+
+
+def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str],
+               equivalents: Sequence[TrialRow] = ()) -> dict[str, Any]:
     s = row.strategy
     mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, s)
     return {
         "trial": row.number,
         "strategy": s.as_dict(),
         "strategy_text": s.describe(cfg.model.num_hidden_layers),
+        "gpu_memory_gib": gpu_memory_gib(cfg, row.peak_memory_gib),
         "peak_memory_gib": row.peak_memory_gib,
         "tokens_per_s_per_gpu": row.tokens_per_s_per_gpu,
         "step_time_s": row.step_time_s,
@@ -102,6 +168,8 @@ def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str]) -> dict[str, 
         "fsdp": fsdp_equivalent(s, cfg.hardware),
         "ds_config": ds_file,
         "launch": launch_command(cfg, ds_file) if ds_file else None,
+        "checkpointing": checkpointing_call(cfg, s),
+        "equivalents": [equivalent_dict(cfg, r) for r in equivalents],
     }
 
 
@@ -110,16 +178,17 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
     """Write every output file; returns the front.json object."""
     rows = collect_rows(study, space, cfg)
     front = front_rows(rows)
-    on_front = {r.number for r in front}
+    collapsed = collapse_front(front)
+    on_front = {r.number for rep, equivalents in collapsed for r in (rep, *equivalents)}
     ds_dir = os.path.join(run_dir, "ds_configs")
     os.makedirs(ds_dir, exist_ok=True)
     points = []
-    for k, row in enumerate(front):
+    for k, (row, equivalents) in enumerate(collapsed):
         rel = f"ds_configs/{k}.json"
         _write_json(os.path.join(run_dir, rel), to_deepspeed_config(row.strategy, cfg.model, cfg.training,
                                                                      cfg.hardware))
-        points.append(point_dict(cfg, row, rel))
-    best = pick_best(front)
+        points.append(point_dict(cfg, row, rel, equivalents))
+    best = pick_best([rep for rep, _ in collapsed])
     front_obj = {
         "config": os.path.abspath(cfg.path),
         "model": cfg.model.name,
@@ -129,9 +198,14 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
         "backend": backend,
         "space": space.name,
         "metric_names": ["peak_memory_gib", "tokens_per_s_per_gpu"],
+        "usable_gpu_memory_gib": cfg.hardware.gpu.memory_bytes * (1 - cfg.search.headroom) / GIB,
+        "trials": trial_counts(rows),
+        "failures": failure_summary(rows),
         "front": points,
         "best": next((p for p in points if best is not None and p["trial"] == best.number), None),
     }
+    if front_obj["best"] is not None:
+        front_obj["best"]["why"] = why_recommended(front_obj["best"], points, front_obj["usable_gpu_memory_gib"])
     _write_json(os.path.join(run_dir, "front.json"), front_obj)
     _write_trials_csv(os.path.join(run_dir, "trials.csv"), cfg, rows, on_front)
     if best is not None:
@@ -140,9 +214,56 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
                     to_deepspeed_config(best.strategy, cfg.model, cfg.training, cfg.hardware))
         _write_json(os.path.join(run_dir, "best.json"), {**best_point, "ds_config": "best_ds_config.json",
                                                          "launch": launch_command(cfg, "best_ds_config.json")})
-    counts = {state: sum(r.state == state for r in rows) for state in ("COMPLETE", "PRUNED", "FAIL")}
-    _write_summary(os.path.join(run_dir, "summary.md"), cfg, space, front_obj, rows, counts, extra_summary or {})
+    _write_summary(os.path.join(run_dir, "summary.md"), cfg, space, front_obj, rows, extra_summary or {})
     return front_obj
+
+
+def trial_counts(rows: list[TrialRow]) -> dict[str, int]:
+    """Distinct candidates by how they ended (repeats of an evaluated strategy are not counted)."""
+    first = [r for r in rows if r.duplicate_of is None]
+    return {"complete": sum(r.state == "COMPLETE" for r in first), "pruned": sum(r.state == "PRUNED" for r in first),
+            "failed": sum(r.state == "FAIL" for r in first)}
+
+
+def failure_summary(rows: list[TrialRow]) -> dict[str, Any]:
+    """Failed evaluations counted by status, and the first one with its reason and log folder."""
+    failed = [r for r in rows if r.state == "FAIL" and r.duplicate_of is None]
+    by_status: dict[str, int] = {}
+    for r in failed:
+        status = r.fail_status or r.fail_reason.split(":")[0] or "error"
+        by_status[status] = by_status.get(status, 0) + 1
+    first = min(failed, key=lambda r: r.number, default=None)
+    return {"by_status": by_status,
+            "first": first and {"trial": first.number, "reason": first.fail_reason, "log_dir": first.log_dir}}
+
+
+def why_recommended(best: dict[str, Any], points: list[dict[str, Any]], usable_gib: float) -> str:
+    """One sentence: why this front point is the recommended one."""
+    text = (f"fastest configuration that fits: {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU using "
+            f"{format_gib(best['gpu_memory_gib'])} of {format_gib(usable_gib)} usable per GPU")
+    cheaper = [p for p in points if p["gpu_memory_gib"] < best["gpu_memory_gib"]]
+    if cheaper:
+        nxt = max(cheaper, key=lambda p: p["gpu_memory_gib"])
+        slower = 1 - nxt["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
+        text += (f"; the next point down saves {format_gib(best['gpu_memory_gib'] - nxt['gpu_memory_gib'])} "
+                 f"but is {100 * slower:.0f}% slower")
+    return text + "."
+
+
+def format_gib(gib: float) -> str:
+    """A memory figure in GiB, or in MiB below a quarter GiB (tiny models would read 0.00 GiB)."""
+    return f"{gib:.2f} GiB" if abs(gib) >= 0.25 else f"{gib * 1024:.1f} MiB"
+
+
+def checkpointing_call(cfg: Config, s: Strategy) -> str:
+    """The model-side call that reproduces the strategy's activation checkpointing (the DeepSpeed
+    config does not carry it)."""
+    n = s.num_checkpointed(cfg.model.num_hidden_layers)
+    if n == 0:
+        return "none"
+    if cfg.model.implementation == "hf" and s.checkpointing == "full" and n >= cfg.model.num_hidden_layers:
+        return 'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
+    return f"autotune.apply_checkpointing(model, {s.checkpointing!r}, num_layers={n})"
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -176,23 +297,47 @@ def _write_trials_csv(path: str, cfg: Config, rows: list[TrialRow], on_front: se
     os.replace(tmp, path)
 
 
+def point_memory_gib(p: dict[str, Any]) -> float:
+    """A front point's GPU memory as ``fits`` counts it (older front.json files: the allocated peak)."""
+    return p.get("gpu_memory_gib", p["peak_memory_gib"])
+
+
 def format_front(front_obj: dict[str, Any]) -> str:
-    """The front as a terminal table."""
-    small = all(p["peak_memory_gib"] < 0.25 for p in front_obj["front"])
+    """The front as a terminal table: memory is what the GPU must hold (allocated peak + context and
+    allocator overhead), the figure compared with the usable capacity."""
+    small = all(point_memory_gib(p) < 0.25 for p in front_obj["front"])
     unit, scale = ("MiB", 1024.0) if small else ("GiB", 1.0)
-    lines = [f"{'#':>3} {'memory ' + unit:>10} {'tokens/s/GPU':>13} {'MFU':>6}  strategy"]
+    lines = [f"{'#':>3} {'memory ' + unit:>11} {'tokens/s/GPU':>13} {'MFU':>6}  strategy"]
     for k, p in enumerate(front_obj["front"]):
         mfu = f"{100 * p['mfu']:.1f}%" if p.get("mfu") is not None else "-"
         star = " *" if front_obj.get("best") and p["trial"] == front_obj["best"]["trial"] else ""
-        lines.append(f"{k:>3} {p['peak_memory_gib'] * scale:>10.2f} {p['tokens_per_s_per_gpu']:>13,.0f} {mfu:>6}  "
-                     f"{p['strategy_text']}{star}")
+        same = f"  (+{len(p['equivalents'])} equivalent)" if p.get("equivalents") else ""
+        lines.append(f"{k:>3} {point_memory_gib(p) * scale:>11.2f} {p['tokens_per_s_per_gpu']:>13,.0f} {mfu:>6}  "
+                     f"{p['strategy_text']}{star}{same}")
     if not front_obj["front"]:
-        lines.append("    (empty: no candidate fits; see the prune reasons in trials.csv)")
+        lines.append(f"    (empty: {empty_front_reason(front_obj)})")
     return "\n".join(lines)
 
 
+def empty_front_reason(front_obj: dict[str, Any]) -> str:
+    """Why a run has no front, in words: everything pruned, every evaluation failed, or neither."""
+    counts = front_obj.get("trials") or {}
+    failures = front_obj.get("failures") or {}
+    if counts.get("failed"):
+        by = ", ".join(f"{n} {status}" for status, n in sorted(failures.get("by_status", {}).items(),
+                                                                 key=lambda kv: -kv[1]))
+        first = failures.get("first") or {}
+        text = f"every evaluation failed ({by}); first: trial {first.get('trial')}: {first.get('reason')}"
+        return text + (f"; logs in {first['log_dir']}" if first.get("log_dir") else "")
+    if counts.get("pruned") and not counts.get("complete"):
+        return (f"no candidate fits: all {counts['pruned']} candidates were pruned by the memory model; "
+                "see the prune reasons in summary.md and trials.csv")
+    return "no candidate was evaluated"
+
+
 def _write_summary(path: str, cfg: Config, space: SearchSpace, front_obj: dict[str, Any], rows: list[TrialRow],
-                   counts: dict[str, int], extra: dict[str, Any]) -> None:
+                   extra: dict[str, Any]) -> None:
+    counts = {state: sum(r.state == state for r in rows) for state in ("COMPLETE", "PRUNED", "FAIL")}
     reasons: dict[str, int] = {}
     for r in rows:
         if r.state == "PRUNED" and r.duplicate_of is None:
@@ -208,9 +353,13 @@ def _write_summary(path: str, cfg: Config, space: SearchSpace, front_obj: dict[s
     lines += [f"- {k}: {v}" for k, v in extra.items()]
     lines += ["", "## Pareto front (memory ascending; * = recommended)", "", "```", format_front(front_obj), "```", ""]
     if best:
-        lines += ["## Recommended", "", f"{best['strategy_text']}: {best['peak_memory_gib']:.2f} GiB, "
-                  f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU.", "", "```", f"{best['launch']}", "```",
+        lines += ["## Recommended", "", f"{best['strategy_text']}: {format_gib(point_memory_gib(best))}, "
+                  f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU. Why: {best['why']}", "", "```",
+                  f"{best['launch']}", "```", f"Checkpointing in the model: `{best['checkpointing']}`",
                   f"FSDP: {best['fsdp']['sharding_strategy']}", ""]
+        if best.get("equivalents"):
+            lines += ["Equivalent within 1% in memory and speed: "
+                      + "; ".join(e["strategy_text"] for e in best["equivalents"]), ""]
     if reasons:
         lines += ["## Why candidates were pruned", ""]
         lines += [f"- {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:15]]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any, Optional
 from autotune.config import Config
 from autotune.errors import ConfigError
 
+BACKENDS = ("simulate", "deepspeed", "replay")
 RUN_FILE = "run.json"
 JOURNAL = "study.journal"
 SQLITE = "study.db"
@@ -40,10 +42,21 @@ class Run:
     meta: dict[str, Any] = field(default_factory=dict)
     snapshot: Optional[int] = None
     """Trial number whose profiling workers save a CUDA memory snapshot (``--snapshot``)."""
+    created: bool = False
+    """Whether open_run made the run directory (a refused new run removes it again, see discard)."""
 
     @property
     def storage_path(self) -> Optional[str]:
         return None if "://" in self.storage_url else self.storage_url
+
+    def discard(self) -> bool:
+        """Remove a run this process created whose study never recorded a trial (it was refused
+        before starting), so that the same command works once the input is fixed. Returns whether
+        it was removed; a run with any trial in its storage is always kept."""
+        if not self.created or self.resume or _count_trials(self.storage_url, self.name):
+            return False
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        return True
 
     def execute(self, progress: bool = True, enqueue: Optional[list] = None) -> dict[str, Any]:
         """Run (or continue) the study, then write every output; returns front.json's object."""
@@ -66,22 +79,24 @@ class Run:
                 print(f"autotune: --snapshot is ignored by backend {self.backend} (it runs no worker; "
                       "use --backend deepspeed)", file=sys.stderr)
         backend = slowed(backend)
-        from autotune.storage import make_storage
-
         fast = is_fast(self.backend)
-        storage = make_storage(self.storage_url, heartbeat=not fast)
+        storage = open_storage(self.storage_url, heartbeat=not fast)
         if self.resume and not fast:
             wait_for_stale_trials(storage, self.name)
-        bar = _Progress(self.trials) if progress else None
+        bar = None
+        if progress:
+            backend = bar = ProgressBackend(backend, self.trials, self.cfg.model.num_hidden_layers, slow=not fast)
         start = time.perf_counter()
-        outcome = run_study(
-            self.cfg, space, backend, storage=storage, study_name=self.name,
-            n_trials=self.trials, seed=self.seed, sampler=self.cfg.search.sampler,
-            headroom=self.cfg.search.headroom, resume=self.resume, progress=bar.update if bar else None,
-            enqueue=enqueue, params=params, write_through=not fast,
-        )
-        if bar:
-            bar.close()
+        try:
+            outcome = run_study(
+                self.cfg, space, backend, storage=storage, study_name=self.name,
+                n_trials=self.trials, seed=self.seed, sampler=self.cfg.search.sampler,
+                headroom=self.cfg.search.headroom, resume=self.resume,
+                enqueue=enqueue, params=params, write_through=not fast,
+            )
+        finally:
+            if bar:
+                bar.close()
         self.interrupted = outcome.interrupted
         feasible = sum(s.memory.fits for s in outcome.screened)
         extra = {
@@ -158,9 +173,50 @@ def wait_for_stale_trials(storage: Any, study_name: str) -> None:
         time.sleep(0.5)
 
 
+def open_storage(url: str, heartbeat: bool = False) -> Any:
+    """make_storage, with a storage that cannot be opened (a missing folder, a refused connection)
+    turned into a one-line error naming --storage."""
+    from autotune.storage import make_storage
+
+    try:
+        return make_storage(url, heartbeat=heartbeat)
+    except ConfigError:
+        raise
+    except Exception as err:  # sqlalchemy / psycopg2 / OSError: the URL names the problem, not our code
+        text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"cannot open storage {url!r}: {text}", path="--storage") from None
+
+
+def _count_trials(url: str, study_name: str) -> int:
+    """Trials recorded in the storage under ``study_name`` (0 when there is no such study or storage)."""
+    if "://" not in url and not os.path.exists(url):
+        return 0
+    try:
+        import optuna
+
+        study = optuna.load_study(study_name=study_name, storage=open_storage(url))
+        return len(study.get_trials(deepcopy=False))
+    except Exception:  # no storage, no study: nothing recorded
+        return 0
+
+
 def default_name(config_path: str) -> str:
     stem = os.path.splitext(os.path.basename(config_path))[0]
     return f"{stem}-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+
+
+def _make_unique_dir(out: str, name: str) -> str:
+    """Create ``out/name`` atomically, or ``out/name-2``, ``-3``... when taken (two runs of one
+    config within a second, possibly in parallel); returns the name that was created."""
+    os.makedirs(out, exist_ok=True)
+    for k in range(1, 10_000):
+        candidate = name if k == 1 else f"{name}-{k}"
+        try:
+            os.mkdir(os.path.join(out, candidate))
+            return candidate
+        except FileExistsError:
+            continue
+    raise ConfigError(f"no free run name like {name!r} in {out}", path="--name")
 
 
 def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storage: Optional[str],
@@ -171,9 +227,12 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
         raise ConfigError("--resume needs --name of the run to continue", path="--resume")
     if trials is not None and trials < 1:
         raise ConfigError(f"--trials must be >= 1, but got {trials}", path="--trials")
-    name = name or default_name(cfg.path)
-    if not name or "/" in name or name in (".", ".."):
+    if name is not None and (not name or "/" in name or name in (".", "..")):
         raise ConfigError(f"--name must be a plain folder name, but got {name!r}", path="--name")
+    _check_before_creating(cfg, backend or cfg.profile.backend)
+    created = False
+    if name is None:
+        name, created = _make_unique_dir(out, default_name(cfg.path)), True
     run_dir = os.path.join(out, name)
     meta_path = os.path.join(run_dir, RUN_FILE)
     meta: dict[str, Any] = {}
@@ -188,14 +247,16 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
     elif os.path.exists(run_dir) and os.listdir(run_dir):
         raise ConfigError(f"{run_dir} already exists; pass --resume to continue it or choose another --name",
                           path="--name")
-    os.makedirs(run_dir, exist_ok=True)
+    if not created and not os.path.isdir(run_dir):
+        os.makedirs(run_dir)
+        created = True
     run = Run(
         cfg=cfg, run_dir=run_dir, name=name,
         storage_url=storage or default_storage(run_dir, backend or cfg.profile.backend),
         backend=backend or cfg.profile.backend,
         seed=cfg.search.seed if seed is None else seed,
         trials=trials or cfg.search.trials, resume=resume, meta=meta,
-        calibration=calibration or meta.get("calibration"), snapshot=snapshot,
+        calibration=calibration or meta.get("calibration"), snapshot=snapshot, created=created,
     )
     meta.update(name=name, config=os.path.abspath(cfg.path), storage=run.storage_url, backend=run.backend,
                 calibration=run.calibration and os.path.abspath(run.calibration),
@@ -206,20 +267,52 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
     return run
 
 
-class _Progress:
-    """A one-line progress bar on stderr (only when stderr is a terminal)."""
+def _check_before_creating(cfg: Config, backend: str) -> None:
+    """Refuse what would fail as soon as the study starts, before anything is written."""
+    from autotune.space import space_for
 
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.enabled = sys.stderr.isatty()
+    space_for(cfg)
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}", path="--backend")
+    if backend == "replay" and not cfg.profile.replay_csv:
+        raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
 
-    def update(self, done: int, total: int) -> None:
-        if self.enabled:
-            width = 30
-            filled = int(width * done / max(total, 1))
-            sys.stderr.write(f"\rtrials [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-            sys.stderr.flush()
+
+class ProgressBackend:
+    """Wraps a backend to show progress on stderr: trial k of N, the strategy, how the last one
+    ended, elapsed time and ETA (tqdm). On a terminal it is one live bar; otherwise (a nightly log)
+    slow backends print one line per evaluation and fast ones print nothing."""
+
+    def __init__(self, inner: Any, total: int, num_layers: int, slow: bool) -> None:
+        from tqdm import tqdm
+
+        self.inner, self.total, self.num_layers, self.slow = inner, total, num_layers, slow
+        self.tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, unit="trial", file=sys.stderr, dynamic_ncols=True, disable=not self.tty,
+                        bar_format="{desc} |{bar}| {n}/{total} [{elapsed}<{remaining}] {postfix}")
+        self.done = 0
+        self.start = time.monotonic()
+
+    def __getattr__(self, name: str) -> Any:  # name, calibrator, ... of the wrapped backend
+        return getattr(self.inner, name)
+
+    def evaluate(self, strategy: Any, trial_number: Optional[int] = None) -> Any:
+        text = strategy.describe(self.num_layers)
+        k = self.done + 1
+        self.bar.set_description(f"trial {k} of {self.total}", refresh=False)
+        self.bar.set_postfix_str(f"{text}: running")
+        t0 = time.monotonic()
+        result = self.inner.evaluate(strategy, trial_number=trial_number)
+        self.done = k
+        status = result.status if result.ok else f"{result.status} ({(result.reason or '')[:80]})"
+        self.bar.set_postfix_str(f"last: {status}", refresh=False)
+        self.bar.update(1)
+        if self.slow and not self.tty:
+            elapsed = time.monotonic() - self.start
+            eta = elapsed / k * (self.total - k)
+            print(f"trial {k} of {self.total} (study trial {trial_number}): {text}: {status} in "
+                  f"{time.monotonic() - t0:.0f} s; elapsed {elapsed:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+        return result
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+        self.bar.close()

@@ -128,6 +128,9 @@ def validation_errors(
     if s.checkpoint_layers is not None and not 0 <= s.checkpoint_layers <= model.num_hidden_layers:
         errors.append(("checkpoint_layers",
                        f"checkpoint_layers must be in 0..{model.num_hidden_layers}, but got {s.checkpoint_layers}"))
+    if s.checkpointing == "selective" and model.implementation == "hf" and s.num_checkpointed(model.num_hidden_layers):
+        errors.append(("checkpointing", "checkpointing=selective (attention core recomputed) is not available for "
+                       "Hugging Face models, which checkpoint whole layers; use full or none"))
     if s.precision == "bf16" and hardware.gpu.peak_tflops_bf16 <= 0:
         errors.append(("precision", f"precision bf16 is not supported by {hardware.gpu.name}"))
     return errors

@@ -343,36 +343,23 @@ def _hf_model(hf_config: str) -> Any:
     for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path"):
         raw.pop(key, None)
     config = AutoConfig.for_model(kind, **raw)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError as err:  # e.g. Gemma2 (attention-logit softcapping): eager only
+        if "scaled_dot_product_attention" not in str(err):
+            raise
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
 def _set_checkpointing(model: Any, source: str, granularity: str, n: int, num_layers: int) -> list[str]:
-    """Apply the strategy's checkpointing to the built module; returns notes on approximations."""
-    if hasattr(model, "set_checkpointing"):  # reference decoder (or a factory model following it)
-        model.set_checkpointing(granularity, n)
-        return []
-    if granularity == "none" or n == 0:
-        return []
-    if not hasattr(model, "gradient_checkpointing_enable"):
-        raise TraceError(f"{source} model has neither set_checkpointing(granularity, n) nor "
-                         "gradient_checkpointing_enable(); cannot apply checkpointing")
-    if granularity == "selective":
-        raise TraceError("selective checkpointing needs set_checkpointing() (the reference model has it); "
-                         "HF models checkpoint whole layers only")
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    notes = []
-    if n < num_layers:
-        layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
-                  and type(m).__name__.endswith(("DecoderLayer", "Block"))]
-        if len(layers) != num_layers:
-            raise TraceError(f"cannot checkpoint {n} of {num_layers} layers: found {len(layers)} checkpointable layers")
-        for layer in layers[n:]:
-            layer.gradient_checkpointing = False
-        notes.append(f"HF per-layer gradient_checkpointing flags: first {n} of {num_layers} layers")
-    return notes
+    """Apply the strategy's checkpointing to the built module (autotune.checkpointing, the same call
+    the profiler and users make); returns notes on how it was applied."""
+    from autotune.checkpointing import apply_checkpointing
+
+    try:
+        return apply_checkpointing(model, granularity, n)
+    except ValueError as err:
+        raise TraceError(f"{source} model: {err}") from None
 
 
 @contextlib.contextmanager

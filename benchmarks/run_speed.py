@@ -21,6 +21,24 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def simulate_per_call_us(n: int = 2000) -> float:
+    """Mean wall time of one simulate() call (ZeRO-3, optimizer offload, full checkpointing, llama2-7b)."""
+    sys.path.insert(0, ROOT)
+    from autotune.presets import gpu_from_name, model_from_name
+    from autotune.simulate import simulate
+    from autotune.spec import HardwareSpec, TrainingSpec
+    from autotune.strategy import Strategy
+
+    model, training = model_from_name("llama2-7b"), TrainingSpec(seq_len=4096, global_batch_size=512)
+    hardware = HardwareSpec(gpu=gpu_from_name("a100-80gb"), gpus_per_node=8)
+    s = Strategy(zero_stage=3, micro_batch_size=2, checkpointing="full", offload_optimizer="cpu")
+    simulate(model, training, hardware, s)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        simulate(model, training, hardware, s)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=os.path.join(ROOT, "examples", "llama2-7b.yaml"))
@@ -51,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in screened:
         print(line.lstrip("- "))
     print("torch/deepspeed imported:", imported.strip().split("IMPORTED", 1)[-1].strip())
+    print(f"simulate() per call: {simulate_per_call_us():.0f} us (the search calls it once per feasible candidate)")
     print(f"load average during the run: {os.getloadavg()[0]:.2f} (cores: {os.cpu_count()})")
     return 0
 

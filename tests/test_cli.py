@@ -35,7 +35,8 @@ def test_estimate_table_and_does_not_fit_reasons(capsys):
     one_gpu = os.path.join(EXAMPLES, "llama2-7b-1gpu.yaml")
     assert main(["estimate", one_gpu]) == 0
     text = capsys.readouterr().out
-    for row in ("parameters", "gradients", "optimizer states", "activations", "peak allocated", "GPU capacity"):
+    for row in ("parameters", "gradients", "optimizer states", "activations", "peak allocated", "GPU memory needed",
+                "usable of the GPU"):
         assert row in text
     assert "DOES NOT FIT" in text and "GiB" in text
     assert main(["estimate", one_gpu, "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu",
@@ -65,3 +66,51 @@ def test_help_exits_zero():
     for args in (["--help"], ["estimate", "--help"], ["run", "--help"]):
         proc = subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True)
         assert proc.returncode == 0 and "usage: autotune" in proc.stdout
+
+
+def _table_value(text: str, label: str) -> float:
+    line = next(ln for ln in text.splitlines() if ln.lstrip("=+ ").startswith(label))
+    return float(line[len(label) + (len(line) - len(line.lstrip("=+ "))):].split()[0])
+
+
+@pytest.mark.parametrize("flags", [[], ["--zero-stage", "3", "--micro-batch-size", "2", "--checkpointing", "full"],
+                                   ["--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu"]])
+def test_estimate_table_adds_up_to_what_fits_compares(capsys, flags):
+    """Components at the peak sum to the peak allocated; plus the overhead, to the figure compared
+    with the usable capacity (the verdict's own number)."""
+    assert main(["estimate", LLAMA, *flags]) == 0
+    text = capsys.readouterr().out
+    parts = [_table_value(text, k) for k in ("parameters", "gradients", "optimizer states", "activations", "logits",
+                                             "buffers")]
+    peak, overhead, needed = (_table_value(text, k) for k in ("peak allocated", "context and allocator",
+                                                               "GPU memory needed"))
+    assert abs(sum(parts) - peak) <= 0.035  # six values rounded to 0.01
+    assert abs(peak + overhead - needed) <= 0.015
+    assert main(["estimate", LLAMA, *flags, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpu_total_bytes"] == out["gpu_memory_bytes"]["peak"] + out["gpu_memory_bytes"]["overhead"]
+    assert out["fits"] == (out["gpu_total_bytes"] <= out["gpu_usable_bytes"])
+
+
+def test_tiny_model_estimate_in_mib(capsys):
+    assert main(["estimate", os.path.join(EXAMPLES, "tiny-cpu.yaml")]) == 0
+    text = capsys.readouterr().out
+    assert "MiB" in text and _table_value(text, "peak allocated") > 0.5
+
+
+def test_version():
+    from autotune import __version__
+
+    proc = subprocess.run([sys.executable, "-m", "autotune", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"autotune {__version__}"
+
+
+def test_trace_without_torch_is_one_line(tmp_path):
+    """estimate --trace on the light install: one line saying which extra to install, exit 2."""
+    blocker = tmp_path / "torch.py"
+    blocker.write_text("raise ImportError('no torch in this install')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "autotune", "estimate", LLAMA, "--trace"], capture_output=True,
+                          text=True, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "--trace needs torch" in proc.stderr and "[profile]" in proc.stderr

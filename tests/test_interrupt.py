@@ -135,7 +135,7 @@ def test_sigkill_mid_profile_then_resume_reruns_the_trial_in_flight(tmp_path):
     killed launch survives it (PR_SET_PDEATHSIG at every level, launch.py) and nothing else is killed."""
     entry = tmp_path / "fake_worker.py"
     entry.write_text(textwrap.dedent(FAKE_WORKER))
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])  # killed below
     env = {"AUTOTUNE_WORKER_ENTRY": str(entry), "AUTOTUNE_HEARTBEAT_S": "1", "FAKE_SLEEP": "3"}
     run_dir = tmp_path / "k"
     proc = start([TINY, "--out", str(tmp_path), "--name", "k", "--trials", "4"], env)

@@ -186,6 +186,24 @@ def test_nan_loss_is_reported_as_nan(tmp_path):
     assert "non-finite loss" in m.reason
 
 
+def test_relative_run_dir_from_another_working_directory(tmp_path, monkeypatch):
+    """`autotune run --out runs` (relative) while the workers run in the trial folder: the worker
+    writes result_path as it reads it, relative to its own working directory, and it is found."""
+    entry = script(tmp_path, """
+        import json, sys
+        job = json.load(open(sys.argv[1]))
+        with open(job["result_path"], "w") as fh:
+            json.dump({"status": "error", "reason": "fake worker reached its result path"}, fh)
+    """)
+    monkeypatch.chdir(tmp_path)
+    from autotune.profile.deepspeed_backend import DeepSpeedBackend
+
+    m = DeepSpeedBackend(tiny_cfg(1, timeout_s=60), "runs/rel", device="cpu", worker_entry=entry).evaluate(
+        Strategy(micro_batch_size=4))
+    assert (m.status, m.reason) == ("error", "rank 0: fake worker reached its result path")
+    assert (tmp_path / "runs" / "rel" / "trials" / "0" / "result.json").is_file()
+
+
 @pytest.mark.slow
 def test_crashing_rank_reports_its_signal(tmp_path):
     entry = script(tmp_path, """

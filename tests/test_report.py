@@ -23,10 +23,10 @@ search: {{space: {space}, trials: {trials}, headroom: 0.05, seed: 1}}
 """
 
 
-def make_run(tmp, name, gpus=8, space="default", trials=80):
+def make_run(tmp, name, gpus=8, space="default", trials=80, status=0):
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(JOB.format(gpus=gpus, space=space, trials=trials))
-    assert autotune.cli.main(["run", str(cfg), "--out", str(tmp / "runs"), "--name", name, "--json"]) == 0
+    assert autotune.cli.main(["run", str(cfg), "--out", str(tmp / "runs"), "--name", name, "--json"]) == status
     run_dir = str(tmp / "runs" / name)
     write_report(run_dir)
     return run_dir
@@ -40,7 +40,7 @@ def run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def nofit(tmp_path_factory):
     """Llama-2-7B on one A100-80GB without offload: nothing fits, every trial is pruned."""
-    return make_run(tmp_path_factory.mktemp("nofit"), "nofit", gpus=1, space="no-offload", trials=15)
+    return make_run(tmp_path_factory.mktemp("nofit"), "nofit", gpus=1, space="no-offload", trials=15, status=1)
 
 
 def rows(run_dir):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -147,18 +146,6 @@ def test_faster_gpu_is_faster_and_h200_not_slower_than_h100():
     v100 = simulate(LLAMA, TrainingSpec(seq_len=4096, global_batch_size=512, precision="fp16"), _hw("v100-32gb"),
                     s.replace(precision="fp16"))
     assert v100.tokens_per_s_per_gpu < a100.tokens_per_s_per_gpu
-
-
-def test_simulate_is_fast():
-    s = Strategy(zero_stage=3, micro_batch_size=2, checkpointing="full", offload_optimizer="cpu")
-    hw, tr = _hw(), TrainingSpec(seq_len=4096, global_batch_size=512)
-    simulate(LLAMA, tr, hw, s)
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        simulate(LLAMA, tr, hw, s)
-    per_call = (time.perf_counter() - t0) / n
-    assert per_call < 100e-6, per_call  # the search calls it thousands of times
 
 
 def test_import_is_light():

@@ -54,7 +54,8 @@ class DeepSpeedBackend:
                  params: Optional[dict] = None, calibrator: Any = None, worker_entry: Optional[str] = None,
                  ds_config_overrides: Optional[dict] = None, snapshot_trial: Optional[int] = None) -> None:
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
+        # absolute: every path in job.json is read by workers whose working directory is the trial's
+        self.run_dir = Path(run_dir).resolve()
         self.trials_dir = self.run_dir / "trials"
         self.nproc = nproc or cfg.hardware.gpus_per_node
         self.device = device

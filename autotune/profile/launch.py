@@ -334,6 +334,13 @@ def _read_json(path: Path) -> Optional[dict]:
     return data if isinstance(data, dict) else None
 
 
+def job_result_path(job_path: Path, job: dict) -> Path:
+    """The job's ``result_path``; a relative one is relative to the job file's folder, which is the
+    working directory the workers run in (so it means the same to the launcher and to every rank)."""
+    path = Path(job.get("result_path") or "result.json")
+    return path if path.is_absolute() else job_path.resolve().parent / path
+
+
 def rank_file(result_path: Path, kind: str, rank: int) -> Path:
     """Rank ``rank``'s result file (as autotune.profile.worker names it) or the shim's exit file."""
     if kind == "exit":
@@ -359,7 +366,7 @@ def launch(job_path: str, *, nproc: int, log_dir: str, timeout_s: float, launche
     ``nproc`` ranks; never raises for a failing job, only for bad arguments."""
     job_path = str(Path(job_path).resolve())
     job = json.loads(Path(job_path).read_text())
-    result_path = Path(job.get("result_path") or Path(job_path).with_name("result.json"))
+    result_path = job_result_path(Path(job_path), job)
     for rank in range(nproc):  # stale files from an earlier attempt would read as this one's
         for kind in ("result", "exit"):
             rank_file(result_path, kind, rank).unlink(missing_ok=True)
@@ -464,7 +471,7 @@ def shim_main(argv: Sequence[str]) -> int:
     job_path = Path(argv[0])
     job = json.loads(job_path.read_text())
     rank = int(os.environ.get("RANK", "0"))
-    result_path = Path(job.get("result_path") or job_path.with_name("result.json"))
+    result_path = job_result_path(job_path, job)
     limit = int(os.environ[MEMORY_ENV]) if os.environ.get(MEMORY_ENV) else None
     entry = os.environ.get(ENTRY_ENV)
     cmd = [sys.executable, entry, str(job_path)] if entry else [sys.executable, "-m", WORKER_MODULE, str(job_path)]

@@ -12,10 +12,11 @@ Three sources, chosen from the job (autotune.profile.worker's JSON, filled by De
     ``module(**batch)`` (tensors already on ``device``); called a few times before the timed steps;
   - ``module(**batch)`` returns a scalar loss tensor, or an object / dict with a ``loss``.
 
-  Checkpointing: if the module has ``set_checkpointing(granularity, num_layers)`` (granularity
-  ``"none" | "selective" | "full"``) it is called; otherwise an HF-style
-  ``gradient_checkpointing_enable`` is used for ``full``; otherwise a strategy with checkpointing
-  fails with status ``error`` (strategies without checkpointing still run).
+  Checkpointing: ``autotune.checkpointing.apply_checkpointing``: the module's own
+  ``set_checkpointing(granularity, num_layers)`` if it has one; otherwise HF-style
+  ``gradient_checkpointing_enable`` for ``full``; otherwise the first N blocks of its longest
+  ``nn.ModuleList`` are wrapped in non-reentrant ``torch.utils.checkpoint``. ``selective`` needs
+  ``set_checkpointing``; without it the trial fails with status ``error``.
   The factory's module directory must be importable: the worker prepends ``python_path`` (the
   directory of the config file and the directory ``autotune run`` was started in) to ``sys.path``.
 * ``hf_config: path`` (and transformers importable): ``AutoModelForCausalLM.from_config`` with
@@ -213,10 +214,10 @@ def set_checkpointing(built: BuiltModel, granularity: str, n: int, num_layers: i
         return
     if granularity == "none" or n == 0:
         return
-    from autotune.trace import _set_checkpointing
+    from autotune.checkpointing import apply_checkpointing
 
     try:
-        built.notes += _set_checkpointing(model, built.source, granularity, n, num_layers)
+        built.notes += apply_checkpointing(model, granularity, n)
     except Exception as err:
         raise UserModelError(f"cannot apply {granularity} checkpointing to {n} layers: {_first_line(err)}") from err
 

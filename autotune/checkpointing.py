@@ -1,0 +1,104 @@
+"""Activation checkpointing of any ``nn.Module``, as autotune's strategies mean it.
+
+``apply_checkpointing(model, granularity, num_layers)`` is the model-side half of a front point (the
+DeepSpeed config does not carry checkpointing). It is what the profiler and the tracer apply, so a
+point reproduces exactly as it was measured::
+
+    import autotune
+    autotune.apply_checkpointing(model, "full", num_layers=24)   # first 24 blocks recomputed
+
+How it reaches the blocks, in order:
+
+1. a model with ``set_checkpointing(granularity, num_layers)`` (autotune's reference decoders, or a
+   user's model following them) does it itself; this is the only way to ``selective`` (attention
+   core recomputed, Korthikanti et al. 2022 sec. 5), which needs to know where the core is;
+2. a Hugging Face model: ``gradient_checkpointing_enable`` with ``use_reentrant=False``, and for the
+   first N of L layers the per-layer ``gradient_checkpointing`` flags turned off from layer N on;
+3. any other module: the blocks are the longest ``nn.ModuleList`` in it; each of the first N gets
+   its ``forward`` wrapped in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+torch is imported only when a module is actually wrapped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, get_args
+
+from autotune.strategy import Checkpointing
+
+GRANULARITIES = get_args(Checkpointing)
+
+
+def apply_checkpointing(model: Any, granularity: str, num_layers: Optional[int] = None) -> list[str]:
+    """Checkpoint the first ``num_layers`` blocks of ``model`` (None: all of them) at
+    ``granularity`` (``"none" | "selective" | "full"``). Returns notes on how it was applied.
+
+    Raises ValueError when the granularity is unknown, the layer count is out of range, or the
+    model offers no way to apply it (``selective`` without ``set_checkpointing``)."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, but got {granularity!r}")
+    if num_layers is not None and num_layers < 0:
+        raise ValueError(f"num_layers must be >= 0, but got {num_layers}")
+    if hasattr(model, "set_checkpointing"):
+        model.set_checkpointing(granularity if num_layers != 0 else "none", num_layers)
+        return []
+    if granularity == "none" or num_layers == 0:
+        return []
+    if granularity == "selective":
+        raise ValueError("selective checkpointing (attention core recomputed) needs the model's own "
+                         "set_checkpointing(granularity, num_layers), which knows where the attention core is; "
+                         "use 'full' for this model")
+    if hasattr(model, "gradient_checkpointing_enable"):
+        return _hf_full(model, num_layers)
+    return _wrap_blocks(model, num_layers)
+
+
+def _hf_full(model: Any, n: Optional[int]) -> list[str]:
+    """Hugging Face models: their own non-reentrant checkpointing, per-layer flags for a prefix."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
+              and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+    if not layers:  # transformers before GradientCheckpointingLayer (4.5x)
+        layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
+                  and type(m).__name__.endswith(("DecoderLayer", "Block", "Layer"))]
+    if n is None or n >= len(layers):
+        if n is not None and n > len(layers):
+            raise ValueError(f"cannot checkpoint {n} layers: the model has {len(layers)} checkpointable layers")
+        return []
+    for layer in layers[n:]:
+        layer.gradient_checkpointing = False
+    return [f"HF per-layer gradient_checkpointing flags: first {n} of {len(layers)} layers"]
+
+
+def blocks_of(model: Any) -> Any:
+    """The model's repeated blocks: its longest ``nn.ModuleList`` (ValueError when it has none)."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to checkpoint; give it "
+                         "set_checkpointing(granularity, num_layers)")
+    return max(lists, key=len)
+
+
+def _wrap_blocks(model: Any, n: Optional[int]) -> list[str]:
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = blocks_of(model)
+    n = len(blocks) if n is None else n
+    if n > len(blocks):
+        raise ValueError(f"cannot checkpoint {n} blocks: the model's longest ModuleList has {len(blocks)}")
+    for block in list(blocks)[:n]:
+        if getattr(block, "_autotune_checkpointed", False):
+            continue
+        inner = block.forward
+
+        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+        block._autotune_checkpointed = True
+    return [f"forward of the first {n} of {len(blocks)} blocks wrapped in torch.utils.checkpoint"]
