@@ -23,7 +23,7 @@ from autotune.strategy import CHECKPOINTINGS, OFFLOADS, PRECISIONS, Strategy, va
 MAX_INT = 2**62
 """Largest integer accepted anywhere (keeps arithmetic finite and exact)."""
 
-SAMPLERS = ("nsga2", "tpe", "gp", "random")
+SAMPLERS = ("nsga2", "tpe", "gp", "random", "ehvi")
 BACKENDS = ("simulate", "deepspeed", "replay")
 LAUNCHERS = ("torchrun", "deepspeed")
 
@@ -36,7 +36,7 @@ class SearchSection:
     """Search space: a name under search_spaces/ (default, no-offload, single-gpu) or a YAML path."""
     trials: int = 200
     """Number of Optuna trials (evaluated candidates, repeats excluded)."""
-    sampler: Literal["nsga2", "tpe", "gp", "random"] = "nsga2"
+    sampler: Literal["nsga2", "tpe", "gp", "random", "ehvi"] = "nsga2"
     """Optuna sampler."""
     headroom: float = 0.05
     """Fraction of GPU memory kept free when deciding whether a candidate fits."""
@@ -205,7 +205,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "vocab_size": int_(1, 1 << 24),
     "hidden_act": choice("silu", "swiglu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
     "tie_word_embeddings": bool_,
-    "norm": choice("rmsnorm", "layernorm"),
+    "norm": choice("rmsnorm", "layernorm", "gemma_rmsnorm"),
     "bias": bool_,
     "qkv_bias": bool_,
     "position_embedding": choice("rope", "learned", "alibi", "none"),
@@ -215,6 +215,11 @@ MODEL_FIELDS: dict[str, Checker] = {
     "hidden_dropout": float_(0.0, 1.0),
     "head_dim": optional(int_(1, 1 << 16)),
     "implementation": choice("reference", "hf"),
+    "mlp_gated": optional(bool_),
+    "norms_per_block": int_(1, 16),
+    "qk_norm": choice("none", "head", "full"),
+    "parallel_residual": bool_,
+    "final_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
 }
 MODEL_SCHEMA: dict[str, Checker] = {"preset": choice(*presets.model_names()), "hf_config": str_, "python": str_,
                                     **MODEL_FIELDS}
@@ -407,8 +412,10 @@ def _model(raw: Any, base_dir: str) -> tuple[ModelSpec, Optional[str], Optional[
     return ModelSpec(**merged), factory, hf_path
 
 
-def hf_config_fields(path: str) -> dict[str, Any]:
-    """Map a Hugging Face config.json onto ModelSpec fields (read as JSON; no transformers import)."""
+def hf_config_fields(path: str, exact_check: bool = True) -> dict[str, Any]:
+    """Map a Hugging Face config.json onto ModelSpec fields (read as JSON). ``exact_check`` (when
+    torch and transformers are importable): refuse the file unless the mapped description has
+    exactly the parameters of the transformers model (``_check_exact_count``)."""
     try:
         with open(path, encoding="utf-8") as fh:
             cfg = json.load(fh)
@@ -419,12 +426,32 @@ def hf_config_fields(path: str) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path} must hold a JSON object", path="model.hf_config")
     try:
-        return _hf_fields(cfg, path)
+        out = _hf_fields(cfg, path)
     except (TypeError, ValueError, AttributeError, OverflowError, KeyError) as err:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"{path}: a value has the wrong type or range ({type(err).__name__}: {show(str(err))})",
                           path="model.hf_config") from None
+    if exact_check:
+        _check_exact_count(cfg, out, path)
+    return out
+
+
+def _check_exact_count(cfg: dict, fields_: dict, path: str) -> None:
+    """With torch + transformers: the analytic description must reproduce the parameter count of
+    the transformers model built from the file on the meta device (autotune.hf_count), or the file
+    is refused in one line naming the difference; never silently mis-sized."""
+    from autotune.hf_count import HFCountError, describe_difference, hf_parameter_count
+
+    spec = ModelSpec(**{"name": "hf", **fields_})
+    try:
+        exact = hf_parameter_count(cfg, spec.num_hidden_layers)
+    except HFCountError as err:
+        raise ConfigError(f"{path}: {err}", path="model.hf_config") from None
+    if exact is not None and exact != spec.num_parameters:
+        kind = cfg.get("model_type", "llama")
+        raise ConfigError(f"{path}: model_type {show(kind)}: {describe_difference(spec, exact)}",
+                          path="model.hf_config")
 
 
 def _hf_fields(cfg: dict, path: str) -> dict[str, Any]:
@@ -458,19 +485,50 @@ def _hf_fields(cfg: dict, path: str) -> dict[str, Any]:
                    position_embedding="alibi" if attn.get("alibi") else "learned",
                    max_position_embeddings=get("max_seq_len", default=2048))
         out["num_key_value_heads"] = attn.get("kv_n_heads") or out["num_attention_heads"]
-    else:  # llama, mistral, qwen2 and other Llama-shaped decoders
+    elif kind == "gpt_neox":
+        # transformers models/gpt_neox: LayerNorms with bias, biased fused qkv / dense / MLP,
+        # plain GELU MLP, partial rotary (no parameters), untied embed_out, parallel residual
         heads = get("num_attention_heads")
+        out = dict(name=name, num_hidden_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"),
+                   num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=get("intermediate_size"),
+                   vocab_size=get("vocab_size"), hidden_act=get("hidden_act", default="gelu"), mlp_gated=False,
+                   tie_word_embeddings=bool(get("tie_word_embeddings", default=False)), norm="layernorm",
+                   bias=bool(get("attention_bias", default=True)), position_embedding="rope",
+                   max_position_embeddings=get("max_position_embeddings", default=2048),
+                   parallel_residual=bool(get("use_parallel_residual", default=True)),
+                   attention_dropout=float(cfg.get("attention_dropout") or 0.0),
+                   hidden_dropout=float(cfg.get("hidden_dropout") or 0.0))
+    else:  # llama, mistral, qwen2/3, gemma/2, phi3, olmo2 and other Llama-shaped decoders
+        # (transformers models/<kind>/modeling_<kind>.py: gate/up/down MLP whatever the activation)
+        heads = get("num_attention_heads")
+        act = get("hidden_activation", "hidden_act", default="silu")
+        attn_bias = bool(cfg.get("attention_bias"))
         out = dict(name=name, num_hidden_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"),
                    num_attention_heads=heads, num_key_value_heads=get("num_key_value_heads", default=heads),
                    intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
-                   hidden_act=get("hidden_act", default="silu"),
-                   tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
-                   norm="rmsnorm", bias=bool(cfg.get("attention_bias") and cfg.get("mlp_bias")),
-                   qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias")),
+                   hidden_act=act, mlp_gated=True,
+                   tie_word_embeddings=bool(get("tie_word_embeddings",
+                                                default=kind in ("gemma", "gemma2", "gemma3_text"))),
+                   norm="rmsnorm", bias=bool(attn_bias and cfg.get("mlp_bias")),
+                   qkv_bias=kind == "qwen2" or attn_bias,
                    position_embedding="rope", max_position_embeddings=get("max_position_embeddings", default=4096),
-                   attention_dropout=float(cfg.get("attention_dropout") or 0.0))
+                   attention_dropout=float(cfg.get("attention_dropout") or 0.0),
+                   hidden_dropout=float(max(cfg.get("resid_pdrop") or 0.0, cfg.get("embd_pdrop") or 0.0)))
+        if kind in ("gemma", "gemma2"):
+            out["norm"] = "gemma_rmsnorm"
+        if kind == "gemma2":
+            out["norms_per_block"] = 4  # input, post_attention, pre_feedforward, post_feedforward
+            out["attn_implementation"] = "eager"  # transformers has no sdpa path for Gemma2
+            if cfg.get("final_logit_softcapping", 30.0):
+                out["final_logit_softcapping"] = float(cfg.get("final_logit_softcapping", 30.0))
+        if kind in ("qwen3", "gemma3_text"):
+            out["qk_norm"] = "head"  # q_norm / k_norm: RMSNorm(head_dim)
+        if kind == "olmo2":
+            out["qk_norm"] = "full"  # q_norm: RMSNorm(heads * head_dim), k_norm: RMSNorm(kv_heads * head_dim)
         if cfg.get("head_dim"):
             out["head_dim"] = cfg["head_dim"]
+        elif kind in ("gemma", "gemma2"):
+            out["head_dim"] = 256  # GemmaConfig / Gemma2Config default
     out["implementation"] = "hf"  # trained as the transformers class of this model_type
     # Re-check the mapped values with the same rules as explicit fields.
     return {k: (MODEL_FIELDS[k](v, f"model.hf_config:{k}") if k in MODEL_FIELDS else v) for k, v in out.items()}

@@ -74,10 +74,10 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import Strategy, data_parallel_size, default_buckets, validate
+from autotune.strategy import Strategy, data_parallel_size, default_buckets, gradient_accumulation_steps, validate
 
 _DS_SUB_GROUP = 1_000_000_000
 """ZeRO-3 sub_group_size autotune writes (elements)."""
@@ -148,6 +148,10 @@ def _partition(n: int, dp: int) -> int:
 def _norm_saved(m: ModelSpec, p: int) -> float:
     """Bytes per token one norm keeps for backward, its output (saved by the next linear) included."""
     h = m.hidden_size
+    if m.norm == "gemma_rmsnorm":
+        # HF GemmaRMSNorm: x.float() (4h), rsqrt (4), the fp32 normalised value saved by the
+        # (1 + weight) multiply (4h), the output cast to the model dtype (p h)
+        return 8 * h + p * h + 4
     if m.norm == "rmsnorm":
         # HF LlamaRMSNorm: x.float() (4h), rsqrt (4), h.to(dtype) (p h), weight * h (p h)
         return 4 * h + 2 * p * h + 4
@@ -155,9 +159,24 @@ def _norm_saved(m: ModelSpec, p: int) -> float:
     return 2 * p * h + 8
 
 
-def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int) -> float:
+def _sdpa_math(m: ModelSpec, device: str) -> bool:
+    """sdpa with attention dropout on the CPU: PyTorch's CPU flash kernel has no dropout, so
+    ``scaled_dot_product_attention`` falls back to ``_scaled_dot_product_attention_math``
+    (aten/src/ATen/native/transformers/attention.cpp), in fp32 for bf16/fp16 inputs on the CPU.
+    On CUDA the flash / memory-efficient kernels apply dropout from an RNG seed: nothing extra."""
+    return m.attn_implementation == "sdpa" and m.attention_dropout > 0 and device == "cpu"
+
+
+def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device: str = "cuda") -> float:
     """Bytes per token the attention core (softmax(QK^T)V) keeps, q/k/v inputs included."""
     q, kv, a = m.q_size, m.kv_size, m.num_attention_heads
+    if _sdpa_math(m, device):
+        # math path (measured with saved_tensors_hooks, torch 2.13 CPU): fp32 copies of the scaled
+        # q and k (k repeated for GQA), v (fp32, repeated), the fp32 softmax output, the fp32
+        # dropout noise and the dropout output (each b x a x s x s); the output is not saved, the
+        # contiguous copy o_proj saves is (p q)
+        kv_eff = q if m.num_key_value_heads < a else kv
+        return 4 * (q + 2 * kv_eff) + 12 * a * s + p * q
     if m.attn_implementation == "sdpa":
         # flash kernels save q, k, v, out and the fp32 log-sum-exp; no s x s matrix.
         return p * (q + 2 * kv) + p * q + 4 * a
@@ -180,7 +199,7 @@ def _attention_core_selective(m: ModelSpec, p: int) -> float:
 
 
 def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing: str = "none",
-                                     mask_bytes: int = 1) -> float:
+                                     mask_bytes: int = 1, device: str = "cuda") -> float:
     """Bytes per token one block keeps for backward (Korthikanti et al. 2022, per operation).
 
     ``mask_bytes``: bytes per element of a dropout mask (1 on CUDA: bool mask of the fused
@@ -189,11 +208,20 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     h, f = m.hidden_size, m.intermediate_size
     if checkpointing == "full":
         return p * h  # the block input saved by the checkpoint
-    n = 2 * _norm_saved(m, p)
+    # the two pre-norms' outputs are saved by the next linear; extra (post-)norms (Gemma2) feed the
+    # residual add, which saves nothing
+    n = 2 * _norm_saved(m, p) + (m.norms_per_block - 2) * (_norm_saved(m, p) - p * h)
     if checkpointing == "selective":
         n += _attention_core_selective(m, p)
     else:
-        n += _attention_core_saved(m, p, s, mask_bytes)
+        n += _attention_core_saved(m, p, s, mask_bytes, device)
+    if m.qk_norm != "none":
+        # HF q_norm / k_norm (RMSNorm with the fp32 upcast, Qwen3 per head, OLMo2 over the whole
+        # projection): the fp32 input, the normalised value in the model dtype (saved by the weight
+        # multiply) and one fp32 rsqrt per normalised vector; the output goes to rope / attention
+        width = m.q_size + m.kv_size
+        vectors = (m.num_attention_heads + m.num_key_value_heads) if m.qk_norm == "head" else 2
+        n += (4 + p) * width + 4 * vectors
     n += (4 if m.gated_mlp else 2) * p * f
     if m.implementation == "hf" and m.hidden_act == "gelu_new":
         # transformers activations.py NewGELUActivation is a Python composite,
@@ -205,12 +233,15 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     return n
 
 
-def _attention_backward_transient(m: ModelSpec, p: int, s: int) -> float:
+def _attention_backward_transient(m: ModelSpec, p: int, s: int, device: str = "cuda") -> float:
     """Gradient buffers of the attention core's backward, per token, beyond its saved tensors.
 
     Eager: the probabilities' gradient in the model dtype next to the fp32 gradient of the
-    softmax (s x s per head). sdpa/flash: dq, dk, dv.
+    softmax (s x s per head). sdpa/flash: dq, dk, dv. sdpa's CPU math path (dropout): fp32
+    gradients of the dropout output and of the softmax (s x s per head).
     """
+    if _sdpa_math(m, device):
+        return 8 * m.num_attention_heads * s
     if m.attn_implementation == "eager":
         return (4 + p) * m.num_attention_heads * s
     return p * (m.q_size + 2 * m.kv_size)
@@ -258,12 +289,15 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     L = m.num_hidden_layers
     n_ck = min(strategy.num_checkpointed(L), L)
     gran = strategy.checkpointing if n_ck else "none"
-    per_plain = block_activation_bytes_per_token(m, p, s, "none", mb) * tokens + _block_fixed_bytes(m, s, "none")
-    per_ck = block_activation_bytes_per_token(m, p, s, gran, mb) * tokens + _block_fixed_bytes(m, s, gran)
+    per_plain = block_activation_bytes_per_token(m, p, s, "none", mb, device) * tokens + _block_fixed_bytes(m, s, "none")
+    per_ck = block_activation_bytes_per_token(m, p, s, gran, mb, device) * tokens + _block_fixed_bytes(m, s, gran)
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
     rope = 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
     nonblock = _nonblock_saved_per_token(m, p, mb) * tokens + rope
     V = m.vocab_size
+    # Gemma2's final_logit_softcapping, cap * tanh(logits / cap): tanh keeps its output (model dtype)
+    softcap = p * V * tokens if m.final_logit_softcapping else 0.0
+    nonblock += softcap
     # forward end: logits (model dtype), their fp32 copy and log_softmax's output coexist
     loss_fwd = (p + 4) * V * tokens if p < 4 else 4 * V * tokens
     # backward start: nll grad + log_softmax grad (fp32) next to the saved log_softmax output,
@@ -276,12 +310,12 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
         "num_checkpointed": n_ck,
         "granularity": gran,
         "nonblock": nonblock,
-        "logits_saved": 4 * V * tokens,
+        "logits_saved": 4 * V * tokens + softcap,
         "loss_forward_transient": loss_fwd,
         "loss_backward_transient": loss_bwd,
         "recompute": (per_plain - per_ck) if n_ck else 0.0,
         "mlp_saved_per_block": (4 if m.gated_mlp else 2) * p * m.intermediate_size * tokens,
-        "attention_backward_transient": _attention_backward_transient(m, p, s) * tokens,
+        "attention_backward_transient": _attention_backward_transient(m, p, s, device) * tokens,
         "final_norm_saved": _norm_saved(m, p) * tokens,
         "hidden_grad": p * m.hidden_size * tokens,
         "mlp_backward_transient": _mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
@@ -305,7 +339,11 @@ def _persistent_params(m: ModelSpec, threshold: int) -> int:
     d = m.hidden_size
     sizes: list[int] = []
     norm = [d] * (2 if (m.norm == "layernorm" and m.bias) else 1)
-    block = norm * 2
+    block = norm * m.norms_per_block
+    if m.qk_norm == "head":
+        block += [m.head_size] * 2
+    elif m.qk_norm == "full":
+        block += [m.q_size, m.kv_size]
     if m.bias:
         block += [m.q_size, m.kv_size, m.kv_size, d] + [m.intermediate_size] * (2 if m.gated_mlp else 1) + [d]
     for t in (d * m.q_size, d * m.kv_size, d * m.kv_size, m.q_size * d):
@@ -364,14 +402,20 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         out.grads = p * part  # grads_in_partition (allocated when the first bucket is reduced)
         out.partition_after = bucket
         if off_opt:
-            # ZeRO-Offload: fp32 master, moments and the fp32 gradient partition live in host
-            # RAM; reduced gradients go straight from the reduce buckets to the host (through a
-            # GPU staging buffer of the largest parameter), so the GPU holds no gradient partition
+            # ZeRO-Offload (stage_1_and_2.py: any offload_optimizer device, nvme included, sets
+            # cpu_offload; stages 1/2 have no NVMe swapper): fp32 master, moments and the fp32
+            # gradient partition live in host RAM; reduced gradients go straight from the reduce
+            # buckets to the host through temp_grad_buffer_for_gpu_offload (GPU) and
+            # temp_grad_buffer_for_cpu_offload (host, pinned), both of the largest parameter in
+            # the model dtype, so the GPU holds no gradient partition. With gradient accumulation
+            # the partition accumulates on the host (accumulated_grads_in_cpu, model dtype).
             out.optimizer = 0
             out.grads = 0
-            out.buffers_bwd = 2 * p * bucket + p * _largest_param(m)
+            out.resident_buffers = p * _largest_param(m)
+            out.buffers_bwd = 2 * p * bucket
             out.buffers_step = 0
-            host = (4 + k_opt + 4) * part + 4 * _largest_param(m)  # + pinned staging buffer
+            gas = gradient_accumulation_steps(s, training, hardware)
+            host = (4 + k_opt + 4) * part + p * _largest_param(m) + (p * part if gas > 1 else 0)
         else:
             out.optimizer = (4 + k_opt) * part
             out.buffers_bwd = 2 * p * bucket  # ipg double buffer (overlap_comm)
@@ -384,6 +428,7 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
             out.reduce_flat = p * bucket
         out.grad_per_block = 0
     else:  # stage 3
+        host = 0.0
         thr = buckets["param_persistence_threshold"]
         persist = _persistent_params(m, thr)
         rb = buckets["reduce_bucket_size"]
@@ -392,34 +437,45 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         # stage3_max_reuse_distance and their count below stage3_max_live_parameters (autotune
         # writes 1e9 for both, like HF's "auto"): up to 1e9 params stay gathered through forward
         # and backward. With one rank the gathered tensor is the partition itself.
-        live = 0.0 if dp == 1 else p * min(psi - persist, _DS_MAX_LIVE + prefetch)
         off_par = s.offload_params != "none"
+        # ... except when the partitions live on the host (offload_param): then every block is
+        # fetched to the GPU, one rank or many
+        live = 0.0 if (dp == 1 and not off_par) else p * min(psi - persist, _DS_MAX_LIVE + prefetch)
         out.params = (0 if off_par else p * part) + p * persist
-        # the 16-bit gradient partition and the reduce bucket are allocated at init, once
-        out.grad_buffer = p * part
+        # the reduce bucket (ipg buffer) is allocated at init on the GPU (stage3.py
+        # _setup_for_real_optimizer: "bucket.buffer = torch.empty(self.reduce_bucket_size, ...)")
         out.resident_buffers = p * min(rb, psi)
         out.grads = 0
-        if off_opt:
-            out.optimizer = 0
-            out.buffers_step = 0
-            host = (4 + k_opt + 4) * part
-        else:
-            out.optimizer = (4 + k_opt) * part
-            out.buffers_step = (4 * part if p < 4 else 0) + p * part
-            host = 0
         out.buffers_fwd = live
         out.buffers_bwd = live
-        if off_par:
-            host += p * part
-    if s.offload_optimizer == "nvme":
-        # states swap to NVMe; host keeps buffer_count (4) pinned fp32 swap buffers of one sub group
-        out.nvme += host
-        host = 4 * 4 * min(_DS_SUB_GROUP, part)
-    if s.offload_params == "nvme":
-        # params swap to NVMe through buffer_count (5) x buffer_size (1e8) pinned buffers
-        out.nvme += p * part
-        host -= p * part
-        host += 5 * 100_000_000 * p
+        if off_opt:
+            # stage3.py: self.device = "cpu" when the optimizer is offloaded, and the gradient
+            # partitions (grad_partitions_flat_buffer, gradient_accumulation_dtype = model dtype)
+            # are allocated there, pinned: no gradient partition and no optimizer state on the GPU
+            out.grad_buffer = 0
+            out.optimizer = 0
+            out.buffers_step = 0
+            if s.offload_optimizer == "cpu":
+                host += (4 + k_opt + 4) * part + p * part  # master, moments, fp32 grads; grad partitions
+            else:
+                # ZeRO-Infinity: master, moments and fp32 gradients swap to NVMe; the host keeps the
+                # pinned gradient partitions and buffer_count (4) pinned fp32 swap buffers of one
+                # sub group (autotune writes sub_group_size 1e9)
+                out.nvme += (4 + k_opt + 4) * part
+                host += p * part + 4 * 4 * min(_DS_SUB_GROUP, part)
+        else:
+            # the 16-bit gradient partition is allocated once, at init, on the GPU (stage3.py
+            # grad_partitions_flat_buffer on self.device)
+            out.grad_buffer = p * part
+            out.optimizer = (4 + k_opt) * part
+            out.buffers_step = (4 * part if p < 4 else 0) + p * part
+        if s.offload_params == "cpu":
+            host += p * part  # the 16-bit parameter partitions, pinned
+        elif s.offload_params == "nvme":
+            # partitions swap to NVMe through buffer_count (5) x buffer_size (1e8) pinned buffers
+            # (autotune's offload_param config; AsyncPartitionedParameterSwapper)
+            out.nvme += p * part
+            host += 5 * 100_000_000 * p
     out.cpu = host
     return out
 
@@ -428,13 +484,61 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
 # the estimate
 # ---------------------------------------------------------------------------------------------
 
+Loop = Literal["keep_outputs", "drop_outputs"]
+LOOPS: tuple[str, ...] = ("keep_outputs", "drop_outputs")
+
+
+def _accumulation_carry(m: ModelSpec, hardware: HardwareSpec, s: Strategy, gas: int) -> tuple[float, bool]:
+    """Bytes that live across the micro-steps of one optimizer step (gradient accumulation > 1),
+    and whether a later micro-step's backward still grows gradients block by block.
+
+    * ZeRO-0 (plain optimizer, FP16_Optimizer / FP16_UnfusedOptimizer): ``param.grad`` keeps
+      the whole model's gradients (model dtype) from the first micro-step on; later micro-steps
+      add into them in place, the all-reduce runs only at the boundary (engine.py
+      ``allreduce_gradients``: "Communicate only at gradient accumulation boundaries").
+    * ZeRO-1 (``partition_gradients`` False): nothing is reduced before the boundary
+      (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``: ``if self.partition_gradients
+      or self.is_gradient_accumulation_boundary()``), so the epilogue's ``all_grad_tensors``
+      (``independent_gradient_partition_epilogue``, ``get_all_grad_tensors``) keeps full-size
+      gradients; measured on allocation traces (benchmarks/memory_vs_deepspeed.py, 1 and 2
+      ranks): 3 full model-dtype copies of the gradients per rank.
+    * ZeRO-2: each micro-step reduces into ``grads_in_partition``; the epilogue keeps that
+      partition in ``all_grad_tensors`` and the next micro-step allocates a new one to add into
+      it (stage_1_and_2.py ``copy_grads_in_partition`` / ``accumulated_grad.add_``): one
+      partition (Psi/N, model dtype) lives across micro-steps.
+    * ZeRO-3: the gradient partition buffer allocated at init accumulates in place
+      (stage3.py ``partition_grads``: ``grad_buffer.add_``): nothing extra.
+    With optimizer offload the accumulated gradients live in host RAM (not modelled on the GPU).
+    """
+    if gas <= 1 or s.offload_optimizer != "none":
+        return 0.0, True
+    p = _DTYPE_BYTES[s.precision]
+    psi = m.num_parameters
+    part = _partition(psi, data_parallel_size(hardware))
+    if s.zero_stage == 0:
+        return float(p * psi), False
+    if s.zero_stage == 1:
+        return float(3 * p * psi), True
+    if s.zero_stage == 2:
+        return float(p * part), True
+    return 0.0, True
+
+
 def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,
-                    *, headroom: float = 0.0, device: str = "cuda") -> MemoryEstimate:
+                    *, headroom: float = 0.0, device: str = "cuda", loop: Loop = "keep_outputs") -> MemoryEstimate:
     """Predict per-GPU peak memory of a steady-state step, host/NVMe needs and the verdict.
 
     ``device="cpu"`` predicts the same step on DeepSpeed's CPU accelerator (the benchmark's
-    ground truth): only the dropout masks differ (model dtype instead of 1-byte bool).
+    ground truth): dropout masks in the model dtype instead of 1-byte bool, and sdpa with
+    attention dropout on PyTorch's math kernel.
+
+    ``loop``: ``keep_outputs`` (default, the larger) is the loop people write,
+    ``outputs = engine(**batch); engine.backward(outputs.loss); engine.step()``: ``outputs`` holds
+    the logits (model dtype) through backward, the step and the next forward, until the name is
+    rebound; ``drop_outputs`` keeps only the loss (the logits die inside the forward).
     """
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
     m, s = model, strategy
     p = _DTYPE_BYTES[s.precision]
     st = _model_states(m, training, hardware, s)
@@ -443,12 +547,22 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     tokens = training.seq_len * s.micro_batch_size
     saved_blocks, nonblock, logits_saved = act["blocks"], act["nonblock"], act["logits_saved"]
     other_saved = nonblock - logits_saved  # final norm, masks, rope tables
+    # the logits the user's ``outputs`` keeps (lm_head output, model dtype; fp32 training: the
+    # very tensor the loss reads): alive everywhere in the steady state, the previous micro-step's
+    # through the next forward until ``outputs`` is rebound
+    kept = p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0
+    gas = gradient_accumulation_steps(s, training, hardware)
+    carry, grow = _accumulation_carry(m, hardware, s, gas)
 
     fixed = st.params + st.optimizer + st.grad_buffer + st.resident_buffers
     cands: list[tuple[str, float, float, float, float, float]] = []  # phase, total, grads, act, logits, buffers
 
     def add(phase: str, grads: float = 0.0, activations: float = 0.0, logits: float = 0.0,
             buffers: float = 0.0) -> None:
+        logits += kept
+        if phase != "optimizer":
+            # later micro-steps: accumulated gradients (ZeRO-0 adds into them in place)
+            grads = grads + carry if grow else max(grads, carry)
         cands.append((phase, fixed + grads + activations + logits + buffers, grads, activations, logits, buffers))
 
     # forward end: everything saved plus the loss transient (logits, their fp32 copy, log_softmax)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 Precision = Literal["bf16", "fp16", "fp32"]
-Norm = Literal["rmsnorm", "layernorm"]
+Norm = Literal["rmsnorm", "layernorm", "gemma_rmsnorm"]
 PositionEmbedding = Literal["rope", "learned", "alibi", "none"]
 AttnImplementation = Literal["sdpa", "eager"]
 
@@ -42,7 +42,8 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     """Whether the LM head shares the token-embedding matrix."""
     norm: Norm = "rmsnorm"
-    """Normalisation layer kind."""
+    """Normalisation layer kind; ``gemma_rmsnorm``: RMSNorm with ``(1 + weight)`` applied in fp32
+    before the cast back (HF GemmaRMSNorm; same parameters as rmsnorm, more saved bytes)."""
     bias: bool = False
     """Whether linear layers (and LayerNorms) carry a bias."""
     qkv_bias: bool = False
@@ -62,6 +63,19 @@ class ModelSpec:
     (set for ``model.hf_config``); the memory model adds HF's composite-op activations for ``hf``."""
     head_dim: Optional[int] = None
     """Per-head width; defaults to hidden_size // num_attention_heads."""
+    mlp_gated: Optional[bool] = None
+    """Gated MLP (gate, up and down projections: SwiGLU / GeGLU); None: gated iff ``hidden_act`` is
+    silu/swiglu/swish. HF Llama-family classes (llama, mistral, qwen2/3, gemma/2, phi3, olmo2) are
+    gated whatever the activation (Gemma: GeGLU with gelu_pytorch_tanh)."""
+    norms_per_block: int = 2
+    """Norm layers per block (Gemma2: 4, pre and post norms around attention and MLP)."""
+    qk_norm: Literal["none", "head", "full"] = "none"
+    """RMSNorm on queries and keys: ``head`` over each head (Qwen3, weights of head_dim),
+    ``full`` over the whole projection (OLMo2, weights of q_size and kv_size)."""
+    parallel_residual: bool = False
+    """Attention and MLP read the same block input (GPT-NeoX ``use_parallel_residual``)."""
+    final_logit_softcapping: Optional[float] = None
+    """``cap * tanh(logits / cap)`` before the loss (Gemma2); its intermediates are kept for backward."""
     source: str = ""
     """Where the numbers come from (config URL or file)."""
 
@@ -72,6 +86,8 @@ class ModelSpec:
 
     @property
     def gated_mlp(self) -> bool:
+        if self.mlp_gated is not None:
+            return self.mlp_gated
         return self.hidden_act.lower() in GATED_ACTS
 
     @property
@@ -98,6 +114,10 @@ class ModelSpec:
             n += self.q_size + 2 * self.kv_size
         if self.bias:
             n += d
+        if self.qk_norm == "head":
+            n += 2 * self.head_size
+        elif self.qk_norm == "full":
+            n += self.q_size + self.kv_size
         return n
 
     def mlp_params(self) -> int:
@@ -109,8 +129,8 @@ class ModelSpec:
         return n
 
     def block_params(self) -> int:
-        """Parameters of one transformer block (attention, MLP, two norms)."""
-        return self.attention_params() + self.mlp_params() + 2 * self.norm_params()
+        """Parameters of one transformer block (attention, MLP, its norms)."""
+        return self.attention_params() + self.mlp_params() + self.norms_per_block * self.norm_params()
 
     def embedding_params(self) -> int:
         n = self.vocab_size * self.hidden_size

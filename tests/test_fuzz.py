@@ -278,9 +278,18 @@ HF_BASE = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "nu
            "intermediate_size": 128, "vocab_size": 100}
 
 
+@pytest.fixture(scope="module")
+def hf_warm():
+    """model.hf_config counts parameters with transformers on the meta device (autotune.hf_count):
+    import it once, outside hypothesis's per-example deadline."""
+    from autotune.hf_count import hf_parameter_count
+
+    hf_parameter_count(dict(HF_BASE), 1)
+
+
 @FUZZ
 @given(data=st.data())
-def test_fuzz_hf_config(tmp_path, capsys, data):
+def test_fuzz_hf_config(tmp_path, capsys, data, hf_warm):
     hf = dict(HF_BASE)
     hf["model_type"] = data.draw(st.sampled_from(["llama", "gpt2", "mpt", "qwen2", "mistral"]))
     for _ in range(data.draw(st.integers(1, 3))):

@@ -154,7 +154,7 @@ def test_reference_model_parameter_count_is_exact(preset):
     model = build_model(spec)
     assert count_parameters(model) == spec.num_parameters
     x, y = synthetic_batch(spec, 2, 16)
-    loss = model(x, y)
+    loss = model(x, y)["loss"]
     loss.backward()
     assert torch.isfinite(loss) and 3 < float(loss) < 7  # ~ln(128) at init
     assert all(p.grad is not None for p in model.parameters())
@@ -173,7 +173,7 @@ def test_checkpointing_keeps_loss_and_gradients(granularity):
     ck.load_state_dict(ref.state_dict())
     ck.set_checkpointing(granularity, 1)
     x, y = synthetic_batch(spec, 2, 32)
-    l0, l1 = ref(x, y), ck(x, y)
+    l0, l1 = ref(x, y)["loss"], ck(x, y)["loss"]
     l0.backward()
     l1.backward()
     assert torch.allclose(l0, l1)

@@ -15,7 +15,8 @@ of the bias itself is not modelled).
 
 The parameter count equals ``ModelSpec.num_parameters`` exactly (tested for every preset family).
 The loss is cross entropy on the logits upcast to fp32 (as HF ``ForCausalLMLoss``); ``forward``
-returns only the loss so that the logits are freed as early as possible.
+returns ``{"loss", "logits"}`` like an HF ``CausalLMOutput`` (logits in the model dtype), so the
+usual loop that keeps ``outputs`` keeps the logits alive exactly as with an HF model.
 
 ``set_checkpointing(granularity, num_layers)`` wraps the first ``num_layers`` blocks in
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: ``full`` recomputes the whole
@@ -52,7 +53,7 @@ class RMSNorm(nn.Module):
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
-    if spec.norm == "rmsnorm":
+    if spec.norm in ("rmsnorm", "gemma_rmsnorm"):
         return RMSNorm(spec.hidden_size)
     return nn.LayerNorm(spec.hidden_size, eps=1e-5, bias=spec.bias)
 
@@ -152,7 +153,8 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Decoder-only LM; ``forward(input_ids, labels)`` returns the mean token cross entropy."""
+    """Decoder-only LM; ``forward(input_ids, labels)`` returns ``{"loss": mean token cross entropy,
+    "logits": (b, s, V) in the model dtype}``."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -219,7 +221,8 @@ class Decoder(nn.Module):
                 x = block(x, cos, sin)
         x = self.norm(x)
         logits = self.lm_head(x)
-        return F.cross_entropy(logits.float().view(-1, self.spec.vocab_size), labels.reshape(-1))
+        loss = F.cross_entropy(logits.float().view(-1, self.spec.vocab_size), labels.reshape(-1))
+        return {"loss": loss, "logits": logits}
 
 
 def build_model(spec: ModelSpec) -> Decoder:

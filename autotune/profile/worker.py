@@ -18,7 +18,12 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   data-parallel size = WORLD_SIZE
       "result_path": "result.json",             # default: JOB.json's dir / "result.json";
                                                 #   rank r > 0 writes "<stem>.rank<r>.json"
-      "warmup_steps": 2, "measure_steps": 3,    # optimizer steps (each = GAS micro-steps)
+      "warmup_steps": 2, "measure_steps": 2,    # optimizer steps (each = GAS micro-steps); the peak is
+                                                #   the max over every micro-step of the measured steps
+      "loop": "keep_outputs",                   # the usual user loop: outputs = engine(**batch);
+                                                #   engine.backward(outputs.loss); engine.step() (outputs,
+                                                #   logits included, alive until the next forward rebinds
+                                                #   it); "drop_outputs": only the loss is kept
       "optimizer_impl": "auto",                 # "deepspeed": the config's optimizer section
                                                 #   (FusedAdam / DeepSpeedCPUAdam, JIT-built ops);
                                                 # "torch": torch.optim.AdamW passed to initialize
@@ -36,8 +41,8 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   this reduces, but does not remove, the effect
                                                 #   (blocks released on gloo's threads are counted
                                                 #   through _track_all_threads):
-                                                #   "min_step_peak_bytes" (min over ranks) is the
-                                                #   clean steady state to compare models with
+                                                #   accuracy figures use the max over steps and
+                                                #   ranks (what a job OOMs at)
       "device": "auto",                         # "cuda" | "cpu" | "auto"
       "hf_config": "path/config.json",          # build an HF model from_config (transformers installed)
       "model_factory": "pkg.mod:build_model",   # the user's factory (contract: autotune.profile.user_models)
@@ -62,7 +67,9 @@ Result JSON (one per rank)::
       "peak_phase": "forward" | "backward" | "optimizer",  # phase containing the peak
       "phase_peaks_bytes": {"forward": int, "backward": int, "optimizer": int},
       "step_peaks_bytes": [int, ...],       # CPU profiler: peak of each measured step
-      "min_step_peak_bytes": int,           # CPU profiler: smallest of those (see "gc_collect")
+      "min_step_peak_bytes": int,           # CPU profiler: smallest of those
+      "max_step_peak_bytes": int,           # CPU profiler: largest of those (= peak_allocated_bytes)
+      "loop": "keep_outputs" | "drop_outputs",
       "step_start_bytes": int,              # allocated at the start of the last measured step
       "init_peak_bytes": int | null,        # peak during model build + deepspeed.initialize
       "step_times_s": [float, ...],         # measured optimizer steps, wall clock
@@ -72,7 +79,8 @@ Result JSON (one per rank)::
       "optimizer": "BF16_Optimizer" | ...,  # DeepSpeed's final optimizer wrapper class
       "gradient_accumulation_steps": int,
       "all_ranks": {"status": [per rank], "phase": [...], "peak_allocated_bytes": [...],
-                    "min_step_peak_bytes": [...], "peak_phase": [...], "phase_peaks_bytes": [...]},
+                    "min_step_peak_bytes": [...], "max_step_peak_bytes": [...], "peak_phase": [...],
+                    "phase_peaks_bytes": [...]},
                                             # every rank joins this one exchange whatever its status
                                             #   (absent if the exchange failed or timed out)
       "model_source": "reference" | "hf" | "factory:pkg.mod:fn",
@@ -212,7 +220,8 @@ class _CpuMemoryProbe:
             if m > best:
                 best, best_phase = m, phase
         out.update(peak_allocated_bytes=max(best, 0), peak_phase=best_phase, phase_peaks_bytes=peaks,
-                   step_peaks_bytes=step_peaks, min_step_peak_bytes=min(step_peaks) if step_peaks else None)
+                   step_peaks_bytes=step_peaks, min_step_peak_bytes=min(step_peaks) if step_peaks else None,
+                   max_step_peak_bytes=max(step_peaks) if step_peaks else None)
         return out
 
 
@@ -381,7 +390,8 @@ def run_job(job: dict, job_dir: Path, write_early: Optional[Any] = None) -> dict
 
 _EXCHANGE: dict[str, Any] = {"group": None}
 """The gloo group (with its own short timeout) of the final cross-rank exchange, made at init."""
-_SUMMARY_KEYS = ("status", "phase", "peak_allocated_bytes", "min_step_peak_bytes", "peak_phase", "phase_peaks_bytes")
+_SUMMARY_KEYS = ("status", "phase", "peak_allocated_bytes", "min_step_peak_bytes", "max_step_peak_bytes", "peak_phase",
+                 "phase_peaks_bytes")
 
 
 def _make_exchange_group(timeout_s: float) -> None:
@@ -489,16 +499,28 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
     mbs = engine.train_micro_batch_size_per_gpu()
     seq = training.seq_len
     batches = [built.batch_fn(mbs, seq, device) for _ in range(2)]
+    collect = bool(job.get("gc_collect", True))
+    if collect:
+        # collect once, then freeze the survivors (torch, DeepSpeed, transformers modules...) so
+        # the per-phase collections below only scan what the steps create (seconds -> ms)
+        gc.collect()
+        gc.freeze()
     if probe is not None:
         probe.init_end = probe.now()
     if use_cuda:
         torch.cuda.synchronize()
 
-    warmup, measure = int(job.get("warmup_steps", 2)), int(job.get("measure_steps", 3))
+    warmup, measure = int(job.get("warmup_steps", 2)), int(job.get("measure_steps", 2))
     groups = _process_groups(engine)
-    collect = bool(job.get("gc_collect", True))
     phase_peaks = {ph: 0 for ph in PHASES}
     peak_reserved = 0
+    # "loop": "keep_outputs" (default) is the loop people write, ``outputs = engine(**batch);
+    # engine.backward(outputs.loss); engine.step()``: ``outputs`` (and the logits in it) stays alive
+    # through backward and the step, until the next forward's result is bound to the name;
+    # "drop_outputs" keeps only the loss (the logits die with the forward).
+    keep = job.get("loop", "keep_outputs") == "keep_outputs"
+    result["loop"] = "keep_outputs" if keep else "drop_outputs"
+    outputs = None
     for step in range(warmup + measure):
         measured = step >= warmup
         if use_cuda and measured and step == warmup:
@@ -516,7 +538,11 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
                 mark = _record(_MARK + phase) if (probe is not None and measured) else contextlib.nullcontext()
                 with mark:
                     if phase == "forward":
-                        loss = loss_of(engine(**batch), built.source)
+                        if keep:
+                            outputs = engine(**batch)
+                            loss = loss_of(outputs, built.source)
+                        else:
+                            loss = loss_of(engine(**batch), built.source)
                     elif phase == "backward":
                         engine.backward(loss)
                     else:
@@ -542,7 +568,7 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
         if not all(math.isfinite(v) for v in step_losses):
             result.update(status="nan", reason=f"non-finite loss {step_losses} at step {step}", phase="forward")
             return
-    del loss
+    del loss, outputs
     _maybe_fault(job, rank, "end")
     times = sorted(result["step_times_s"])
     if times:
