@@ -24,7 +24,7 @@ STRATEGY_COLUMNS = ["zero_stage", "offload_optimizer", "offload_params", "micro_
                     "prefetch_bucket_size"]
 CSV_COLUMNS = (["number", "state"] + STRATEGY_COLUMNS
                + [f"pred_{k}_gib" for k in (*GPU_COMPONENTS, "peak")]
-               + ["pred_cpu_gib", "pred_fits", "peak_memory_gib", "tokens_per_s_per_gpu", "step_time_s", "mfu",
+               + ["pred_cpu_gib", "pred_fits", "peak_memory_gib", "gpu_memory_gib", "tokens_per_s_per_gpu", "step_time_s", "mfu",
                   "on_front", "prune_reason", "fail_reason", "duplicate_of", "strategy"])
 
 
@@ -290,6 +290,7 @@ def _write_trials_csv(path: str, cfg: Config, rows: list[TrialRow], on_front: se
             rec.update({f"pred_{k}_gib": mem.gpu[k] / GIB for k in (*GPU_COMPONENTS, "peak")})
             rec.update(pred_cpu_gib=mem.cpu_bytes_per_node / GIB, pred_fits=mem.fits,
                        peak_memory_gib=r.peak_memory_gib, tokens_per_s_per_gpu=r.tokens_per_s_per_gpu,
+                       gpu_memory_gib=None if r.peak_memory_gib is None else gpu_memory_gib(cfg, r.peak_memory_gib),
                        step_time_s=r.step_time_s, mfu=r.mfu, on_front=r.number in on_front,
                        prune_reason=r.prune_reason, fail_reason=r.fail_reason, duplicate_of=r.duplicate_of,
                        strategy=r.strategy.describe(cfg.model.num_hidden_layers))

@@ -19,6 +19,7 @@ import re
 from typing import Any, Optional
 
 from autotune.compare import RunData, load_run, to_float
+from autotune.output import empty_front_reason, format_gib, point_memory_gib
 
 GIB = float(1 << 30)
 COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
@@ -131,7 +132,10 @@ def plot_points(run: RunData, clip_gib: Optional[float] = None) -> dict[str, lis
         if cat == "other":
             continue
         measured = cat in ("front", "dominated")
-        mem = to_float(r.get("peak_memory_gib")) if measured else to_float(r.get("pred_peak_gib"))
+        if measured:  # what the GPU holds (fits' figure); older trials.csv files: the allocated peak
+            mem = to_float(r.get("gpu_memory_gib")) or to_float(r.get("peak_memory_gib"))
+        else:
+            mem = (to_float(r.get("pred_peak_gib")) or 0.0) + (to_float(r.get("pred_overhead_gib")) or 0.0)
         tps = to_float(r.get("tokens_per_s_per_gpu")) if measured else 0.0
         note = ""
         if r.get("duplicate_of"):
@@ -155,9 +159,18 @@ def plot_points(run: RunData, clip_gib: Optional[float] = None) -> dict[str, lis
 def _clip(run: RunData, capacity: Optional[float]) -> Optional[float]:
     """Where unmeasured points are clipped: 1.5 x the larger of the GPU capacity and the largest
     measured peak (None: no capacity known and nothing measured)."""
-    measured = [to_float(r.get("peak_memory_gib")) or 0.0 for r in run.trials if r.get("state") == "COMPLETE"]
+    measured = [to_float(r.get("gpu_memory_gib")) or to_float(r.get("peak_memory_gib")) or 0.0
+                for r in run.trials if r.get("state") == "COMPLETE"]
     top = max([capacity or 0.0, *measured])
     return 1.5 * top if top > 0 else None
+
+
+def evaluated_label(run: RunData) -> str:
+    """What the evaluated points are: the simulate backend predicts, the others measure."""
+    return {"simulate": "simulated", "replay": "replayed measurement"}.get(run.front.get("backend"), "measured")
+
+
+MEMORY_AXIS = "GPU memory per GPU, incl. context and allocator (GiB)"
 
 
 def pareto_figure(run: RunData, capacity: Optional[float], headroom: Optional[float]) -> Any:
@@ -167,11 +180,11 @@ def pareto_figure(run: RunData, capacity: Optional[float], headroom: Optional[fl
     best = (run.best or {}).get("trial")
     fig = go.Figure()
     styles = {
-        "front": dict(name="Pareto front", mode="lines+markers", line=dict(color="#d62728", width=1.5, shape="hv"),
+        "front": dict(name=f"Pareto front ({evaluated_label(run)})", mode="lines+markers", line=dict(color="#d62728", width=1.5, shape="hv"),
                       marker=dict(size=[15 if p["trial"] == best else 10 for p in pts["front"]],
                                   symbol=["star" if p["trial"] == best else "circle" for p in pts["front"]],
                                   color="#d62728", line=dict(width=1, color="black"))),
-        "dominated": dict(name="measured, dominated", mode="markers",
+        "dominated": dict(name=f"{evaluated_label(run)}, dominated", mode="markers",
                           marker=dict(size=7, color="#1f77b4", opacity=0.6)),
         "failed": dict(name="failed (at predicted memory, 0 tokens/s)", mode="markers",
                        marker=dict(size=9, color="black",
@@ -186,7 +199,7 @@ def pareto_figure(run: RunData, capacity: Optional[float], headroom: Optional[fl
             x=[p["memory_gib"] for p in ps], y=[p["tokens_per_s"] for p in ps],
             customdata=[[p["trial"], p["strategy"], p["note"]] for p in ps],
             hovertemplate=("trial %{customdata[0]}<br><b>%{customdata[1]}</b><br>"
-                           + ("" if cat in ("pruned", "failed") else "peak memory %{x:.2f} GiB<br>")
+                           + ("" if cat in ("pruned", "failed") else "GPU memory %{x:.2f} GiB<br>")
                            + "%{y:,.0f} tokens/s/GPU<br>%{customdata[2]}<extra>" + cat
                            + "</extra>"),
             **styles[cat]))
@@ -197,7 +210,7 @@ def pareto_figure(run: RunData, capacity: Optional[float], headroom: Optional[fl
             fig.add_vline(x=capacity * (1 - headroom), line=dict(color="#7f7f7f", dash="dot"),
                           annotation_text=f"with {100 * headroom:g}% headroom", annotation_position="bottom left")
     fig.update_layout(template="plotly_white", height=520, margin=dict(l=70, r=30, t=40, b=60),
-                      xaxis_title="peak GPU memory per GPU (GiB)", yaxis_title="tokens/s per GPU",
+                      xaxis_title=MEMORY_AXIS, yaxis_title="tokens/s per GPU",
                       legend=dict(orientation="h", y=-0.18), title="Memory vs throughput (star: recommended)")
     return fig
 
@@ -216,10 +229,11 @@ def breakdown_figure(run: RunData, capacity: Optional[float], headroom: Optional
             y=[(p.get("predicted_memory_gib") or {}).get(comp, 0.0) for p in front],
             marker_color=COLORS.get(comp), customdata=texts,
             hovertemplate="%{customdata}<br>" + comp.replace("_", " ") + " %{y:.2f} GiB<extra></extra>"))
+    label = f"{evaluated_label(run)} peak allocated"
     fig.add_trace(go.Scatter(
-        name="measured peak", x=labels, y=[p.get("peak_memory_gib") for p in front], mode="markers",
+        name=label, x=labels, y=[p.get("peak_memory_gib") for p in front], mode="markers",
         marker=dict(symbol="diamond", size=11, color="black"), customdata=texts,
-        hovertemplate="%{customdata}<br>measured peak %{y:.2f} GiB<extra></extra>"))
+        hovertemplate="%{customdata}<br>" + label + " %{y:.2f} GiB<extra></extra>"))
     if capacity:
         fig.add_hline(y=capacity, line=dict(color="#d62728", dash="dash"), annotation_text=f"GPU capacity "
                       f"{capacity:.1f} GiB", annotation_position="top left")
@@ -243,8 +257,9 @@ def write_front_png(run: RunData, path: str, capacity: Optional[float] = None) -
     for cat, kw in (("pruned", dict(marker="o", facecolors="none", edgecolors="#7f7f7f", s=18,
                                     label="pruned (predicted memory; clipped at the right edge)")),
                     ("failed", dict(marker="x", c="black", s=30, label="failed (predicted memory)")),
-                    ("dominated", dict(marker="o", c="#1f77b4", alpha=0.6, s=18, label="measured")),
-                    ("front", dict(marker="o", c="#d62728", s=40, zorder=3, label="Pareto front"))):
+                    ("dominated", dict(marker="o", c="#1f77b4", alpha=0.6, s=18, label=evaluated_label(run))),
+                    ("front", dict(marker="o", c="#d62728", s=40, zorder=3,
+                                   label=f"Pareto front ({evaluated_label(run)})"))):
         ps = pts[cat]
         if ps:
             ax.scatter([p["memory_gib"] for p in ps], [p["tokens_per_s"] for p in ps], **kw)
@@ -253,7 +268,7 @@ def write_front_png(run: RunData, path: str, capacity: Optional[float] = None) -
                 where="post", color="#d62728", lw=1)
     best = run.best
     if best:
-        ax.scatter([best["peak_memory_gib"]], [best["tokens_per_s_per_gpu"]], marker="*", s=260, c="gold",
+        ax.scatter([point_memory_gib(best)], [best["tokens_per_s_per_gpu"]], marker="*", s=260, c="gold",
                    edgecolors="black", zorder=4, label="recommended")
     if capacity:
         ax.axvline(capacity, color="black", ls="--", lw=1, label="GPU memory")
@@ -261,7 +276,7 @@ def write_front_png(run: RunData, path: str, capacity: Optional[float] = None) -
     hw = f.get("hardware") or {}
     ax.set_title(f"{f.get('model', '')} on {(hw.get('gpus_per_node') or 1) * (hw.get('num_nodes') or 1)} x "
                  f"{hw.get('gpu', '')} ({f.get('backend', '')})")
-    ax.set_xlabel("peak GPU memory per GPU (GiB)")
+    ax.set_xlabel(MEMORY_AXIS)
     ax.set_ylabel("tokens/s per GPU")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
@@ -345,30 +360,33 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
         f"<h1>autotune: {esc(str(f.get('model', '')))} on {gpus} x {esc(str(hw.get('gpu', '')))}</h1>",
         f'<p class="muted">run <code>{esc(run.name)}</code>, backend <code>{esc(str(f.get("backend")))}</code>, '
         f"space <code>{esc(str(f.get('space')))}</code>, created {esc(str(run.meta.get('created', '?')))}; "
-        f"{len(run.trials)} trials: {counts['COMPLETE']} measured, {counts['PRUNED']} pruned, {counts['FAIL']} "
+        f"{len(run.trials)} trials: {counts['COMPLETE']} {evaluated_label(run)}, {counts['PRUNED']} pruned, {counts['FAIL']} "
         f"failed ({repeats} repeats of an earlier strategy reuse its result).</p>",
     ]
     best = run.best
     if best:
-        parts.append(f"<p><b>Recommended</b> (fastest that fits): {esc(best['strategy_text'])}: "
-                     f"{best['peak_memory_gib']:.2f} GiB, {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"
+        parts.append(f"<p><b>Recommended</b>: {esc(best['strategy_text'])}: "
+                     f"{format_gib(point_memory_gib(best))}, {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"
                      + (f", MFU {100 * best['mfu']:.1f}%" if best.get("mfu") is not None else "")
-                     + f'. DeepSpeed config: <a href="best_ds_config.json">best_ds_config.json</a>; '
+                     + (f". Why: {esc(best['why'])}" if best.get("why") else "")
+                     + f' DeepSpeed config: <a href="best_ds_config.json">best_ds_config.json</a>; '
+                     f"checkpointing in the model: <code>{esc(best.get('checkpointing') or 'none')}</code>; "
                      f"<code>{esc(best.get('launch') or '')}</code></p>")
     else:
-        parts.append("<p><b>No candidate fits.</b> See the prune and failure reasons below.</p>")
+        parts.append(f"<p><b>No front.</b> {esc(empty_front_reason(f))}.</p>")
     parts += ["<h2>Pareto front</h2>", pareto]
     if f["front"]:
         rows = []
         for k, p in enumerate(f["front"]):
             ds = p.get("ds_config")
-            rows.append([k, p["trial"], f"{p['peak_memory_gib']:.2f}", f"{p['tokens_per_s_per_gpu']:,.0f}",
+            rows.append([k, p["trial"], format_gib(point_memory_gib(p)), f"{p['tokens_per_s_per_gpu']:,.0f}",
                          "-" if p.get("mfu") is None else f"{100 * p['mfu']:.1f}%",
                          p.get("gradient_accumulation_steps", "-"),
                          p["strategy_text"] + (" (recommended)" if best and p["trial"] == best["trial"] else ""),
+                         "; ".join(e["strategy_text"] for e in p.get("equivalents", ())) or "-",
                          _Raw(f'<a href="{esc(ds)}">{esc(ds)}</a>') if ds else "-"])
-        parts.append(_table(["#", "trial", "memory GiB", "tokens/s/GPU", "MFU", "grad. acc.", "strategy",
-                             "DeepSpeed config"], rows))
+        parts.append(_table(["#", "trial", "GPU memory", "tokens/s/GPU", "MFU", "grad. acc.", "strategy",
+                             "equivalent within 1%", "DeepSpeed config"], rows))
         parts += ["<h2>Memory breakdown of the front</h2>",
                   breakdown_figure(run, capacity, headroom).to_html(full_html=False, include_plotlyjs=False,
                                                                      div_id=BREAKDOWN_DIV, config=cfg)]

@@ -81,7 +81,11 @@ def test_pareto_plot_has_every_trial(run):
     by_name = {t["name"].split(" (")[0]: t for t in data}
     f = front(run)
     assert len(by_name["Pareto front"]["x"]) == len(f["front"])
-    assert by_name["Pareto front"]["x"] == pytest.approx([p["peak_memory_gib"] for p in f["front"]], rel=1e-5)
+    # memory as fits counts it (allocated peak + context and allocator), the table's figure
+    assert by_name["Pareto front"]["x"] == pytest.approx([p["gpu_memory_gib"] for p in f["front"]], rel=1e-5)
+    # the simulate backend's points are simulated, and the legend says so
+    assert {t["name"] for t in data} >= {"Pareto front (simulated)", "simulated, dominated"}
+    assert not any("measured" in t["name"] for t in data)
     assert len(by_name["pruned"]["x"]) == sum(r["state"] == "PRUNED" for r in trials) > 0
     assert all(y == 0 for y in by_name["pruned"]["y"])
     # hover carries the strategy in words
@@ -133,7 +137,7 @@ def test_front_png(run):
 def test_no_fit_run_still_reports(nofit):
     assert front(nofit)["front"] == []
     text = html(nofit)
-    assert "No candidate fits" in text and BREAKDOWN_DIV not in text
+    assert "no candidate fits" in text and BREAKDOWN_DIV not in text
     data, _ = figure_data(text, PARETO_DIV)
     assert sum(len(t["x"]) for t in data) == len(rows(nofit)) > 0
     assert os.path.isfile(os.path.join(nofit, "front.png"))
