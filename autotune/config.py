@@ -205,7 +205,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "vocab_size": int_(1, 1 << 24),
     "hidden_act": choice("silu", "swiglu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
     "tie_word_embeddings": bool_,
-    "norm": choice("rmsnorm", "layernorm", "gemma_rmsnorm"),
+    "norm": choice("rmsnorm", "layernorm", "rmsnorm_fp32"),
     "bias": bool_,
     "qkv_bias": bool_,
     "position_embedding": choice("rope", "learned", "alibi", "none"),
@@ -219,6 +219,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "norms_per_block": int_(1, 16),
     "qk_norm": choice("none", "head", "full"),
     "parallel_residual": bool_,
+    "fused_qkv": bool_,
     "final_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
 }
 MODEL_SCHEMA: dict[str, Checker] = {"preset": choice(*presets.model_names()), "hf_config": str_, "python": str_,
@@ -495,7 +496,7 @@ def _hf_fields(cfg: dict, path: str) -> dict[str, Any]:
                    tie_word_embeddings=bool(get("tie_word_embeddings", default=False)), norm="layernorm",
                    bias=bool(get("attention_bias", default=True)), position_embedding="rope",
                    max_position_embeddings=get("max_position_embeddings", default=2048),
-                   parallel_residual=bool(get("use_parallel_residual", default=True)),
+                   parallel_residual=bool(get("use_parallel_residual", default=True)), fused_qkv=True,
                    attention_dropout=float(cfg.get("attention_dropout") or 0.0),
                    hidden_dropout=float(cfg.get("hidden_dropout") or 0.0))
     else:  # llama, mistral, qwen2/3, gemma/2, phi3, olmo2 and other Llama-shaped decoders
@@ -514,8 +515,10 @@ def _hf_fields(cfg: dict, path: str) -> dict[str, Any]:
                    position_embedding="rope", max_position_embeddings=get("max_position_embeddings", default=4096),
                    attention_dropout=float(cfg.get("attention_dropout") or 0.0),
                    hidden_dropout=float(max(cfg.get("resid_pdrop") or 0.0, cfg.get("embd_pdrop") or 0.0)))
-        if kind in ("gemma", "gemma2"):
-            out["norm"] = "gemma_rmsnorm"
+        if kind in ("gemma", "gemma2", "olmo2"):
+            out["norm"] = "rmsnorm_fp32"  # GemmaRMSNorm / Olmo2RMSNorm: weight applied in fp32
+        if kind == "phi3":
+            out["fused_qkv"] = True  # qkv_proj, sliced
         if kind == "gemma2":
             out["norms_per_block"] = 4  # input, post_attention, pre_feedforward, post_feedforward
             out["attn_implementation"] = "eager"  # transformers has no sdpa path for Gemma2

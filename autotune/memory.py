@@ -148,9 +148,10 @@ def _partition(n: int, dp: int) -> int:
 def _norm_saved(m: ModelSpec, p: int) -> float:
     """Bytes per token one norm keeps for backward, its output (saved by the next linear) included."""
     h = m.hidden_size
-    if m.norm == "gemma_rmsnorm":
-        # HF GemmaRMSNorm: x.float() (4h), rsqrt (4), the fp32 normalised value saved by the
-        # (1 + weight) multiply (4h), the output cast to the model dtype (p h)
+    if m.norm == "rmsnorm_fp32":
+        # HF GemmaRMSNorm / Olmo2RMSNorm: x.float() (4h), rsqrt (4), the fp32 normalised value
+        # saved by the fp32 weight multiply (4h), the output cast to the model dtype (p h). OLMo2's
+        # post-norms save the same: their output feeds the residual, the linears save the block input.
         return 8 * h + p * h + 4
     if m.norm == "rmsnorm":
         # HF LlamaRMSNorm: x.float() (4h), rsqrt (4), h.to(dtype) (p h), weight * h (p h)
@@ -219,9 +220,14 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
         # HF q_norm / k_norm (RMSNorm with the fp32 upcast, Qwen3 per head, OLMo2 over the whole
         # projection): the fp32 input, the normalised value in the model dtype (saved by the weight
         # multiply) and one fp32 rsqrt per normalised vector; the output goes to rope / attention
+        # (Olmo2RMSNorm multiplies the weight in fp32: the fp32 normalised value instead)
         width = m.q_size + m.kv_size
         vectors = (m.num_attention_heads + m.num_key_value_heads) if m.qk_norm == "head" else 2
-        n += (4 + p) * width + 4 * vectors
+        n += (8 if m.norm == "rmsnorm_fp32" else 4 + p) * width + 4 * vectors
+    if m.fused_qkv and m.position_embedding == "rope" and checkpointing != "selective":
+        # rotary makes new q and k, v stays a view of the fused projection's output: attention
+        # keeps that whole output (q + 2 kv) where separate projections keep v alone
+        n += p * (m.q_size + m.kv_size)
     n += (4 if m.gated_mlp else 2) * p * f
     if m.implementation == "hf" and m.hidden_act == "gelu_new":
         # transformers activations.py NewGELUActivation is a Python composite,

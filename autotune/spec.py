@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 Precision = Literal["bf16", "fp16", "fp32"]
-Norm = Literal["rmsnorm", "layernorm", "gemma_rmsnorm"]
+Norm = Literal["rmsnorm", "layernorm", "rmsnorm_fp32"]
 PositionEmbedding = Literal["rope", "learned", "alibi", "none"]
 AttnImplementation = Literal["sdpa", "eager"]
 
@@ -42,8 +42,8 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     """Whether the LM head shares the token-embedding matrix."""
     norm: Norm = "rmsnorm"
-    """Normalisation layer kind; ``gemma_rmsnorm``: RMSNorm with ``(1 + weight)`` applied in fp32
-    before the cast back (HF GemmaRMSNorm; same parameters as rmsnorm, more saved bytes)."""
+    """Normalisation layer kind; ``rmsnorm_fp32``: RMSNorm whose weight is applied in fp32 before
+    the cast back (HF GemmaRMSNorm, Olmo2RMSNorm; same parameters as rmsnorm, more saved bytes)."""
     bias: bool = False
     """Whether linear layers (and LayerNorms) carry a bias."""
     qkv_bias: bool = False
@@ -72,6 +72,10 @@ class ModelSpec:
     qk_norm: Literal["none", "head", "full"] = "none"
     """RMSNorm on queries and keys: ``head`` over each head (Qwen3, weights of head_dim),
     ``full`` over the whole projection (OLMo2, weights of q_size and kv_size)."""
+    fused_qkv: bool = False
+    """q, k and v come from one fused projection and are sliced from it (Phi3 ``qkv_proj``,
+    GPT-NeoX ``query_key_value``): with rotary embeddings, v stays a view of the fused output, so
+    attention keeps that whole output alive."""
     parallel_residual: bool = False
     """Attention and MLP read the same block input (GPT-NeoX ``use_parallel_residual``)."""
     final_logit_softcapping: Optional[float] = None

@@ -119,24 +119,19 @@ def _hf_path(name: str, workdir: Path) -> str:
     return str(path)
 
 
+REFERENCE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision)
+    ("llama-s", 0, 1, 1, 1, 256, "none", "bf16"), ("llama-s", 2, 2, 2, 2, 256, "none", "bf16"),
+    ("llama-m", 3, 2, 4, 4, 128, "full", "bf16"), ("llama-m", 1, 1, 2, 4, 64, "selective", "fp32"),
+    ("gpt2-s", 2, 2, 4, 2, 256, "full", "fp32"), ("gpt2-s", 3, 1, 1, 2, 512, "none", "bf16"),
+    ("gpt2-eager", 1, 2, 1, 4, 64, "selective", "bf16"), ("gpt2-eager", 0, 2, 4, 1, 256, "none", "bf16"),
+]
+
+
 def grid(quick: bool) -> list[dict]:
-    """Reference-decoder rows: (model, stage, nproc, ga, mbs, seq, checkpointing, precision)."""
-    rows = []
-    shapes = [(1, 256, "none"), (4, 128, "full"), (2, 512, "none"), (4, 64, "selective")]
-    models = ["llama-s", "llama-m", "gpt2-s", "gpt2-eager"]
-    i = 0
-    for model, stage, nproc in itertools.product(models, (0, 1, 2, 3), (1, 2)):
-        if (i % 2) and not quick:
-            i += 1
-            continue  # half of the reference grid: the HF families carry the accuracy claim
-        mbs, seq, ck = shapes[i % len(shapes)]
-        prec = "fp32" if i % 5 == 4 else "bf16"
-        rows.append(dict(model=model, stage=stage, nproc=nproc, ga=(1, 2, 4)[i % 3], mbs=mbs, seq=seq, ckpt=ck,
-                         precision=prec))
-        i += 1
-    if quick:
-        rows = [r for j, r in enumerate(rows) if j % 3 == 0]
-    return rows
+    """Reference-decoder rows (the HF families, hf_grid, carry most of the accuracy claim)."""
+    keys = ("model", "stage", "nproc", "ga", "mbs", "seq", "ckpt", "precision")
+    rows = [dict(zip(keys, r)) for r in REFERENCE_ROWS]
+    return rows[::3] if quick else rows
 
 
 def specs(row: dict, workdir: Path | None = None) -> tuple[ModelSpec, TrainingSpec, HardwareSpec, Strategy]:

@@ -173,3 +173,110 @@ def test_hf_gelu_new_composite_keeps_three_more_tensors():
     llama = model_from_name("llama2-7b")
     assert block_activation_bytes_per_token(llama.replace(implementation="hf"), p, s) == \
         block_activation_bytes_per_token(llama, p, s)
+
+
+# ---------------------------------------------------------------- issue 11: what a user's job hits
+
+from autotune.memory import _model_states  # noqa: E402
+
+SMALL = model_from_name("tiny-llama").replace(num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
+                                              num_key_value_heads=8, intermediate_size=688, vocab_size=4096)
+
+
+def _peak(model, stage, ga, dp=1, loop="keep_outputs", precision="bf16", ckpt="none", **kw):
+    train = TrainingSpec(seq_len=256, global_batch_size=2 * dp * ga, precision=precision)
+    hw = HardwareSpec(gpu=A100, gpus_per_node=dp)
+    s = Strategy(zero_stage=stage, micro_batch_size=2, checkpointing=ckpt, precision=precision, **kw)
+    return estimate_memory(model, train, hw, s, device="cpu", loop=loop)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_kept_outputs_hold_the_logits_everywhere(precision):
+    """The usual loop keeps outputs.logits (model dtype) through backward, the step and the next forward."""
+    p = 2 if precision == "bf16" else 4
+    logits = p * SMALL.vocab_size * 2 * 256
+    for stage in (0, 1, 2, 3):
+        keep, drop = _peak(SMALL, stage, 1, precision=precision), _peak(SMALL, stage, 1, precision=precision,
+                                                                        loop="drop_outputs")
+        assert keep.gpu["peak"] - drop.gpu["peak"] == logits
+        assert all(keep.phases[k] - drop.phases[k] == logits for k in drop.phases)
+    with pytest.raises(ValueError, match="loop must be one of"):
+        _peak(SMALL, 0, 1, loop="other")
+
+
+@pytest.mark.parametrize("stage,dp,copies", [(0, 1, 1.0), (0, 2, 1.0), (1, 1, 3.0), (1, 2, 3.0), (2, 1, 1.0),
+                                             (2, 2, 0.5), (3, 1, 0.0), (3, 2, 0.0)])
+def test_gradient_accumulation_carry(stage, dp, copies):
+    """Gradients that live across micro-steps (model dtype): ZeRO-0 param.grad, ZeRO-1 unreduced
+    gradients, ZeRO-2 the accumulated partition, ZeRO-3 nothing (in-place partition buffer)."""
+    carry = 2 * SMALL.num_parameters * copies
+    ga1, ga2, ga4 = (_peak(SMALL, stage, g, dp) for g in (1, 2, 4))
+    assert ga2.phases["forward"] - ga1.phases["forward"] == pytest.approx(carry, abs=8)
+    assert ga4.gpu["peak"] == ga2.gpu["peak"] and ga2.gpu["peak"] >= ga1.gpu["peak"]
+    assert ga2.phases["optimizer"] == ga1.phases["optimizer"]
+
+
+def test_zero3_optimizer_offload_puts_gradient_partitions_on_the_host():
+    """DeepSpeed stage3.py: self.device = cpu with offload_optimizer; grad_partitions_flat_buffer there."""
+    m = model_from_name("llama2-70b")
+    hw = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=1, cpu_memory_gib=2048,
+                      nvme=NVMeSpec(capacity_gib=3500))
+    train = TrainingSpec(seq_len=4096, global_batch_size=8)
+    psi = m.num_parameters
+    est = estimate_memory(m, train, hw, Strategy(zero_stage=3, micro_batch_size=1, checkpointing="full",
+                                                 offload_optimizer="cpu", offload_params="cpu"))
+    assert est.gpu["gradients"] == 0 and est.gpu["optimizer_states"] == 0 and est.fits
+    assert est.gpu["parameters"] < 1 * GIB  # only persistent small params stay on the GPU
+    assert est.cpu_bytes_per_node == pytest.approx((4 + 8 + 4 + 2 + 2) * psi, rel=1e-6)
+    st = _model_states(m, train, hw, Strategy(zero_stage=3, micro_batch_size=1, offload_optimizer="cpu"))
+    assert st.grad_buffer == 0 and st.cpu == pytest.approx((4 + 8 + 4 + 2) * psi, rel=1e-6)
+
+
+@pytest.mark.parametrize("opt", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("par", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_no_memory_figure_is_ever_negative(stage, opt, par):
+    if stage < 3 and par != "none":
+        return
+    hw = HardwareSpec(gpu=A100, gpus_per_node=8, nvme=NVMeSpec(capacity_gib=3500))
+    for model in (SMALL, LLAMA7, model_from_name("llama2-70b")):
+        est = estimate_memory(model, TRAIN, hw, Strategy(zero_stage=stage, micro_batch_size=1,
+                                                         offload_optimizer=opt, offload_params=par))
+        assert min(est.gpu.values()) >= 0 and min(est.phases.values()) >= 0
+        assert est.cpu_bytes_per_node >= 0 and est.nvme_bytes_per_node >= 0
+        if "nvme" in (opt, par) and stage == 3:
+            assert est.nvme_bytes_per_node > 0
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_offload_gpu_model_states_reproduce_deepspeed_estimators(gpus):
+    """estimate_zero2/3_model_states_mem_needs: the figures they cover are the partitioned model
+    states on the GPU (their largest-layer term is a working-set heuristic) and a host lower bound."""
+    z2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    z3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    m = LLAMA7
+    psi = m.num_parameters
+    hw = HardwareSpec(gpu=A100, gpus_per_node=gpus)
+    train = TrainingSpec(seq_len=4096, global_batch_size=gpus, precision="fp16")
+    # ZeRO-2 + optimizer offload: 2 B/param on the GPU (the fp16 params), host >= 16 B/param
+    cpu, gpu = z2.estimate_zero2_model_states_mem_needs(psi, gpus, 1, cpu_offload=True)
+    st = _model_states(m, train, hw, Strategy(zero_stage=2, micro_batch_size=1, precision="fp16",
+                                              offload_optimizer="cpu"))
+    assert st.params + st.optimizer + st.grads + st.grad_buffer == gpu
+    assert st.cpu * gpus >= cpu / 1.5  # DeepSpeed's figure carries a 1.5x buffer factor
+    # ZeRO-2 without offload: 2 + 18/N (16-bit params; 16-bit grads, fp32 grads, master, moments / N)
+    cpu, gpu = z2.estimate_zero2_model_states_mem_needs(psi, gpus, 1, cpu_offload=False)
+    st = _model_states(m, train, hw, Strategy(zero_stage=2, micro_batch_size=1, precision="fp16"))
+    part = -(-psi // gpus)
+    assert st.params + st.optimizer + st.grads + 4 * part == pytest.approx(gpu, abs=8 * gpus)
+    # ZeRO-3 + optimizer offload: 2/N on the GPU beyond the largest layer; + param offload: nothing
+    largest = m.intermediate_size * m.hidden_size
+    for off_par, frac in ((False, 2), (True, 0)):
+        cpu, gpu, largest_mem = z3.estimate_zero3_model_states_mem_needs(psi, largest, gpus, 1, cpu_offload=True,
+                                                                         cpu_offload_params=off_par)
+        st = _model_states(m, train, hw, Strategy(zero_stage=3, micro_batch_size=1, precision="fp16",
+                                                  offload_optimizer="cpu",
+                                                  offload_params="cpu" if off_par else "none"))
+        persist = st.params - (0 if off_par else 2 * part)
+        assert st.params - persist + st.optimizer + st.grad_buffer == pytest.approx(gpu - largest_mem, abs=8)
+        assert st.cpu * gpus >= cpu / 1.5

@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
-    if spec.norm in ("rmsnorm", "gemma_rmsnorm"):
+    if spec.norm in ("rmsnorm", "rmsnorm_fp32"):
         return RMSNorm(spec.hidden_size)
     return nn.LayerNorm(spec.hidden_size, eps=1e-5, bias=spec.bias)
 
