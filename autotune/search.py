@@ -97,12 +97,21 @@ def spread(points: list, k: int) -> list:
     return [points[round(i * (len(points) - 1) / (k - 1))] for i in range(k)]
 
 
-def make_sampler(name: str, seed: int) -> Any:
+def make_sampler(name: str, seed: int, context: Optional[dict] = None) -> Any:
     """NSGA-II by default: the space is small, discrete and categorical, the problem is bi-objective
     with constraints, and NSGA-II handles all three at ~0.4 ms/trial (TPE ~5 ms, GP needs scipy and is
-    built for continuous spaces); see ../shared/NOTES-cpu.md for the timings."""
+    built for continuous spaces); see ../shared/NOTES-cpu.md for the timings.
+
+    ``ehvi``: autotune.sampler.FrontSampler (calibrated simulator + residual GP, expected hypervolume
+    improvement), built from ``context`` (cfg, space, screened, headroom, calibrator)."""
     import optuna
 
+    if name == "ehvi":
+        from autotune.sampler import FrontSampler
+
+        ctx = dict(context or {})
+        return FrontSampler(ctx["cfg"], ctx["space"], ctx["screened"], headroom=ctx["headroom"],
+                            calibrator=ctx.get("calibrator"), seed=seed)
     if name == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=seed, population_size=24)
     if name == "tpe":
@@ -130,6 +139,11 @@ class StudyOutcome:
     """strategy key -> number of the trial that evaluated it."""
     evaluations: int = 0
     """Backend evaluations made by this process."""
+    confidence: Optional[str] = None
+    """How sure the front is (sampler ehvi), e.g. "front stable: expected hypervolume gain ... 0.3%; 11 of
+    704 feasible candidates profiled"; also the study user attr ``front_confidence``."""
+    stopped_early: bool = False
+    """The sampler's stopping rule ended the run before ``n_trials`` evaluations."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -221,9 +235,11 @@ def run_study(
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     screened = screen(cfg, space, headroom, params)
+    context = {"cfg": cfg, "space": space, "screened": screened, "headroom": headroom,
+               "calibrator": getattr(backend, "calibrator", None)}
     study = optuna.create_study(
         study_name=study_name, storage=storage, directions=DIRECTIONS,
-        sampler=make_sampler(sampler, seed), load_if_exists=resume or join,
+        sampler=make_sampler(sampler, seed, context), load_if_exists=resume or join,
     )
     if write_through:
         if join and "num_candidates" not in study.user_attrs:
@@ -233,7 +249,7 @@ def run_study(
         return _run(study, study, cfg, space, backend, screened, n_trials, headroom, resume, progress, enqueue,
                     seed_predicted_front, shared=True)
     persistent = study
-    study = optuna.create_study(directions=DIRECTIONS, sampler=make_sampler(sampler, seed))
+    study = optuna.create_study(directions=DIRECTIONS, sampler=study.sampler)
     known = [t for t in persistent.get_trials(deepcopy=False) if t.state.is_finished()] if resume else []
     study.add_trials(known)
     flushed = len(known)
@@ -287,6 +303,9 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
 
     by_key = {s.strategy.key(): s for s in screened}
     outcome = StudyOutcome(study=study, screened=screened)
+    # sampler ehvi re-predicts every candidate before each trial: no front seeding, no re-seeding,
+    # and its stopping rule may end the run before n_trials (autotune.sampler)
+    chooses_front = getattr(study.sampler, "chooses_front", False)
     cache: dict[tuple, _Outcome] = {}  # strategy key -> how its first trial ended
     oom_at: dict[tuple, tuple[int, int]] = {}  # strategy-without-mbs -> (smallest OOM mbs, trial number)
     seen: set[int] = set()  # trial numbers already folded into cache (shared mode)
@@ -304,7 +323,7 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
         # the whole space was screened in well under a second, so the study starts from the
         # predicted-best points and explores from there.
         seeds = list(enqueue or [])
-        if seed_predicted_front:
+        if seed_predicted_front and not chooses_front:
             front = [s.strategy for s in predicted_front(screened)]
             seeds += spread(front, max(1, n_trials - len(seeds)) if n_trials else len(front))
         for strategy in seeds[:n_trials or len(seeds)]:  # n_trials 0: a worker only initialising
@@ -357,8 +376,16 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
                 evaluations += 1
                 if progress:
                     progress(evaluations, n_trials)
-                if calibrator is not None and calibrator.fitted:
+                if chooses_front:
+                    stop, assessment = study.sampler.should_stop(study)
+                    outcome.confidence = assessment.statement(study.sampler.stop_gain)
+                    if stop and evaluations < n_trials:
+                        outcome.stopped_early = True
+                        break
+                elif calibrator is not None and calibrator.fitted:
                     _enqueue_recalibrated(study, space, cfg, screened, calibrator.current_params(), cache)
+    if outcome.confidence is not None:
+        persistent.set_user_attr("front_confidence", outcome.confidence)
     outcome.evaluated = {k: o.number for k, o in cache.items()}
     outcome.evaluations = evaluations
     return outcome

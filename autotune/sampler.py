@@ -1,0 +1,394 @@
+"""The model-based sampler: profile next the candidate with the largest expected hypervolume improvement.
+
+``FrontSampler`` is an Optuna ``BaseSampler`` (so storage, ``--resume``, ``autotune worker`` and the
+dashboard work unchanged). Before each trial it rebuilds its state from the study itself:
+
+* every feasible candidate of the screened space (the memory model's verdict) is a choice;
+* the measured trials (COMPLETE: peak memory and tokens/s; FAIL with an ``oom`` reason: larger
+  micro-batches of that strategy are left out, as the search prunes them) are folded into the
+  calibrator (autotune.profile.calibrate.Calibrator: simulator re-fit, per-family memory
+  correction, measured noise), including trials that other processes or an earlier run measured;
+* throughput of each unprofiled candidate: log tokens/s ~ Normal(mu, s^2) with mu = log of the
+  calibrated simulator's prediction + the posterior mean of a Gaussian process on the residuals
+  log(measured / predicted) over strategy features, and s^2 its posterior variance plus the
+  residual noise (Rasmussen & Williams 2006, eq. 2.22-2.24; hyper-parameters by marginal likelihood
+  over a small grid, eq. 2.30);
+* memory of each unprofiled candidate: the memory model's peak times its family's measured ratio;
+* EHVI: with the memory coordinate known, the hypervolume improvement of a new point (x, Y) over the
+  current measured front is sum_j len_j(x) * max(0, Y - h_j) over the front's staircase segments j
+  right of x, so E[HVI] is a sum of log-normal call prices, exp(mu + s^2/2) Phi(d1) - h Phi(d2)
+  (Black & Scholes 1973 eq. 13; the 2-D EHVI of Emmerich et al. 2006 with one deterministic
+  objective). Staircase heights are raised by the measured noise, so gains within noise are not
+  chased. The hypervolume itself is Optuna's (optuna._hypervolume.compute_hypervolume).
+
+The candidate with the largest EHVI is profiled next. ``assess(study)`` gives the stopping
+statistic: the best remaining EHVI as a fraction of the current hypervolume; the search stops when
+it falls below ``stop_gain`` (``--trials`` stays the hard budget) and states it
+("front stable: ...").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+from optuna.samplers import BaseSampler
+
+GIB = float(1 << 30)
+DEFAULT_STOP_GAIN = 0.005
+"""Stop when the best remaining candidate's expected hypervolume gain is below 0.5% of the front's."""
+MIN_PROFILED = 3
+"""Never stop before this many candidates were measured (the residual model needs a few points)."""
+
+# GP hyper-parameter grid (log-throughput residuals): kernel amplitude, length scale in feature units,
+# residual noise. The constant term lets the model absorb an overall bias of the simulator.
+_AMPLITUDES = (0.02, 0.05, 0.1, 0.2, 0.4)
+_LENGTHS = (0.35, 0.7, 1.4)
+_NOISES = (0.005, 0.02, 0.05, 0.1)
+_BIAS_SD = 0.2
+_HERMITE = (np.array([-2.8569700, -1.3556262, 0.0, 1.3556262, 2.8569700]),
+            np.array([0.0112574, 0.2220759, 0.5333333, 0.2220759, 0.0112574]))
+"""5-point Gauss-Hermite nodes and weights for a standard normal (probabilists' form)."""
+_PRIOR_AMPLITUDE = 0.2
+"""Prior sd of the simulator's log error before anything is measured (20%)."""
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """Where the search stands after the measurements so far."""
+
+    gain: float
+    """Largest expected hypervolume improvement of an unprofiled candidate / current hypervolume."""
+    hypervolume: float
+    profiled: int
+    """Feasible candidates measured (ok or failed)."""
+    feasible: int
+    """Candidates the memory model lets through."""
+    remaining: int
+    """Candidates still eligible (not measured, not excluded by an OOM of a smaller micro-batch)."""
+    noise: float
+    """Relative throughput noise used (median measured spread)."""
+
+    def statement(self, stop_gain: float) -> str:
+        word = "front stable" if self.gain < stop_gain or self.remaining == 0 else "front not yet stable"
+        return (f"{word}: expected hypervolume gain of the best unprofiled candidate {100 * self.gain:.1f}%; "
+                f"{self.profiled} of {self.feasible} feasible candidates profiled")
+
+
+def features(strategy: Any, num_layers: int, mbs_range: tuple[int, int]) -> list[float]:
+    """Strategy -> numeric features for the residual model (each knob spans at most ~1 unit)."""
+    h = 1.0 / math.sqrt(2.0)
+    lo, hi = mbs_range
+    span = max(1e-9, math.log2(hi) - math.log2(lo))
+    frac = strategy.num_checkpointed(num_layers) / max(1, num_layers)
+    return [
+        *(h * (strategy.zero_stage == z) for z in range(4)),
+        (math.log2(strategy.micro_batch_size) - math.log2(lo)) / span,
+        frac if strategy.checkpointing == "full" else 0.0,
+        frac if strategy.checkpointing == "selective" else 0.0,
+        *(h * (strategy.offload_optimizer == o) for o in ("none", "cpu", "nvme")),
+        *(h * (strategy.offload_params == o) for o in ("none", "cpu", "nvme")),
+        *(h * (strategy.precision == p) for p in ("bf16", "fp16", "fp32")),
+        *(0.5 * (getattr(strategy, k) is not None) for k in ("reduce_bucket_size", "allgather_bucket_size",
+                                                               "prefetch_bucket_size")),
+    ]
+
+
+def _matern52(a: np.ndarray, b: np.ndarray, length: float) -> np.ndarray:
+    """Matern 5/2 correlation (Rasmussen & Williams 2006, eq. 4.17)."""
+    d = np.sqrt(np.maximum(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1), 0.0)) / length
+    s = math.sqrt(5.0) * d
+    return (1.0 + s + s * s / 3.0) * np.exp(-s)
+
+
+def gp_posterior(x: np.ndarray, y: np.ndarray, xs: np.ndarray, noise_floor: float = 0.0
+                 ) -> tuple[np.ndarray, np.ndarray, float]:
+    """Posterior mean and variance of the *observed* residual at ``xs`` (noise included), and the
+    chosen noise sd. Hyper-parameters maximise the log marginal likelihood over the grid above."""
+    if len(y) == 0:
+        noise = max(noise_floor, _NOISES[0])
+        return np.zeros(len(xs)), np.full(len(xs), _PRIOR_AMPLITUDE ** 2 + noise ** 2), noise
+    best = None
+    d2 = ((x[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+    for length in _LENGTHS:
+        s = math.sqrt(5.0) * np.sqrt(d2) / length
+        corr = (1.0 + s + s * s / 3.0) * np.exp(-s)
+        for amp in _AMPLITUDES:
+            for noise in _NOISES:
+                noise = max(noise, noise_floor)
+                k = amp * amp * corr + _BIAS_SD ** 2 + (noise * noise + 1e-10) * np.eye(len(y))
+                try:
+                    chol = np.linalg.cholesky(k)
+                except np.linalg.LinAlgError:
+                    continue
+                alpha = np.linalg.solve(chol.T, np.linalg.solve(chol, y))
+                lml = -0.5 * float(y @ alpha) - float(np.log(np.diag(chol)).sum())
+                if best is None or lml > best[0]:
+                    best = (lml, length, amp, noise, chol, alpha)
+    assert best is not None
+    _, length, amp, noise, chol, alpha = best
+    ks = amp * amp * _matern52(xs, x, length) + _BIAS_SD ** 2
+    mean = ks @ alpha
+    v = np.linalg.solve(chol, ks.T)
+    var = amp * amp + _BIAS_SD ** 2 - (v * v).sum(0) + noise * noise
+    return mean, np.maximum(var, 1e-12), noise
+
+
+def _norm_cdf(z: np.ndarray) -> np.ndarray:
+    from math import erf
+
+    return 0.5 * (1.0 + np.vectorize(erf)(z / math.sqrt(2.0)))
+
+
+def expected_hvi(x: np.ndarray, mu: np.ndarray, sd: np.ndarray, front: Sequence[tuple[float, float]],
+                 ref_x: float, noise: float = 0.0) -> np.ndarray:
+    """Expected hypervolume improvement of points (x_i, Y_i), log Y_i ~ N(mu_i, sd_i^2), over ``front``
+    (memory minimised, throughput maximised; reference point (ref_x, 0)); heights are raised by
+    ``noise`` (relative) so that improvements within the noise count for nothing."""
+    pts = sorted((m, t) for m, t in front if m < ref_x and t > 0)
+    edges = [p[0] for p in pts] + [ref_x]
+    heights, run = [], 0.0
+    for m, t in pts:
+        run = max(run, t)
+        heights.append(run)
+    lo = np.array([-np.inf] + edges[:-1])  # segment j spans [lo_j, hi_j) at height h_j (0 before the first point)
+    hi = np.array(edges)
+    h = np.array([0.0] + heights) * (1.0 + noise)
+    length = np.clip(hi[None, :] - np.maximum(x[:, None], lo[None, :]), 0.0, None)
+    mean = np.exp(mu + 0.5 * sd * sd)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d2 = (mu[:, None] - np.log(np.where(h > 0, h, 1.0))[None, :]) / sd[:, None]
+    d1 = d2 + sd[:, None]
+    call = np.where(h[None, :] > 0, mean[:, None] * _norm_cdf(d1) - h[None, :] * _norm_cdf(d2), mean[:, None])
+    return (length * np.maximum(call, 0.0)).sum(1)
+
+
+def hypervolume(points: Sequence[tuple[float, float]], ref_x: float) -> float:
+    """Optuna's hypervolume of (memory, tokens/s) points, both as minimised objectives."""
+    from optuna._hypervolume import compute_hypervolume
+
+    pts = [(m, -t) for m, t in points if m < ref_x and t > 0]
+    if not pts:
+        return 0.0
+    return float(compute_hypervolume(np.array(pts, dtype=float), np.array([ref_x, 0.0]), assume_pareto=False))
+
+
+class FrontSampler(BaseSampler):
+    """Optuna sampler choosing the candidate of largest expected hypervolume improvement (module doc)."""
+
+    chooses_front = True
+    """search._run: no predicted-front seeding and no re-seeding; the sampler re-predicts each trial."""
+
+    def __init__(self, cfg: Any, space: Any, screened: Sequence[Any], *, headroom: float,
+                 calibrator: Any = None, seed: int = 0, stop_gain: Optional[float] = None) -> None:
+        import optuna
+
+        from autotune.profile.calibrate import Calibrator, family
+
+        self.cfg, self.space = cfg, space
+        self.stop_gain = DEFAULT_STOP_GAIN if stop_gain is None else stop_gain
+        self.calibrator = calibrator if calibrator is not None else Calibrator(cfg, None, autosave=False)
+        self._fallback = optuna.samplers.RandomSampler(seed=seed)
+        self._rng = np.random.RandomState(seed)
+        feasible = [s for s in screened if s.memory.fits]
+        self.strategies = [s.strategy for s in feasible]
+        self.index = {s.key(): i for i, s in enumerate(self.strategies)}
+        self.pred_mem = np.array([s.memory.gpu["peak"] / GIB for s in feasible])
+        self.families = [family(s) for s in self.strategies]
+        mbs = [s.micro_batch_size for s in self.strategies] or [1]
+        L = cfg.model.num_hidden_layers
+        self.x = np.array([features(s, L, (min(mbs), max(mbs))) for s in self.strategies]).reshape(len(feasible), -1)
+        self.ref_x = cfg.hardware.gpu.memory_bytes * (1 - headroom) / GIB
+        self._params: dict[int, dict] = {}
+        self._chosen: dict[int, int] = {}
+        self._folded: set[int] = set()
+        self._sim_for: Optional[tuple] = None
+        self._log_sim = np.zeros(len(feasible))
+        # study-derived state
+        self.measured: dict[int, tuple[float, float]] = {}  # candidate -> (GiB, tokens/s)
+        self.failed: set[int] = set()
+        self.oom_at: dict[tuple, int] = {}
+        self._scored: Optional[tuple] = None
+        self.history: list[Assessment] = []
+        """The assessment after each measurement of this process (benchmarks/search_cost.py)."""
+
+    # ------------------------------------------------------------------ Optuna interface
+
+    def infer_relative_search_space(self, study: Any, trial: Any) -> dict:
+        return {}
+
+    def sample_relative(self, study: Any, trial: Any, search_space: dict) -> dict:
+        return {}
+
+    def sample_independent(self, study: Any, trial: Any, param_name: str, param_distribution: Any) -> Any:
+        idx = self._chosen.get(trial.number)
+        if idx is None:
+            idx = self._choose(study, trial.number)
+            self._chosen[trial.number] = idx
+        if idx >= 0:
+            value = self._params_of(idx).get(param_name)
+            choices = getattr(param_distribution, "choices", None)
+            if value is not None and (choices is None or value in choices):
+                return value
+        return self._fallback.sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study: Any, trial: Any) -> None:
+        self._fallback.before_trial(study, trial)
+
+    def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+        self._fallback.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self._fallback.reseed_rng()
+
+    # ------------------------------------------------------------------ state from the study
+
+    def _params_of(self, idx: int) -> dict:
+        if idx not in self._params:
+            from autotune.space import strategy_params
+
+            self._params[idx] = strategy_params(self.strategies[idx], self.space, self.cfg.model)
+        return self._params[idx]
+
+    def _strategy_of(self, t: Any) -> Optional[Any]:
+        import optuna
+
+        try:
+            return self.space.suggest(optuna.trial.FixedTrial(t.params), self.cfg.model)
+        except Exception:  # incomplete params (a trial still being sampled) or another space
+            return None
+
+    def observe(self, study: Any) -> set[int]:
+        """Fold finished trials into the measured / failed sets and the calibrator; returns the
+        candidates held by running trials."""
+        from optuna.trial import TrialState
+
+        from autotune.profile.backend import Measurement
+
+        running: set[int] = set()
+        for t in study.get_trials(deepcopy=False):
+            if t.state == TrialState.RUNNING:
+                s = self._strategy_of(t) if t.params else None
+                if s is not None and s.key() in self.index:
+                    running.add(self.index[s.key()])
+                continue
+            if t.number in self._folded or not t.state.is_finished():
+                continue
+            self._folded.add(t.number)
+            if "duplicate_of" in t.user_attrs:
+                continue
+            s = self._strategy_of(t)
+            if s is None:
+                continue
+            idx = self.index.get(s.key())
+            reason = t.user_attrs.get("fail_reason", "")
+            if t.state == TrialState.FAIL and reason.startswith("oom"):
+                no_mbs = s.replace(micro_batch_size=0).key()
+                self.oom_at[no_mbs] = min(s.micro_batch_size, self.oom_at.get(no_mbs, s.micro_batch_size))
+            if idx is None:
+                continue
+            m = t.user_attrs.get("measurement") or {}
+            if t.state == TrialState.COMPLETE and t.values:
+                self.measured[idx] = (float(t.values[0]), float(t.values[1]))
+                meas = Measurement(status="ok", peak_memory_bytes=int(t.values[0] * GIB),
+                                   tokens_per_s_per_gpu=float(t.values[1]), extra=m.get("extra") or {})
+            elif t.state == TrialState.FAIL and "fail_reason" in t.user_attrs:
+                self.failed.add(idx)
+                meas = Measurement(status=m.get("status") or reason.partition(":")[0] or "error", reason=reason)
+            else:  # pruned, or lost (re-run later)
+                if t.state == TrialState.PRUNED:
+                    self.failed.add(idx)
+                continue
+            if s.key() not in self.calibrator.keys:  # measured by another process or an earlier run
+                self.calibrator.add(s, meas)
+        return running
+
+    def _eligible(self, running: set[int]) -> np.ndarray:
+        ok = np.ones(len(self.strategies), dtype=bool)
+        for i in list(self.measured) + list(self.failed) + list(running):
+            ok[i] = False
+        if self.oom_at:
+            for i, s in enumerate(self.strategies):
+                at = self.oom_at.get(s.replace(micro_batch_size=0).key())
+                if at is not None and s.micro_batch_size >= at:
+                    ok[i] = False
+        return ok
+
+    # ------------------------------------------------------------------ prediction and choice
+
+    def _log_simulated(self) -> np.ndarray:
+        from autotune.simulate import simulate
+
+        params = self.calibrator.current_params()
+        key = tuple(sorted(params.items()))
+        if key != self._sim_for:
+            cfg = self.cfg
+            self._log_sim = np.array([math.log(max(1e-30, simulate(cfg.model, cfg.training, cfg.hardware, s,
+                                                                   params).tokens_per_s_per_gpu))
+                                      for s in self.strategies])
+            self._sim_for = key
+        return self._log_sim
+
+    def predict(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, np.ndarray]:
+        """(memory GiB, mean log tokens/s, sd of log tokens/s, noise, sd of log memory) of every
+        feasible candidate."""
+        log_sim = self._log_simulated()
+        noise = self.calibrator.noise()
+        done = [i for i, (_, t) in self.measured.items() if t > 0]
+        y = np.array([math.log(self.measured[i][1]) - log_sim[i] for i in done])
+        mean, var, _ = gp_posterior(self.x[done], y, self.x, noise_floor=noise)
+        factors: dict[tuple, tuple[float, float]] = {}
+        mem = self.pred_mem.copy()
+        mem_sd = np.zeros(len(mem))
+        for i, (f, s) in enumerate(zip(self.families, self.strategies)):
+            if f not in factors:
+                factors[f] = (self.calibrator.memory_factor(s) or 1.0, self.calibrator.memory_sd(s))
+            mem[i] *= factors[f][0]
+            mem_sd[i] = factors[f][1]
+        return mem, log_sim + mean, np.sqrt(var), noise, mem_sd
+
+    def _score(self, running: set[int]) -> tuple[np.ndarray, np.ndarray, float, float]:
+        key = (len(self._folded), len(self.measured), len(self.failed), tuple(sorted(running)),
+               len(self.calibrator.comparisons))
+        if self._scored is not None and self._scored[0] == key:
+            return self._scored[1]
+        self._scored = (key, self._score_now(running))
+        return self._scored[1]
+
+    def _score_now(self, running: set[int]) -> tuple[np.ndarray, np.ndarray, float, float]:
+        eligible = self._eligible(running)
+        front = list(self.measured.values())
+        if not eligible.any():
+            return eligible, np.zeros(len(eligible)), hypervolume(front, self.ref_x), 0.0
+        mem, mu, sd, noise, mem_sd = self.predict()
+        ehvi = np.zeros(len(eligible))
+        idx = np.flatnonzero(eligible)
+        # memory uncertain too (log-normal, sd from the calibrator): Gauss-Hermite quadrature over it
+        for z, w in zip(*_HERMITE):
+            ehvi[idx] += w * expected_hvi(mem[idx] * np.exp(mem_sd[idx] * z), mu[idx], sd[idx], front, self.ref_x,
+                                          noise)
+        return eligible, ehvi, hypervolume(front, self.ref_x), noise
+
+    def _choose(self, study: Any, number: int) -> int:
+        running = self.observe(study)
+        eligible, ehvi, _, _ = self._score(running)
+        if eligible.any() and ehvi.max() > 0:
+            return int(np.argmax(np.where(eligible, ehvi, -1.0)))
+        rest = [i for i in range(len(self.strategies)) if i not in self.measured and i not in self.failed]
+        return int(self._rng.choice(rest)) if rest else -1
+
+    def assess(self, study: Any) -> Assessment:
+        """The stopping statistic after the measurements so far (see the module docstring)."""
+        running = self.observe(study)
+        eligible, ehvi, hv, noise = self._score(running)
+        gain = float(ehvi.max() / hv) if hv > 0 and eligible.any() else (0.0 if not eligible.any() else math.inf)
+        profiled = len(self.measured) + len(self.failed)
+        return Assessment(gain=gain, hypervolume=hv, profiled=profiled, feasible=len(self.strategies),
+                          remaining=int(eligible.sum()), noise=noise)
+
+    def should_stop(self, study: Any) -> tuple[bool, Assessment]:
+        a = self.assess(study)
+        self.history.append(a)
+        return (len(self.measured) >= MIN_PROFILED and a.gain < self.stop_gain) or a.remaining == 0, a

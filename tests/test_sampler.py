@@ -1,0 +1,101 @@
+"""The ehvi sampler (autotune/sampler.py): closed-form EHVI, the choice it makes, stopping, resume."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from autotune.config import load_config
+from autotune.pareto import hypervolume as hv_pareto
+from autotune.profile.backend import SimulateBackend
+from autotune.sampler import FrontSampler, expected_hvi, gp_posterior, hypervolume
+from autotune.search import run_study, screen, trial_strategy
+from autotune.space import load_space
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_closed_form_ehvi_matches_monte_carlo_with_optunas_hypervolume():
+    rng = np.random.default_rng(0)
+    front = [(10.0, 100.0), (20.0, 150.0), (35.0, 180.0)]
+    ref = 50.0
+    x = np.array([5.0, 15.0, 30.0, 45.0])
+    mu = np.log(np.array([90.0, 160.0, 170.0, 200.0]))
+    sd = np.array([0.2, 0.1, 0.05, 0.3])
+    got = expected_hvi(x, mu, sd, front, ref)
+    base = hypervolume(front, ref)
+    assert base == pytest.approx(hv_pareto(front, (ref, 0.0)))
+    for i in range(len(x)):
+        ys = np.exp(mu[i] + sd[i] * rng.standard_normal(1500))
+        mc = np.mean([hypervolume(front + [(x[i], y)], ref) - base for y in ys])
+        assert got[i] == pytest.approx(mc, rel=0.08, abs=1.0), i
+
+
+def test_gains_within_noise_are_not_chased():
+    front = [(10.0, 100.0)]
+    x, mu, sd = np.array([5.0]), np.log(np.array([103.0])), np.array([1e-6])
+    assert expected_hvi(x, mu, sd, front, 50.0)[0] == pytest.approx(5.0 * 103.0 + 40.0 * 3.0, rel=1e-6)
+    # 3% better than the front point is within a 5% step-to-step noise: only the new memory range counts
+    assert expected_hvi(x, mu, sd, front, 50.0, noise=0.05)[0] == pytest.approx(5.0 * 103.0, rel=1e-6)
+
+
+def test_residual_model_learns_and_shrinks():
+    x = np.array([[0.0], [0.5], [1.0]])
+    mean, var, _ = gp_posterior(x, np.array([0.1, 0.1, 0.1]), np.array([[0.25], [0.5]]))
+    assert mean == pytest.approx([0.1, 0.1], abs=0.02)
+    _, prior, _ = gp_posterior(x[:0], np.array([]), np.array([[0.25]]))
+    assert var[0] < prior[0]
+
+
+@pytest.fixture(scope="module")
+def job():
+    cfg = load_config(os.path.join(ROOT, "examples", "llama2-7b.yaml"))
+    space = load_space("no-offload", ROOT)
+    return cfg, space
+
+
+def _points(study, space, cfg):
+    return [(t.values[0], t.values[1]) for t in study.get_trials() if t.state.name == "COMPLETE"
+            and "duplicate_of" not in t.user_attrs]
+
+
+def test_exact_simulator_reaches_the_front_in_fewer_trials_than_its_size_and_stops(job):
+    cfg, space = job
+    screened = screen(cfg, space, cfg.search.headroom)
+    feasible = [s for s in screened if s.memory.fits]
+    pts = [(s.memory.gpu["peak"] / 2**30, s.tokens_per_s_per_gpu) for s in feasible]
+    ref = (cfg.hardware.gpu.memory_bytes * (1 - cfg.search.headroom) / 2**30, 0.0)
+    from autotune.pareto import pareto_front
+
+    front_size = len(pareto_front(pts))
+    out = run_study(cfg, space, SimulateBackend(cfg.model, cfg.training, cfg.hardware), storage=None,
+                    study_name="e", n_trials=front_size, seed=0, sampler="ehvi", headroom=cfg.search.headroom)
+    got = _points(out.study, space, cfg)
+    hv = [hv_pareto(got[:k], ref) for k in range(1, len(got) + 1)]
+    total = hv_pareto(pts, ref)
+    first = next(k for k, h in enumerate(hv, start=1) if h >= 0.95 * total)
+    assert first <= front_size
+    assert out.stopped_early and out.evaluations < front_size
+    assert hv[-1] >= 0.95 * total
+    assert out.confidence.startswith("front stable") and f"of {len(feasible)} feasible" in out.confidence
+    assert out.study.user_attrs["front_confidence"] == out.confidence
+
+
+def test_resume_keeps_the_measurements_and_never_reprofiles(job, tmp_path):
+    cfg, space = job
+    storage = str(tmp_path / "study.journal")
+    from autotune.storage import make_storage
+
+    kw = dict(study_name="r", seed=0, sampler="ehvi", headroom=cfg.search.headroom, write_through=False)
+    be = SimulateBackend(cfg.model, cfg.training, cfg.hardware)
+    run_study(cfg, space, be, storage=make_storage(storage), n_trials=3, **kw)
+    out = run_study(cfg, space, be, storage=make_storage(storage), n_trials=3, resume=True, **kw)
+    evaluated = [trial_strategy(t, space, cfg).key() for t in out.study.get_trials()
+                 if t.state.name == "COMPLETE" and "duplicate_of" not in t.user_attrs]
+    assert len(evaluated) == len(set(evaluated)) >= 4
+    sampler = out.study.sampler
+    assert isinstance(sampler, FrontSampler)
+    # the resumed sampler folded the first run's measurements in (the calibrator too)
+    assert len(sampler.measured) == len(evaluated) and len(sampler.calibrator.keys) == len(evaluated)
