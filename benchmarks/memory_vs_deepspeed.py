@@ -1,25 +1,28 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py            # default grid (~15 min on 2 cores)
-    python benchmarks/memory_vs_deepspeed.py --quick    # a dozen configs (~1-2 min)
-    python benchmarks/memory_vs_deepspeed.py --json out.json --filter stage=3 --repeat 3
+    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 80 configs
+    python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
+    python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
+    python benchmarks/memory_vs_deepspeed.py --reuse out.json    # re-predict stored measurements
 
-The grid: reference Llama- and GPT-2-style decoders (autotune.profile.models), plus, when
-transformers is installed, HF LlamaForCausalLM (GQA) and GPT2LMHeadModel built from config.json
-(``model.hf_config``). Every config runs ``autotune.profile.worker`` in fresh processes (``python`` for 1 rank,
-``torchrun --nproc_per_node 2`` with gloo for 2), with a torch AdamW (fused, like DeepSpeed's
-FusedAdam: no full-size temporaries) passed to ``deepspeed.initialize``. The measured number is
-the peak tensor bytes of the measured steps (torch.profiler allocation events);
-the prediction is ``estimate_memory(..., device="cpu").gpu["peak"]`` for the same model,
-strategy and data-parallel size. The worker makes c10's CPU allocation tally count every thread
-(``autotune.profile.worker._track_all_threads``): without it, tensors released on gloo's worker
-threads were never subtracted and 2-rank runs showed "retained" buckets at random. The measured
-value is the smallest per-step peak over ranks and measured steps; rows where some rank or step
-peaked higher say so (``--repeat N`` reruns multi-process configs and keeps the smallest).
-Prints one row per config and the median / max absolute relative error, overall and split into
-1 process, 2 processes ZeRO-0/1/2 and 2 processes ZeRO-3.
-Optimizer offload is not in the grid: on a CPU-only machine "GPU" and host memory are the same
-allocator, so the split cannot be measured here.
+The grid: 9 Hugging Face families from their published config.json (tests/data/hf: llama, mistral,
+qwen2, qwen3, gemma, phi3, olmo2, gpt2 with its default dropout 0.1, gpt_neox), shrunk to CPU size
+with the family's own switches kept, each under 8 strategies (ZeRO 0-3, 1 and 2 gloo ranks,
+gradient accumulation 1/2/4, checkpointing none/full, bf16/fp32); plus 8 rows of autotune's
+reference decoders (selective checkpointing, eager attention). Every config runs
+``autotune.profile.worker`` in fresh processes (``python`` for 1 rank, ``torchrun
+--nproc_per_node 2`` with gloo for 2) with a torch AdamW (fused, like DeepSpeed's FusedAdam)
+passed to ``deepspeed.initialize``, the usual loop (``outputs = engine(**batch);
+engine.backward(outputs.loss); engine.step()``), 2 warm-up and 2 measured optimizer steps.
+
+Measured: the peak tensor bytes from torch.profiler's allocation events (c10's tally made to count
+every thread, ``autotune.profile.worker._track_all_threads``), the max over the measured optimizer
+steps (all their micro-steps) and over ranks: what a job runs out of memory at. Predicted:
+``estimate_memory(..., device="cpu").gpu["peak"]`` for the same model, strategy and data-parallel
+size. Prints every row, then the rows again worst (most under-predicted) first, then the signed
+error summary. Optimizer offload is not in the grid: on a CPU-only machine "GPU" and host memory
+are one allocator, so the split cannot be measured here (tests/test_memory.py checks placement
+against DeepSpeed's source and estimators).
 """
 
 from __future__ import annotations
@@ -105,8 +108,8 @@ def hf_config(name: str) -> dict:
 
 def hf_grid() -> list[dict]:
     rows = []
-    for i, model in enumerate(HF_FAMILIES):
-        for j, (stage, nproc, ga, ck, prec) in enumerate(HF_STRATEGIES):
+    for j, (stage, nproc, ga, ck, prec) in enumerate(HF_STRATEGIES):  # strategy-major: a partial run is balanced
+        for i, model in enumerate(HF_FAMILIES):
             mbs, seq = ((2, 256), (4, 128))[(i + j) % 2]
             rows.append(dict(model=model, stage=stage, nproc=nproc, ga=ga, mbs=mbs, seq=seq, ckpt=ck, precision=prec))
     return rows
@@ -169,7 +172,6 @@ def run_row(row: dict, workdir: Path, timeout: float = 300) -> dict:
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = dict(row)
-    out["dropout"] = bool(model.hidden_dropout or model.attention_dropout)
     out["wall_s"] = round(time.time() - t0, 1)
     try:
         res = json.loads((d / "result.json").read_text())
@@ -183,16 +185,27 @@ def run_row(row: dict, workdir: Path, timeout: float = 300) -> dict:
     ranks = res.get("all_ranks") or {}
     peaks = ranks.get("peak_allocated_bytes") or [res["peak_allocated_bytes"]]
     mins = ranks.get("min_step_peak_bytes") or [res.get("min_step_peak_bytes") or res["peak_allocated_bytes"]]
-    est = estimate_memory(model, training, hardware, strategy, device="cpu")
     # what a job OOMs at: the max over the measured optimizer steps (every micro-step) and ranks;
     # the smallest step peak is kept to show the spread
     k = peaks.index(max(peaks))
     out.update(measured=max(peaks), measured_min=min(mins), measured_phase=ranks.get("peak_phase", [res["peak_phase"]])[k],
-               predicted=est.gpu["peak"], predicted_phase=est.peak_phase,
                phases_measured=(ranks.get("phase_peaks_bytes") or [res["phase_peaks_bytes"]])[k],
-               phases_predicted=est.phases, optimizer=res["optimizer"], gas=res["gradient_accumulation_steps"])
+               per_rank_peaks=peaks, optimizer=res["optimizer"], gas=res["gradient_accumulation_steps"],
+               loop=res.get("loop"))
+    return predict(out, workdir)
+
+
+def predict(out: dict, workdir: Path) -> dict:
+    """Add the memory model's prediction for a measured row (``device="cpu"``, the usual loop)."""
+    model, training, hardware, strategy = specs(out, workdir)
+    est = estimate_memory(model, training, hardware, strategy, device="cpu")
+    out["dropout"] = bool(model.hidden_dropout or model.attention_dropout)
+    out.update(predicted=est.gpu["peak"], predicted_phase=est.peak_phase, phases_predicted=est.phases)
     out["error"] = (out["predicted"] - out["measured"]) / out["measured"]
     return out
+
+
+ROW_KEYS = ("model", "stage", "nproc", "ga", "mbs", "seq", "ckpt", "precision")
 
 
 def summarize(results: list[dict]) -> list[str]:
@@ -238,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write all rows (measured, predicted, per-phase) to this file")
     ap.add_argument("--filter", action="append", default=[], help="KEY=VALUE on grid rows, e.g. stage=3")
     ap.add_argument("--jobs", type=int, default=2, help="configs run this many at a time")
+    ap.add_argument("--reuse", action="append", default=[],
+                    help="a --json file of an earlier run: its measured rows are not run again, only "
+                         "predicted again with the current model (later files win)")
     args = ap.parse_args(argv)
     rows = grid(args.quick)
     if not args.quick and importlib.util.find_spec("transformers") is not None:
@@ -260,10 +276,24 @@ def main(argv: list[str] | None = None) -> int:
         return (head + f"{r['measured'] / 2**20:>13.2f}{r['predicted'] / 2**20:>14.2f}{100 * r['error']:>+8.2f}"
                 f"  {r['measured_phase']}/{r['predicted_phase']}")
 
+    stored: dict[tuple, dict] = {}
+    for path in args.reuse:
+        for r in json.loads(Path(path).read_text()):
+            if r.get("status") == "ok":
+                stored[tuple(r.get(k, 1 if k == "ga" else None) for k in ROW_KEYS)] = r
+    todo = [r for r in rows if tuple(r[k] for k in ROW_KEYS) not in stored]
+    for row in rows:
+        key = tuple(row[k] for k in ROW_KEYS)
+        if key in stored:
+            r = predict(dict(stored[key]), workdir)
+            results.append(r)
+            print(row_text(r) + "  (reused measurement)", flush=True)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for r in pool.map(lambda row: run_row(row, workdir), rows):
+        for r in pool.map(lambda row: run_row(row, workdir), todo):
             results.append(r)
             print(row_text(r), flush=True)
+            if args.json:  # written as rows arrive: an interrupted run keeps what it measured (--reuse)
+                Path(args.json).write_text(json.dumps(results, indent=1))
     print("\nworst first (signed error = predicted / measured - 1; measured = max over 2 measured optimizer "
           "steps, every micro-step, and over ranks):")
     for r in sorted(results, key=lambda r: r.get("error", -9)):

@@ -154,11 +154,23 @@ class _CpuMemoryProbe:
 
     def __enter__(self) -> "_CpuMemoryProbe":
         self.all_threads = _track_all_threads()
-        self.prof.__enter__()
+        self.started = False
+        if not self.all_threads:
+            self.start()  # the per-address fallback must see every allocation from the start
         return self
 
+    def start(self) -> None:
+        """Start recording (idempotent). With c10's tally counting every thread from ``__enter__``
+        on, ``total_allocated`` is absolute whenever recording starts, so the worker starts it at
+        the first measured step: the model build and warm-up steps are not recorded (far fewer
+        events to analyse; ``init_peak_bytes`` is then unknown)."""
+        if not self.started:
+            self.started = True
+            self.prof.__enter__()
+
     def __exit__(self, *exc: Any) -> None:
-        self.prof.__exit__(*exc)
+        if self.started:
+            self.prof.__exit__(*exc)
 
     @staticmethod
     def now() -> int:
@@ -169,6 +181,9 @@ class _CpuMemoryProbe:
 
         raw: list[tuple[int, int, int]] = []  # (time, ptr, +size allocated / -size freed)
         ranges = []
+        if not self.started:  # failed before the first measured step: nothing recorded
+            return {"init_peak_bytes": None, "peak_allocated_bytes": None, "peak_phase": None,
+                    "phase_peaks_bytes": {}, "step_start_bytes": None}
         stack = list(self.prof.profiler.kineto_results.experimental_event_tree())
         while stack:
             node = stack.pop()
@@ -203,7 +218,7 @@ class _CpuMemoryProbe:
             i, j = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
             return max([at(t0)] + totals[i:j])
 
-        if self.init_end is not None:
+        if self.init_end is not None and not self.all_threads:  # init recorded (fallback mode only)
             out["init_peak_bytes"] = max(totals[: bisect.bisect_right(times, self.init_end)], default=0)
         if marks:
             out["step_start_bytes"] = at(marks[-3][1] if len(marks) >= 3 else marks[0][1])
@@ -527,6 +542,7 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         if probe is not None and measured:
+            probe.start()
             probe.last_step_start = probe.now()
         t0 = time.perf_counter()
         step_losses = []
