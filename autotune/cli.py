@@ -45,7 +45,7 @@ def estimate_report(cfg: Any, strategy: Any, trace: bool = False) -> dict[str, A
         try:
             import torch  # noqa: F401
         except ImportError:
-            raise ConfigError("--trace needs torch, from the profile extra: pip install torch==2.13.0 "
+            raise ConfigError("needs torch, from the profile extra: pip install torch==2.13.0 "
                               "-e '.[profile]'", path="--trace") from None
         from autotune.trace import traced_estimate
 

@@ -113,4 +113,4 @@ def test_trace_without_torch_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "autotune", "estimate", LLAMA, "--trace"], capture_output=True,
                           text=True, env=env)
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "--trace needs torch" in proc.stderr and "[profile]" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "error: --trace: needs torch" in proc.stderr and "[profile]" in proc.stderr

@@ -1,0 +1,98 @@
+"""autotune.apply_checkpointing on real modules: a plain nn.Module with a ModuleList of blocks, the
+reference decoder (set_checkpointing) and a Hugging Face model. Checkpointing must keep the
+gradients exactly and reduce what autograd saves for backward."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import autotune  # noqa: E402
+from autotune.checkpointing import apply_checkpointing  # noqa: E402
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x, scale=1.0):
+        return x + scale * self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Plain(torch.nn.Module):
+    """No set_checkpointing, no HF API: only a list of blocks."""
+
+    def __init__(self, d: int = 32, n: int = 4) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(d, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n))
+        self.head = torch.nn.ModuleList([torch.nn.Linear(d, 1)])  # a shorter list: not the blocks
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x, scale=0.5)
+        return self.head[0](x).pow(2).mean()
+
+
+def saved_bytes_and_grads(model, x):
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x)
+    model.zero_grad()
+    loss.backward()
+    return sum(saved), [p.grad.clone() for p in model.parameters()]
+
+
+def test_plain_module_first_n_blocks_checkpointed_same_gradients_less_saved():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 32)
+    model = Plain()
+    base_saved, base_grads = saved_bytes_and_grads(model, x)
+    notes = autotune.apply_checkpointing(model, "full", num_layers=2)
+    assert notes == ["forward of the first 2 of 4 blocks wrapped in torch.utils.checkpoint"]
+    half_saved, half_grads = saved_bytes_and_grads(model, x)
+    apply_checkpointing(model, "full")  # all blocks (the first two are not wrapped twice)
+    all_saved, all_grads = saved_bytes_and_grads(model, x)
+    assert all_saved < half_saved < base_saved
+    for grads in (half_grads, all_grads):
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(base_grads, grads))
+
+
+def test_refusals_are_value_errors_that_say_what_to_do():
+    with pytest.raises(ValueError, match="must be one of none, selective, full"):
+        apply_checkpointing(Plain(), "sometimes")
+    with pytest.raises(ValueError, match="set_checkpointing"):
+        apply_checkpointing(Plain(), "selective", 2)
+    with pytest.raises(ValueError, match="cannot checkpoint 9 blocks"):
+        apply_checkpointing(Plain(), "full", 9)
+    with pytest.raises(ValueError, match="no nn.ModuleList"):
+        apply_checkpointing(torch.nn.Linear(2, 2), "full")
+    assert apply_checkpointing(Plain(), "none") == [] and apply_checkpointing(Plain(), "full", 0) == []
+
+
+def test_reference_decoder_uses_its_own_set_checkpointing():
+    from autotune.presets import model_from_name
+    from autotune.profile.models import build_model
+
+    model = build_model(model_from_name("tiny-llama"))
+    apply_checkpointing(model, "selective", 1)
+    blocks = [m for m in model.modules() if hasattr(m, "checkpoint_core")]
+    assert [b.checkpoint_core for b in blocks][:2] == [True, False]
+
+
+def test_hf_model_prefix_of_layers():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=128)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    notes = apply_checkpointing(model, "full", 2)
+    assert notes == ["HF per-layer gradient_checkpointing flags: first 2 of 3 layers"]
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, True, False]
+    with pytest.raises(ValueError, match="set_checkpointing"):
+        apply_checkpointing(model, "selective", 2)

@@ -1,0 +1,96 @@
+"""The README is an executable contract: every command of its ``sh`` blocks runs verbatim, in order,
+from the root of a fresh copy of the repository with default paths, as a new user would type it.
+
+Excepted, as the README says: installs (``pip ...``), the test command itself (``python -m pytest``)
+and the GPU scripts (``benchmarks/gpu_*``). Each command must exit 0; afterwards the files the README
+promises must be there, and the profiling examples must have measured trials.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIPPED = (re.compile(r"^pip\s"), re.compile(r"^python -m pytest\b"), re.compile(r"benchmarks/gpu_"))
+
+
+def readme_commands(text: str) -> list[str]:
+    """Every command line of the ``sh`` fenced blocks, trailing comments removed."""
+    commands, block = [], None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            block = line[3:].strip() if block is None else None
+            continue
+        if block == "sh" and line.strip():
+            command = re.split(r"\s+#\s", line.strip(), maxsplit=1)[0].strip()
+            if command and not command.startswith("#"):
+                commands.append(command)
+    return commands
+
+
+def test_readme_command_extraction():
+    text = "x\n```sh\npip install -e .   # light\nautotune run a.yaml  # note\n\n```\n```yaml\nkey: v\n```\n"
+    assert readme_commands(text) == ["pip install -e .", "autotune run a.yaml"]
+
+
+def fresh_copy(dest: Path) -> Path:
+    """The repository's files as a fresh clone has them (tracked, plus new files git does not ignore)."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def completed(run_dir: Path) -> list[dict[str, str]]:
+    return [r for r in csv.DictReader(open(run_dir / "trials.csv")) if r["state"] == "COMPLETE"]
+
+
+@pytest.mark.slow
+def test_readme_commands_run_verbatim(tmp_path):
+    commands = readme_commands((ROOT / "README.md").read_text())
+    runnable = [c for c in commands if not any(p.search(c) for p in SKIPPED)]
+    assert len(runnable) >= 15, runnable  # the README's examples did not silently disappear
+    repo = fresh_copy(tmp_path / "repo")
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    for command in runnable:
+        proc = subprocess.run(["bash", "-c", command], cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, f"README command failed ({proc.returncode}): {command}\n{proc.stderr[-3000:]}"
+
+    runs = repo / "runs"
+    # the files `autotune run` promises (quick start, simulate backend)
+    llama = runs / "latest-llama2-7b"
+    for name in ("study.journal", "run.json", "trials.csv", "front.json", "ds_configs/0.json", "best.json",
+                 "best_ds_config.json", "summary.md", "report.html", "front.png"):
+        assert (llama / name).exists(), name
+    front = json.loads((llama / "front.json").read_text())
+    assert front["front"] and front["best"]["why"] and front["best"]["checkpointing"]
+    # the nightly runs compared against their baseline (the README's `ls` checked the artefacts)
+    nightly = sorted(runs.glob("llama2-7b-*/compare.json"))
+    assert len(nightly) == 2 and all(json.loads(p.read_text())["verdict"] == "ok" for p in nightly)
+    # the profiling examples measured real trials on this CPU
+    (tiny,) = runs.glob("tiny-cpu-2*")  # `autotune run examples/tiny-cpu.yaml --trials 3`, default name
+    for run_dir in (tiny, runs / "latest-custom-model"):
+        done = completed(run_dir)
+        assert done, f"{run_dir.name}: no measured trial"
+        for row in done:
+            m = json.loads((run_dir / "trials" / row["number"] / "measurement.json").read_text())
+            assert m["status"] == "ok" and m["peak_memory_bytes"] > 0 and m["tokens_per_s_per_gpu"] > 0
+        assert (run_dir / "study.db").is_file()
+    # the shared-study example: the run, the worker and the resumed run each profiled a candidate
+    shared = runs / "shared"
+    assert len(completed(shared)) >= 2 and json.loads((shared / "front.json").read_text())["front"]
+    assert not (ROOT / "runs" / "shared").exists() or ROOT == repo  # nothing written into the checkout
