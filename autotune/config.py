@@ -23,7 +23,7 @@ from autotune.strategy import CHECKPOINTINGS, OFFLOADS, PRECISIONS, Strategy, va
 MAX_INT = 2**62
 """Largest integer accepted anywhere (keeps arithmetic finite and exact)."""
 
-SAMPLERS = ("nsga2", "tpe", "gp", "random", "ehvi")
+SAMPLERS = ("auto", "nsga2", "tpe", "gp", "random", "ehvi")
 BACKENDS = ("simulate", "deepspeed", "replay")
 LAUNCHERS = ("torchrun", "deepspeed")
 
@@ -36,8 +36,9 @@ class SearchSection:
     """Search space: a name under search_spaces/ (default, no-offload, single-gpu) or a YAML path."""
     trials: int = 200
     """Number of Optuna trials (evaluated candidates, repeats excluded)."""
-    sampler: Literal["nsga2", "tpe", "gp", "random", "ehvi"] = "nsga2"
-    """Optuna sampler."""
+    sampler: Literal["auto", "nsga2", "tpe", "gp", "random", "ehvi"] = "auto"
+    """Optuna sampler; auto: ehvi (autotune.sampler) for the profiling backends (deepspeed, replay),
+    nsga2 for simulate."""
     headroom: float = 0.05
     """Fraction of GPU memory kept free when deciding whether a candidate fits."""
     seed: int = 0

@@ -105,6 +105,8 @@ class Run:
             "study": f"{self.name} in {self.storage_url}",
             "search wall time": f"{time.perf_counter() - start:.2f} s",
         }
+        if outcome.confidence:  # sampler ehvi: how sure the front is (autotune.sampler.Assessment)
+            extra["front confidence"] = outcome.confidence + (" (stopped early)" if outcome.stopped_early else "")
         return write_outputs(self.run_dir, self.cfg, space, outcome.study, self.backend, extra)
 
 

@@ -17,12 +17,23 @@ a trials.csv-shaped CSV. Then, with the replay backend answering from that table
   sizes up to it (``num_tuning_micro_batch_sizes`` = 3). It optimises throughput only, so the
   hypervolume it reaches is reported next to its trial count.
 
-``--perturb`` makes the table disagree with the models the tuner seeds from (a GPU that behaves
-unlike its preset: GEMM/attention/communication efficiencies scaled, plus seeded per-candidate
-log-normal noise on tokens/s and memory), which is the honest case for the seeding: with an exact
-table the seeded front is right by construction.
+Tables (``--tables``, default all):
 
-Run: ``python benchmarks/search_cost.py [--config examples/llama2-7b.yaml] [--seeds 5] [--perturb]``
+* ``exact``: the simulate backend itself (the simulator is right);
+* ``efficiency``: GEMM efficiency x0.8, attention x0.7 (a GPU slower than its preset);
+* ``slow-comm``: communication efficiency x0.4, overlap x0.5, collective latency x4;
+* ``noise``: exact efficiencies, seeded per-candidate log-normal noise (5% on tokens/s, 3% on memory);
+* ``combined``: the earlier ``--perturb`` table (GEMM x0.8, attention x0.7, communication x0.6,
+  overlap x0.7, plus the noise above);
+* ``measured:DIR``: a table measured for real (``DIR/trials.csv`` with its job file ``DIR/config.yaml``,
+  e.g. data/measured/tiny-llama-1rank); ``measured`` alone means every folder under data/measured/.
+
+Methods: the tuner (sampler ``ehvi``: calibrated simulator + residual GP, expected hypervolume
+improvement; replay with the calibrator, i.e. the profiling loop), its stopping rule (where it would
+stop and the hypervolume it has then), the earlier tuner (NSGA-II seeded with the analytic front and
+re-seeded after re-fits), an unseeded Optuna sampler (NSGA-II), random search, and the sweep.
+
+Run: ``python benchmarks/search_cost.py [--config examples/llama2-7b.yaml] [--seeds 5] [--tables exact,noise]``
 """
 
 from __future__ import annotations
@@ -65,13 +76,27 @@ def _noise(key: tuple, salt: str, sigma: float) -> float:
     return math.exp(sigma * z)
 
 
-def build_table(cfg: Any, screened: list, path: str, perturb: bool) -> list[tuple[Strategy, float, float]]:
-    """Write the replay table: one COMPLETE row per feasible candidate; returns (strategy, GiB, tok/s)."""
+PERTURBATIONS = {
+    "exact": ({}, False),
+    "efficiency": ({"gemm_eff": 0.8, "attn_eff": 0.7}, False),
+    "slow-comm": ({"comm_eff": 0.4, "overlap": 0.5, "coll_latency_s": 4.0}, False),
+    "noise": ({}, True),
+    "combined": ({"gemm_eff": 0.8, "attn_eff": 0.7, "comm_eff": 0.6, "overlap": 0.7}, True),
+}
+"""table name -> (efficiency parameter scale factors, per-candidate noise)."""
+
+
+def build_table(cfg: Any, screened: list, path: str, perturb: Any) -> list[tuple[Strategy, float, float]]:
+    """Write the replay table: one COMPLETE row per feasible candidate; returns (strategy, GiB, tok/s).
+
+    ``perturb``: a PERTURBATIONS name, or True for "combined" (the earlier --perturb), False for exact."""
+    name = "combined" if perturb is True else ("exact" if perturb is False else perturb)
+    scales, noisy = PERTURBATIONS[name]
     params = None
-    if perturb:
+    if scales:
         params = efficiency_params(cfg.hardware.gpu)[0]
-        params.update(gemm_eff=params["gemm_eff"] * 0.8, attn_eff=params["attn_eff"] * 0.7,
-                      comm_eff=params["comm_eff"] * 0.6, overlap=params["overlap"] * 0.7)
+        params.update({k: params[k] * f for k, f in scales.items()})
+    perturb = noisy
     rows = []
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, restval="")
@@ -96,14 +121,26 @@ def build_table(cfg: Any, screened: list, path: str, perturb: bool) -> list[tupl
     return rows
 
 
-class Recording:
-    """Wraps a backend and records every profiled point in order."""
+class Done(Exception):
+    """Raised by Recording once everything a study is measured for is known (ends it early)."""
 
-    def __init__(self, inner: Any) -> None:
+
+class Recording:
+    """Wraps a backend and records every profiled point in order. With ``target`` (hv_true, ref) it
+    ends the study (raises Done) once the points reach TARGET x hv_true and ``also()`` holds: the
+    figures are then known, and the rest of the budget would not change them."""
+
+    def __init__(self, inner: Any, target: Optional[tuple] = None, also: Any = None) -> None:
         self.inner, self.name, self.points = inner, inner.name, []
         self.calls = 0
+        self.target, self.also = target, also
+        self.calibrator = getattr(inner, "calibrator", None)
 
     def evaluate(self, strategy: Strategy, trial_number: Optional[int] = None) -> Measurement:
+        if self.target is not None and self.points and (self.also is None or self.also()):
+            hit, _ = trials_to_target(self.points, *self.target)
+            if hit is not None:
+                raise Done
         self.calls += 1
         m = self.inner.evaluate(strategy, trial_number=trial_number)
         self.points.append((m.peak_memory_bytes / GIB, m.tokens_per_s_per_gpu) if m.ok else None)
@@ -161,61 +198,168 @@ def ds_autotuning_sweep(cfg: Any, space: Any, replay: ReplayBackend, checkpointi
     return trials, points
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=os.path.join(ROOT, "examples", "llama2-7b.yaml"))
-    ap.add_argument("--space", default=None, help="search space (default: the config's)")
-    ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--trials", type=int, default=400, help="trial budget per study")
-    ap.add_argument("--perturb", action="store_true", help="table disagrees with the analytic models")
-    ap.add_argument("--table", default=None, help="where to write the replay CSV (default: a temp file)")
-    args = ap.parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*set_metric_names is experimental.*")
+def load_measured(folder: str) -> tuple[Any, Any, str, list[tuple[Strategy, float, float]]]:
+    """A measured table: (config, space, trials.csv path, ok rows as (strategy, GiB, tok/s))."""
+    from autotune.space import space_for
 
-    t_start = time.perf_counter()
-    cfg = load_config(args.config)
-    space = load_space(args.space or cfg.search.space, ROOT)
+    cfg = load_config(os.path.join(folder, "config.yaml"))
+    space = space_for(cfg)
+    table = os.path.join(folder, "trials.csv")
+    replay = ReplayBackend(table, cfg)
+    rows = []
+    for s in space.candidates(cfg.model):
+        m = replay.evaluate(s)
+        if m.ok:
+            rows.append((s, m.peak_memory_bytes / GIB, m.tokens_per_s_per_gpu))
+    return cfg, space, table, rows
+
+
+def _study(cfg: Any, space: Any, backend: Any, seed: int, sampler: str, n: int, seeded: bool) -> Any:
+    try:
+        return run_study(cfg, space, backend, storage=None, study_name=f"cost-{seed}", n_trials=n, seed=seed,
+                         sampler=sampler, headroom=cfg.search.headroom, seed_predicted_front=seeded)
+    except Done:
+        return None
+
+
+def _summary(hits: list, fracs: list) -> str:
+    reached = [h for h in hits if h is not None]
+    if len(reached) == len(hits):
+        return f"median {statistics.median(reached):g}"
+    return f"{len(reached)}/{len(hits)} seeds reached"
+
+
+def run_table(label: str, cfg: Any, space: Any, table: str, rows: list, seeds: int, budget: int,
+              baseline_budget: int, out: list) -> None:
+    import autotune.sampler as sampler_mod
+    from autotune.profile.calibrate import Calibrator
+
     headroom = cfg.search.headroom
-    screened = screen(cfg, space, headroom)
-    table = args.table or os.path.join(tempfile.mkdtemp(prefix="autotune-replay-"), "trials.csv")
-    rows = build_table(cfg, screened, table, args.perturb)
     ref = (cfg.hardware.gpu.memory_bytes * (1 - headroom) / GIB, 0.0)
     pts = [(m, t) for _, m, t in rows]
     front = pareto_front(pts)
     hv_true = hypervolume(pts, ref)
     goal = 1.5 * len(front)
-    print(f"# {cfg.model.name} on {cfg.hardware.num_gpus} x {cfg.hardware.gpu.name}, space {space.name}, "
-          f"table {'perturbed' if args.perturb else 'exact (= simulate backend)'}: {table}")
-    print(f"candidates {len(screened)}, fit the memory model {len(rows)}, true front {len(front)} points; "
-          f"goal <= {goal:.1f} profiled trials to reach {TARGET:.0%} of the front's hypervolume")
-    print()
-    print(f"{'method':<44} {'profiled trials to 95% HV':>26} {'HV reached':>11}")
-    print(f"{'exhaustive (every candidate that fits)':<44} {len(rows):>26} {1.0:>11.3f}")
-    exhaustive_order_hit, _ = trials_to_target(pts, hv_true, ref)
-    print(f"{'  (same, in screening order: 95% reached at)':<44} {exhaustive_order_hit:>26}")
-    summary: dict[str, list] = {}
-    for label, seeded in (("tuner, seeded with the analytic front", True), ("tuner, no seeding", False)):
-        hits, fracs, calls = [], [], []
-        for seed in range(args.seeds):
-            rec = Recording(ReplayBackend(table, cfg))
-            run_study(cfg, space, rec, storage=None, study_name=f"cost-{seed}", n_trials=args.trials, seed=seed,
-                      sampler="nsga2", headroom=headroom, seed_predicted_front=seeded)
+    budget = min(budget, 2 * len(front) + 10)  # the tuners: enough to see whether they reach 95% within the goal
+    print(f"\n## table {label}: {cfg.model.name} on {cfg.hardware.num_gpus} x {cfg.hardware.gpu.name}, "
+          f"{len(rows)} measured candidates, true front {len(front)} points; goal <= {goal:.1f} "
+          f"(exact table: <= {len(front)}) profiled trials to {TARGET:.0%} hypervolume")
+    print(f"{'method':<46} {'trials to 95% HV':>22} {'HV (min)':>10}   per seed")
+    results = {}
+
+    def show(name: str, hits: list, fracs: list, extra: str = "") -> None:
+        shown = ", ".join("-" if h is None else str(h) for h in hits)
+        print(f"{name:<46} {_summary(hits, fracs):>22} {min(fracs):>10.3f}   {shown}{extra}")
+        results[name] = hits
+
+    # the tuner: sampler ehvi, replay with the calibrator (the profiling loop); stopping rule recorded
+    stop_gain = sampler_mod.DEFAULT_STOP_GAIN
+    hits, fracs, stops, stop_fracs, refits = [], [], [], [], []
+    made: list = []
+    real_init = sampler_mod.FrontSampler.__init__
+
+    def capture(self: Any, *a: Any, **k: Any) -> None:
+        real_init(self, *a, **k)
+        made.append(self)
+
+    def stop_of(history: list) -> Optional[int]:
+        return next((i + 1 for i, a in enumerate(history)
+                     if (i + 1 >= sampler_mod.MIN_PROFILED and a.gain < stop_gain) or a.remaining == 0), None)
+
+    for seed in range(seeds):
+        cal = Calibrator(cfg, None, autosave=False)
+        made.clear()
+        # run past the stopping rule (where it stops is read from the sampler's history) until 95% is reached
+        rec = Recording(ReplayBackend(table, cfg, calibrator=cal), (hv_true, ref),
+                        also=lambda: bool(made) and stop_of(made[-1].history) is not None)
+        sampler_mod.DEFAULT_STOP_GAIN = -1.0
+        sampler_mod.FrontSampler.__init__ = capture  # type: ignore[method-assign]
+        try:
+            _study(cfg, space, rec, seed, "ehvi", min(budget, len(rows)), False)
+        finally:
+            sampler_mod.DEFAULT_STOP_GAIN = stop_gain
+            sampler_mod.FrontSampler.__init__ = real_init  # type: ignore[method-assign]
+        hit, frac = trials_to_target(rec.points, hv_true, ref)
+        hits.append(hit)
+        fracs.append(frac)
+        refits += cal.refit_seconds[1:]
+        stop = stop_of(made[-1].history) if made else None
+        stops.append(stop)
+        got = [p for p in rec.points[:stop or len(rec.points)] if p is not None]
+        stop_fracs.append(hypervolume(got, ref) / hv_true if got else 0.0)
+    show("tuner (ehvi + calibration)", hits, fracs)
+    print(f"{'  stopping rule: stops after':<46} {'median ' + format(statistics.median([s or budget for s in stops]), 'g'):>22} "
+          f"{min(stop_fracs):>10.3f}   stops at {', '.join(str(s) for s in stops)}; HV then "
+          f"{', '.join(f'{f:.3f}' for f in stop_fracs)}")
+    for name, sampler, seeded, calibrated, n in (
+            ("earlier tuner (NSGA-II, seeded + re-seeded)", "nsga2", True, True, budget),
+            ("unseeded Optuna sampler (NSGA-II)", "nsga2", False, False, baseline_budget),
+            ("random search", "random", False, False, baseline_budget)):
+        hits, fracs = [], []
+        for seed in range(seeds):
+            cal = Calibrator(cfg, None, autosave=False) if calibrated else None
+            rec = Recording(ReplayBackend(table, cfg, calibrator=cal), (hv_true, ref))
+            _study(cfg, space, rec, seed, sampler, min(n, len(rows)), seeded)
             hit, frac = trials_to_target(rec.points, hv_true, ref)
             hits.append(hit)
             fracs.append(frac)
-            calls.append(rec.calls)
-        reached = [h for h in hits if h is not None]
-        shown = ", ".join("-" if h is None else str(h) for h in hits)
-        med = f"median {statistics.median(reached):g}" if len(reached) == len(hits) else \
-            f"{len(reached)}/{len(hits)} seeds reached"
-        print(f"{label:<44} {med:>26} {min(fracs):>11.3f}   per seed: {shown} "
-              f"(of {min(calls)}-{max(calls)} profiled)")
-        summary[label] = hits
+        show(name, hits, fracs)
     for ckpt in ("none", "full"):
         n, got = ds_autotuning_sweep(cfg, space, ReplayBackend(table, cfg), ckpt)
         hit, frac = trials_to_target(got, hv_true, ref)
-        label = f"DeepSpeed-autotuning sweep (ckpt {ckpt})"
-        print(f"{label:<44} {('never; ' + str(n) + ' trials') if hit is None else hit:>26} {frac:>11.3f}")
+        print(f"{'DeepSpeed-autotuning sweep (ckpt ' + ckpt + ')':<46} "
+              f"{('never; ' + str(n) + ' trials') if hit is None else hit:>22} {frac:>10.3f}")
+    if refits:
+        print(f"(calibration re-fit per measurement: median {statistics.median(refits) * 1e3:.0f} ms, "
+              f"max {max(refits) * 1e3:.0f} ms)")
+    out.append((label, len(front), results))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=os.path.join(ROOT, "examples", "llama2-7b.yaml"))
+    ap.add_argument("--space", default=None, help="search space (default: the config's)")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=80,
+                    help="budget of the tuners per study (at most 2 x the true front + 10)")
+    ap.add_argument("--baseline-trials", type=int, default=400, help="budget of random / unseeded NSGA-II")
+    ap.add_argument("--tables", default="exact,efficiency,slow-comm,noise,combined,measured",
+                    help="comma-separated: " + ", ".join(PERTURBATIONS) + ", measured, measured:DIR")
+    ap.add_argument("--perturb", action="store_true", help="same as --tables combined")
+    ap.add_argument("--table", default=None, help="where to write the simulated replay CSVs (default: a temp dir)")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+
+    t_start = time.perf_counter()
+    tables = ["combined"] if args.perturb else [t.strip() for t in args.tables.split(",") if t.strip()]
+    out: list = []
+    tmp = args.table or tempfile.mkdtemp(prefix="autotune-replay-")
+    os.makedirs(tmp, exist_ok=True)
+    cfg = load_config(args.config)
+    space = load_space(args.space or cfg.search.space, ROOT)
+    screened = None
+    for name in tables:
+        if name.startswith("measured"):
+            folders = [name.split(":", 1)[1]] if ":" in name else sorted(
+                os.path.join(ROOT, "data", "measured", d) for d in os.listdir(os.path.join(ROOT, "data", "measured"))
+                if os.path.isfile(os.path.join(ROOT, "data", "measured", d, "trials.csv")))
+            for folder in folders:
+                mcfg, mspace, table, rows = load_measured(folder)
+                run_table(f"measured {os.path.basename(os.path.normpath(folder))}", mcfg, mspace, table, rows,
+                          args.seeds, args.trials, args.baseline_trials, out)
+            continue
+        if name not in PERTURBATIONS:
+            print(f"search_cost.py: error: unknown table {name!r}", file=sys.stderr)
+            return 2
+        screened = screened or screen(cfg, space, cfg.search.headroom)
+        table = os.path.join(tmp, f"{name}.csv")
+        rows = build_table(cfg, screened, table, name)
+        run_table(f"{name} ({space.name} space)", cfg, space, table, rows, args.seeds, args.trials,
+                  args.baseline_trials, out)
+    print("\n## summary: median profiled trials to 95% hypervolume (true front size; goal 1.5 x front)")
+    for label, size, results in out:
+        cells = "; ".join(f"{k.split(' (')[0]}: {_summary(v, [0])}" for k, v in results.items())
+        print(f"- {label}: front {size}, goal {1.5 * size:g}: {cells}")
     print(f"\n(wall {time.perf_counter() - t_start:.1f} s)")
     return 0
 
