@@ -99,3 +99,21 @@ def test_resume_keeps_the_measurements_and_never_reprofiles(job, tmp_path):
     assert isinstance(sampler, FrontSampler)
     # the resumed sampler folded the first run's measurements in (the calibrator too)
     assert len(sampler.measured) == len(evaluated) and len(sampler.calibrator.keys) == len(evaluated)
+
+
+def test_auto_is_ehvi_for_profiling_backends_and_nsga2_for_simulate(job, tmp_path):
+    import optuna
+
+    from autotune.profile.replay import ReplayBackend
+
+    cfg, space = job
+    sim = run_study(cfg, space, SimulateBackend(cfg.model, cfg.training, cfg.hardware), storage=None,
+                    study_name="a", n_trials=1, seed=0, sampler="auto", headroom=cfg.search.headroom)
+    assert isinstance(sim.study.sampler, optuna.samplers.NSGAIISampler)
+    (tmp_path / "t.csv").write_text("zero_stage,micro_batch_size,checkpointing,offload_optimizer,offload_params,"
+                                    "precision,state,peak_memory_gib,tokens_per_s_per_gpu\n")
+    rep = run_study(cfg, space, ReplayBackend(str(tmp_path / "t.csv"), cfg), storage=None, study_name="b",
+                    n_trials=1, seed=0, sampler="auto", headroom=cfg.search.headroom)
+    assert isinstance(rep.study.sampler, FrontSampler)
+    # an empty table answers "not in replay table": a failed measurement, recorded as such
+    assert [t.user_attrs.get("fail_reason") for t in rep.study.get_trials()][:1] == ["error: not in replay table"]
