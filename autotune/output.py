@@ -134,30 +134,33 @@ def launch_command(cfg: Config, ds_config_file: str) -> str:
     return f"deepspeed --num_gpus {hw.gpus_per_node} train.py --deepspeed {ds_config_file}"
 
 
-def gpu_memory_gib(cfg: Config, peak_allocated_gib: float) -> float:
-    """What the GPU must hold for a step whose allocated peak is ``peak_allocated_gib``: the peak
-    plus the CUDA context and allocator slack, the figure the memory model's ``fits`` compares
-    with the usable capacity."""
-    return peak_allocated_gib + overhead_bytes(cfg.hardware, peak_allocated_gib * GIB) / GIB
+def gpu_memory_gib(cfg: Config, row: TrialRow, predicted: bool) -> float:
+    """What the GPU must hold for this trial's step, the figure ``fits`` compares with the usable
+    capacity: a predicted peak with the memory model's whole overhead (context, allocator slack and
+    its measured worst-case error), exactly as ``fits`` counts it; a measured peak with the context
+    and allocator slack (a measurement needs no allowance for the model's error)."""
+    if predicted:
+        return estimate_memory(cfg.model, cfg.training, cfg.hardware, row.strategy).total_gpu_bytes / GIB
+    return row.peak_memory_gib + overhead_bytes(cfg.hardware, row.peak_memory_gib * GIB) / GIB
 
 
-def equivalent_dict(cfg: Config, row: TrialRow) -> dict[str, Any]:
+def equivalent_dict(cfg: Config, row: TrialRow, predicted: bool) -> dict[str, Any]:
     """A front point's near-identical twin (see collapse_front), as front.json lists it."""
     return {"trial": row.number, "strategy": row.strategy.as_dict(),
             "strategy_text": row.strategy.describe(cfg.model.num_hidden_layers),
-            "peak_memory_gib": row.peak_memory_gib, "gpu_memory_gib": gpu_memory_gib(cfg, row.peak_memory_gib),
+            "peak_memory_gib": row.peak_memory_gib, "gpu_memory_gib": gpu_memory_gib(cfg, row, predicted),
             "tokens_per_s_per_gpu": row.tokens_per_s_per_gpu}
 
 
-def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str],
-               equivalents: Sequence[TrialRow] = ()) -> dict[str, Any]:
+def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str], equivalents: Sequence[TrialRow] = (),
+               predicted: bool = False) -> dict[str, Any]:
     s = row.strategy
     mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, s)
     return {
         "trial": row.number,
         "strategy": s.as_dict(),
         "strategy_text": s.describe(cfg.model.num_hidden_layers),
-        "gpu_memory_gib": gpu_memory_gib(cfg, row.peak_memory_gib),
+        "gpu_memory_gib": gpu_memory_gib(cfg, row, predicted),
         "peak_memory_gib": row.peak_memory_gib,
         "tokens_per_s_per_gpu": row.tokens_per_s_per_gpu,
         "step_time_s": row.step_time_s,
@@ -169,7 +172,7 @@ def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str],
         "ds_config": ds_file,
         "launch": launch_command(cfg, ds_file) if ds_file else None,
         "checkpointing": checkpointing_call(cfg, s),
-        "equivalents": [equivalent_dict(cfg, r) for r in equivalents],
+        "equivalents": [equivalent_dict(cfg, r, predicted) for r in equivalents],
     }
 
 
@@ -177,6 +180,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
                   extra_summary: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Write every output file; returns the front.json object."""
     rows = collect_rows(study, space, cfg)
+    predicted = backend == "simulate"  # the objective values are the models' predictions, not measurements
     front = front_rows(rows)
     collapsed = collapse_front(front)
     on_front = {r.number for rep, equivalents in collapsed for r in (rep, *equivalents)}
@@ -187,7 +191,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
         rel = f"ds_configs/{k}.json"
         _write_json(os.path.join(run_dir, rel), to_deepspeed_config(row.strategy, cfg.model, cfg.training,
                                                                      cfg.hardware))
-        points.append(point_dict(cfg, row, rel, equivalents))
+        points.append(point_dict(cfg, row, rel, equivalents, predicted))
     best = pick_best([rep for rep, _ in collapsed])
     front_obj = {
         "config": os.path.abspath(cfg.path),
@@ -207,7 +211,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
     if front_obj["best"] is not None:
         front_obj["best"]["why"] = why_recommended(front_obj["best"], points, front_obj["usable_gpu_memory_gib"])
     _write_json(os.path.join(run_dir, "front.json"), front_obj)
-    _write_trials_csv(os.path.join(run_dir, "trials.csv"), cfg, rows, on_front)
+    _write_trials_csv(os.path.join(run_dir, "trials.csv"), cfg, rows, on_front, predicted)
     if best is not None:
         best_point = front_obj["best"]
         _write_json(os.path.join(run_dir, "best_ds_config.json"),
@@ -278,7 +282,7 @@ def _fmt(value: Any) -> Any:
     return "" if value is None else value  # floats keep full precision (replay reads them back)
 
 
-def _write_trials_csv(path: str, cfg: Config, rows: list[TrialRow], on_front: set[int]) -> None:
+def _write_trials_csv(path: str, cfg: Config, rows: list[TrialRow], on_front: set[int], predicted: bool) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
@@ -290,7 +294,7 @@ def _write_trials_csv(path: str, cfg: Config, rows: list[TrialRow], on_front: se
             rec.update({f"pred_{k}_gib": mem.gpu[k] / GIB for k in (*GPU_COMPONENTS, "peak")})
             rec.update(pred_cpu_gib=mem.cpu_bytes_per_node / GIB, pred_fits=mem.fits,
                        peak_memory_gib=r.peak_memory_gib, tokens_per_s_per_gpu=r.tokens_per_s_per_gpu,
-                       gpu_memory_gib=None if r.peak_memory_gib is None else gpu_memory_gib(cfg, r.peak_memory_gib),
+                       gpu_memory_gib=None if r.peak_memory_gib is None else gpu_memory_gib(cfg, r, predicted),
                        step_time_s=r.step_time_s, mfu=r.mfu, on_front=r.number in on_front,
                        prune_reason=r.prune_reason, fail_reason=r.fail_reason, duplicate_of=r.duplicate_of,
                        strategy=r.strategy.describe(cfg.model.num_hidden_layers))

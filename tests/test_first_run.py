@@ -111,6 +111,16 @@ def test_front_points_say_how_to_reproduce_them(tmp_path):
         else:
             assert p["checkpointing"].startswith("autotune.apply_checkpointing(model, ")
             assert f"num_layers={n if n is not None else 32}" in p["checkpointing"]
+    # the front shows the figure fits compares with the usable memory (estimate's GPU memory needed)
+    from autotune.config import load_config
+    from autotune.memory import estimate_memory
+    from autotune.strategy import Strategy
+
+    cfg = load_config(os.path.join(EXAMPLES, "llama2-7b.yaml"))
+    for p in front["front"]:
+        mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, Strategy(**p["strategy"]))
+        assert p["gpu_memory_gib"] == pytest.approx(mem.total_gpu_bytes / 2**30, rel=1e-12)
+        assert p["gpu_memory_gib"] <= front["usable_gpu_memory_gib"]
     best = front["best"]
     assert best["why"].startswith("fastest configuration that fits") and best["why"].endswith(".")
     assert best["tokens_per_s_per_gpu"] == max(p["tokens_per_s_per_gpu"] for p in front["front"])
