@@ -26,9 +26,17 @@ allocation traces of real steps (torch.profiler, see benchmarks/memory_vs_deepsp
   small params (numel <= param_persistence_threshold, kept whole), fetched (all-gathered) params
   of the blocks in flight, the fp16/bf16 gradient partition buffer, reduce buckets, fp32 master +
   moments partitions; at the step the fp32 gradient of the sub group.
-* Offload: optimizer -> CPU/NVMe removes master weights, moments and the fp32 gradient from
-  the GPU (host keeps them, plus pinned gradient staging); params -> CPU/NVMe (ZeRO-3) keeps only
-  the fetched working set on the GPU.
+* Offload (``_model_states``), as DeepSpeed 0.19 places it: ZeRO-1/2 ``offload_optimizer`` (cpu
+  or nvme: stages 1/2 have no NVMe swapper) moves master weights, moments and the fp32 gradient
+  partition to pinned host RAM, with a largest-parameter staging buffer on each side; ZeRO-3
+  ``offload_optimizer`` also moves the 16-bit gradient partitions to the host (stage3.py
+  ``self.device``), nvme swaps master/moments/fp32 gradients to NVMe through pinned swap buffers;
+  ``offload_param`` moves the 16-bit partitions to the host (cpu) or NVMe through pinned buffers,
+  and the GPU keeps the fetched working set. No figure is ever negative.
+* Gradient accumulation (``_accumulation_carry``): what lives across micro-steps, per optimizer
+  wrapper, with the DeepSpeed lines it comes from.
+* The training loop: ``loop="keep_outputs"`` (default) keeps ``outputs.logits`` alive through
+  backward, the step and the next forward, as the usual ``outputs = engine(**batch)`` loop does.
 
 Activations follow Korthikanti et al. 2022 (Reducing Activation Recomputation in Large
 Transformer Models, sec. 4) per operation, adapted to the reference decoders of
@@ -391,7 +399,8 @@ class _States:
     nvme: float = 0.0             # NVMe bytes per GPU
 
 
-def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy) -> _States:
+def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy,
+                  device: str = "cuda") -> _States:
     psi = m.num_parameters
     dp = data_parallel_size(hardware)
     p = _DTYPE_BYTES[s.precision]
@@ -429,7 +438,9 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
             out.buffers_bwd = 2 * p * bucket
             out.buffers_step = 0
             gas = gradient_accumulation_steps(s, training, hardware)
-            host = (4 + k_opt + 4) * part + p * _largest_param(m) + (p * part if gas > 1 else 0)
+            # + param_buffer_of_bit16_for_cpu_offload_groups: a pinned model-dtype copy of the
+            # partition the updated master weights are cast into (stage_1_and_2.py, __init__)
+            host = (4 + k_opt + 4 + p) * part + p * _largest_param(m) + (p * part if gas > 1 else 0)
         else:
             out.optimizer = (4 + k_opt) * part
             out.buffers_bwd = 2 * p * bucket  # ipg double buffer (overlap_comm)
@@ -454,7 +465,9 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         off_par = s.offload_params != "none"
         # ... except when the partitions live on the host (offload_param): then every block is
         # fetched to the GPU, one rank or many
-        live = 0.0 if (dp == 1 and not off_par) else p * min(psi - persist, _DS_MAX_LIVE + prefetch)
+        # (on DeepSpeed's CPU accelerator "fetching" a host partition to the device is no copy)
+        fetch_copies = dp > 1 or (off_par and device != "cpu")
+        live = p * min(psi - persist, _DS_MAX_LIVE + prefetch) if fetch_copies else 0.0
         out.params = (0 if off_par else p * part) + p * persist
         # the reduce bucket (ipg buffer) is allocated at init on the GPU (stage3.py
         # _setup_for_real_optimizer: "bucket.buffer = torch.empty(self.reduce_bucket_size, ...)")
@@ -555,7 +568,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         raise ValueError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
     m, s = model, strategy
     p = _DTYPE_BYTES[s.precision]
-    st = _model_states(m, training, hardware, s)
+    st = _model_states(m, training, hardware, s, device)
     act = activation_breakdown(m, training, s, device)
     L = m.num_hidden_layers
     tokens = training.seq_len * s.micro_batch_size

@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", action="append", default=[],
                     help="a --json file of an earlier run: its measured rows are not run again, only "
                          "predicted again with the current model (later files win)")
+    ap.add_argument("--no-run", action="store_true",
+                    help="with --reuse: report the stored measurements only, run nothing new")
     args = ap.parse_args(argv)
     rows = grid(args.quick)
     if not args.quick and importlib.util.find_spec("transformers") is not None:
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in json.loads(Path(path).read_text()):
             if r.get("status") == "ok":
                 stored[tuple(r.get(k, 1 if k == "ga" else None) for k in ROW_KEYS)] = r
-    todo = [r for r in rows if tuple(r[k] for k in ROW_KEYS) not in stored]
+    todo = [] if args.no_run else [r for r in rows if tuple(r[k] for k in ROW_KEYS) not in stored]
     for row in rows:
         key = tuple(row[k] for k in ROW_KEYS)
         if key in stored:
@@ -299,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in sorted(results, key=lambda r: r.get("error", -9)):
         print(row_text(r))
     print()
+    if len(results) < len(rows):
+        print(f"{len(rows) - len(results)} of the {len(rows)} grid configs not measured (--no-run)")
     for line in summarize(results):
         print(line)
     if args.json:

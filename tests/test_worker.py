@@ -189,3 +189,21 @@ def test_checkpointing_keeps_loss_and_gradients(granularity):
     assert torch.allclose(l0, l1)
     for (n, a), b in zip(ref.named_parameters(), ck.parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,offload_params,ga", [(2, "none", 1), (3, "cpu", 2)])
+def test_offloaded_engine_total_matches_gpu_plus_host(tmp_path, stage, offload_params, ga):
+    """Real offloaded engines on the CPU accelerator, where "GPU" and host are one allocator: the
+    measured peak is the predicted device peak plus the predicted host bytes (pinned partitions,
+    master weights, moments, fp32 and 16-bit gradient partitions, staging buffers)."""
+    job = _job(stage=stage, nproc=1, mbs=2, seq=256, ga=ga)
+    job["strategy"] = dict(job["strategy"], offload_optimizer="cpu", offload_params=offload_params)
+    (res,) = _run(tmp_path, job)
+    assert res["status"] == "ok", res
+    model, training = ModelSpec(**job["model"]), TrainingSpec(**job["training"])
+    hw = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=1)
+    est = estimate_memory(model, training, hw, Strategy(**job["strategy"]), device="cpu")
+    total = est.gpu["peak"] + est.cpu_bytes_per_node
+    assert est.gpu["gradients"] == 0 and est.gpu["optimizer_states"] == 0
+    assert abs(total - res["peak_allocated_bytes"]) / res["peak_allocated_bytes"] < 0.02
