@@ -218,6 +218,12 @@ def _pct(new: Optional[float], old: Optional[float]) -> Optional[float]:
     return (new - old) / old
 
 
+def _gib(value: float) -> str:
+    from autotune.output import format_gib
+
+    return format_gib(value)
+
+
 def _fmt_pct(p: Optional[float]) -> str:
     return "n/a" if p is None else f"{100 * p:+.1f}%"
 
@@ -289,7 +295,7 @@ def compare_runs(old: RunData, new: RunData, max_regression: float) -> dict[str,
                                f"({ob['tokens_per_s_per_gpu']:,.0f} -> {nb['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU)")
         if best["same_strategy"] and best["memory_change"] is not None and best["memory_change"] > max_regression:
             regressions.append(f"recommended strategy needs {_fmt_pct(best['memory_change'])} memory "
-                               f"({ob['peak_memory_gib']:.2f} -> {nb['peak_memory_gib']:.2f} GiB)")
+                               f"({_gib(ob['peak_memory_gib'])} -> {_gib(nb['peak_memory_gib'])})")
     elif ob and not nb:
         regressions.append("no candidate fits any more (the old run recommended "
                            f"{ob['strategy_text']})")
@@ -334,9 +340,9 @@ def format_compare(c: dict[str, Any]) -> str:
         same = "same strategy" if b["same_strategy"] else "strategy changed"
         lines.append(f"recommended ({same}): throughput {_fmt_pct(b['throughput_change'])}, "
                      f"memory {_fmt_pct(b['memory_change'])}")
-        lines.append(f"  old: {b['old']['strategy_text']}: {b['old']['peak_memory_gib']:.2f} GiB, "
+        lines.append(f"  old: {b['old']['strategy_text']}: {_gib(b['old']['peak_memory_gib'])}, "
                      f"{b['old']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
-        lines.append(f"  new: {b['new']['strategy_text']}: {b['new']['peak_memory_gib']:.2f} GiB, "
+        lines.append(f"  new: {b['new']['strategy_text']}: {_gib(b['new']['peak_memory_gib'])}, "
                      f"{b['new']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
     else:
         lines.append(f"recommended: old {b['old'] and b['old']['strategy_text'] or 'none'}, "
@@ -350,7 +356,7 @@ def format_compare(c: dict[str, Any]) -> str:
                 tail = ""
                 if now:
                     tail = f"  -> now {now['state']}" + (f": {now['reason']}" if now.get("reason") else "")
-                lines.append(f"  {e['peak_memory_gib']:8.2f} GiB {e['tokens_per_s_per_gpu']:>12,.0f} tok/s  "
+                lines.append(f"  {_gib(e['peak_memory_gib']):>12} {e['tokens_per_s_per_gpu']:>12,.0f} tok/s  "
                              f"{e['strategy_text']}{tail}")
             lines += tail_lines
     moved = [e for e in c["stayed_on_front"]

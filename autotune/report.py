@@ -147,7 +147,7 @@ def plot_points(run: RunData, clip_gib: Optional[float] = None) -> dict[str, lis
         mem = mem if mem is not None else 0.0
         clipped = bool(not measured and clip_gib and mem > clip_gib)
         if not measured:
-            note = f"predicted {mem:.2f} GiB; " + note
+            note = f"predicted {format_gib(mem)}; " + note
         out[cat].append({"trial": int(r["number"]), "memory_gib": clip_gib if clipped else mem, "clipped": clipped,
                          "tokens_per_s": tps or 0.0, "strategy": r.get("strategy", ""), "note": note})
     out["front"].sort(key=lambda p: p["memory_gib"])
@@ -329,7 +329,8 @@ def predicted_vs_measured(run: RunData) -> list[list[Any]]:
         status = "ok" if r["state"] == "COMPLETE" else (r.get("fail_reason") or "failed")
         if extra.get("oom_phase"):
             status += f" (OOM in {extra['oom_phase']})"
-        rows.append([n, r.get("strategy", ""), _num(pred_mem, ".2f"), _num(meas_mem, ".2f"), _err(meas_mem, pred_mem),
+        rows.append([n, r.get("strategy", ""), "-" if pred_mem is None else format_gib(pred_mem),
+                     "-" if meas_mem is None else format_gib(meas_mem), _err(meas_mem, pred_mem),
                      _num(pred_tps, ",.0f"), _num(meas_tps, ",.0f"), _err(meas_tps, pred_tps), status])
     return rows
 
@@ -393,7 +394,7 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
     pvm = predicted_vs_measured(run)
     parts.append("<h2>Predicted vs measured</h2>")
     if pvm:
-        parts.append(_table(["trial", "strategy", "predicted GiB", "measured GiB", "memory error",
+        parts.append(_table(["trial", "strategy", "predicted peak", "measured peak", "memory error",
                              "predicted tokens/s", "measured tokens/s", "throughput error", "status"], pvm))
         parts.append('<p class="muted">error = (predicted - measured) / measured. Predicted throughput comes '
                      "from the measurement record when the backend stored it.</p>")
