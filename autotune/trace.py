@@ -13,7 +13,7 @@ partitions, ZeRO-3 prefetch): :func:`combine` therefore takes the *activations a
 from the trace and the *model states and buffers* from the analytical model
 (:mod:`autotune.memory`), and says which part came from where.
 
-Traps handled here (see shared/NOTES-cpu.md, "Tracing under FakeTensorMode"):
+Traps handled here (observed with torch 2.13 on CPU):
 
 * fake ``cuda`` tensors abort a CPU-only torch on backward, so the fake device is ``cpu``;
 * ``.to(torch.bfloat16)`` on a module fails under fake mode, so 16-bit models are built under
