@@ -527,8 +527,10 @@ def _accumulation_carry(m: ModelSpec, hardware: HardwareSpec, s: Strategy, gas: 
       (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``: ``if self.partition_gradients
       or self.is_gradient_accumulation_boundary()``), so the epilogue's ``all_grad_tensors``
       (``independent_gradient_partition_epilogue``, ``get_all_grad_tensors``) keeps full-size
-      gradients; measured on allocation traces (benchmarks/memory_vs_deepspeed.py, 1 and 2
-      ranks): 3 full model-dtype copies of the gradients per rank.
+      gradients, and the ipg double buffer (two reduce buckets, model dtype) they were gathered
+      in stays referenced; measured on allocation traces (benchmarks/memory_vs_deepspeed.py, 1 and
+      2 ranks): the gradients plus the two buckets, where the boundary micro-step reuses the
+      buckets rather than adding new ones.
     * ZeRO-2: each micro-step reduces into ``grads_in_partition``; the epilogue keeps that
       partition in ``all_grad_tensors`` and the next micro-step allocates a new one to add into
       it (stage_1_and_2.py ``copy_grads_in_partition`` / ``accumulated_grad.add_``): one
@@ -545,7 +547,8 @@ def _accumulation_carry(m: ModelSpec, hardware: HardwareSpec, s: Strategy, gas: 
     if s.zero_stage == 0:
         return float(p * psi), False
     if s.zero_stage == 1:
-        return float(3 * p * psi), True
+        bucket = min(default_buckets(m, s)["reduce_bucket_size"], psi)
+        return float(p * psi + 2 * p * bucket), True
     if s.zero_stage == 2:
         return float(p * part), True
     return 0.0, True
@@ -580,6 +583,9 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     kept = p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0
     gas = gradient_accumulation_steps(s, training, hardware)
     carry, grow = _accumulation_carry(m, hardware, s, gas)
+    # ZeRO-1: part of the carry is the ipg double buffer (2 reduce buckets) filled in the earlier
+    # micro-steps; where the boundary micro-step's own buckets are counted, they are those buffers
+    carry_ipg = st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0
 
     fixed = st.params + st.optimizer + st.grad_buffer + st.resident_buffers
     cands: list[tuple[str, float, float, float, float, float]] = []  # phase, total, grads, act, logits, buffers
@@ -589,7 +595,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         logits += kept
         if phase != "optimizer":
             # later micro-steps: accumulated gradients (ZeRO-0 adds into them in place)
-            grads = grads + carry if grow else max(grads, carry)
+            grads = grads + carry - min(carry_ipg, buffers) if grow else max(grads, carry)
         cands.append((phase, fixed + grads + activations + logits + buffers, grads, activations, logits, buffers))
 
     # forward end: everything saved plus the loss transient (logits, their fp32 copy, log_softmax)
