@@ -53,6 +53,10 @@ for a in "$@"; do
     esac
     prev="$a"
 done
+case "$DEVICE" in
+    cuda|cpu) ;;
+    *) echo "gpu_check: error: --device: expected cuda or cpu, got '$DEVICE'" >&2; exit 2 ;;
+esac
 
 # ------------------------------------------------------------------ the dry run's stand-in host
 if [ "$DEVICE" = cpu ] && [ "$TINY" = 1 ] && [ -z "${AUTOTUNE_GPU_CHECK_INNER:-}" ]; then
@@ -67,7 +71,8 @@ if [ "$DEVICE" = cpu ] && [ "$TINY" = 1 ] && [ -z "${AUTOTUNE_GPU_CHECK_INNER:-}
     echo "gpu_check: dry run: fresh virtualenv with only torch==2.13.0 ($D/venv)" >&2
     "$PY" -m venv --clear "$D/venv"
     VPY="$D/venv/bin/python"
-    "$VPY" -m pip install -q torch==2.13.0
+    # (stands for the host's own torch: the one step of the dry run that may use an index)
+    "$VPY" -m pip install -q torch==2.13.0 2> >(grep -v "is neither a file nor a directory" >&2)
     mapfile -t HOST < <(sed -n 's/^#host:[[:space:]]*\([^[:space:]]*\).*/\1/p' "$LIST" | grep -vx torch)
     echo "gpu_check: dry run: the host's own packages, offline: ${HOST[*]}" >&2
     PIP_CONFIG_FILE=/dev/null env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL \
@@ -94,6 +99,13 @@ if [ -n "$BUNDLE" ]; then
     BUNDLE="$(cd "$BUNDLE" && pwd)"
     tag="$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
     SITE="$ROOT/build/gpu_site-$tag"
+    other="$(ls "$BUNDLE" | grep -E -- '-cp3[0-9]+-cp3' | grep -v -- "-$tag-" | head -1 || true)"
+    if [ -n "$other" ]; then
+        pyv="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+        echo "gpu_check: error: $BUNDLE holds wheels for another Python ($other); this is $pyv: rerun" \
+             "benchmarks/gpu_bundle.sh --python-version $pyv" >&2
+        exit 2
+    fi
     stamp="$(cat "$LIST"; ls "$BUNDLE")"
     if [ ! -f "$SITE/.bundle-stamp" ] || [ "$(cat "$SITE/.bundle-stamp")" != "$stamp" ]; then
         echo "gpu_check: installing $(ls "$BUNDLE"/*.whl | wc -l) wheels from $BUNDLE offline into $SITE" >&2
