@@ -263,7 +263,9 @@ def _attention_backward_transient(m: ModelSpec, p: int, s: int, device: str = "c
     gradients of the dropout output and of the softmax (s x s per head).
     """
     if _sdpa_math(m, device):
-        return 8 * m.num_attention_heads * s
+        # the softmax gradient next to the dropout output's gradient (fp32, s x s per head), after
+        # the PV matmul's backward released the saved dropout output (fp32, s x s per head)
+        return 4 * m.num_attention_heads * s
     if m.attn_implementation == "eager":
         return (4 + p) * m.num_attention_heads * s
     return p * (m.q_size + 2 * m.kv_size)
