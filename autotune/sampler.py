@@ -22,8 +22,10 @@ dashboard work unchanged). Before each trial it rebuilds its state from the stud
   chased. The hypervolume itself is Optuna's (optuna._hypervolume.compute_hypervolume).
 
 The candidate with the largest EHVI is profiled next. ``assess(study)`` gives the stopping
-statistic: the best remaining EHVI as a fraction of the current hypervolume; the search stops when
-it falls below ``stop_gain`` (``--trials`` stays the hard budget) and states it
+statistic: the best remaining EHVI as a fraction of the current hypervolume, with the residual
+model's amplitude at least the out-of-sample error the predictions have shown so far (a model fitted
+on a handful of points is not trusted beyond its track record); the search stops when it falls
+below ``stop_gain`` (``--trials`` stays the hard budget) and states it
 ("front stable: ...").
 """
 
@@ -103,10 +105,11 @@ def _matern52(a: np.ndarray, b: np.ndarray, length: float) -> np.ndarray:
     return (1.0 + s + s * s / 3.0) * np.exp(-s)
 
 
-def gp_posterior(x: np.ndarray, y: np.ndarray, xs: np.ndarray, noise_floor: float = 0.0
-                 ) -> tuple[np.ndarray, np.ndarray, float]:
+def gp_posterior(x: np.ndarray, y: np.ndarray, xs: np.ndarray, noise_floor: float = 0.0,
+                 amplitude_floor: float = 0.0) -> tuple[np.ndarray, np.ndarray, float]:
     """Posterior mean and variance of the *observed* residual at ``xs`` (noise included), and the
-    chosen noise sd. Hyper-parameters maximise the log marginal likelihood over the grid above."""
+    chosen noise sd. Hyper-parameters maximise the log marginal likelihood over the grid above
+    (amplitudes below ``amplitude_floor`` are replaced by it)."""
     if len(y) == 0:
         noise = max(noise_floor, _NOISES[0])
         return np.zeros(len(xs)), np.full(len(xs), _PRIOR_AMPLITUDE ** 2 + noise ** 2), noise
@@ -115,7 +118,7 @@ def gp_posterior(x: np.ndarray, y: np.ndarray, xs: np.ndarray, noise_floor: floa
     for length in _LENGTHS:
         s = math.sqrt(5.0) * np.sqrt(d2) / length
         corr = (1.0 + s + s * s / 3.0) * np.exp(-s)
-        for amp in _AMPLITUDES:
+        for amp in sorted({max(a, amplitude_floor) for a in _AMPLITUDES}):
             for noise in _NOISES:
                 noise = max(noise, noise_floor)
                 k = amp * amp * corr + _BIAS_SD ** 2 + (noise * noise + 1e-10) * np.eye(len(y))
@@ -335,14 +338,24 @@ class FrontSampler(BaseSampler):
             self._sim_for = key
         return self._log_sim
 
-    def predict(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, np.ndarray]:
+    def out_of_sample_error(self) -> float:
+        """RMS log error of the predictions made before each measurement (the calibrator's record):
+        how wrong the model has actually been on candidates it had not seen."""
+        errs = [math.log1p(c.tokens_error_pct / 100.0) for c in self.calibrator.comparisons
+                if c.tokens_error_pct is not None and c.tokens_error_pct > -100.0]
+        return math.sqrt(sum(e * e for e in errs) / len(errs)) if errs else _PRIOR_AMPLITUDE
+
+    def predict(self, honest: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, np.ndarray]:
         """(memory GiB, mean log tokens/s, sd of log tokens/s, noise, sd of log memory) of every
-        feasible candidate."""
+        feasible candidate. ``honest``: the residual model's amplitude is at least the out-of-sample
+        error seen so far (the stopping rule must not trust a model fitted on a handful of points
+        more than its track record)."""
         log_sim = self._log_simulated()
         noise = self.calibrator.noise()
         done = [i for i, (_, t) in self.measured.items() if t > 0]
         y = np.array([math.log(self.measured[i][1]) - log_sim[i] for i in done])
-        mean, var, _ = gp_posterior(self.x[done], y, self.x, noise_floor=noise)
+        floor = self.out_of_sample_error() if honest else 0.0
+        mean, var, _ = gp_posterior(self.x[done], y, self.x, noise_floor=noise, amplitude_floor=floor)
         factors: dict[tuple, tuple[float, float]] = {}
         mem = self.pred_mem.copy()
         mem_sd = np.zeros(len(mem))
@@ -353,20 +366,20 @@ class FrontSampler(BaseSampler):
             mem_sd[i] = factors[f][1]
         return mem, log_sim + mean, np.sqrt(var), noise, mem_sd
 
-    def _score(self, running: set[int]) -> tuple[np.ndarray, np.ndarray, float, float]:
+    def _score(self, running: set[int], honest: bool = False) -> tuple[np.ndarray, np.ndarray, float, float]:
         key = (len(self._folded), len(self.measured), len(self.failed), tuple(sorted(running)),
-               len(self.calibrator.comparisons))
+               len(self.calibrator.comparisons), honest)
         if self._scored is not None and self._scored[0] == key:
             return self._scored[1]
-        self._scored = (key, self._score_now(running))
+        self._scored = (key, self._score_now(running, honest))
         return self._scored[1]
 
-    def _score_now(self, running: set[int]) -> tuple[np.ndarray, np.ndarray, float, float]:
+    def _score_now(self, running: set[int], honest: bool = False) -> tuple[np.ndarray, np.ndarray, float, float]:
         eligible = self._eligible(running)
         front = list(self.measured.values())
         if not eligible.any():
             return eligible, np.zeros(len(eligible)), hypervolume(front, self.ref_x), 0.0
-        mem, mu, sd, noise, mem_sd = self.predict()
+        mem, mu, sd, noise, mem_sd = self.predict(honest)
         ehvi = np.zeros(len(eligible))
         idx = np.flatnonzero(eligible)
         # memory uncertain too (log-normal, sd from the calibrator): Gauss-Hermite quadrature over it
@@ -386,7 +399,7 @@ class FrontSampler(BaseSampler):
     def assess(self, study: Any) -> Assessment:
         """The stopping statistic after the measurements so far (see the module docstring)."""
         running = self.observe(study)
-        eligible, ehvi, hv, noise = self._score(running)
+        eligible, ehvi, hv, noise = self._score(running, honest=True)
         gain = float(ehvi.max() / hv) if hv > 0 and eligible.any() else (0.0 if not eligible.any() else math.inf)
         profiled = len(self.measured) + len(self.failed)
         return Assessment(gain=gain, hypervolume=hv, profiled=profiled, feasible=len(self.strategies),

@@ -230,7 +230,7 @@ def _summary(hits: list, fracs: list) -> str:
 
 
 def run_table(label: str, cfg: Any, space: Any, table: str, rows: list, seeds: int, budget: int,
-              baseline_budget: int, out: list) -> None:
+              baseline_budget: int, out: list, earlier: bool = True) -> None:
     import autotune.sampler as sampler_mod
     from autotune.profile.calibrate import Calibrator
 
@@ -292,9 +292,11 @@ def run_table(label: str, cfg: Any, space: Any, table: str, rows: list, seeds: i
           f"{min(stop_fracs):>10.3f}   stops at {', '.join(str(s) for s in stops)}; HV then "
           f"{', '.join(f'{f:.3f}' for f in stop_fracs)}")
     for name, sampler, seeded, calibrated, n in (
-            ("earlier tuner (NSGA-II, seeded + re-seeded)", "nsga2", True, True, budget),
+            ("earlier tuner (NSGA-II, seeded + re-seeded)", "nsga2", True, True, budget if earlier else 0),
             ("unseeded Optuna sampler (NSGA-II)", "nsga2", False, False, baseline_budget),
             ("random search", "random", False, False, baseline_budget)):
+        if n == 0:
+            continue
         hits, fracs = [], []
         for seed in range(seeds):
             cal = Calibrator(cfg, None, autosave=False) if calibrated else None
@@ -326,6 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tables", default="exact,efficiency,slow-comm,noise,combined,measured",
                     help="comma-separated: " + ", ".join(PERTURBATIONS) + ", measured, measured:DIR")
     ap.add_argument("--perturb", action="store_true", help="same as --tables combined")
+    ap.add_argument("--no-earlier", action="store_true", help="skip the earlier tuner (the slowest baseline)")
     ap.add_argument("--table", default=None, help="where to write the simulated replay CSVs (default: a temp dir)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -346,7 +349,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for folder in folders:
                 mcfg, mspace, table, rows = load_measured(folder)
                 run_table(f"measured {os.path.basename(os.path.normpath(folder))}", mcfg, mspace, table, rows,
-                          args.seeds, args.trials, args.baseline_trials, out)
+                          args.seeds, args.trials, args.baseline_trials, out, not args.no_earlier)
             continue
         if name not in PERTURBATIONS:
             print(f"search_cost.py: error: unknown table {name!r}", file=sys.stderr)
@@ -355,7 +358,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         table = os.path.join(tmp, f"{name}.csv")
         rows = build_table(cfg, screened, table, name)
         run_table(f"{name} ({space.name} space)", cfg, space, table, rows, args.seeds, args.trials,
-                  args.baseline_trials, out)
+                  args.baseline_trials, out, not args.no_earlier)
     print("\n## summary: median profiled trials to 95% hypervolume (true front size; goal 1.5 x front)")
     for label, size, results in out:
         cells = "; ".join(f"{k.split(' (')[0]}: {_summary(v, [0])}" for k, v in results.items())
