@@ -66,7 +66,8 @@ Result JSON (one per rank)::
       "peak_reserved_bytes": int | null,    # CUDA max_memory_reserved (null on CPU)
       "peak_phase": "forward" | "backward" | "optimizer",  # phase containing the peak
       "phase_peaks_bytes": {"forward": int, "backward": int, "optimizer": int},
-      "step_peaks_bytes": [int, ...],       # CPU profiler: peak of each measured step
+      "step_peaks_bytes": [int, ...],       # CPU profiler: peak of each measured optimizer step
+                                            #   (all its micro-steps)
       "min_step_peak_bytes": int,           # CPU profiler: smallest of those
       "max_step_peak_bytes": int,           # CPU profiler: largest of those (= peak_allocated_bytes)
       "loop": "keep_outputs" | "drop_outputs",
@@ -151,6 +152,7 @@ class _CpuMemoryProbe:
         self.window: Optional[tuple[int, int]] = None
         self.init_end: Optional[int] = None
         self.last_step_start: Optional[int] = None
+        self.gas = 1  # micro-steps per optimizer step (set by the worker)
 
     def __enter__(self) -> "_CpuMemoryProbe":
         self.all_threads = _track_all_threads()
@@ -225,9 +227,10 @@ class _CpuMemoryProbe:
         peaks = {ph: 0 for ph in PHASES}
         best, best_phase = -1, None
         step_peaks: list[int] = []
+        per_step = 3 * max(1, self.gas)  # forward, backward, step of every micro-step
         for k, (phase, t0, t1) in enumerate(marks):
             m = peak_in(t0, t1)
-            if phase == "forward" and (k == 0 or marks[k - 1][0] == "optimizer"):
+            if k % per_step == 0:  # a new optimizer step (all its micro-steps)
                 step_peaks.append(0)
             if step_peaks:
                 step_peaks[-1] = max(step_peaks[-1], m)
@@ -511,6 +514,8 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
     result["optimizer"] = type(engine.optimizer).__name__
     gas = engine.gradient_accumulation_steps()
     result["gradient_accumulation_steps"] = gas
+    if probe is not None:
+        probe.gas = gas
     mbs = engine.train_micro_batch_size_per_gpu()
     seq = training.seq_len
     batches = [built.batch_fn(mbs, seq, device) for _ in range(2)]
