@@ -230,7 +230,7 @@ def _summary(hits: list, fracs: list) -> str:
 
 
 def run_table(label: str, cfg: Any, space: Any, table: str, rows: list, seeds: int, budget: int,
-              baseline_budget: int, out: list, earlier: bool = True) -> None:
+              baseline_budget: int, out: list, earlier: bool = True, budget_floor: int = 0) -> None:
     import autotune.sampler as sampler_mod
     from autotune.profile.calibrate import Calibrator
 
@@ -240,7 +240,7 @@ def run_table(label: str, cfg: Any, space: Any, table: str, rows: list, seeds: i
     front = pareto_front(pts)
     hv_true = hypervolume(pts, ref)
     goal = 1.5 * len(front)
-    budget = min(budget, 2 * len(front) + 10)  # the tuners: enough to see whether they reach 95% within the goal
+    budget = min(budget, max(2 * len(front) + 10, budget_floor))  # the tuners: enough to see whether they reach 95% within the goal
     print(f"\n## table {label}: {cfg.model.name} on {cfg.hardware.num_gpus} x {cfg.hardware.gpu.name}, "
           f"{len(rows)} measured candidates, true front {len(front)} points; goal <= {goal:.1f} "
           f"(exact table: <= {len(front)}) profiled trials to {TARGET:.0%} hypervolume")
@@ -329,6 +329,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="comma-separated: " + ", ".join(PERTURBATIONS) + ", measured, measured:DIR")
     ap.add_argument("--perturb", action="store_true", help="same as --tables combined")
     ap.add_argument("--no-earlier", action="store_true", help="skip the earlier tuner (the slowest baseline)")
+    ap.add_argument("--full-budget", action="store_true", help="tuners get --trials even beyond 2 x front + 10")
     ap.add_argument("--table", default=None, help="where to write the simulated replay CSVs (default: a temp dir)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -349,7 +350,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             for folder in folders:
                 mcfg, mspace, table, rows = load_measured(folder)
                 run_table(f"measured {os.path.basename(os.path.normpath(folder))}", mcfg, mspace, table, rows,
-                          args.seeds, args.trials, args.baseline_trials, out, not args.no_earlier)
+                          args.seeds, args.trials, args.baseline_trials, out, not args.no_earlier,
+                          args.trials if args.full_budget else 0)
             continue
         if name not in PERTURBATIONS:
             print(f"search_cost.py: error: unknown table {name!r}", file=sys.stderr)
