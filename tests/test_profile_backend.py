@@ -213,10 +213,10 @@ def test_crashing_rank_reports_its_signal(tmp_path):
         time.sleep(600)   # rank 0 would wait forever for its peer
     """)
     t0 = time.monotonic()
-    m = backend(tiny_cfg(2, timeout_s=60), tmp_path, worker_entry=entry).evaluate(Strategy(micro_batch_size=4))
+    m = backend(tiny_cfg(2, timeout_s=300), tmp_path, worker_entry=entry).evaluate(Strategy(micro_batch_size=4))
     assert m.status == "crash", (m.status, m.reason)
     assert m.reason == "rank 1 killed by SIGSEGV before writing a result"
-    assert time.monotonic() - t0 < 40  # the launcher stopped the survivor; no timeout needed
+    assert time.monotonic() - t0 < 150  # the launcher stopped the survivor long before the timeout
     assert_nothing_left(m)
 
 
@@ -232,7 +232,7 @@ def test_hang_is_killed_with_its_whole_process_tree(tmp_path):
     t0 = time.monotonic()
     m = backend(tiny_cfg(1, timeout_s=4), tmp_path, worker_entry=entry).evaluate(Strategy(micro_batch_size=8))
     assert m.status == "timeout", (m.status, m.reason)
-    assert time.monotonic() - t0 < 25
+    assert time.monotonic() - t0 < 60  # the timeout (4 s) plus the kill grace, not the worker's 600 s
     assert_nothing_left(m)
 
 
