@@ -189,6 +189,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print(format_front(front))
         print("\n" + "\n".join(compare.recommendation_lines(front["best"], run.run_dir)))
+        if front.get("front_confidence"):
+            print(front["front_confidence"])
         print(f"\nfiles: {run.run_dir}/ (front.json, trials.csv, ds_configs/, best.json, summary.md, "
               f"{'report.html, front.png, ' if report else ''}"
               f"{os.path.basename(run.storage_path) if run.storage_path else 'study in ' + run.storage_url})")

@@ -174,6 +174,8 @@ def format_show(run: RunData) -> str:
         "",
     ]
     lines += recommendation_lines(run.best, run.run_dir)
+    if f.get("front_confidence"):
+        lines.append(f["front_confidence"])
     report = os.path.join(run.run_dir, "report.html")
     if os.path.isfile(report):
         lines.append(f"report: {report}")

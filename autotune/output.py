@@ -177,8 +177,9 @@ def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str], equivalents: 
 
 
 def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, backend: str,
-                  extra_summary: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Write every output file; returns the front.json object."""
+                  extra_summary: Optional[dict[str, Any]] = None, confidence: Optional[str] = None) -> dict[str, Any]:
+    """Write every output file; returns the front.json object. ``confidence``: how sure the sampler
+    is of the front, in words (front.json ``front_confidence``), when it says."""
     rows = collect_rows(study, space, cfg)
     predicted = backend == "simulate"  # the objective values are the models' predictions, not measurements
     front = front_rows(rows)
@@ -205,6 +206,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
         "usable_gpu_memory_gib": cfg.hardware.gpu.memory_bytes * (1 - cfg.search.headroom) / GIB,
         "trials": trial_counts(rows),
         "failures": failure_summary(rows),
+        "front_confidence": confidence,
         "front": points,
         "best": next((p for p in points if best is not None and p["trial"] == best.number), None),
     }

@@ -105,9 +105,11 @@ class Run:
             "study": f"{self.name} in {self.storage_url}",
             "search wall time": f"{time.perf_counter() - start:.2f} s",
         }
+        confidence = None
         if outcome.confidence:  # sampler ehvi: how sure the front is (autotune.sampler.Assessment)
-            extra["front confidence"] = outcome.confidence + (" (stopped early)" if outcome.stopped_early else "")
-        return write_outputs(self.run_dir, self.cfg, space, outcome.study, self.backend, extra)
+            confidence = outcome.confidence + (" (stopped early)" if outcome.stopped_early else "")
+            extra["front confidence"] = confidence
+        return write_outputs(self.run_dir, self.cfg, space, outcome.study, self.backend, extra, confidence)
 
 
 SLOW_ENV = "AUTOTUNE_SLOW_BACKEND_S"

@@ -155,3 +155,14 @@ def test_version_matches_the_package_metadata():
     from importlib.metadata import version
 
     assert autotune("--version", cwd=ROOT).stdout.strip() == f"autotune {version('autotune')}"
+
+
+def test_replayed_profiling_run_says_how_sure_its_front_is(tmp_path):
+    proc = autotune("run", os.path.join(ROOT, "data", "measured", "tiny-gpt2-2rank", "config.yaml"), "--backend",
+                    "replay", "--name", "r", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    front = json.loads((tmp_path / "runs" / "r" / "front.json").read_text())
+    assert front["front_confidence"] and "feasible candidates profiled" in front["front_confidence"]
+    assert front["front_confidence"] in proc.stdout.splitlines()
+    show = autotune("show", "runs/r", cwd=tmp_path)
+    assert front["front_confidence"] in show.stdout.splitlines()
