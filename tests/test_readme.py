@@ -90,6 +90,13 @@ def test_readme_commands_run_verbatim(tmp_path):
             m = json.loads((run_dir / "trials" / row["number"] / "measurement.json").read_text())
             assert m["status"] == "ok" and m["peak_memory_bytes"] > 0 and m["tokens_per_s_per_gpu"] > 0
         assert (run_dir / "study.db").is_file()
+    # the profiled tiny example: the memory model's prediction within 2% of every measured peak (the
+    # reference decoder it predicts is the model that ran; the custom model is the user's own)
+    for row in completed(tiny):
+        m = json.loads((tiny / "trials" / row["number"] / "measurement.json").read_text())
+        error = m["extra"]["predicted_peak_bytes"] / m["peak_memory_bytes"] - 1
+        assert abs(error) <= 0.02, (row["strategy"], error)
+    assert "Predicted vs measured" in (tiny / "report.html").read_text()
     # the shared-study example: the run, the worker and the resumed run each profiled a candidate
     shared = runs / "shared"
     assert len(completed(shared)) >= 2 and json.loads((shared / "front.json").read_text())["front"]
