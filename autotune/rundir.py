@@ -192,16 +192,23 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
 
 
 def _count_trials(url: str, study_name: str) -> int:
-    """Trials recorded in the storage under ``study_name`` (0 when there is no such study or storage)."""
+    """Trials recorded in the storage under ``study_name``: 0 when the storage cannot be opened or
+    holds no such study (nothing can have been recorded); a storage that opens but cannot be read
+    counts as holding trials, so that discard never deletes work it could not see."""
     if "://" not in url and not os.path.exists(url):
         return 0
-    try:
-        import optuna
+    import optuna
 
-        study = optuna.load_study(study_name=study_name, storage=open_storage(url))
-        return len(study.get_trials(deepcopy=False))
-    except Exception:  # no storage, no study: nothing recorded
+    try:
+        storage = open_storage(url)
+    except ConfigError:
         return 0
+    try:
+        return len(optuna.load_study(study_name=study_name, storage=storage).get_trials(deepcopy=False))
+    except KeyError:  # no such study
+        return 0
+    except Exception:
+        return 1
 
 
 def default_name(config_path: str) -> str:

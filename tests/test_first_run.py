@@ -166,3 +166,23 @@ def test_replayed_profiling_run_says_how_sure_its_front_is(tmp_path):
     assert front["front_confidence"] in proc.stdout.splitlines()
     show = autotune("show", "runs/r", cwd=tmp_path)
     assert front["front_confidence"] in show.stdout.splitlines()
+
+
+def test_discard_never_removes_a_run_whose_study_has_trials(tmp_path, write):
+    import optuna
+
+    from autotune.config import load_config
+    from autotune.rundir import open_run, open_storage
+
+    cfg = load_config(write(BASE, "job.yaml"))
+    run = open_run(cfg, out=str(tmp_path), name=None, resume=False, storage=None, backend=None, seed=None,
+                   trials=None)
+    assert run.created and os.path.isfile(os.path.join(run.run_dir, "run.json"))
+    study = optuna.create_study(study_name=run.name, storage=open_storage(run.storage_url),
+                                directions=["minimize", "maximize"])
+    study.add_trial(optuna.trial.create_trial(values=[1.0, 2.0]))
+    assert run.discard() is False and os.path.isdir(run.run_dir)
+    empty = open_run(cfg, out=str(tmp_path), name=None, resume=False, storage=None, backend=None, seed=None,
+                     trials=None)
+    assert empty.name != run.name  # same second, same config: a fresh name
+    assert empty.discard() is True and not os.path.exists(empty.run_dir)
