@@ -55,10 +55,16 @@ def collect_rows(study: Any, space: SearchSpace, cfg: Config) -> list[TrialRow]:
     for t in study.get_trials(deepcopy=False):
         if t.state.name not in ("COMPLETE", "PRUNED", "FAIL"):
             continue
+        try:
+            strategy = trial_strategy(t, space, cfg)
+        except ValueError:
+            if t.user_attrs.get("interrupted"):  # cut short while its knobs were being chosen: nothing ran
+                continue
+            raise
         meas = t.user_attrs.get("measurement") or {}
         values = t.values if t.state.name == "COMPLETE" else None
         rows.append(TrialRow(
-            number=t.number, state=t.state.name, strategy=trial_strategy(t, space, cfg),
+            number=t.number, state=t.state.name, strategy=strategy,
             peak_memory_gib=values[0] if values else None, tokens_per_s_per_gpu=values[1] if values else None,
             step_time_s=meas.get("step_time_s"), mfu=meas.get("mfu"),
             prune_reason=t.user_attrs.get("prune_reason", ""), fail_reason=t.user_attrs.get("fail_reason", ""),

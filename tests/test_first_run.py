@@ -186,3 +186,27 @@ def test_discard_never_removes_a_run_whose_study_has_trials(tmp_path, write):
                      trials=None)
     assert empty.name != run.name  # same second, same config: a fresh name
     assert empty.discard() is True and not os.path.exists(empty.run_dir)
+
+
+def test_outputs_skip_a_trial_interrupted_while_its_knobs_were_chosen(tmp_path):
+    """SIGTERM can land between two suggest calls: that trial is FAIL with part of its knobs and
+    nothing evaluated; writing the outputs (e.g. on --resume) must not trip over it."""
+    import optuna
+
+    from autotune.config import load_config
+    from autotune.output import collect_rows
+    from autotune.space import space_for
+
+    cfg = load_config(os.path.join(EXAMPLES, "llama2-7b.yaml"))
+    space = space_for(cfg)
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    trial = study.ask()
+    trial.suggest_categorical("zero_stage", [0, 1, 2, 3])  # the signal arrives here
+    trial.set_user_attr("interrupted", "Terminated")
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    assert collect_rows(study, space, cfg) == []
+    other = study.ask()
+    other.suggest_categorical("zero_stage", [0, 1, 2, 3])
+    study.tell(other, state=optuna.trial.TrialState.FAIL)  # not interrupted: a real inconsistency
+    with pytest.raises(ValueError):
+        collect_rows(study, space, cfg)
