@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from autotune.config import Config
-from autotune.memory import GPU_COMPONENTS, estimate_memory, overhead_bytes
+from autotune.memory import GPU_COMPONENTS, MemoryEstimate, estimate_memory, overhead_bytes
 from autotune.pareto import pareto_front
 from autotune.space import SearchSpace
 from autotune.strategy import Strategy, fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
@@ -140,13 +140,15 @@ def launch_command(cfg: Config, ds_config_file: str) -> str:
     return f"deepspeed --num_gpus {hw.gpus_per_node} train.py --deepspeed {ds_config_file}"
 
 
-def gpu_memory_gib(cfg: Config, row: TrialRow, predicted: bool) -> float:
+def gpu_memory_gib(cfg: Config, row: TrialRow, predicted: bool, mem: Optional[MemoryEstimate] = None) -> float:
     """What the GPU must hold for this trial's step, the figure ``fits`` compares with the usable
     capacity: a predicted peak with the memory model's whole overhead (context, allocator slack and
     its measured worst-case error), exactly as ``fits`` counts it; a measured peak with the context
-    and allocator slack (a measurement needs no allowance for the model's error)."""
+    and allocator slack (a measurement needs no allowance for the model's error). ``mem``: the
+    strategy's estimate when the caller already has it."""
     if predicted:
-        return estimate_memory(cfg.model, cfg.training, cfg.hardware, row.strategy).total_gpu_bytes / GIB
+        mem = mem or estimate_memory(cfg.model, cfg.training, cfg.hardware, row.strategy)
+        return mem.total_gpu_bytes / GIB
     return row.peak_memory_gib + overhead_bytes(cfg.hardware, row.peak_memory_gib * GIB) / GIB
 
 
@@ -166,7 +168,7 @@ def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str], equivalents: 
         "trial": row.number,
         "strategy": s.as_dict(),
         "strategy_text": s.describe(cfg.model.num_hidden_layers),
-        "gpu_memory_gib": gpu_memory_gib(cfg, row, predicted),
+        "gpu_memory_gib": gpu_memory_gib(cfg, row, predicted, mem),
         "peak_memory_gib": row.peak_memory_gib,
         "tokens_per_s_per_gpu": row.tokens_per_s_per_gpu,
         "step_time_s": row.step_time_s,
@@ -302,7 +304,7 @@ def _write_trials_csv(path: str, cfg: Config, rows: list[TrialRow], on_front: se
             rec.update({f"pred_{k}_gib": mem.gpu[k] / GIB for k in (*GPU_COMPONENTS, "peak")})
             rec.update(pred_cpu_gib=mem.cpu_bytes_per_node / GIB, pred_fits=mem.fits,
                        peak_memory_gib=r.peak_memory_gib, tokens_per_s_per_gpu=r.tokens_per_s_per_gpu,
-                       gpu_memory_gib=None if r.peak_memory_gib is None else gpu_memory_gib(cfg, r, predicted),
+                       gpu_memory_gib=None if r.peak_memory_gib is None else gpu_memory_gib(cfg, r, predicted, mem),
                        step_time_s=r.step_time_s, mfu=r.mfu, on_front=r.number in on_front,
                        prune_reason=r.prune_reason, fail_reason=r.fail_reason, duplicate_of=r.duplicate_of,
                        strategy=r.strategy.describe(cfg.model.num_hidden_layers))
