@@ -221,6 +221,8 @@ MODEL_FIELDS: dict[str, Checker] = {
     "qk_norm": choice("none", "head", "full"),
     "parallel_residual": bool_,
     "fused_qkv": bool_,
+    "rotary_concat": bool_,
+    "attn_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
     "final_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
 }
 MODEL_SCHEMA: dict[str, Checker] = {"preset": choice(*presets.model_names()), "hf_config": str_, "python": str_,
@@ -498,6 +500,7 @@ def _hf_fields(cfg: dict, path: str) -> dict[str, Any]:
                    bias=bool(get("attention_bias", default=True)), position_embedding="rope",
                    max_position_embeddings=get("max_position_embeddings", default=2048),
                    parallel_residual=bool(get("use_parallel_residual", default=True)), fused_qkv=True,
+                   rotary_concat=True,
                    attention_dropout=float(cfg.get("attention_dropout") or 0.0),
                    hidden_dropout=float(cfg.get("hidden_dropout") or 0.0))
     else:  # llama, mistral, qwen2/3, gemma/2, phi3, olmo2 and other Llama-shaped decoders
@@ -520,9 +523,12 @@ def _hf_fields(cfg: dict, path: str) -> dict[str, Any]:
             out["norm"] = "rmsnorm_fp32"  # GemmaRMSNorm / Olmo2RMSNorm: weight applied in fp32
         if kind == "phi3":
             out["fused_qkv"] = True  # qkv_proj, sliced
+            out["rotary_concat"] = True  # apply_rotary_pos_emb: torch.cat([rotated, q_pass])
         if kind == "gemma2":
             out["norms_per_block"] = 4  # input, post_attention, pre_feedforward, post_feedforward
             out["attn_implementation"] = "eager"  # transformers has no sdpa path for Gemma2
+            if cfg.get("attn_logit_softcapping", 50.0):  # Gemma2Config's default
+                out["attn_logit_softcapping"] = float(cfg.get("attn_logit_softcapping", 50.0))
             if cfg.get("final_logit_softcapping", 30.0):
                 out["final_logit_softcapping"] = float(cfg.get("final_logit_softcapping", 30.0))
         if kind in ("qwen3", "gemma3_text"):

@@ -196,12 +196,17 @@ def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device:
         kv_eff = q if m.num_key_value_heads < a else kv
         return 4 * (q + 2 * kv_eff) + 12 * a * s + p * q
     if m.attn_implementation == "sdpa":
-        # flash kernels save q, k, v, out and the fp32 log-sum-exp; no s x s matrix.
-        return p * (q + 2 * kv) + p * q + 4 * a
+        # flash kernels save q, k, v, out and the fp32 log-sum-exp; no s x s matrix. The CPU kernel
+        # allocates out like q (aten/src/ATen/native/transformers/attention.cpp, empty_like): q made
+        # by torch.cat (rotary_concat) gives a per-head contiguous out, and o_proj saves its copy
+        n = p * (q + 2 * kv) + p * q + 4 * a
+        return n + p * q if m.rotary_concat else n
     rep = a // m.num_key_value_heads
     kv_eff = q if rep > 1 else kv  # repeat_kv copies are what the matmuls save
     n = p * q + 2 * p * kv_eff  # q, k (QK^T), v (PV)
     n += 4 * a * s  # fp32 softmax output (saved by softmax backward)
+    if m.attn_logit_softcapping:
+        n += p * a * s  # tanh output of the score softcapping (transformers modeling_gemma2.py)
     if m.attention_dropout > 0:
         n += (mask_bytes + p) * a * s  # dropout mask and dropout output (saved by PV)
     elif p < 4:
@@ -229,6 +234,8 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     # the two pre-norms' outputs are saved by the next linear; extra (post-)norms (Gemma2) feed the
     # residual add, which saves nothing
     n = 2 * _norm_saved(m, p) + (m.norms_per_block - 2) * (_norm_saved(m, p) - p * h)
+    if m.parallel_residual and m.norm == "layernorm":
+        n -= p * h  # both pre-norms save the same block input (native_layer_norm): one tensor
     if checkpointing == "selective":
         n += _attention_core_selective(m, p)
     else:
@@ -289,6 +296,20 @@ def _mlp_backward_transient(m: ModelSpec, p: int, mask_bytes: int) -> float:
     return n
 
 
+def _composite_gelu_backward_transient(m: ModelSpec, p: int) -> float:
+    """Per token, the peak of HF's composite GELU backward (NewGELUActivation, 0.5*x*(1+tanh(.))).
+
+    Its last multiply's backward makes the gradients of both factors (f wide each) while the
+    incoming gradient is alive, after the down projection's backward released the activation's
+    output (its saved input): +2 f-wide net, without the down projection's weight gradient
+    (already accumulated). Measured on allocation traces of transformers' GPT2MLP (torch 2.13
+    CPU): +2.25 f above the forward end, against +1.5 f for F.gelu(approximate="tanh").
+    """
+    if m.implementation == "hf" and m.hidden_act == "gelu_new" and not m.gated_mlp:
+        return 2 * p * m.intermediate_size
+    return 0.0
+
+
 def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str) -> float:
     """Per-block bytes independent of the micro-batch (eager attention's s x s causal mask)."""
     if m.attn_implementation == "eager" and checkpointing == "none":
@@ -343,7 +364,8 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
         "attention_backward_transient": _attention_backward_transient(m, p, s, device) * tokens,
         "final_norm_saved": _norm_saved(m, p) * tokens,
         "hidden_grad": p * m.hidden_size * tokens,
-        "mlp_backward_transient": _mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
+        "mlp_backward_transient": max(_mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
+                                      _composite_gelu_backward_transient(m, p) * tokens),
     }
 
 
@@ -593,12 +615,17 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     fixed = st.params + st.optimizer + st.grad_buffer + st.resident_buffers
     cands: list[tuple[str, float, float, float, float, float]] = []  # phase, total, grads, act, logits, buffers
 
+    # a tied head's gradient waits in autograd's input buffer of the shared weight until the
+    # embedding's backward (one AccumulateGrad for both uses): outside param.grad until then
+    pending_head = p * m.vocab_size * m.hidden_size if m.tie_word_embeddings else 0.0
+
     def add(phase: str, grads: float = 0.0, activations: float = 0.0, logits: float = 0.0,
-            buffers: float = 0.0) -> None:
+            buffers: float = 0.0, pending: float = 0.0) -> None:
         logits += kept
         if phase != "optimizer":
-            # later micro-steps: accumulated gradients (ZeRO-0 adds into them in place)
-            grads = grads + carry - min(carry_ipg, buffers) if grow else max(grads, carry)
+            # later micro-steps: accumulated gradients (ZeRO-0 adds into them in place, but not
+            # what autograd still holds, ``pending``)
+            grads = grads + carry - min(carry_ipg, buffers) if grow else max(grads - pending, carry) + pending
         cands.append((phase, fixed + grads + activations + logits + buffers, grads, activations, logits, buffers))
 
     # forward end: everything saved plus the loss transient (logits, their fp32 copy, log_softmax)
@@ -611,9 +638,10 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     head = m.vocab_size * m.hidden_size
     # lm_head backward: its weight gradient is computed next to the logits gradient (model dtype)
     add("backward", grads=p * head, activations=saved_blocks + other_saved, logits=p * m.vocab_size * tokens,
-        buffers=st.buffers_fwd)
+        buffers=st.buffers_fwd, pending=pending_head)
     # its gradient hook: ZeRO-1/2 allocate the reduce buckets (the logits gradient is gone)
-    add("backward", grads=p * head, activations=saved_blocks + other_saved, buffers=st.buffers_bwd)
+    add("backward", grads=p * head, activations=saved_blocks + other_saved, buffers=st.buffers_bwd,
+        pending=pending_head)
     # the head's weight gradient stays alive through the blocks: ZeRO-0 keeps every gradient; with
     # tied embeddings autograd holds it in the shared weight's input buffer until the embedding's
     # own backward has added its part (one AccumulateGrad for both uses), so no hook fires before
@@ -648,12 +676,12 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         # a checkpointed block is recomputed in full; what its checkpoint saved (the block input,
         # or selective's kept tensors) is part of the recomputed set, not a second copy
         a = remaining + (per_plain - per_ck if ck else 0.0) + block_other
-        add("backward", grads=g, activations=a + mlp_bwd, buffers=st.buffers_bwd)
+        add("backward", grads=g, activations=a + mlp_bwd, buffers=st.buffers_bwd, pending=pending_head)
         if attn_delta > 0:  # its attention backward: MLP tensors freed, the core's gradients appear
-            add("backward", grads=g, activations=a + attn_delta, buffers=st.buffers_bwd)
+            add("backward", grads=g, activations=a + attn_delta, buffers=st.buffers_bwd, pending=pending_head)
         if i in reduces:  # a bucket is all-reduced during this block's backward
             add("backward", grads=g if reduces[i] else g_before, activations=a,
-                buffers=st.buffers_bwd + st.reduce_flat)
+                buffers=st.buffers_bwd + st.reduce_flat, pending=pending_head)
     # backward end: all gradients, ZeRO-0's flat all-reduce bucket
     add("backward", grads=st.grads, buffers=st.buffers_bwd + st.buffers_bwd_end)
     if st.reduce_flat:  # the last bucket's reduce; the partition exists if an earlier reduce made it

@@ -78,6 +78,14 @@ class ModelSpec:
     attention keeps that whole output alive."""
     parallel_residual: bool = False
     """Attention and MLP read the same block input (GPT-NeoX ``use_parallel_residual``)."""
+    rotary_concat: bool = False
+    """The rotary code concatenates the rotated and the pass-through parts of q and k (HF Phi-3 and
+    GPT-NeoX ``apply_rotary_pos_emb``: ``torch.cat([..., q_pass], dim=-1)``): q comes out
+    contiguous per head, so attention's output does too, and ``transpose(1, 2).contiguous()``
+    before the output projection copies it."""
+    attn_logit_softcapping: Optional[float] = None
+    """``cap * tanh(scores / cap)`` on the attention scores before the softmax (Gemma2, eager
+    attention): tanh keeps its s x s output for backward."""
     final_logit_softcapping: Optional[float] = None
     """``cap * tanh(logits / cap)`` before the loss (Gemma2); its intermediates are kept for backward."""
     source: str = ""

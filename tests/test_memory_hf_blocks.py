@@ -1,0 +1,128 @@
+"""The memory model's per-block activations against what real transformers blocks keep for
+backward, family by family (published config.json in tests/data/hf, shrunk to CPU size with the
+family's own switches kept), and the composite GELU's backward peak against an allocation trace."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from autotune.config import hf_config_fields
+from autotune.memory import _composite_gelu_backward_transient, _mlp_backward_transient, block_activation_bytes_per_token
+from autotune.spec import ModelSpec
+from conftest import ROOT
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+HF_DIR = os.path.join(ROOT, "tests", "data", "hf")
+FILES = sorted(glob.glob(os.path.join(HF_DIR, "*.json")))
+SMALL = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 344, "vocab_size": 512, "max_position_embeddings": 512, "head_dim": 32}
+GPT2_SMALL = {"n_layer": 2, "n_embd": 128, "n_head": 4, "n_inner": 512, "n_positions": 512, "vocab_size": 512}
+
+
+def _small_config(path: str, tmp_path) -> str:
+    cfg = json.load(open(path))
+    if cfg["model_type"] == "gpt2":
+        cfg.update(GPT2_SMALL)
+    else:
+        cfg.update(SMALL)
+        if cfg["model_type"] in ("gpt_neox", "phi3", "olmo2"):
+            cfg["num_key_value_heads"] = 4
+        if cfg["model_type"] == "gemma2":
+            cfg["query_pre_attn_scalar"] = 32
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if isinstance(cfg.get(k), int) and cfg[k] >= 512:
+                cfg[k] = 0
+    out = tmp_path / os.path.basename(path)
+    out.write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return str(out)
+
+
+def _saved_bytes_of_block(model, layers, index: int, batch: int, seq: int, vocab: int) -> int:
+    """Bytes of the storages (parameters excluded) autograd saves inside ``layers[index]``'s forward
+    that no earlier part of the forward saved (rotary tables and masks are shared by all blocks)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    first_seen: dict[int, tuple[int, int]] = {}  # storage -> (block it was first saved in, bytes)
+    where = [-1]
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda *a, i=i: where.__setitem__(0, i))
+        layer.register_forward_hook(lambda *a: where.__setitem__(0, -1))
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            first_seen.setdefault(ptr, (where[0], t.untyped_storage().nbytes()))
+        return t
+
+    x = torch.randint(0, vocab, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=x, labels=x, use_cache=False)
+    return sum(n for block, n in first_seen.values() if block == index)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("path", FILES, ids=[os.path.basename(f)[:-5] for f in FILES])
+def test_block_activations_match_transformers(path, precision, tmp_path):
+    """Per block: q/k/v, attention core, norms (fp32 upcasts), MLP, dropout masks, rotary copies,
+    parallel residual, softcapping; what the real block keeps for backward, within 0.5%."""
+    small = _small_config(path, tmp_path)
+    spec = ModelSpec(**hf_config_fields(small))
+    cfg = transformers.AutoConfig.from_pretrained(small)
+    cfg._attn_implementation = spec.attn_implementation
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).train()
+    layers = model.transformer.h if hasattr(model, "transformer") else (
+        model.gpt_neox.layers if hasattr(model, "gpt_neox") else model.model.layers)
+    batch, seq = 2, 64
+    measured = _saved_bytes_of_block(model, layers, 1, batch, seq, cfg.vocab_size)
+    p = 2 if precision == "bf16" else 4
+    predicted = block_activation_bytes_per_token(spec, p, seq, "none", mask_bytes=p, device="cpu") * batch * seq
+    assert predicted == pytest.approx(measured, rel=0.005), (spec.name, predicted, measured)
+
+
+def test_composite_gelu_backward_peak_matches_an_allocation_trace():
+    """transformers' GPT2MLP with gelu_new (0.5*x*(1+tanh(.))): the backward rises above the forward
+    end by what the model adds for it; F.gelu(approximate="tanh") rises by less."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    tokens, h, f = 512, 128, 512
+    rises = {}
+    for act in ("gelu_new", "gelu_pytorch_tanh"):
+        mlp = GPT2MLP(f, transformers.GPT2Config(n_embd=h, n_inner=f, activation_function=act, resid_pdrop=0.0))
+        x = torch.randn(tokens, h, requires_grad=True)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            y = mlp(x)
+            with torch.profiler.record_function("BACKWARD"):
+                y.sum().backward()
+        events, marks, stack = [], [], list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            if e.typed[0] == _EventType.Allocation:
+                events.append((e.start_time_ns, e.typed[1].alloc_size))
+            elif e.name == "BACKWARD":
+                marks.append(e.start_time_ns)
+            stack.extend(e.children)
+        events.sort()
+        total, at_backward, peak = 0, None, 0
+        for t, size in events:
+            if at_backward is None and t >= marks[0]:
+                at_backward = total
+            total += size
+            peak = max(peak, total)
+        rises[act] = (peak - at_backward) / (tokens * f * 4)
+    spec = ModelSpec(name="g", num_hidden_layers=1, hidden_size=h, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=f,
+                     vocab_size=64, hidden_act="gelu_new", norm="layernorm", implementation="hf")
+    # the model: the incoming gradient (f wide) at the down projection's backward, or the composite's
+    # +2 f net at its last multiply's backward; the measured rises also hold the weight gradients
+    assert _composite_gelu_backward_transient(spec, 4) / (4 * f) == 2
+    assert _mlp_backward_transient(spec, 4, 4) / (4 * f) == 1
+    assert rises["gelu_new"] == pytest.approx(2.25, abs=0.05)
+    assert rises["gelu_pytorch_tanh"] == pytest.approx(1.5, abs=0.05)
+    assert rises["gelu_new"] - rises["gelu_pytorch_tanh"] >= 0.5
