@@ -21,12 +21,14 @@ dashboard work unchanged). Before each trial it rebuilds its state from the stud
   objective). Staircase heights are raised by the measured noise, so gains within noise are not
   chased. The hypervolume itself is Optuna's (optuna._hypervolume.compute_hypervolume).
 
-The candidate with the largest EHVI is profiled next. ``assess(study)`` gives the stopping
-statistic: the best remaining EHVI as a fraction of the current hypervolume, with the residual
-model's amplitude at least the out-of-sample error the predictions have shown so far (a model fitted
-on a handful of points is not trusted beyond its track record); the search stops when it falls
-below ``stop_gain`` (``--trials`` stays the hard budget) and states it
-("front stable: ...").
+The residual model's amplitude is at least the out-of-sample error its predictions have shown
+over the more recent half of the measurements (a model fitted on a handful of points is not trusted
+beyond its track record), both for the choice and for the stopping rule. The candidate with the
+largest EHVI is profiled next. ``assess(study)`` gives the stopping statistic: the expected
+hypervolume improvement of profiling *every* remaining candidate (Monte Carlo over the same
+predictive distributions, draws lowered by the noise), as a fraction of the current hypervolume; the
+search stops when it falls below ``stop_gain`` (``--trials`` stays the hard budget) and states it
+("front stable: expected remaining hypervolume gain 0.8% ...").
 """
 
 from __future__ import annotations
@@ -39,16 +41,17 @@ import numpy as np
 from optuna.samplers import BaseSampler
 
 GIB = float(1 << 30)
-DEFAULT_STOP_GAIN = 0.005
-"""Stop when the best remaining candidate's expected hypervolume gain is below 0.5% of the front's."""
+DEFAULT_STOP_GAIN = 0.01
+"""Stop when profiling every remaining candidate is expected to add less than 1% to the front's
+hypervolume beyond the measured noise (expected_remaining_gain)."""
 MIN_PROFILED = 3
 """Never stop before this many candidates were measured (the residual model needs a few points)."""
 
 # GP hyper-parameter grid (log-throughput residuals): kernel amplitude, length scale in feature units,
 # residual noise. The constant term lets the model absorb an overall bias of the simulator.
-_AMPLITUDES = (0.02, 0.05, 0.1, 0.2, 0.4)
+_AMPLITUDES = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
 _LENGTHS = (0.35, 0.7, 1.4)
-_NOISES = (0.005, 0.02, 0.05, 0.1)
+_NOISES = (0.005, 0.02, 0.05, 0.1, 0.2, 0.4)
 _BIAS_SD = 0.2
 _HERMITE = (np.array([-2.8569700, -1.3556262, 0.0, 1.3556262, 2.8569700]),
             np.array([0.0112574, 0.2220759, 0.5333333, 0.2220759, 0.0112574]))
@@ -62,7 +65,8 @@ class Assessment:
     """Where the search stands after the measurements so far."""
 
     gain: float
-    """Largest expected hypervolume improvement of an unprofiled candidate / current hypervolume."""
+    """Expected hypervolume improvement beyond noise of profiling every remaining candidate / current
+    hypervolume (expected_remaining_gain): the stopping statistic."""
     hypervolume: float
     profiled: int
     """Feasible candidates measured (ok or failed)."""
@@ -72,10 +76,13 @@ class Assessment:
     """Candidates still eligible (not measured, not excluded by an OOM of a smaller micro-batch)."""
     noise: float
     """Relative throughput noise used (median measured spread)."""
+    best: float = 0.0
+    """Largest expected hypervolume improvement of one unprofiled candidate / current hypervolume."""
 
     def statement(self, stop_gain: float) -> str:
         word = "front stable" if self.gain < stop_gain or self.remaining == 0 else "front not yet stable"
-        return (f"{word}: expected hypervolume gain of the best unprofiled candidate {100 * self.gain:.1f}%; "
+        return (f"{word}: expected remaining hypervolume gain {100 * self.gain:.1f}% "
+                f"(best single candidate {100 * self.best:.1f}%); "
                 f"{self.profiled} of {self.feasible} feasible candidates profiled")
 
 
@@ -172,6 +179,42 @@ def expected_hvi(x: np.ndarray, mu: np.ndarray, sd: np.ndarray, front: Sequence[
     return (length * np.maximum(call, 0.0)).sum(1)
 
 
+def _staircase_area(m: np.ndarray, t: np.ndarray, ref_x: float) -> np.ndarray:
+    """Area dominated by 2-D point sets, one set per row of ``m`` / ``t`` (memory minimised,
+    throughput maximised, reference (ref_x, 0)): the integral over memory x < ref_x of the best
+    throughput at memory <= x, i.e. sum_k (m_(k+1) - m_k) * max_(j<=k) t_j over the sorted points
+    (the 2-D hypervolume; Optuna's compute_hypervolume gives the same per set, one set per call)."""
+    t = np.where(m < ref_x, np.maximum(t, 0.0), 0.0)
+    m = np.minimum(m, ref_x)
+    order = np.argsort(m, axis=1)
+    ms = np.take_along_axis(m, order, 1)
+    best = np.maximum.accumulate(np.take_along_axis(t, order, 1), axis=1)
+    widths = np.diff(np.concatenate([ms, np.full((len(m), 1), ref_x)], axis=1), axis=1)
+    return (widths * best).sum(1)
+
+
+def expected_remaining_gain(x: np.ndarray, mu: np.ndarray, sd: np.ndarray, front: Sequence[tuple[float, float]],
+                            ref_x: float, noise: float = 0.0, mem_sd: Optional[np.ndarray] = None,
+                            samples: int = 256, seed: int = 0) -> float:
+    """Expected hypervolume improvement of profiling *every* remaining candidate (x_i, Y_i), log Y_i ~
+    N(mu_i, sd_i^2) independently, memory log-normal with sd ``mem_sd``, over ``front``; each draw is
+    lowered by the relative ``noise`` (gains within noise count for nothing, as in expected_hvi).
+    Monte Carlo over ``samples`` draws (common random numbers: ``seed``)."""
+    if len(x) == 0:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    fm = np.array([p[0] for p in front] or [ref_x], dtype=float)
+    ft = np.array([p[1] for p in front] or [0.0], dtype=float)
+    ys = np.exp(mu[None, :] + sd[None, :] * rng.standard_normal((samples, len(x)))) / (1.0 + noise)
+    xs = np.broadcast_to(x, ys.shape)
+    if mem_sd is not None:
+        xs = x[None, :] * np.exp(mem_sd[None, :] * rng.standard_normal((samples, len(x))))
+    base = float(_staircase_area(fm[None, :], ft[None, :], ref_x)[0])
+    m = np.concatenate([np.broadcast_to(fm, (samples, len(fm))), xs], axis=1)
+    t = np.concatenate([np.broadcast_to(ft, (samples, len(ft))), ys], axis=1)
+    return float(np.mean(_staircase_area(m, t, ref_x)) - base)
+
+
 def hypervolume(points: Sequence[tuple[float, float]], ref_x: float) -> float:
     """Optuna's hypervolume of (memory, tokens/s) points, both as minimised objectives."""
     from optuna._hypervolume import compute_hypervolume
@@ -210,6 +253,11 @@ class FrontSampler(BaseSampler):
         self.ref_x = cfg.hardware.gpu.memory_bytes * (1 - headroom) / GIB
         self._params: dict[int, dict] = {}
         self._chosen: dict[int, int] = {}
+        self._predicted: dict[int, float] = {}
+        """Candidate -> mean log tokens/s predicted when it was chosen (out_of_sample_error), in order."""
+        self._last_mu: Optional[np.ndarray] = None
+        self._last_pred: Optional[tuple] = None
+        """predict()'s answer behind the cached score (_score keeps one entry)."""
         self._folded: set[int] = set()
         self._sim_for: Optional[tuple] = None
         self._log_sim = np.zeros(len(feasible))
@@ -339,10 +387,16 @@ class FrontSampler(BaseSampler):
         return self._log_sim
 
     def out_of_sample_error(self) -> float:
-        """RMS log error of the predictions made before each measurement (the calibrator's record):
-        how wrong the model has actually been on candidates it had not seen."""
-        errs = [math.log1p(c.tokens_error_pct / 100.0) for c in self.calibrator.comparisons
-                if c.tokens_error_pct is not None and c.tokens_error_pct > -100.0]
+        """RMS log error of the predictions made before each measurement, over the more recent half
+        of them (the model as it stands now, not the uncalibrated one of the first trials): how wrong
+        the model has actually been on candidates it had not seen. The sampler's own predictions
+        (calibrated simulator + residual model) where it made them, else the calibrator's record."""
+        errs = [math.log(self.measured[i][1]) - mu for i, mu in self._predicted.items()
+                if i in self.measured and self.measured[i][1] > 0]
+        if len(errs) < MIN_PROFILED:
+            errs = [math.log1p(c.tokens_error_pct / 100.0) for c in self.calibrator.comparisons
+                    if c.tokens_error_pct is not None and c.tokens_error_pct > -100.0]
+        errs = errs[len(errs) // 2:]
         return math.sqrt(sum(e * e for e in errs) / len(errs)) if errs else _PRIOR_AMPLITUDE
 
     def predict(self, honest: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, np.ndarray]:
@@ -380,6 +434,8 @@ class FrontSampler(BaseSampler):
         if not eligible.any():
             return eligible, np.zeros(len(eligible)), hypervolume(front, self.ref_x), 0.0
         mem, mu, sd, noise, mem_sd = self.predict(honest)
+        self._last_mu = mu
+        self._last_pred = (mem, mu, sd, noise, mem_sd)
         ehvi = np.zeros(len(eligible))
         idx = np.flatnonzero(eligible)
         # memory uncertain too (log-normal, sd from the calibrator): Gauss-Hermite quadrature over it
@@ -390,9 +446,12 @@ class FrontSampler(BaseSampler):
 
     def _choose(self, study: Any, number: int) -> int:
         running = self.observe(study)
-        eligible, ehvi, _, _ = self._score(running)
+        eligible, ehvi, _, _ = self._score(running, honest=True)
         if eligible.any() and ehvi.max() > 0:
-            return int(np.argmax(np.where(eligible, ehvi, -1.0)))
+            idx = int(np.argmax(np.where(eligible, ehvi, -1.0)))
+            if self._last_mu is not None:
+                self._predicted[idx] = float(self._last_mu[idx])
+            return idx
         rest = [i for i in range(len(self.strategies)) if i not in self.measured and i not in self.failed]
         return int(self._rng.choice(rest)) if rest else -1
 
@@ -400,10 +459,16 @@ class FrontSampler(BaseSampler):
         """The stopping statistic after the measurements so far (see the module docstring)."""
         running = self.observe(study)
         eligible, ehvi, hv, noise = self._score(running, honest=True)
-        gain = float(ehvi.max() / hv) if hv > 0 and eligible.any() else (0.0 if not eligible.any() else math.inf)
+        best = float(ehvi.max() / hv) if hv > 0 and eligible.any() else (0.0 if not eligible.any() else math.inf)
+        gain = best
+        if hv > 0 and eligible.any():
+            mem, mu, sd, noise, mem_sd = self._last_pred if self._last_pred is not None else self.predict(True)
+            idx = np.flatnonzero(eligible)
+            gain = expected_remaining_gain(mem[idx], mu[idx], sd[idx], list(self.measured.values()), self.ref_x,
+                                           noise, mem_sd[idx]) / hv
         profiled = len(self.measured) + len(self.failed)
         return Assessment(gain=gain, hypervolume=hv, profiled=profiled, feasible=len(self.strategies),
-                          remaining=int(eligible.sum()), noise=noise)
+                          remaining=int(eligible.sum()), noise=noise, best=best)
 
     def should_stop(self, study: Any) -> tuple[bool, Assessment]:
         a = self.assess(study)
