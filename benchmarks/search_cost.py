@@ -128,6 +128,15 @@ def build_table(cfg: Any, screened: list, path: str, perturb: Any) -> list[tuple
     return rows
 
 
+def _point(m: Measurement) -> Optional[tuple[float, float, float]]:
+    """A profiled measurement as (GiB, tokens/s, relative spread; 0 when unknown), None if not ok."""
+    if not m.ok:
+        return None
+    from autotune.profile.calibrate import throughput_spread
+
+    return m.peak_memory_bytes / GIB, m.tokens_per_s_per_gpu, throughput_spread(m) or 0.0
+
+
 class Done(Exception):
     """Raised by Recording once everything a study is measured for is known (ends it early)."""
 
@@ -150,22 +159,26 @@ class Recording:
                 raise Done
         self.calls += 1
         m = self.inner.evaluate(strategy, trial_number=trial_number)
-        self.points.append((m.peak_memory_bytes / GIB, m.tokens_per_s_per_gpu) if m.ok else None)
+        self.points.append(_point(m))
         return m
 
 
 def trials_to_target(points: list, hv_true: float, ref: tuple[float, float],
                      front: Optional[list] = None) -> tuple[Optional[int], float]:
-    """First number of profiled trials whose points reach TARGET x hv_true, and the final fraction;
-    with ``front`` (mem, tok/s, spread), noise-aware: the front points reached within noise count too."""
+    """First number of profiled trials whose points (GiB, tok/s[, spread]) reach TARGET x hv_true, and
+    the final fraction; with ``front`` (GiB, tok/s, spread), noise-aware (``credited``)."""
     got: list = []
     hit = None
+
+    def hv() -> float:
+        return hypervolume(credited(got, front) if front else [(p[0], p[1]) for p in got], ref)
+
     for i, p in enumerate(points, start=1):
         if p is not None:
             got.append(p)
-            if hit is None and hypervolume(credited(got, front) if front else got, ref) >= TARGET * hv_true:
+            if hit is None and hv() >= TARGET * hv_true:
                 hit = i
-    return hit, (hypervolume(credited(got, front) if front else got, ref) / hv_true if got else 0.0)
+    return hit, (hv() / hv_true if got else 0.0)
 
 
 def ds_autotuning_sweep(cfg: Any, space: Any, replay: ReplayBackend, checkpointing: str) -> tuple[int, list]:
@@ -187,7 +200,7 @@ def ds_autotuning_sweep(cfg: Any, space: Any, replay: ReplayBackend, checkpointi
                              checkpoint_layers=n_layers, precision=cfg.training.precision)
                 m = replay.evaluate(s)
                 trials += 1
-                cache[mbs] = (m.peak_memory_bytes / GIB, m.tokens_per_s_per_gpu) if m.ok else None
+                cache[mbs] = _point(m)
                 points.append(cache[mbs])
             return cache[mbs] is not None
 
@@ -241,12 +254,16 @@ def _summary(hits: list) -> str:
 
 
 def credited(points: list, front: list) -> list:
-    """``points`` plus every true-front point (mem, tok/s, spread) that a profiled point reaches within
-    the front point's measured noise (memory no larger, tokens/s >= its tokens/s / (1 + spread)):
-    a point within noise of a front point counts as finding it (issue 13 item 5: points within noise
-    of each other are not chased). The target stays 95% of the strict front's hypervolume."""
+    """Profiled ``points`` (GiB, tok/s, spread) as (GiB, tok/s), plus every true-front point
+    (GiB, tok/s, spread) that one of them reaches within noise: memory no larger, and tokens/s short of
+    the front point's by less than the noise of the two measurements, log(q / p) <= sqrt(s_p^2 + s_q^2)
+    (one standard deviation of the difference of two independent measurements, each spread taken as
+    its relative sd). Such a point counts as finding the front point (issue 13 item 5: points within
+    noise of each other are not chased); the target stays 95% of the strict front's hypervolume."""
     got = [p for p in points if p is not None]
-    return got + [(qm, qt) for qm, qt, qs in front if any(pm <= qm and pt * (1.0 + qs) >= qt for pm, pt in got)]
+    hit = [(qm, qt) for qm, qt, qs in front
+           if any(pm <= qm and math.log(qt / pt) <= math.hypot(ps, qs) for pm, pt, ps in got if pt > 0)]
+    return [(p[0], p[1]) for p in got] + hit
 
 
 class Targets:
@@ -324,8 +341,8 @@ def run_table(label: str, cfg: Any, space: Any, table: str, rows: list, seeds: i
         stop = stop_of(made[-1].history) if made else None
         stops.append(stop)
         got = [p for p in rec.points[:stop or len(rec.points)] if p is not None]
-        stop_res.append((hypervolume(got, ref) / tg.strict, hypervolume(credited(got, tg.front), ref) / tg.strict)
-                        if got else (0.0, 0.0))
+        stop_res.append((hypervolume([(p[0], p[1]) for p in got], ref) / tg.strict,
+                         hypervolume(credited(got, tg.front), ref) / tg.strict) if got else (0.0, 0.0))
     show("tuner (ehvi + calibration)", res)
     print(f"{'  stopping rule: stops after':<46} {'median ' + format(statistics.median([s or budget for s in stops]), 'g'):>22} "
           f"{min(f for f, _ in stop_res):>9.3f} {'':>16} {min(f for _, f in stop_res):>9.3f}   stops at "
