@@ -222,6 +222,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "parallel_residual": bool_,
     "fused_qkv": bool_,
     "rotary_concat": bool_,
+    "num_attention_masks": int_(1, 16),
     "attn_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
     "final_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
 }
@@ -527,6 +528,7 @@ def _hf_fields(cfg: dict, path: str) -> dict[str, Any]:
         if kind == "gemma2":
             out["norms_per_block"] = 4  # input, post_attention, pre_feedforward, post_feedforward
             out["attn_implementation"] = "eager"  # transformers has no sdpa path for Gemma2
+            out["num_attention_masks"] = 2  # sliding_attention and full_attention layers alternate
             if cfg.get("attn_logit_softcapping", 50.0):  # Gemma2Config's default
                 out["attn_logit_softcapping"] = float(cfg.get("attn_logit_softcapping", 50.0))
             if cfg.get("final_logit_softcapping", 30.0):

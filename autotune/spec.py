@@ -83,6 +83,10 @@ class ModelSpec:
     GPT-NeoX ``apply_rotary_pos_emb``: ``torch.cat([..., q_pass], dim=-1)``): q comes out
     contiguous per head, so attention's output does too, and ``transpose(1, 2).contiguous()``
     before the output projection copies it."""
+    num_attention_masks: int = 1
+    """Distinct attention masks the model builds per forward (Gemma2: 2, its sliding-window and full
+    layers alternate). Under HF eager attention each is a (batch, 1, s, s) additive mask in the
+    model dtype; checkpointed blocks keep them (their inputs) until their backward."""
     attn_logit_softcapping: Optional[float] = None
     """``cap * tanh(scores / cap)`` on the attention scores before the softmax (Gemma2, eager
     attention): tanh keeps its s x s output for backward."""

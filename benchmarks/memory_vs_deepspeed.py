@@ -1,12 +1,12 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 80 configs
+    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 88 configs
     python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
     python benchmarks/memory_vs_deepspeed.py --reuse out.json    # re-predict stored measurements
 
-The grid: 9 Hugging Face families from their published config.json (tests/data/hf: llama, mistral,
-qwen2, qwen3, gemma, phi3, olmo2, gpt2 with its default dropout 0.1, gpt_neox), shrunk to CPU size
+The grid: 10 Hugging Face families from their published config.json (tests/data/hf: llama, mistral,
+qwen2, qwen3, gemma, gemma2, phi3, olmo2, gpt2 with its default dropout 0.1, gpt_neox), shrunk to CPU size
 with the family's own switches kept, each under 8 strategies (ZeRO 0-3, 1 and 2 gloo ranks,
 gradient accumulation 1/2/4, checkpointing none/full, bf16/fp32); plus 8 rows of autotune's
 reference decoders (selective checkpointing, eager attention). Every config runs
@@ -82,6 +82,8 @@ HF_FAMILIES = {
     "hf-qwen2": ("qwen2-0.5b", {}),
     "hf-qwen3": ("qwen3-0.6b", {"head_dim": 32}),
     "hf-gemma": ("gemma-7b", {"head_dim": 32, "num_key_value_heads": 4}),
+    # eager attention with attention-logit softcapping, 4 norms per block, final-logit softcapping
+    "hf-gemma2": ("gemma2-2b", {"head_dim": 32, "num_key_value_heads": 2, "query_pre_attn_scalar": 32}),
     "hf-phi3": ("phi-3-mini-4k", {"num_key_value_heads": 4, "pad_token_id": 0, "bos_token_id": 1,
                                   "eos_token_id": 2}),
     "hf-olmo2": ("olmo2-7b", {"num_key_value_heads": 4, "pad_token_id": 0, "eos_token_id": 2}),
