@@ -10,7 +10,8 @@ import pytest
 from autotune.config import load_config
 from autotune.pareto import hypervolume as hv_pareto
 from autotune.profile.backend import SimulateBackend
-from autotune.sampler import FrontSampler, expected_hvi, gp_posterior, hypervolume
+from autotune.sampler import (FrontSampler, _staircase_area, expected_hvi, expected_remaining_gain, gp_posterior,
+                              hypervolume)
 from autotune.search import run_study, screen, trial_strategy
 from autotune.space import load_space
 
@@ -31,6 +32,32 @@ def test_closed_form_ehvi_matches_monte_carlo_with_optunas_hypervolume():
         ys = np.exp(mu[i] + sd[i] * rng.standard_normal(1500))
         mc = np.mean([hypervolume(front + [(x[i], y)], ref) - base for y in ys])
         assert got[i] == pytest.approx(mc, rel=0.08, abs=1.0), i
+
+
+def test_remaining_gain_is_the_expected_improvement_of_profiling_everything_left():
+    rng = np.random.default_rng(1)
+    front = [(10.0, 100.0), (20.0, 150.0), (35.0, 180.0)]
+    ref = 50.0
+    x = np.array([5.0, 15.0, 30.0, 45.0])
+    mu = np.log(np.array([90.0, 160.0, 170.0, 200.0]))
+    sd = np.array([0.2, 0.1, 0.05, 0.3])
+    base = hypervolume(front, ref)
+    # the vectorised staircase is Optuna's hypervolume
+    sets = [[(float(m), float(t)) for m, t in zip(rng.uniform(0, 60, 12), rng.uniform(0, 200, 12))] for _ in range(5)]
+    areas = _staircase_area(np.array([[p[0] for p in q] for q in sets]), np.array([[p[1] for p in q] for q in sets]), ref)
+    assert areas == pytest.approx([hypervolume(q, ref) for q in sets])
+    got = expected_remaining_gain(x, mu, sd, front, ref, samples=4000)
+    draws = np.exp(mu + sd * rng.standard_normal((3000, len(x))))
+    mc = np.mean([hypervolume(front + list(zip(x, y)), ref) - base for y in draws])
+    assert got == pytest.approx(mc, rel=0.05)
+    # more than the best single candidate, less than their sum (improvements overlap)
+    single = expected_hvi(x, mu, sd, front, ref)
+    assert single.max() < got < single.sum()
+    # draws lowered by the noise: gains within noise count for nothing
+    lowered = expected_remaining_gain(x, mu, sd, front, ref, noise=0.05, samples=4000)
+    assert lowered == pytest.approx(expected_remaining_gain(x, mu - np.log(1.05), sd, front, ref, samples=4000))
+    assert lowered < got
+    assert expected_remaining_gain(x[:0], mu[:0], sd[:0], front, ref) == 0.0
 
 
 def test_gains_within_noise_are_not_chased():
@@ -83,6 +110,21 @@ def test_exact_simulator_reaches_the_front_in_fewer_trials_than_its_size_and_sto
     assert out.study.user_attrs["front_confidence"] == out.confidence
 
 
+def test_trust_in_the_model_is_its_recent_out_of_sample_record(job):
+    cfg, space = job
+    screened = screen(cfg, space, cfg.search.headroom)
+    sampler = FrontSampler(cfg, space, screened, headroom=cfg.search.headroom)
+    # six of the sampler's own predictions, then the measurements: the first three 50% off (an
+    # uncalibrated model), the recent three within 2%
+    for i, err in enumerate([0.5, -0.5, 0.5, 0.02, -0.02, 0.02]):
+        sampler._predicted[i] = np.log(1000.0)
+        sampler.measured[i] = (10.0, 1000.0 * np.exp(err))
+    assert sampler.out_of_sample_error() == pytest.approx(0.02)
+    sampler.measured[6] = (10.0, 1000.0)
+    sampler._predicted[6] = np.log(1000.0) - 0.4  # a miss now counts
+    assert sampler.out_of_sample_error() > 0.15
+
+
 def test_resume_keeps_the_measurements_and_never_reprofiles(job, tmp_path):
     cfg, space = job
     storage = str(tmp_path / "study.journal")
@@ -117,3 +159,25 @@ def test_auto_is_ehvi_for_profiling_backends_and_nsga2_for_simulate(job, tmp_pat
     assert isinstance(rep.study.sampler, FrontSampler)
     # an empty table answers "not in replay table": a failed measurement, recorded as such
     assert [t.user_attrs.get("fail_reason") for t in rep.study.get_trials()][:1] == ["error: not in replay table"]
+
+
+def test_search_cost_counts_a_front_point_reached_within_noise():
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from search_cost import credited, trials_to_target
+
+    front = [(10.0, 100.0, 0.05), (20.0, 200.0, 0.0)]
+    near = (9.0, 96.0, 0.0)  # 4% short of the first point, whose own noise is 5%: within it
+    assert credited([near], front) == [(9.0, 96.0), (10.0, 100.0)]
+    assert credited([(9.0, 95.0, 0.02)], front)[-1] == (10.0, 100.0)  # 5.1% < sqrt(0.05^2 + 0.02^2) = 5.4%
+    assert credited([(9.0, 95.0, 0.0)], front) == [(9.0, 95.0)]  # 5.1%: beyond the noise
+    assert credited([(11.0, 100.0, 0.0)], front) == [(11.0, 100.0)]  # more memory: not the same point
+    assert credited([(19.0, 199.0, 0.0)], front) == [(19.0, 199.0)]  # no noise recorded: strict
+    # the count: 95% of the strict front's hypervolume either way, the noisy point credited when reached
+    front = [(10.0, 100.0, 0.2), (25.0, 200.0, 0.0)]
+    ref = (30.0, 0.0)
+    hv_true = hv_pareto([(10.0, 100.0), (25.0, 200.0)], ref)
+    points = [(10.0, 85.0, 0.0), None, (25.0, 200.0, 0.0)]
+    assert trials_to_target(points, hv_true, ref) == (None, pytest.approx((15 * 85 + 5 * 200) / hv_true))
+    assert trials_to_target(points, hv_true, ref, front) == (3, pytest.approx(1.0))
