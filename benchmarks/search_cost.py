@@ -1,37 +1,47 @@
-"""How many profiled trials does the tuner need? (issue 5, "Backend replay and tuning cost")
+"""How many profiled trials does the tuner need? (issues 5 and 13)
 
 A replayed table stands in for real measurements: every feasible candidate of a space (llama2-7b
 on 8 x A100-80GB, default space, by default) is "measured" by the simulate backend and written as
-a trials.csv-shaped CSV. Then, with the replay backend answering from that table:
+a trials.csv-shaped CSV, or a table measured for real is read from data/measured/. Then, with the
+replay backend answering from that table, each method runs and the cost is counted in profiled
+trials (calls to backend.evaluate: pruned candidates and repeats cost nothing) until the profiled
+points reach >= 95% of the hypervolume of the table's true front (autotune.pareto.hypervolume,
+reference point: (GPU memory with headroom, 0 tokens/s)). Goal: <= 1.5 x the number of front points
+(<= the front size where the simulator is exact).
 
-* tuner: ``autotune.search.run_study`` (NSGA-II, in-memory storage) with the analytic-front seeding
-  (default) and without it (``seed_predicted_front=False``), over several seeds. Cost = profiled trials (calls to
-  backend.evaluate: pruned candidates and repeats cost nothing) until the evaluated points reach
-  >= 95% of the hypervolume of the table's true front (autotune.pareto.hypervolume, reference
-  point: (GPU memory with headroom, 0 tokens/s)). Goal: <= 1.5 x the number of front points.
-* exhaustive: profile every candidate the memory model lets through.
-* DeepSpeed-autotuning-style sweep (DeepSpeed autotuner, docs/_tutorials/autotuning.md): for each
-  ZeRO stage, with the user's other settings fixed (no offload; activation checkpointing as the
-  user set it: reported for none and full), find the largest micro-batch that runs by bisection
-  over the space's micro-batch sizes (a failing probe = OOM), then profile up to 3 micro-batch
-  sizes up to it (``num_tuning_micro_batch_sizes`` = 3). It optimises throughput only, so the
-  hypervolume it reaches is reported next to its trial count.
+Two counts per method:
+
+* strict: the profiled points at their measured values;
+* noise-aware (issue 13 item 5, points within noise of each other are not chased): a true-front
+  point also counts as found once a profiled point with no more memory comes within the noise of
+  the two measurements, log(q / p) <= sqrt(s_p^2 + s_q^2) (``credited``; s = a row's
+  ``tokens_per_s_spread``, 0 when the table records none). The target and the goal are unchanged
+  (95% of the strict front's hypervolume, 1.5 x the strict front's size); only tables that record
+  their noise differ.
+
+Methods: the tuner (sampler ``ehvi``: calibrated simulator + residual GP, expected hypervolume
+improvement; replay with the calibrator, i.e. the profiling loop) over several seeds, its stopping
+rule (where it would stop and the hypervolume it has then), the earlier tuner (NSGA-II seeded with
+the analytic front and re-seeded after re-fits; ``--no-earlier`` skips it), an unseeded Optuna
+sampler (NSGA-II), random search, and a DeepSpeed-autotuning-style sweep (DeepSpeed autotuner,
+docs/_tutorials/autotuning.md): for each ZeRO stage, with the user's other settings fixed (no
+offload; activation checkpointing as the user set it: reported for none and full), find the largest
+micro-batch that runs by bisection over the space's micro-batch sizes (a failing probe = OOM), then
+profile up to 3 micro-batch sizes up to it (``num_tuning_micro_batch_sizes`` = 3). It optimises
+throughput only, so the hypervolume it reaches is reported next to its trial count.
 
 Tables (``--tables``, default all):
 
 * ``exact``: the simulate backend itself (the simulator is right);
 * ``efficiency``: GEMM efficiency x0.8, attention x0.7 (a GPU slower than its preset);
 * ``slow-comm``: communication efficiency x0.4, overlap x0.5, collective latency x4;
-* ``noise``: exact efficiencies, seeded per-candidate log-normal noise (5% on tokens/s, 3% on memory);
+* ``noise``: exact efficiencies, seeded per-candidate log-normal noise (sd 5% on tokens/s, 3% on
+  memory); every row records its tokens/s noise (0.05) as ``tokens_per_s_spread``, as a profiled
+  trial records its step-to-step spread;
 * ``combined``: the earlier ``--perturb`` table (GEMM x0.8, attention x0.7, communication x0.6,
   overlap x0.7, plus the noise above);
 * ``measured:DIR``: a table measured for real (``DIR/trials.csv`` with its job file ``DIR/config.yaml``,
   e.g. data/measured/tiny-llama-1rank); ``measured`` alone means every folder under data/measured/.
-
-Methods: the tuner (sampler ``ehvi``: calibrated simulator + residual GP, expected hypervolume
-improvement; replay with the calibrator, i.e. the profiling loop), its stopping rule (where it would
-stop and the hypervolume it has then), the earlier tuner (NSGA-II seeded with the analytic front and
-re-seeded after re-fits), an unseeded Optuna sampler (NSGA-II), random search, and the sweep.
 
 Run: ``python benchmarks/search_cost.py [--config examples/llama2-7b.yaml] [--seeds 5] [--tables exact,noise]``
 """
