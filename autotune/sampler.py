@@ -283,10 +283,12 @@ class FrontSampler(BaseSampler):
             idx = self._choose(study, trial.number)
             self._chosen[trial.number] = idx
         if idx >= 0:
-            value = self._params_of(idx).get(param_name)
+            params = self._params_of(idx)
             choices = getattr(param_distribution, "choices", None)
-            if value is not None and (choices is None or value in choices):
-                return value
+            # None is a value too (a bucket size left to autotune): only a parameter the candidate
+            # does not have falls back to the random sampler
+            if param_name in params and (choices is None or params[param_name] in choices):
+                return params[param_name]
         return self._fallback.sample_independent(study, trial, param_name, param_distribution)
 
     def before_trial(self, study: Any, trial: Any) -> None:

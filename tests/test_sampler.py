@@ -181,3 +181,16 @@ def test_search_cost_counts_a_front_point_reached_within_noise():
     points = [(10.0, 85.0, 0.0), None, (25.0, 200.0, 0.0)]
     assert trials_to_target(points, hv_true, ref) == (None, pytest.approx((15 * 85 + 5 * 200) / hv_true))
     assert trials_to_target(points, hv_true, ref, front) == (3, pytest.approx(1.0))
+
+
+def test_the_trial_profiles_exactly_the_chosen_candidate_auto_bucket_sizes_included(job):
+    cfg, _ = job
+    space = load_space("default", ROOT)  # bucket sizes: auto (None) or fixed
+    out = run_study(cfg, space, SimulateBackend(cfg.model, cfg.training, cfg.hardware), storage=None,
+                    study_name="c", n_trials=6, seed=3, sampler="ehvi", headroom=cfg.search.headroom)
+    sampler = out.study.sampler
+    trials = [t for t in out.study.get_trials() if t.state.name == "COMPLETE"]
+    assert len(trials) >= 6
+    chosen = [sampler.strategies[sampler._chosen[t.number]] for t in trials]
+    assert [trial_strategy(t, space, cfg).key() for t in trials] == [s.key() for s in chosen]
+    assert any(s.reduce_bucket_size is None and s.zero_stage >= 1 for s in chosen)
