@@ -2,6 +2,7 @@
 
     python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 88 configs
     python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
+    python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
     python benchmarks/memory_vs_deepspeed.py --reuse out.json    # re-predict stored measurements
 
@@ -132,6 +133,13 @@ REFERENCE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision)
 ]
 
 
+# off-grid checks: other shapes, gradient accumulation 3, other stage/rank/precision mixes
+SPOT_ROWS = [("hf-llama", 2, 2, 3, 1, 512, "full", "bf16"), ("hf-qwen3", 3, 2, 4, 2, 128, "none", "fp32"),
+             ("hf-gemma2", 0, 2, 4, 1, 256, "none", "fp32"), ("hf-phi3", 1, 1, 3, 3, 128, "full", "bf16"),
+             ("hf-neox", 2, 2, 2, 2, 256, "full", "fp32"), ("hf-gpt2", 3, 1, 3, 2, 256, "none", "fp32"),
+             ("hf-olmo2", 0, 1, 4, 1, 512, "none", "bf16"), ("hf-mistral", 1, 2, 1, 3, 192, "full", "fp32")]
+
+
 def grid(quick: bool) -> list[dict]:
     """Reference-decoder rows (the HF families, hf_grid, carry most of the accuracy claim)."""
     keys = ("model", "stage", "nproc", "ga", "mbs", "seq", "ckpt", "precision")
@@ -250,6 +258,7 @@ def summarize(results: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few reference configs instead of the full grid")
+    ap.add_argument("--spot", action="store_true", help="8 off-grid HF configs (GA 3, other shapes) instead of the grid")
     ap.add_argument("--json", help="write all rows (measured, predicted, per-phase) to this file")
     ap.add_argument("--filter", action="append", default=[], help="KEY=VALUE on grid rows, e.g. stage=3")
     ap.add_argument("--jobs", type=int, default=2, help="configs run this many at a time")
@@ -260,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --reuse: report the stored measurements only, run nothing new")
     args = ap.parse_args(argv)
     rows = grid(args.quick)
-    if not args.quick and importlib.util.find_spec("transformers") is not None:
+    if args.spot:
+        rows = [dict(zip(ROW_KEYS, r)) for r in SPOT_ROWS]
+    elif not args.quick and importlib.util.find_spec("transformers") is not None:
         rows += hf_grid()
     for f in args.filter:
         k, v = f.split("=", 1)
