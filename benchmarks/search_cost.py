@@ -41,7 +41,10 @@ Tables (``--tables``, default all):
 * ``combined``: the earlier ``--perturb`` table (GEMM x0.8, attention x0.7, communication x0.6,
   overlap x0.7, plus the noise above);
 * ``measured:DIR``: a table measured for real (``DIR/trials.csv`` with its job file ``DIR/config.yaml``,
-  e.g. data/measured/tiny-llama-1rank); ``measured`` alone means every folder under data/measured/.
+  e.g. data/measured/tiny-llama-1rank); ``measured`` alone means every folder under data/measured/;
+* ``measured-steps[:DIR]``: each measured table three more times, with the throughput of measured
+  step 1, 2 or 3 alone instead of the median (``step_table``): the same jobs under the load of other
+  moments, tables the tuner was not developed on.
 
 Run: ``python benchmarks/search_cost.py [--config examples/llama2-7b.yaml] [--seeds 5] [--tables exact,noise]``
 """
@@ -248,6 +251,31 @@ def load_measured(folder: str) -> tuple[Any, Any, str, list[tuple[Strategy, floa
     return cfg, space, table, rows
 
 
+def step_table(folder: str, k: int, dest: str) -> str:
+    """A copy of the measured table in ``folder`` whose throughputs are those of measured step ``k``
+    alone (tokens per step / step k's time, from the row's ``step_times_s``) instead of the median:
+    the same job measured again under the load of another moment, a table the tuner was not
+    developed on. Rows without step times keep their value. Returns the new folder."""
+    import shutil
+
+    os.makedirs(dest, exist_ok=True)
+    for f in os.listdir(folder):
+        if f.endswith(".yaml"):
+            shutil.copy(os.path.join(folder, f), dest)
+    with open(os.path.join(folder, "trials.csv"), newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    with open(os.path.join(dest, "trials.csv"), "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["state"])
+        w.writeheader()
+        for r in rows:
+            times = [float(t) for t in (r.get("step_times_s") or "").split()]
+            if r.get("state") == "COMPLETE" and len(times) > k and times[k] > 0:
+                tokens = float(r["tokens_per_s_per_gpu"]) * statistics.median(times)
+                r = {**r, "tokens_per_s_per_gpu": repr(tokens / times[k])}
+            w.writerow(r)
+    return dest
+
+
 def _study(cfg: Any, space: Any, backend: Any, seed: int, sampler: str, n: int, seeded: bool) -> Any:
     try:
         return run_study(cfg, space, backend, storage=None, study_name=f"cost-{seed}", n_trials=n, seed=seed,
@@ -393,7 +421,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="budget of the tuners per study (at most the table's size)")
     ap.add_argument("--baseline-trials", type=int, default=400, help="budget of random / unseeded NSGA-II")
     ap.add_argument("--tables", default="exact,efficiency,slow-comm,noise,combined,measured",
-                    help="comma-separated: " + ", ".join(PERTURBATIONS) + ", measured, measured:DIR")
+                    help="comma-separated: " + ", ".join(PERTURBATIONS) + ", measured, measured:DIR, measured-steps, "
+                    "measured-steps:DIR")
     ap.add_argument("--perturb", action="store_true", help="same as --tables combined")
     ap.add_argument("--no-earlier", action="store_true", help="skip the earlier tuner (the slowest baseline)")
     ap.add_argument("--table", default=None, help="where to write the simulated replay CSVs (default: a temp dir)")
@@ -413,10 +442,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             folders = [name.split(":", 1)[1]] if ":" in name else sorted(
                 os.path.join(ROOT, "data", "measured", d) for d in os.listdir(os.path.join(ROOT, "data", "measured"))
                 if os.path.isfile(os.path.join(ROOT, "data", "measured", d, "trials.csv")))
+            steps = name.split(":", 1)[0] == "measured-steps"
             for folder in folders:
-                mcfg, mspace, table, rows = load_measured(folder)
-                run_table(f"measured {os.path.basename(os.path.normpath(folder))}", mcfg, mspace, table, rows,
-                          args.seeds, args.trials, args.baseline_trials, out, not args.no_earlier)
+                base = os.path.basename(os.path.normpath(folder))
+                variants = [(f"{base} step {k + 1}", step_table(folder, k, os.path.join(tmp, f"{base}-step{k + 1}")))
+                            for k in range(3)] if steps else [(base, folder)]
+                for label, where in variants:
+                    mcfg, mspace, table, rows = load_measured(where)
+                    run_table(f"measured {label}", mcfg, mspace, table, rows,
+                              args.seeds, args.trials, args.baseline_trials, out, not args.no_earlier)
             continue
         if name not in PERTURBATIONS:
             print(f"search_cost.py: error: unknown table {name!r}", file=sys.stderr)
