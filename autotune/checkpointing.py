@@ -15,7 +15,10 @@ How it reaches the blocks, in order:
 2. a Hugging Face model: ``gradient_checkpointing_enable`` with ``use_reentrant=False``, and for the
    first N of L layers the per-layer ``gradient_checkpointing`` flags turned off from layer N on;
 3. any other module: the blocks are the longest ``nn.ModuleList`` in it; each of the first N gets
-   its ``forward`` wrapped in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+   its ``forward`` wrapped in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``;
+4. ``attention`` / ``mlp`` on a model without ``set_checkpointing`` (HF or any other): the block's
+   attention or MLP module (``SUBMODULE_NAMES``) gets its ``forward`` wrapped the same way; the
+   norms around it are not recomputed. Transformers' source is never patched.
 
 torch is imported only when a module is actually wrapped.
 """
@@ -31,7 +34,8 @@ GRANULARITIES = get_args(Checkpointing)
 
 def apply_checkpointing(model: Any, granularity: str, num_layers: Optional[int] = None) -> list[str]:
     """Checkpoint the first ``num_layers`` blocks of ``model`` (None: all of them) at
-    ``granularity`` (``"none" | "selective" | "full"``). Returns notes on how it was applied.
+    ``granularity`` (``"none" | "selective" | "attention" | "mlp" | "full"``). Returns notes on how
+    it was applied.
 
     Raises ValueError when the granularity is unknown, the layer count is out of range, or the
     model offers no way to apply it (``selective`` without ``set_checkpointing``)."""
@@ -48,6 +52,8 @@ def apply_checkpointing(model: Any, granularity: str, num_layers: Optional[int] 
         raise ValueError("selective checkpointing (attention core recomputed) needs the model's own "
                          "set_checkpointing(granularity, num_layers), which knows where the attention core is; "
                          "use 'full' for this model")
+    if granularity in ("attention", "mlp"):
+        return _wrap_submodules(model, granularity, num_layers)
     if hasattr(model, "gradient_checkpointing_enable"):
         return _hf_full(model, num_layers)
     return _wrap_blocks(model, num_layers)
@@ -84,21 +90,49 @@ def blocks_of(model: Any) -> Any:
     return max(lists, key=len)
 
 
-def _wrap_blocks(model: Any, n: Optional[int]) -> list[str]:
+def _checkpoint_forward(module: Any) -> None:
+    """Wrap ``module.forward`` in non-reentrant ``torch.utils.checkpoint`` (once)."""
     from torch.utils.checkpoint import checkpoint
 
+    if getattr(module, "_autotune_checkpointed", False):
+        return
+    inner = module.forward
+
+    def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+        return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    module._autotune_checkpointed = True
+
+
+def _wrap_blocks(model: Any, n: Optional[int]) -> list[str]:
     blocks = blocks_of(model)
     n = len(blocks) if n is None else n
     if n > len(blocks):
         raise ValueError(f"cannot checkpoint {n} blocks: the model's longest ModuleList has {len(blocks)}")
     for block in list(blocks)[:n]:
-        if getattr(block, "_autotune_checkpointed", False):
-            continue
-        inner = block.forward
-
-        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-        block.forward = forward
-        block._autotune_checkpointed = True
+        _checkpoint_forward(block)
     return [f"forward of the first {n} of {len(blocks)} blocks wrapped in torch.utils.checkpoint"]
+
+
+SUBMODULE_NAMES = {"attention": ("self_attn", "attn", "attention", "self_attention"),
+                   "mlp": ("mlp", "feed_forward", "ffn")}
+"""Attribute names of a block's attention / MLP module (HF Llama-family ``self_attn`` / ``mlp``,
+GPT-2 ``attn`` / ``mlp``, GPT-NeoX ``attention`` / ``mlp``, autotune's decoders ``attn`` / ``mlp``)."""
+
+
+def _wrap_submodules(model: Any, granularity: str, n: Optional[int]) -> list[str]:
+    """``attention`` / ``mlp``: that module of each of the first ``n`` blocks recomputed (its
+    ``forward`` wrapped in non-reentrant checkpoint; the norms around it are not recomputed)."""
+    blocks = list(blocks_of(model))
+    n = len(blocks) if n is None else n
+    if n > len(blocks):
+        raise ValueError(f"cannot checkpoint {n} blocks: the model's longest ModuleList has {len(blocks)}")
+    names = SUBMODULE_NAMES[granularity]
+    for i, block in enumerate(blocks[:n]):
+        sub = next((getattr(block, k) for k in names if hasattr(block, k)), None)
+        if sub is None:
+            raise ValueError(f"block {i} ({type(block).__name__}) has no {granularity} module (looked for "
+                             f"{', '.join(names)}); use full checkpointing for this model")
+        _checkpoint_forward(sub)
+    return [f"{granularity} module of the first {n} of {len(blocks)} blocks wrapped in torch.utils.checkpoint"]

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from autotune import compare, worker_cmd
 from autotune.errors import ConfigError
+from autotune.strategy import CHECKPOINTINGS
 
 GIB = float(1 << 30)
 
@@ -20,8 +21,9 @@ def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("strategy (overrides the config's strategy: section)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage: 0 (plain DP), 1, 2 or 3")
     g.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per GPU per forward/backward")
-    g.add_argument("--checkpointing", choices=("none", "selective", "full"),
-                   help="activation checkpointing: none, selective (attention core recomputed) or full (whole block)")
+    g.add_argument("--checkpointing", choices=CHECKPOINTINGS,
+                   help="activation checkpointing: none, selective (attention core recomputed), attention or mlp "
+                        "(that module recomputed, the other kept) or full (whole block)")
     g.add_argument("--checkpoint-layers", type=int, metavar="N",
                    help="number of blocks checkpointed, 0..num_layers (default: all when checkpointing is on)")
     g.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"),

@@ -220,25 +220,14 @@ def _attention_core_selective(m: ModelSpec, p: int) -> float:
     return p * (q + 2 * kv) + p * q
 
 
-def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing: str = "none",
-                                     mask_bytes: int = 1, device: str = "cuda") -> float:
-    """Bytes per token one block keeps for backward (Korthikanti et al. 2022, per operation).
-
-    ``mask_bytes``: bytes per element of a dropout mask (1 on CUDA: bool mask of the fused
-    kernel; the model dtype's size on CPU, whose dropout multiplies by a noise tensor).
-    """
-    h, f = m.hidden_size, m.intermediate_size
-    if checkpointing == "full":
-        return p * h  # the block input saved by the checkpoint
-    # the two pre-norms' outputs are saved by the next linear; extra (post-)norms (Gemma2) feed the
-    # residual add, which saves nothing
-    n = 2 * _norm_saved(m, p) + (m.norms_per_block - 2) * (_norm_saved(m, p) - p * h)
-    if m.parallel_residual and m.norm == "layernorm":
-        n -= p * h  # both pre-norms save the same block input (native_layer_norm): one tensor
-    if checkpointing == "selective":
-        n += _attention_core_selective(m, p)
+def _attention_sublayer_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device: str, core: str) -> float:
+    """Per token, what the attention module (projections, core, its residual dropout) keeps, its
+    input (the norm's output, counted with the norm) excluded. ``core``: ``"full"`` or
+    ``"selective"`` (core recomputed, Korthikanti et al. 2022 sec. 5)."""
+    if core == "selective":
+        n = _attention_core_selective(m, p)
     else:
-        n += _attention_core_saved(m, p, s, mask_bytes, device)
+        n = _attention_core_saved(m, p, s, mask_bytes, device)
     if m.qk_norm != "none":
         # HF q_norm / k_norm (RMSNorm with the fp32 upcast, Qwen3 per head, OLMo2 over the whole
         # projection): the fp32 input, the normalised value in the model dtype (saved by the weight
@@ -247,18 +236,51 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
         width = m.q_size + m.kv_size
         vectors = (m.num_attention_heads + m.num_key_value_heads) if m.qk_norm == "head" else 2
         n += (8 if m.norm == "rmsnorm_fp32" else 4 + p) * width + 4 * vectors
-    if m.fused_qkv and m.position_embedding == "rope" and checkpointing != "selective":
+    if m.fused_qkv and m.position_embedding == "rope" and core != "selective":
         # rotary makes new q and k, v stays a view of the fused projection's output: attention
         # keeps that whole output (q + 2 kv) where separate projections keep v alone
         n += p * (m.q_size + m.kv_size)
-    n += (4 if m.gated_mlp else 2) * p * f
+    if m.hidden_dropout > 0:
+        n += mask_bytes * m.hidden_size  # its residual-branch dropout mask
+    return n
+
+
+def _mlp_sublayer_saved(m: ModelSpec, p: int, mask_bytes: int) -> float:
+    """Per token, what the MLP module keeps, its input (the norm's output) excluded."""
+    f = m.intermediate_size
+    n = (4 if m.gated_mlp else 2) * p * f
     if m.implementation == "hf" and m.hidden_act == "gelu_new":
         # transformers activations.py NewGELUActivation is a Python composite,
         # 0.5*x*(1+tanh(c*(x+0.044715*x^3))): autograd keeps x, tanh(.), 0.5*x and 1+tanh(.)
         # where F.gelu(approximate="tanh") keeps x alone: three more f-wide tensors.
         n += 3 * p * f
     if m.hidden_dropout > 0:
-        n += 2 * mask_bytes * h  # masks of the two residual-branch dropouts
+        n += mask_bytes * m.hidden_size  # its residual-branch dropout mask
+    return n
+
+
+def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing: str = "none",
+                                     mask_bytes: int = 1, device: str = "cuda") -> float:
+    """Bytes per token one block keeps for backward (Korthikanti et al. 2022, per operation).
+
+    ``checkpointing``: ``full`` keeps the block input only; ``attention`` / ``mlp`` checkpoint that
+    module (the sublayer inside the norms, as HF decoder layers hold it: the checkpoint's input is
+    the norm output the norm count already has); ``selective`` recomputes the attention core.
+    ``mask_bytes``: bytes per element of a dropout mask (1 on CUDA: bool mask of the fused
+    kernel; the model dtype's size on CPU, whose dropout multiplies by a noise tensor).
+    """
+    h = m.hidden_size
+    if checkpointing == "full":
+        return p * h  # the block input saved by the checkpoint
+    # the two pre-norms' outputs are saved by the next linear; extra (post-)norms (Gemma2) feed the
+    # residual add, which saves nothing
+    n = 2 * _norm_saved(m, p) + (m.norms_per_block - 2) * (_norm_saved(m, p) - p * h)
+    if m.parallel_residual and m.norm == "layernorm":
+        n -= p * h  # both pre-norms save the same block input (native_layer_norm): one tensor
+    if checkpointing != "attention":
+        n += _attention_sublayer_saved(m, p, s, mask_bytes, device, "selective" if checkpointing == "selective" else "full")
+    if checkpointing != "mlp":
+        n += _mlp_sublayer_saved(m, p, mask_bytes)
     return n
 
 
@@ -309,11 +331,21 @@ def _composite_gelu_backward_transient(m: ModelSpec, p: int) -> float:
     return 0.0
 
 
-def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str) -> float:
-    """Per-block bytes independent of the micro-batch (eager attention's s x s causal mask)."""
+CPU_RNG_STATE_BYTES = 5056
+"""``torch.get_rng_state()`` (the CPU mt19937 generator's state), which a non-reentrant checkpoint
+keeps per checkpointed region to replay dropout (torch/utils/checkpoint.py ``preserve_rng_state``);
+host memory on GPUs, where the device generator's state is a few bytes."""
+
+
+def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str, device: str = "cuda") -> float:
+    """Per-block bytes independent of the micro-batch (eager attention's s x s causal mask; the RNG
+    state a checkpointed region keeps, on the CPU)."""
+    n = 0.0
     if m.attn_implementation == "eager" and checkpointing == "none":
-        return float(s * s)
-    return 0.0
+        n += s * s
+    if checkpointing != "none" and device == "cpu":
+        n += CPU_RNG_STATE_BYTES
+    return n
 
 
 def _nonblock_saved_per_token(m: ModelSpec, p: int, mask_bytes: int = 1) -> float:
@@ -335,7 +367,7 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     n_ck = min(strategy.num_checkpointed(L), L)
     gran = strategy.checkpointing if n_ck else "none"
     per_plain = block_activation_bytes_per_token(m, p, s, "none", mb, device) * tokens + _block_fixed_bytes(m, s, "none")
-    per_ck = block_activation_bytes_per_token(m, p, s, gran, mb, device) * tokens + _block_fixed_bytes(m, s, gran)
+    per_ck = block_activation_bytes_per_token(m, p, s, gran, mb, device) * tokens + _block_fixed_bytes(m, s, gran, device)
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
     rope = 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
     nonblock = _nonblock_saved_per_token(m, p, mb) * tokens + rope
@@ -343,8 +375,9 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     # Gemma2's final_logit_softcapping, cap * tanh(logits / cap): tanh keeps its output (model dtype)
     softcap = p * V * tokens if m.final_logit_softcapping else 0.0
     nonblock += softcap
-    if m.implementation == "hf" and m.attn_implementation == "eager" and n_ck:
-        # HF's 4-D additive masks (model dtype): the checkpoints keep them as block inputs
+    if m.implementation == "hf" and m.attn_implementation == "eager" and n_ck and gran in ("full", "attention"):
+        # HF's 4-D additive masks (model dtype): the checkpoints keep them as inputs of the block /
+        # attention module
         # (transformers masking_utils.py eager_mask; without checkpointing they die with the forward)
         nonblock += m.num_attention_masks * b * s * s * p
     # forward end: logits (model dtype), their fp32 copy and log_softmax's output coexist
@@ -684,7 +717,9 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         # a checkpointed block is recomputed in full; what its checkpoint saved (the block input,
         # or selective's kept tensors) is part of the recomputed set, not a second copy
         a = remaining + (per_plain - per_ck if ck else 0.0) + block_other
-        add("backward", grads=g, activations=a + mlp_bwd, buffers=st.buffers_bwd, pending=pending_head)
+        # a checkpointed attention module is recomputed only after the MLP's backward
+        a_mlp = a - (per_plain - per_ck) if (ck and act["granularity"] == "attention") else a
+        add("backward", grads=g, activations=a_mlp + mlp_bwd, buffers=st.buffers_bwd, pending=pending_head)
         if attn_delta > 0:  # its attention backward: MLP tensors freed, the core's gradients appear
             add("backward", grads=g, activations=a + attn_delta, buffers=st.buffers_bwd, pending=pending_head)
         if i in reduces:  # a bucket is all-reduced during this block's backward

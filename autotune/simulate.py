@@ -10,7 +10,8 @@ The model (one optimizer step = ``gas`` micro-batches + optimizer step + fixed o
   attention core at ``peak * attn_eff`` on the FLOPs causal flash attention executes; memory-bound elementwise
   work (norms, activation, residuals, loss/softmax over the vocabulary) at ``hbm * hbm_eff``.
 * recompute: full checkpointing repeats the forward of the checkpointed blocks, selective only the
-  attention core (Korthikanti et al. 2022, sec. 5).
+  attention core (Korthikanti et al. 2022, sec. 5), attention / mlp that module's GEMMs and
+  elementwise work (the norms outside it are not repeated).
 * communication: ZeRO/DP collective volumes with the ring factor (n-1)/n over intra- or
   inter-node bandwidth, per-collective latency, overlap with the forward/backward window and the
   non-overlappable first/last bucket; only the exposed part is charged.
@@ -169,12 +170,9 @@ def simulate(
     q, kv = model.q_size, model.kv_size
     n_in = 2 if model.gated_mlp else 1
     # forward FLOPs per token of each GEMM = 2*K*N (Kaplan et al. 2020, table 1); time ~ 1/(K/(K+kh))
-    blk = (
-        2.0 * d * (q + 2 * kv) * (1.0 + kh / min(d, q + 2 * kv))
-        + 2.0 * q * d * (1.0 + kh / min(q, d))
-        + 2.0 * n_in * d * f * (1.0 + kh / min(d, f))
-        + 2.0 * f * d * (1.0 + kh / min(d, f))
-    )
+    blk_attn = 2.0 * d * (q + 2 * kv) * (1.0 + kh / min(d, q + 2 * kv)) + 2.0 * q * d * (1.0 + kh / min(q, d))
+    blk_mlp = 2.0 * n_in * d * f * (1.0 + kh / min(d, f)) + 2.0 * f * d * (1.0 + kh / min(d, f))
+    blk = blk_attn + blk_mlp
     head = 2.0 * d * V * (1.0 + kh / min(d, V))
     gemm_fwd_block = T * blk / rate  # one block, forward
     gemm_fwd_head = T * head / rate
@@ -201,6 +199,10 @@ def simulate(
         recompute_mb = n_ckpt * fwd_block  # one extra forward of each checkpointed block
     elif strategy.checkpointing == "selective":
         recompute_mb = n_ckpt * attn_fwd_block  # only the attention core (Korthikanti 2022, sec. 5)
+    elif strategy.checkpointing == "attention":  # the attention module: projections, core, rope/dropout
+        recompute_mb = n_ckpt * (T * blk_attn / rate + attn_fwd_block + T * 3 * d * act_bytes / hbm)
+    elif strategy.checkpointing == "mlp":  # the MLP module: its GEMMs and activation
+        recompute_mb = n_ckpt * (T * blk_mlp / rate + T * ((3 if model.gated_mlp else 2) * f + 3 * d) * act_bytes / hbm)
     else:
         recompute_mb = 0.0
 

@@ -9,8 +9,10 @@ import os
 import pytest
 
 from autotune.config import hf_config_fields
-from autotune.memory import _composite_gelu_backward_transient, _mlp_backward_transient, block_activation_bytes_per_token
-from autotune.spec import ModelSpec
+from autotune.memory import (_composite_gelu_backward_transient, _mlp_backward_transient, activation_breakdown,
+                             block_activation_bytes_per_token)
+from autotune.spec import ModelSpec, TrainingSpec
+from autotune.strategy import Strategy
 from conftest import ROOT
 
 torch = pytest.importorskip("torch")
@@ -126,3 +128,55 @@ def test_composite_gelu_backward_peak_matches_an_allocation_trace():
     assert rises["gelu_new"] == pytest.approx(2.25, abs=0.05)
     assert rises["gelu_pytorch_tanh"] == pytest.approx(1.5, abs=0.05)
     assert rises["gelu_new"] - rises["gelu_pytorch_tanh"] >= 0.5
+
+
+def _net_forward_bytes(model, batch: int, seq: int, vocab: int) -> int:
+    """Bytes a forward leaves allocated (saved activations, checkpoint inputs, logits, loss): the sum
+    of the allocation events torch.profiler records during the forward."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randint(0, vocab, (batch, seq))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = model(input_ids=x, labels=x, use_cache=False)
+    total, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.typed[0] == _EventType.Allocation:
+            total += e.typed[1].alloc_size
+        stack.extend(e.children)
+    del out
+    return total
+
+
+@pytest.mark.parametrize("granularity", ["attention", "mlp", "full"])
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "gpt2", "phi-3-mini-4k", "pythia-160m", "gemma2-2b"])
+def test_module_checkpointing_saves_what_the_model_says(name, granularity, tmp_path):
+    """apply_checkpointing(model, "attention" | "mlp" | "full") on real transformers models: the
+    memory a forward leaves behind drops by what the memory model's per-block figures say."""
+    import autotune
+
+    small = _small_config(os.path.join(HF_DIR, name + ".json"), tmp_path)
+    spec = ModelSpec(**hf_config_fields(small))
+    cfg = transformers.AutoConfig.from_pretrained(small)
+    cfg._attn_implementation = spec.attn_implementation
+    batch, seq, p = 2, 64, 4
+    kept = {}
+    for g in ("none", granularity):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+        notes = autotune.apply_checkpointing(model, g)
+        if g in ("attention", "mlp"):
+            assert notes and g in notes[0]
+        _net_forward_bytes(model, batch, seq, cfg.vocab_size)  # warm-up (lazy buffers, rotary caches)
+        kept[g] = _net_forward_bytes(model, batch, seq, cfg.vocab_size)
+    training = TrainingSpec(seq_len=seq, global_batch_size=batch, precision="fp32")
+
+    def kept_by_model(g: str) -> float:
+        a = activation_breakdown(spec, training, Strategy(micro_batch_size=batch, checkpointing=g, precision="fp32"),
+                                 device="cpu")
+        return a["blocks"] + a["nonblock"]
+
+    predicted = kept_by_model("none") - kept_by_model(granularity)
+    assert predicted > 0
+    assert kept["none"] - kept[granularity] == pytest.approx(predicted, rel=0.02), (kept, predicted)

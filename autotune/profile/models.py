@@ -20,7 +20,8 @@ usual loop that keeps ``outputs`` keeps the logits alive exactly as with an HF m
 
 ``set_checkpointing(granularity, num_layers)`` wraps the first ``num_layers`` blocks in
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: ``full`` recomputes the whole
-block, ``selective`` only the attention core (Korthikanti et al. 2022, sec. 5).
+block, ``selective`` only the attention core (Korthikanti et al. 2022, sec. 5), ``attention`` /
+``mlp`` that module of the block (its input is the norm's output; the norms are not recomputed).
 """
 
 from __future__ import annotations
@@ -147,9 +148,18 @@ class Block(nn.Module):
         self.post_norm = _norm(spec)
         self.mlp = MLP(spec)
 
+        self.checkpoint_module: Optional[str] = None  # "attention" | "mlp": that module recomputed
+
     def forward(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin)
-        return x + self.mlp(self.post_norm(x))
+        h = self.input_norm(x)
+        if self.checkpoint_module == "attention":
+            x = x + checkpoint(self.attn, h, cos, sin, use_reentrant=False)
+        else:
+            x = x + self.attn(h, cos, sin)
+        h = self.post_norm(x)
+        if self.checkpoint_module == "mlp":
+            return x + checkpoint(self.mlp, h, use_reentrant=False)
+        return x + self.mlp(h)
 
 
 class Decoder(nn.Module):
@@ -190,12 +200,13 @@ class Decoder(nn.Module):
         n = n_layers if num_layers is None else num_layers
         if granularity == "none":
             n = 0
-        if granularity not in ("none", "selective", "full") or not 0 <= n <= n_layers:
+        if granularity not in ("none", "selective", "attention", "mlp", "full") or not 0 <= n <= n_layers:
             raise ValueError(f"bad checkpointing {granularity!r} x {num_layers}")
         for i, block in enumerate(self.layers):
             on = i < n
             self._ckpt_full[i] = on and granularity == "full"
             block.attn.checkpoint_core = on and granularity == "selective"
+            block.checkpoint_module = granularity if on and granularity in ("attention", "mlp") else None
 
     def _rope(self, s: int, device: torch.device, dtype: torch.dtype):
         hd = self.spec.head_size
