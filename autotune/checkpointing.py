@@ -18,7 +18,9 @@ How it reaches the blocks, in order:
    its ``forward`` wrapped in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``;
 4. ``attention`` / ``mlp`` on a model without ``set_checkpointing`` (HF or any other): the block's
    attention or MLP module (``SUBMODULE_NAMES``) gets its ``forward`` wrapped the same way; the
-   norms around it are not recomputed. Transformers' source is never patched.
+   norms around it are not recomputed. Transformers' source is never patched;
+5. ``op`` on a model without ``set_checkpointing``: each of the first N blocks wrapped in a
+   non-reentrant checkpoint with torchtitan's op-level selective policy (``op_sac_context``).
 
 torch is imported only when a module is actually wrapped.
 """
@@ -34,8 +36,8 @@ GRANULARITIES = get_args(Checkpointing)
 
 def apply_checkpointing(model: Any, granularity: str, num_layers: Optional[int] = None) -> list[str]:
     """Checkpoint the first ``num_layers`` blocks of ``model`` (None: all of them) at
-    ``granularity`` (``"none" | "selective" | "attention" | "mlp" | "full"``). Returns notes on how
-    it was applied.
+    ``granularity`` (``"none" | "selective" | "attention" | "mlp" | "op" | "full"``). Returns notes
+    on how it was applied.
 
     Raises ValueError when the granularity is unknown, the layer count is out of range, or the
     model offers no way to apply it (``selective`` without ``set_checkpointing``)."""
@@ -52,8 +54,11 @@ def apply_checkpointing(model: Any, granularity: str, num_layers: Optional[int] 
         raise ValueError("selective checkpointing (attention core recomputed) needs the model's own "
                          "set_checkpointing(granularity, num_layers), which knows where the attention core is; "
                          "use 'full' for this model")
-    if granularity in ("attention", "mlp"):
-        return _wrap_submodules(model, granularity, num_layers)
+    if granularity in ("attention", "mlp", "op"):
+        notes = _no_kv_cache(model)
+        if granularity == "op":
+            return notes + _wrap_blocks(model, num_layers, op_level=True)
+        return notes + _wrap_submodules(model, granularity, num_layers)
     if hasattr(model, "gradient_checkpointing_enable"):
         return _hf_full(model, num_layers)
     return _wrap_blocks(model, num_layers)
@@ -90,29 +95,71 @@ def blocks_of(model: Any) -> Any:
     return max(lists, key=len)
 
 
-def _checkpoint_forward(module: Any) -> None:
-    """Wrap ``module.forward`` in non-reentrant ``torch.utils.checkpoint`` (once)."""
+def _no_kv_cache(model: Any) -> list[str]:
+    """A recomputed HF attention would append to the KV cache a second time (and op-level
+    checkpointing refuses the mismatch): turn the cache off, as ``gradient_checkpointing_enable``
+    does for training (transformers modeling_layers.py ``GradientCheckpointingLayer``)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False
+        return ["config.use_cache set to False (a recomputed layer must not update the KV cache twice)"]
+    return []
+
+
+def op_sac_context() -> Any:
+    """Context for ``torch.utils.checkpoint.checkpoint(..., context_fn=op_sac_context)``: op-level
+    selective activation checkpointing as torchtitan's ``op`` mode does it
+    (torchtitan/distributed/activation_checkpoint.py ``_apply_op_sac``): the outputs of attention
+    kernels and of every other ``aten.mm`` (the 1st, 3rd, ... of each checkpointed region) are kept,
+    everything else (the other matmuls, norms, activations, rotary, ``addmm`` of biased linears) is
+    recomputed. The CPU flash kernel is in the save list too, so the policy means the same on CPU."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default}
+    if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
+        save.add(aten._scaled_dot_product_cudnn_attention.default)
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == aten.mm.default:
+            counts[mode] += 1
+        keep = func in save and not (func == aten.mm.default and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpoint_forward(module: Any, op_level: bool = False) -> None:
+    """Wrap ``module.forward`` in non-reentrant ``torch.utils.checkpoint`` (once); ``op_level``:
+    with the op-level selective policy (``op_sac_context``)."""
     from torch.utils.checkpoint import checkpoint
 
     if getattr(module, "_autotune_checkpointed", False):
         return
     inner = module.forward
+    extra = {"context_fn": op_sac_context} if op_level else {}
 
     def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-        return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = forward
     module._autotune_checkpointed = True
 
 
-def _wrap_blocks(model: Any, n: Optional[int]) -> list[str]:
+def _wrap_blocks(model: Any, n: Optional[int], op_level: bool = False) -> list[str]:
     blocks = blocks_of(model)
     n = len(blocks) if n is None else n
     if n > len(blocks):
         raise ValueError(f"cannot checkpoint {n} blocks: the model's longest ModuleList has {len(blocks)}")
     for block in list(blocks)[:n]:
-        _checkpoint_forward(block)
-    return [f"forward of the first {n} of {len(blocks)} blocks wrapped in torch.utils.checkpoint"]
+        _checkpoint_forward(block, op_level)
+    how = "torch.utils.checkpoint with the op-level selective policy" if op_level else "torch.utils.checkpoint"
+    return [f"forward of the first {n} of {len(blocks)} blocks wrapped in {how}"]
 
 
 SUBMODULE_NAMES = {"attention": ("self_attn", "attn", "attention", "self_attention"),

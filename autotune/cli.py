@@ -23,7 +23,8 @@ def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per GPU per forward/backward")
     g.add_argument("--checkpointing", choices=CHECKPOINTINGS,
                    help="activation checkpointing: none, selective (attention core recomputed), attention or mlp "
-                        "(that module recomputed, the other kept) or full (whole block)")
+                        "(that module recomputed, the other kept), op (op-level selective, torchtitan's policy) "
+                        "or full (whole block)")
     g.add_argument("--checkpoint-layers", type=int, metavar="N",
                    help="number of blocks checkpointed, 0..num_layers (default: all when checkpointing is on)")
     g.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"),

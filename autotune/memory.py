@@ -259,19 +259,44 @@ def _mlp_sublayer_saved(m: ModelSpec, p: int, mask_bytes: int) -> float:
     return n
 
 
+def _op_sac_saved(m: ModelSpec, p: int, s: int, device: str) -> float:
+    """Per token, what op-level selective checkpointing keeps of a block (``autotune.checkpointing
+    .op_sac_context``, torchtitan's policy): the block input, the attention kernel's outputs (out
+    and the fp32 log-sum-exp of sdpa's flash kernels; eager and the CPU math path are recomputed)
+    and the output of every other ``aten.mm`` in the block's order (1st, 3rd, ...). Biased linears
+    run ``addmm``, which is recomputed and not counted."""
+    h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
+    qkv_mm = not (m.bias or m.qkv_bias)
+    if m.fused_qkv:  # Phi-3 qkv_proj / gate_up_proj, GPT-NeoX query_key_value
+        linears = [(q + 2 * kv, qkv_mm), (h, not m.bias)]
+        linears += [(2 * f, not m.bias)] if m.gated_mlp else [(f, not m.bias)]
+    else:
+        linears = [(q, qkv_mm), (kv, qkv_mm), (kv, qkv_mm), (h, not m.bias)]
+        linears += [(f, not m.bias), (f, not m.bias)] if m.gated_mlp else [(f, not m.bias)]
+    linears.append((h, not m.bias))
+    mm_widths = [width for width, is_mm in linears if is_mm]
+    n = p * h + p * sum(mm_widths[0::2])
+    if m.attn_implementation == "sdpa" and not _sdpa_math(m, device):
+        n += p * q + 4 * m.num_attention_heads
+    return n
+
+
 def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing: str = "none",
                                      mask_bytes: int = 1, device: str = "cuda") -> float:
     """Bytes per token one block keeps for backward (Korthikanti et al. 2022, per operation).
 
     ``checkpointing``: ``full`` keeps the block input only; ``attention`` / ``mlp`` checkpoint that
     module (the sublayer inside the norms, as HF decoder layers hold it: the checkpoint's input is
-    the norm output the norm count already has); ``selective`` recomputes the attention core.
+    the norm output the norm count already has); ``op`` keeps what the op-level selective policy
+    saves (``_op_sac_saved``); ``selective`` recomputes the attention core.
     ``mask_bytes``: bytes per element of a dropout mask (1 on CUDA: bool mask of the fused
     kernel; the model dtype's size on CPU, whose dropout multiplies by a noise tensor).
     """
     h = m.hidden_size
     if checkpointing == "full":
         return p * h  # the block input saved by the checkpoint
+    if checkpointing == "op":
+        return _op_sac_saved(m, p, s, device)
     # the two pre-norms' outputs are saved by the next linear; extra (post-)norms (Gemma2) feed the
     # residual add, which saves nothing
     n = 2 * _norm_saved(m, p) + (m.norms_per_block - 2) * (_norm_saved(m, p) - p * h)
@@ -375,7 +400,7 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     # Gemma2's final_logit_softcapping, cap * tanh(logits / cap): tanh keeps its output (model dtype)
     softcap = p * V * tokens if m.final_logit_softcapping else 0.0
     nonblock += softcap
-    if m.implementation == "hf" and m.attn_implementation == "eager" and n_ck and gran in ("full", "attention"):
+    if m.implementation == "hf" and m.attn_implementation == "eager" and n_ck and gran in ("full", "op", "attention"):
         # HF's 4-D additive masks (model dtype): the checkpoints keep them as inputs of the block /
         # attention module
         # (transformers masking_utils.py eager_mask; without checkpointing they die with the forward)

@@ -11,7 +11,8 @@ The model (one optimizer step = ``gas`` micro-batches + optimizer step + fixed o
   work (norms, activation, residuals, loss/softmax over the vocabulary) at ``hbm * hbm_eff``.
 * recompute: full checkpointing repeats the forward of the checkpointed blocks, selective only the
   attention core (Korthikanti et al. 2022, sec. 5), attention / mlp that module's GEMMs and
-  elementwise work (the norms outside it are not repeated).
+  elementwise work (the norms outside it are not repeated), op every second GEMM and all
+  elementwise work (torchtitan's op-level policy keeps the attention core and every other matmul).
 * communication: ZeRO/DP collective volumes with the ring factor (n-1)/n over intra- or
   inter-node bandwidth, per-collective latency, overlap with the forward/backward window and the
   non-overlappable first/last bucket; only the exposed part is charged.
@@ -201,6 +202,8 @@ def simulate(
         recompute_mb = n_ckpt * attn_fwd_block  # only the attention core (Korthikanti 2022, sec. 5)
     elif strategy.checkpointing == "attention":  # the attention module: projections, core, rope/dropout
         recompute_mb = n_ckpt * (T * blk_attn / rate + attn_fwd_block + T * 3 * d * act_bytes / hbm)
+    elif strategy.checkpointing == "op":  # op-level SAC: half the block's GEMMs and the elementwise work
+        recompute_mb = n_ckpt * (0.5 * gemm_fwd_block + elem_fwd_block)
     elif strategy.checkpointing == "mlp":  # the MLP module: its GEMMs and activation
         recompute_mb = n_ckpt * (T * blk_mlp / rate + T * ((3 if model.gated_mlp else 2) * f + 3 * d) * act_bytes / hbm)
     else:

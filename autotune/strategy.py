@@ -9,11 +9,11 @@ from typing import Any, Literal, Optional
 from autotune.spec import HardwareSpec, ModelSpec, Precision, TrainingSpec
 
 Offload = Literal["none", "cpu", "nvme"]
-Checkpointing = Literal["none", "selective", "attention", "mlp", "full"]
+Checkpointing = Literal["none", "selective", "attention", "mlp", "op", "full"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS: tuple[Offload, ...] = ("none", "cpu", "nvme")
-CHECKPOINTINGS: tuple[Checkpointing, ...] = ("none", "selective", "attention", "mlp", "full")
+CHECKPOINTINGS: tuple[Checkpointing, ...] = ("none", "selective", "attention", "mlp", "op", "full")
 PRECISIONS: tuple[Precision, ...] = ("bf16", "fp16", "fp32")
 
 FSDP_SHARDING = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
@@ -31,8 +31,9 @@ class Strategy:
     checkpointing: Checkpointing = "none"
     """Activation checkpointing granularity: selective = attention core recomputed
     (Korthikanti et al. 2022 sec. 5); attention / mlp = that module of the block recomputed, the
-    other kept (module-level selective recompute, the norms stay outside); full = whole block
-    recomputed."""
+    other kept (module-level selective recompute, the norms stay outside); op = torchtitan's
+    op-level selective checkpointing of the block (attention outputs and every other matmul
+    output kept, the rest recomputed); full = whole block recomputed."""
     checkpoint_layers: Optional[int] = None
     """Number of blocks checkpointed, 0..num_layers (None: all of them when checkpointing != none)."""
     offload_optimizer: Offload = "none"

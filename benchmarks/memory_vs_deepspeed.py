@@ -1,6 +1,6 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 96 configs
+    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 102 configs
     python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
     python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
@@ -10,8 +10,8 @@ The grid: 10 Hugging Face families from their published config.json (tests/data/
 qwen2, qwen3, gemma, gemma2, phi3, olmo2, gpt2 with its default dropout 0.1, gpt_neox), shrunk to CPU size
 with the family's own switches kept, each under 8 strategies (ZeRO 0-3, 1 and 2 gloo ranks,
 gradient accumulation 1/2/4, checkpointing none/full, bf16/fp32); plus 8 rows of autotune's
-reference decoders (selective checkpointing, eager attention) and 8 rows of module-level
-checkpointing (attention / mlp). Every config runs
+reference decoders (selective checkpointing, eager attention), 8 rows of module-level
+checkpointing (attention / mlp) and 6 of op-level checkpointing (op). Every config runs
 ``autotune.profile.worker`` in fresh processes (``python`` for 1 rank, ``torchrun
 --nproc_per_node 2`` with gloo for 2) with a torch AdamW (fused, like DeepSpeed's FusedAdam)
 passed to ``deepspeed.initialize``, the usual loop (``outputs = engine(**batch);
@@ -141,11 +141,15 @@ SPOT_ROWS = [("hf-llama", 2, 2, 3, 1, 512, "full", "bf16"), ("hf-qwen3", 3, 2, 4
              ("hf-olmo2", 0, 1, 4, 1, 512, "none", "bf16"), ("hf-mistral", 1, 2, 1, 3, 192, "full", "fp32")]
 
 
-# module-level checkpointing (attention / mlp module recomputed, the other kept), HF and reference
+# module-level checkpointing (attention / mlp module recomputed, the other kept) and op-level, HF and reference
 GRANULARITY_ROWS = [("hf-llama", 2, 2, 2, 2, 256, "attention", "bf16"), ("hf-gpt2", 1, 1, 2, 2, 256, "mlp", "fp32"),
                     ("hf-phi3", 3, 2, 1, 2, 256, "mlp", "bf16"), ("hf-gemma2", 0, 1, 4, 2, 256, "attention", "fp32"),
                     ("hf-neox", 2, 1, 1, 4, 128, "attention", "fp32"), ("hf-qwen3", 0, 2, 2, 4, 128, "mlp", "bf16"),
-                    ("llama-m", 3, 2, 2, 4, 128, "attention", "bf16"), ("gpt2-s", 1, 1, 2, 2, 256, "mlp", "bf16")]
+                    ("llama-m", 3, 2, 2, 4, 128, "attention", "bf16"), ("gpt2-s", 1, 1, 2, 2, 256, "mlp", "bf16"),
+                    # op-level selective checkpointing (torchtitan's policy, autotune.checkpointing.op_sac_context)
+                    ("hf-llama", 0, 1, 2, 2, 256, "op", "bf16"), ("hf-qwen2", 3, 2, 1, 4, 128, "op", "fp32"),
+                    ("hf-phi3", 2, 2, 2, 2, 256, "op", "bf16"), ("hf-gpt2", 1, 2, 1, 2, 256, "op", "fp32"),
+                    ("hf-gemma2", 2, 1, 2, 2, 256, "op", "bf16"), ("llama-s", 1, 1, 4, 2, 256, "op", "bf16")]
 
 
 def grid(quick: bool) -> list[dict]:

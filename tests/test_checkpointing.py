@@ -65,7 +65,7 @@ def test_plain_module_first_n_blocks_checkpointed_same_gradients_less_saved():
 
 
 def test_refusals_are_value_errors_that_say_what_to_do():
-    with pytest.raises(ValueError, match="must be one of none, selective, attention, mlp, full"):
+    with pytest.raises(ValueError, match="must be one of none, selective, attention, mlp, op, full"):
         apply_checkpointing(Plain(), "sometimes")
     with pytest.raises(ValueError, match="set_checkpointing"):
         apply_checkpointing(Plain(), "selective", 2)
@@ -100,10 +100,11 @@ def test_hf_model_prefix_of_layers():
         apply_checkpointing(model, "selective", 2)
 
 
-@pytest.mark.parametrize("granularity", ["attention", "mlp"])
+@pytest.mark.parametrize("granularity", ["attention", "mlp", "op"])
 def test_module_granularities_keep_gradients_and_save_less(granularity):
-    """attention / mlp on the reference decoder (its set_checkpointing) and on a Hugging Face model
-    (the module of each layer wrapped): same loss and gradients, less saved for backward."""
+    """attention / mlp / op on the reference decoder (its set_checkpointing) and on a Hugging Face
+    model (the module of each layer, or the layer under the op-level policy, wrapped): same loss and
+    gradients, less saved for backward."""
     transformers = pytest.importorskip("transformers")
     from autotune.presets import model_from_name
     from autotune.profile.models import build_model
@@ -118,7 +119,9 @@ def test_module_granularities_keep_gradients_and_save_less(granularity):
         for g in ("none", granularity):
             torch.manual_seed(0)
             model = build().train()
-            apply_checkpointing(model, g, 2)
+            notes = apply_checkpointing(model, g, 2)
+            if g != "none" and hasattr(model, "config"):  # HF: the KV cache is off under recompute
+                assert model.config.use_cache is False and "use_cache" in notes[0]
             saved = []
 
             def pack(t):

@@ -21,7 +21,8 @@ usual loop that keeps ``outputs`` keeps the logits alive exactly as with an HF m
 ``set_checkpointing(granularity, num_layers)`` wraps the first ``num_layers`` blocks in
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: ``full`` recomputes the whole
 block, ``selective`` only the attention core (Korthikanti et al. 2022, sec. 5), ``attention`` /
-``mlp`` that module of the block (its input is the norm's output; the norms are not recomputed).
+``mlp`` that module of the block (its input is the norm's output; the norms are not recomputed),
+``op`` the block with torchtitan's op-level selective policy (``autotune.checkpointing.op_sac_context``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from autotune.checkpointing import op_sac_context
 from autotune.spec import ModelSpec
 
 
@@ -180,7 +182,7 @@ class Decoder(nn.Module):
         # an nn.Linear module in both cases (like HF), so ZeRO-3's module hooks fetch its weight;
         # tied: the head's weight *is* the embedding matrix (one parameter)
         self.lm_head = nn.Linear(d, spec.vocab_size, bias=False)
-        self._ckpt_full = [False] * spec.num_hidden_layers
+        self._ckpt_block: list[Optional[str]] = [None] * spec.num_hidden_layers  # "full" | "op" | None
         self.rope_theta = 10000.0
         self.apply(self._init_weights)
         if spec.tie_word_embeddings:
@@ -200,11 +202,11 @@ class Decoder(nn.Module):
         n = n_layers if num_layers is None else num_layers
         if granularity == "none":
             n = 0
-        if granularity not in ("none", "selective", "attention", "mlp", "full") or not 0 <= n <= n_layers:
+        if granularity not in ("none", "selective", "attention", "mlp", "op", "full") or not 0 <= n <= n_layers:
             raise ValueError(f"bad checkpointing {granularity!r} x {num_layers}")
         for i, block in enumerate(self.layers):
             on = i < n
-            self._ckpt_full[i] = on and granularity == "full"
+            self._ckpt_block[i] = granularity if on and granularity in ("full", "op") else None
             block.attn.checkpoint_core = on and granularity == "selective"
             block.checkpoint_module = granularity if on and granularity in ("attention", "mlp") else None
 
@@ -226,7 +228,9 @@ class Decoder(nn.Module):
         if self.spec.position_embedding == "rope":
             cos, sin = self._rope(s, x.device, x.dtype)
         for i, block in enumerate(self.layers):
-            if self._ckpt_full[i]:
+            if self._ckpt_block[i] == "op":
+                x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=op_sac_context)
+            elif self._ckpt_block[i] == "full":
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
