@@ -222,6 +222,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "parallel_residual": bool_,
     "fused_qkv": bool_,
     "rotary_concat": bool_,
+    "linear_addmm": bool_,
     "num_attention_masks": int_(1, 16),
     "attn_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
     "final_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
@@ -481,6 +482,7 @@ def _hf_fields(cfg: dict, path: str) -> dict[str, Any]:
                    attention_dropout=float(get("attn_pdrop", default=0.1)),
                    hidden_dropout=float(max(get("resid_pdrop", default=0.1), get("embd_pdrop", default=0.1))))
         out["num_key_value_heads"] = out["num_attention_heads"]
+        out["linear_addmm"] = True  # Conv1D: torch.addmm(bias, x, weight)
     elif kind == "mpt":
         d = get("d_model")
         attn = cfg.get("attn_config") or {}

@@ -136,7 +136,7 @@ class MemoryEstimate:
 
 PREDICTION_MARGIN = 0.01
 """The memory model's worst measured under-prediction of a job's peak, rounded up, as a fraction of
-the peak: ``python benchmarks/memory_vs_deepspeed.py --json out.json`` (96 configs, the max over
+the peak: ``python benchmarks/memory_vs_deepspeed.py --json out.json`` (102 configs, the max over
 measured optimizer steps and ranks; worst -0.73%, see the README's Accuracy section).
 ``estimate_memory`` adds this fraction of the predicted peak to ``gpu["overhead"]``, so ``fits`` and
 the recommended point keep that much headroom beyond ``search.headroom``."""
@@ -259,21 +259,26 @@ def _mlp_sublayer_saved(m: ModelSpec, p: int, mask_bytes: int) -> float:
     return n
 
 
-def _op_sac_saved(m: ModelSpec, p: int, s: int, device: str) -> float:
+def _op_sac_saved(m: ModelSpec, p: int, s: int, device: str, zero3_linear: bool = False) -> float:
     """Per token, what op-level selective checkpointing keeps of a block (``autotune.checkpointing
     .op_sac_context``, torchtitan's policy): the block input, the attention kernel's outputs (out
     and the fp32 log-sum-exp of sdpa's flash kernels; eager and the CPU math path are recomputed)
     and the output of every other ``aten.mm`` in the block's order (1st, 3rd, ...). Biased linears
-    run ``addmm``, which is recomputed and not counted."""
+    run ``addmm``, which is recomputed and not counted, except under ZeRO-3 (``zero3_linear``):
+    DeepSpeed's memory-efficient linear computes a batched input as ``matmul`` plus the bias
+    (deepspeed/runtime/zero/linear.py ``LinearFunctionForZeroStage3``), unless the model calls
+    ``torch.addmm`` itself (``linear_addmm``, HF GPT-2's Conv1D)."""
     h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
-    qkv_mm = not (m.bias or m.qkv_bias)
+    biased_mm = zero3_linear and not m.linear_addmm
+    qkv_mm = biased_mm or not (m.bias or m.qkv_bias or m.linear_addmm)
+    rest_mm = biased_mm or not (m.bias or m.linear_addmm)
     if m.fused_qkv:  # Phi-3 qkv_proj / gate_up_proj, GPT-NeoX query_key_value
-        linears = [(q + 2 * kv, qkv_mm), (h, not m.bias)]
-        linears += [(2 * f, not m.bias)] if m.gated_mlp else [(f, not m.bias)]
+        linears = [(q + 2 * kv, qkv_mm), (h, rest_mm)]
+        linears += [(2 * f, rest_mm)] if m.gated_mlp else [(f, rest_mm)]
     else:
-        linears = [(q, qkv_mm), (kv, qkv_mm), (kv, qkv_mm), (h, not m.bias)]
-        linears += [(f, not m.bias), (f, not m.bias)] if m.gated_mlp else [(f, not m.bias)]
-    linears.append((h, not m.bias))
+        linears = [(q, qkv_mm), (kv, qkv_mm), (kv, qkv_mm), (h, rest_mm)]
+        linears += [(f, rest_mm), (f, rest_mm)] if m.gated_mlp else [(f, rest_mm)]
+    linears.append((h, rest_mm))
     mm_widths = [width for width, is_mm in linears if is_mm]
     n = p * h + p * sum(mm_widths[0::2])
     if m.attn_implementation == "sdpa" and not _sdpa_math(m, device):
@@ -282,7 +287,7 @@ def _op_sac_saved(m: ModelSpec, p: int, s: int, device: str) -> float:
 
 
 def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing: str = "none",
-                                     mask_bytes: int = 1, device: str = "cuda") -> float:
+                                     mask_bytes: int = 1, device: str = "cuda", zero3_linear: bool = False) -> float:
     """Bytes per token one block keeps for backward (Korthikanti et al. 2022, per operation).
 
     ``checkpointing``: ``full`` keeps the block input only; ``attention`` / ``mlp`` checkpoint that
@@ -296,7 +301,7 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     if checkpointing == "full":
         return p * h  # the block input saved by the checkpoint
     if checkpointing == "op":
-        return _op_sac_saved(m, p, s, device)
+        return _op_sac_saved(m, p, s, device, zero3_linear)
     # the two pre-norms' outputs are saved by the next linear; extra (post-)norms (Gemma2) feed the
     # residual add, which saves nothing
     n = 2 * _norm_saved(m, p) + (m.norms_per_block - 2) * (_norm_saved(m, p) - p * h)
@@ -392,7 +397,8 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     n_ck = min(strategy.num_checkpointed(L), L)
     gran = strategy.checkpointing if n_ck else "none"
     per_plain = block_activation_bytes_per_token(m, p, s, "none", mb, device) * tokens + _block_fixed_bytes(m, s, "none")
-    per_ck = block_activation_bytes_per_token(m, p, s, gran, mb, device) * tokens + _block_fixed_bytes(m, s, gran, device)
+    per_ck = (block_activation_bytes_per_token(m, p, s, gran, mb, device, zero3_linear=strategy.zero_stage == 3) * tokens
+              + _block_fixed_bytes(m, s, gran, device))
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
     rope = 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
     nonblock = _nonblock_saved_per_token(m, p, mb) * tokens + rope

@@ -83,6 +83,10 @@ class ModelSpec:
     GPT-NeoX ``apply_rotary_pos_emb``: ``torch.cat([..., q_pass], dim=-1)``): q comes out
     contiguous per head, so attention's output does too, and ``transpose(1, 2).contiguous()``
     before the output projection copies it."""
+    linear_addmm: bool = False
+    """The block's linears call ``torch.addmm`` themselves (HF GPT-2's ``Conv1D``), so DeepSpeed
+    ZeRO-3's linear replacement does not turn them into ``mm`` (op-level checkpointing keeps
+    every other ``mm`` output)."""
     num_attention_masks: int = 1
     """Distinct attention masks the model builds per forward (Gemma2: 2, its sliding-window and full
     layers alternate). Under HF eager attention each is a (batch, 1, s, s) additive mask in the
