@@ -92,7 +92,8 @@ def main() -> int:
                 strategy = Strategy(zero_stage=0, micro_batch_size=mbs, checkpointing=ck)
                 t0 = time.perf_counter()
                 tr = trace_memory(spec, training, strategy, hf_config=hf_path)
-                est = estimate_memory(spec, training, hw, strategy)
+                # the tracer's forward returns only the loss: the loop that drops outputs
+                est = estimate_memory(spec, training, hw, strategy, loop="drop_outputs")
                 comb, _ = combine(tr, est, model=spec, training=training, strategy=strategy)
                 ab = activation_breakdown(spec, training, strategy)
                 saved_an = ab["blocks"] + ab["nonblock"]
