@@ -29,111 +29,18 @@ runs folder can be moved or archived as a whole.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from autotune.config import Config
 from autotune.errors import ConfigError
-
-STRATEGY_KEYS = ("zero_stage", "offload_optimizer", "offload_params", "micro_batch_size", "checkpointing",
-                 "checkpoint_layers", "precision", "reduce_bucket_size", "allgather_bucket_size",
-                 "prefetch_bucket_size")
-"""The strategy fields that identify a point across runs (the columns trials.csv carries)."""
+from autotune.strategy import Strategy, strategy_from_dict
+from autotune.runfiles import RunData, load_run, strategy_key, to_float
 
 DEFAULT_MAX_REGRESSION = "5%"
-
-
-# ---------------------------------------------------------------- reading a run directory
-
-@dataclass
-class RunData:
-    """The files of one finished run directory."""
-
-    run_dir: str
-    front: dict[str, Any]
-    """front.json"""
-    trials: list[dict[str, str]]
-    """trials.csv rows (strings, as written)."""
-    meta: dict[str, Any] = field(default_factory=dict)
-    """run.json ({} when absent)."""
-
-    @property
-    def name(self) -> str:
-        return self.meta.get("name") or os.path.basename(os.path.normpath(self.run_dir))
-
-    @property
-    def best(self) -> Optional[dict[str, Any]]:
-        return self.front.get("best") or None
-
-
-def _read_json(path: str, what: str) -> Any:
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"unreadable {what} (invalid JSON at line {err.lineno}: {err.msg})", file=path) from None
-    except OSError as err:
-        raise ConfigError(f"cannot read {what}: {err.strerror}", file=path) from None
-
-
-def load_run(run_dir: str) -> RunData:
-    """Read a finished run directory; a missing or malformed one is a one-line ConfigError."""
-    if not run_dir:
-        raise ConfigError("expected a run directory, but got an empty path")
-    if not os.path.exists(run_dir):
-        raise ConfigError("no such run directory", file=run_dir)
-    if not os.path.isdir(run_dir):
-        raise ConfigError("not a directory; expected a run directory (runs/<name>/)", file=run_dir)
-    front_path = os.path.join(run_dir, "front.json")
-    if not os.path.isfile(front_path):
-        hint = " (interrupted before its outputs were written?)" if os.path.isfile(
-            os.path.join(run_dir, "run.json")) else ""
-        raise ConfigError(f"not a finished autotune run: no front.json{hint}", file=run_dir)
-    front = _read_json(front_path, "front.json")
-    if not isinstance(front, dict) or not isinstance(front.get("front"), list):
-        raise ConfigError("unexpected front.json: expected an object with a 'front' list", file=front_path)
-    trials_path = os.path.join(run_dir, "trials.csv")
-    if not os.path.isfile(trials_path):
-        raise ConfigError("not a finished autotune run: no trials.csv", file=run_dir)
-    try:
-        with open(trials_path, newline="") as fh:
-            reader = csv.DictReader(fh)
-            trials = list(reader)
-            columns = reader.fieldnames or []
-    except (OSError, csv.Error) as err:
-        raise ConfigError(f"cannot read trials.csv: {err}", file=trials_path) from None
-    missing = [c for c in ("number", "state") if c not in columns]
-    if missing:
-        raise ConfigError(f"unexpected trials.csv: missing column(s) {', '.join(missing)}", file=trials_path)
-    meta_path = os.path.join(run_dir, "run.json")
-    meta = _read_json(meta_path, "run.json") if os.path.isfile(meta_path) else {}
-    return RunData(run_dir=run_dir, front=front, trials=trials, meta=meta if isinstance(meta, dict) else {})
-
-
-def _norm(value: Any) -> str:
-    """One strategy field as trials.csv writes it (None -> '')."""
-    if value is None:
-        return ""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return str(value)
-
-
-def strategy_key(strategy: dict[str, Any]) -> tuple[str, ...]:
-    """Identity of a strategy across runs (from a front.json strategy dict or a trials.csv row)."""
-    return tuple(_norm(strategy.get(k)) for k in STRATEGY_KEYS)
-
-
-def to_float(text: Any) -> Optional[float]:
-    if text is None or text == "":
-        return None
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        return None
 
 
 # ---------------------------------------------------------------- show
@@ -464,16 +371,11 @@ def update_latest(out_dir: str, run_dir: str, config_stem: str, accepted: bool =
     return links
 
 
-def baseline_seeds(baseline_dir: str, cfg: Any = None) -> list[Any]:
+def baseline_seeds(baseline_dir: str, cfg: Optional[Config] = None) -> list[Strategy]:
     """The baseline front's strategies, recommended point first, then memory ascending: enqueue
     them so a nightly run re-measures yesterday's front before exploring. With the new run's
     ``cfg``, strategies outside its search space (the space file may have changed) are dropped."""
-    import dataclasses
-
-    from autotune.strategy import Strategy
-
     run = load_run(baseline_dir)
-    fields = {f.name for f in dataclasses.fields(Strategy)}
     points = list(run.front["front"])
     best = run.best
     if best:
@@ -486,28 +388,14 @@ def baseline_seeds(baseline_dir: str, cfg: Any = None) -> list[Any]:
     seeds = []
     for p in points:
         try:
-            s = Strategy(**{k: v for k, v in p["strategy"].items() if k in fields})
+            s = strategy_from_dict(p["strategy"])
         except (TypeError, KeyError):
             raise ConfigError(f"front.json has an unreadable strategy at trial {p.get('trial')}",
                               file=os.path.join(baseline_dir, "front.json")) from None
-        if space is not None and not in_space(s, space, cfg.model):
+        if space is not None and not space.contains(s, cfg.model):
             continue
         seeds.append(s)
     return seeds
-
-
-def in_space(strategy: Any, space: Any, model: Any) -> bool:
-    """Whether ``space`` can produce ``strategy`` (every knob's value is one of the space's choices)."""
-    from autotune.space import KNOBS
-
-    for knob in KNOBS:
-        if knob == "checkpoint_layers" and strategy.checkpointing == "none":
-            continue
-        if knob.endswith("bucket_size") and space._bucket_values(knob, strategy.zero_stage) == (None,):
-            continue
-        if getattr(strategy, knob) not in space.choices(knob, model):
-            return False
-    return True
 
 
 # ---------------------------------------------------------------- parsers

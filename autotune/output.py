@@ -6,26 +6,19 @@ can be rewritten at any time (``autotune show`` does) without re-running anythin
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from autotune.config import Config
 from autotune.memory import GPU_COMPONENTS, MemoryEstimate, estimate_memory, overhead_bytes
 from autotune.pareto import pareto_front
+from autotune.runfiles import CSV_COLUMNS, FRONT_FILE, STRATEGY_COLUMNS, TRIALS_FILE, write_json, write_trials_csv  # noqa: F401 (CSV_COLUMNS re-exported)
 from autotune.space import SearchSpace
 from autotune.strategy import Strategy, fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
 
 GIB = float(1 << 30)
-STRATEGY_COLUMNS = ["zero_stage", "offload_optimizer", "offload_params", "micro_batch_size", "checkpointing",
-                    "checkpoint_layers", "precision", "reduce_bucket_size", "allgather_bucket_size",
-                    "prefetch_bucket_size"]
-CSV_COLUMNS = (["number", "state"] + STRATEGY_COLUMNS
-               + [f"pred_{k}_gib" for k in (*GPU_COMPONENTS, "peak")]
-               + ["pred_cpu_gib", "pred_fits", "peak_memory_gib", "gpu_memory_gib", "tokens_per_s_per_gpu", "step_time_s", "mfu",
-                  "on_front", "prune_reason", "fail_reason", "duplicate_of", "strategy"])
 
 
 @dataclass(frozen=True)
@@ -198,7 +191,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
     points = []
     for k, (row, equivalents) in enumerate(collapsed):
         rel = f"ds_configs/{k}.json"
-        _write_json(os.path.join(run_dir, rel), to_deepspeed_config(row.strategy, cfg.model, cfg.training,
+        write_json(os.path.join(run_dir, rel), to_deepspeed_config(row.strategy, cfg.model, cfg.training,
                                                                      cfg.hardware))
         points.append(point_dict(cfg, row, rel, equivalents, predicted))
     best = pick_best([rep for rep, _ in collapsed])
@@ -220,13 +213,13 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
     }
     if front_obj["best"] is not None:
         front_obj["best"]["why"] = why_recommended(front_obj["best"], points, front_obj["usable_gpu_memory_gib"])
-    _write_json(os.path.join(run_dir, "front.json"), front_obj)
-    _write_trials_csv(os.path.join(run_dir, "trials.csv"), cfg, rows, on_front, predicted)
+    write_json(os.path.join(run_dir, FRONT_FILE), front_obj)
+    write_trials_csv(os.path.join(run_dir, TRIALS_FILE), _trial_records(cfg, rows, on_front, predicted))
     if best is not None:
         best_point = front_obj["best"]
-        _write_json(os.path.join(run_dir, "best_ds_config.json"),
+        write_json(os.path.join(run_dir, "best_ds_config.json"),
                     to_deepspeed_config(best.strategy, cfg.model, cfg.training, cfg.hardware))
-        _write_json(os.path.join(run_dir, "best.json"), {**best_point, "ds_config": "best_ds_config.json",
+        write_json(os.path.join(run_dir, "best.json"), {**best_point, "ds_config": "best_ds_config.json",
                                                          "launch": launch_command(cfg, "best_ds_config.json")})
     _write_summary(os.path.join(run_dir, "summary.md"), cfg, space, front_obj, rows, extra_summary or {})
     return front_obj
@@ -280,36 +273,20 @@ def checkpointing_call(cfg: Config, s: Strategy) -> str:
     return f"autotune.apply_checkpointing(model, {s.checkpointing!r}, num_layers={n})"
 
 
-def _write_json(path: str, obj: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2)
-        fh.write("\n")
-    os.replace(tmp, path)
-
-
-def _fmt(value: Any) -> Any:
-    return "" if value is None else value  # floats keep full precision (replay reads them back)
-
-
-def _write_trials_csv(path: str, cfg: Config, rows: list[TrialRow], on_front: set[int], predicted: bool) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, r.strategy)
-            rec: dict[str, Any] = {"number": r.number, "state": r.state, **{k: getattr(r.strategy, k)
-                                                                            for k in STRATEGY_COLUMNS}}
-            rec.update({f"pred_{k}_gib": mem.gpu[k] / GIB for k in (*GPU_COMPONENTS, "peak")})
-            rec.update(pred_cpu_gib=mem.cpu_bytes_per_node / GIB, pred_fits=mem.fits,
-                       peak_memory_gib=r.peak_memory_gib, tokens_per_s_per_gpu=r.tokens_per_s_per_gpu,
-                       gpu_memory_gib=None if r.peak_memory_gib is None else gpu_memory_gib(cfg, r, predicted, mem),
-                       step_time_s=r.step_time_s, mfu=r.mfu, on_front=r.number in on_front,
-                       prune_reason=r.prune_reason, fail_reason=r.fail_reason, duplicate_of=r.duplicate_of,
-                       strategy=r.strategy.describe(cfg.model.num_hidden_layers))
-            writer.writerow({k: _fmt(v) for k, v in rec.items()})
-    os.replace(tmp, path)
+def _trial_records(cfg: Config, rows: list[TrialRow], on_front: set[int], predicted: bool) -> Iterator[dict[str, Any]]:
+    """trials.csv records: each trial's strategy, predicted memory breakdown and outcome."""
+    for r in rows:
+        mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, r.strategy)
+        rec: dict[str, Any] = {"number": r.number, "state": r.state, **{k: getattr(r.strategy, k)
+                                                                        for k in STRATEGY_COLUMNS}}
+        rec.update({f"pred_{k}_gib": mem.gpu[k] / GIB for k in (*GPU_COMPONENTS, "peak")})
+        rec.update(pred_cpu_gib=mem.cpu_bytes_per_node / GIB, pred_fits=mem.fits,
+                   peak_memory_gib=r.peak_memory_gib, tokens_per_s_per_gpu=r.tokens_per_s_per_gpu,
+                   gpu_memory_gib=None if r.peak_memory_gib is None else gpu_memory_gib(cfg, r, predicted, mem),
+                   step_time_s=r.step_time_s, mfu=r.mfu, on_front=r.number in on_front,
+                   prune_reason=r.prune_reason, fail_reason=r.fail_reason, duplicate_of=r.duplicate_of,
+                   strategy=r.strategy.describe(cfg.model.num_hidden_layers))
+        yield rec
 
 
 def point_memory_gib(p: dict[str, Any]) -> float:

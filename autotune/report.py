@@ -18,7 +18,7 @@ import os
 import re
 from typing import Any, Optional
 
-from autotune.compare import RunData, load_run, to_float
+from autotune.runfiles import RunData, load_run, to_float
 from autotune.output import empty_front_reason, format_gib, point_memory_gib
 
 GIB = float(1 << 30)

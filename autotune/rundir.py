@@ -61,7 +61,7 @@ class Run:
     def execute(self, progress: bool = True, enqueue: Optional[list] = None) -> dict[str, Any]:
         """Run (or continue) the study, then write every output; returns front.json's object."""
         from autotune.output import write_outputs
-        from autotune.profile.backend import make_backend
+        from autotune.profile.factory import make_backend
         from autotune.search import run_study
         from autotune.space import space_for
 

@@ -15,14 +15,10 @@ from typing import Any, Iterator, Optional
 
 from autotune.config import ConfigError, check_section, choice, int_, mapping, read_yaml, show
 from autotune.spec import ModelSpec
-from autotune.strategy import CHECKPOINTINGS, OFFLOADS, PRECISIONS, Strategy
+from autotune.strategy import CHECKPOINTINGS, KNOBS, OFFLOADS, PRECISIONS, ZERO_STAGES, Strategy, knob_applies
 
 SPACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "search_spaces")
 """Shipped spaces (default, no-offload, single-gpu), at the repository root."""
-
-KNOBS = ("zero_stage", "offload_optimizer", "offload_params", "micro_batch_size", "checkpointing",
-         "checkpoint_layers", "precision", "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size")
-"""Knobs in the order they are suggested to Optuna."""
 
 _MAX_VALUES = 4096
 
@@ -64,50 +60,52 @@ class SearchSpace:
         return list(getattr(self, knob))
 
     def candidates(self, model: ModelSpec) -> Iterator[Strategy]:
-        """Every distinct strategy of the space (checkpoint_layers only varies when checkpointing is on;
-        bucket knobs only where the ZeRO stage uses them)."""
+        """Every distinct strategy of the space (a knob varies only where it applies, see
+        strategy.knob_applies: checkpoint_layers with checkpointing on, bucket knobs at the ZeRO
+        stages that use them)."""
         layers = self.layer_choices(model.num_hidden_layers)
         for z, oo, op, mbs, ck, prec in itertools.product(
             self.zero_stage, self.offload_optimizer, self.offload_params, self.micro_batch_size,
             self.checkpointing, self.precision,
         ):
-            for n in (layers if ck != "none" else [None]):
-                for rb, ag, pf in itertools.product(*(self._bucket_values(k, z) for k in (
+            layout = {"zero_stage": z, "checkpointing": ck}
+            for n in (layers if knob_applies("checkpoint_layers", layout) else [None]):
+                for rb, ag, pf in itertools.product(*(self.values_where_applies(k, layout) for k in (
                         "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"))):
                     yield Strategy(zero_stage=z, offload_optimizer=oo, offload_params=op, micro_batch_size=mbs,
                                    checkpointing=ck, checkpoint_layers=n, precision=prec, reduce_bucket_size=rb,
                                    allgather_bucket_size=ag, prefetch_bucket_size=pf)
 
-    def _bucket_values(self, knob: str, zero_stage: int) -> tuple[Optional[int], ...]:
-        used = {"reduce_bucket_size": zero_stage >= 1, "allgather_bucket_size": zero_stage in (1, 2),
-                "prefetch_bucket_size": zero_stage == 3}[knob]
-        return getattr(self, knob) if used else (None,)
+    def values_where_applies(self, knob: str, layout: Any) -> tuple[Any, ...]:
+        """The space's values of a bucket knob, or (None,) where the knob has no effect."""
+        return getattr(self, knob) if knob_applies(knob, layout) else (None,)
+
+    def searched_knobs(self, strategy: "Strategy | dict[str, Any]") -> Iterator[str]:
+        """The knobs, in suggestion order, that apply to ``strategy`` (a Strategy or the values chosen
+        so far: a knob is only judged once the knobs it depends on are chosen)."""
+        for knob in KNOBS:
+            if knob_applies(knob, strategy):
+                yield knob
 
     def suggest(self, trial: Any, model: ModelSpec) -> Strategy:
         """Ask an Optuna trial for one strategy (define-by-run; conditional knobs only when they apply)."""
         values: dict[str, Any] = {}
-        for knob in KNOBS:
-            if knob == "checkpoint_layers" and values["checkpointing"] == "none":
-                continue
-            if knob.endswith("bucket_size") and self._bucket_values(knob, values["zero_stage"]) == (None,):
-                continue
+        for knob in self.searched_knobs(values):
             options = self.choices(knob, model)
             values[knob] = options[0] if len(options) == 1 else trial.suggest_categorical(knob, options)
         return Strategy(**values)
 
+    def contains(self, strategy: Strategy, model: ModelSpec) -> bool:
+        """Whether the space can produce ``strategy``: every knob that applies takes one of the space's
+        values (bucket knobs the space leaves on ``auto`` are not checked)."""
+        return all(getattr(strategy, knob) in choices for knob in self.searched_knobs(strategy)
+                   if (choices := self.choices(knob, model)) != [None])
+
 
 def strategy_params(strategy: Strategy, space: SearchSpace, model: ModelSpec) -> dict[str, Any]:
     """The Optuna params that make ``space.suggest`` return ``strategy`` (for enqueue_trial)."""
-    out: dict[str, Any] = {}
-    for knob in KNOBS:
-        value = getattr(strategy, knob)
-        if knob == "checkpoint_layers" and strategy.checkpointing == "none":
-            continue
-        if knob.endswith("bucket_size") and space._bucket_values(knob, strategy.zero_stage) == (None,):
-            continue
-        if len(space.choices(knob, model)) > 1:
-            out[knob] = value
-    return out
+    return {knob: getattr(strategy, knob) for knob in space.searched_knobs(strategy)
+            if len(space.choices(knob, model)) > 1}
 
 
 # ---------------------------------------------------------------- loading
@@ -191,7 +189,7 @@ def _layers(raw: Any, path: str) -> tuple:
 
 
 SPACE_SCHEMA = {
-    "zero_stage": _values(choice(0, 1, 2, 3)),
+    "zero_stage": _values(choice(*ZERO_STAGES)),
     "offload_optimizer": _values(choice(*OFFLOADS)),
     "offload_params": _values(choice(*OFFLOADS)),
     "micro_batch_size": _values(int_(1, 1 << 20), integer_range=True),

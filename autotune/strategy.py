@@ -1,54 +1,67 @@
-"""One training strategy value, its validity rules and its DeepSpeed / FSDP translations."""
+"""One training strategy value, its validity rules and its DeepSpeed / FSDP translations.
+
+The knob list is defined once, here: the fields of ``Strategy`` (their ``Literal`` types give the
+choices). ``KNOBS`` (what a search space varies and what trials.csv and ``compare`` carry) and the
+CLI's strategy flags are read off the fields' metadata; ``knob_applies`` says whether a knob has
+an effect for a given ZeRO stage and checkpointing.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Mapping, Optional, get_args
 
 from autotune.spec import HardwareSpec, ModelSpec, Precision, TrainingSpec
 
+ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "cpu", "nvme"]
 Checkpointing = Literal["none", "selective", "attention", "mlp", "op", "full"]
 
-ZERO_STAGES = (0, 1, 2, 3)
-OFFLOADS: tuple[Offload, ...] = ("none", "cpu", "nvme")
-CHECKPOINTINGS: tuple[Checkpointing, ...] = ("none", "selective", "attention", "mlp", "op", "full")
-PRECISIONS: tuple[Precision, ...] = ("bf16", "fp16", "fp32")
+ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
+OFFLOADS: tuple[Offload, ...] = get_args(Offload)
+CHECKPOINTINGS: tuple[Checkpointing, ...] = get_args(Checkpointing)
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 FSDP_SHARDING = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
 """ZeRO stage -> closest FSDP ShardingStrategy (the seed's table; FSDP has no optimizer-only mode)."""
+
+
+def _knob(default: Any, *, search_order: Optional[int], flag: bool) -> Any:
+    """A Strategy field. ``search_order``: its place in KNOBS (the order Optuna is asked and the
+    trials.csv columns; None: not searched). ``flag``: ``autotune estimate`` has a ``--flag`` for it."""
+    return dataclasses.field(default=default, metadata={"search_order": search_order, "flag": flag})
 
 
 @dataclass(frozen=True)
 class Strategy:
     """How one training job is laid out on the GPUs."""
 
-    zero_stage: int = 0
+    zero_stage: ZeroStage = _knob(0, search_order=0, flag=True)
     """ZeRO stage 0-3 (0 = plain data parallel)."""
-    micro_batch_size: int = 1
+    micro_batch_size: int = _knob(1, search_order=3, flag=True)
     """Sequences per GPU per forward/backward."""
-    checkpointing: Checkpointing = "none"
+    checkpointing: Checkpointing = _knob("none", search_order=4, flag=True)
     """Activation checkpointing granularity: selective = attention core recomputed
     (Korthikanti et al. 2022 sec. 5); attention / mlp = that module of the block recomputed, the
     other kept (module-level selective recompute, the norms stay outside); op = torchtitan's
     op-level selective checkpointing of the block (attention outputs and every other matmul
     output kept, the rest recomputed); full = whole block recomputed."""
-    checkpoint_layers: Optional[int] = None
+    checkpoint_layers: Optional[int] = _knob(None, search_order=5, flag=True)
     """Number of blocks checkpointed, 0..num_layers (None: all of them when checkpointing != none)."""
-    offload_optimizer: Offload = "none"
+    offload_optimizer: Offload = _knob("none", search_order=1, flag=True)
     """Where optimizer states and fp32 master weights live (ZeRO >= 1)."""
-    offload_params: Offload = "none"
+    offload_params: Offload = _knob("none", search_order=2, flag=True)
     """Where the sharded 16-bit parameters live between uses (ZeRO-3 only)."""
-    precision: Precision = "bf16"
+    precision: Precision = _knob("bf16", search_order=6, flag=True)
     """Compute precision; fp16 adds dynamic loss scaling."""
-    reduce_bucket_size: Optional[int] = None
+    reduce_bucket_size: Optional[int] = _knob(None, search_order=7, flag=False)
     """Elements per gradient reduce bucket (None: autotune's choice, see default_buckets)."""
-    allgather_bucket_size: Optional[int] = None
+    allgather_bucket_size: Optional[int] = _knob(None, search_order=8, flag=False)
     """ZeRO-1/2: elements per parameter all-gather bucket (None: autotune's choice)."""
-    prefetch_bucket_size: Optional[int] = None
+    prefetch_bucket_size: Optional[int] = _knob(None, search_order=9, flag=False)
     """ZeRO-3: elements prefetched ahead of use (None: autotune's choice)."""
-    param_persistence_threshold: Optional[int] = None
+    param_persistence_threshold: Optional[int] = _knob(None, search_order=None, flag=False)
     """ZeRO-3: parameters smaller than this stay unpartitioned (None: autotune's choice)."""
 
     def num_checkpointed(self, num_layers: int) -> int:
@@ -91,6 +104,44 @@ class Strategy:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Strategy))
+
+KNOBS: tuple[str, ...] = tuple(f.name for f in sorted(
+    (f for f in dataclasses.fields(Strategy) if f.metadata["search_order"] is not None),
+    key=lambda f: f.metadata["search_order"]))
+"""The knobs a search space varies, in the order they are suggested to Optuna; also the strategy
+columns of trials.csv and the fields that identify a point across runs."""
+
+FLAG_KNOBS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Strategy) if f.metadata["flag"])
+"""The knobs ``autotune estimate`` takes as ``--flags`` (field order)."""
+
+
+def knob_choices(knob: str) -> Optional[tuple[Any, ...]]:
+    """The fixed values of a knob with a ``Literal`` type (None for integers)."""
+    import typing
+
+    hint = typing.get_type_hints(Strategy)[knob]
+    return get_args(hint) if typing.get_origin(hint) is Literal else None
+
+
+def knob_applies(knob: str, strategy: "Strategy | Mapping[str, Any]") -> bool:
+    """Whether ``knob`` has an effect on ``strategy`` (a Strategy, or a mapping holding at least its
+    ``zero_stage`` and ``checkpointing``): checkpoint_layers only with checkpointing on; each bucket
+    knob only at the ZeRO stages whose DeepSpeed config carries it (see to_deepspeed_config)."""
+    get = strategy.get if isinstance(strategy, Mapping) else lambda k: getattr(strategy, k)
+    if knob == "checkpoint_layers":
+        return get("checkpointing") != "none"
+    if knob == "reduce_bucket_size":
+        return get("zero_stage") >= 1
+    if knob == "allgather_bucket_size":
+        return get("zero_stage") in (1, 2)
+    if knob in ("prefetch_bucket_size", "param_persistence_threshold"):
+        return get("zero_stage") == 3
+    return True
+
+
+def strategy_from_dict(values: Mapping[str, Any]) -> "Strategy":
+    """A Strategy from a mapping that may carry other keys (front.json points, measured rows)."""
+    return Strategy(**{k: v for k, v in values.items() if k in _FIELD_NAMES})
 
 
 def data_parallel_size(hardware: HardwareSpec) -> int:

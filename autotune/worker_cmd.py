@@ -50,7 +50,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from autotune.config import load_config
     from autotune.errors import ConfigError
-    from autotune.profile.backend import make_backend
+    from autotune.profile.factory import make_backend
     from autotune.rundir import slowed
     from autotune.search import run_study
     from autotune.space import space_for

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import autotune.cli
-from autotune import compare
+from autotune import compare, runfiles
 from autotune.errors import ConfigError
 
 JOB = """
@@ -80,7 +80,7 @@ def test_same_job_twice_is_unchanged(runs, capsys):
     assert cli(["compare", runs["a100"], runs["a100-again"]]) == 0
     out = capsys.readouterr().out
     assert "verdict: unchanged or better" in out
-    c = compare.compare_runs(compare.load_run(runs["a100"]), compare.load_run(runs["a100-again"]), 0.05)
+    c = compare.compare_runs(runfiles.load_run(runs["a100"]), runfiles.load_run(runs["a100-again"]), 0.05)
     assert c["left_front"] == [] and c["joined_front"] == [] and c["regressions"] == []
     assert c["recommended"]["same_strategy"] and c["recommended"]["throughput_change"] == 0
 
@@ -92,7 +92,7 @@ def test_slower_gpu_is_a_regression_and_faster_is_not(runs, capsys):
     assert "REGRESSION" in out and "recommended throughput -" in out
     assert "note: hardware differs" in out
     assert cli(["compare", runs["a100"], runs["h100"]]) == 0  # faster: better
-    c = compare.compare_runs(compare.load_run(runs["h100"]), compare.load_run(runs["a100"]), 0.05)
+    c = compare.compare_runs(runfiles.load_run(runs["h100"]), runfiles.load_run(runs["a100"]), 0.05)
     old_tps, new_tps = front(runs["h100"])["best"]["tokens_per_s_per_gpu"], front(runs["a100"])["best"][
         "tokens_per_s_per_gpu"]
     assert c["recommended"]["throughput_change"] == pytest.approx((new_tps - old_tps) / old_tps)
@@ -212,8 +212,8 @@ def test_baseline_seeds_are_enqueued_first(runs):
     f = front(runs["a100"])
     assert len(seeds) == len(f["front"])
     assert seeds[0].as_dict() == f["best"]["strategy"]  # recommended point first
-    assert sorted(compare.strategy_key(s.as_dict()) for s in seeds) == sorted(
-        compare.strategy_key(p["strategy"]) for p in f["front"])
+    assert sorted(runfiles.strategy_key(s.as_dict()) for s in seeds) == sorted(
+        runfiles.strategy_key(p["strategy"]) for p in f["front"])
     cfg = load_config(str(runs["tmp"] / "job.yaml"))
     space = load_space(cfg.search.space, str(runs["tmp"]))
     assert compare.baseline_seeds(runs["a100"], cfg) == seeds  # all in the same space

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from autotune.config import load_config
-from autotune.profile.backend import make_backend
+from autotune.profile.factory import make_backend
 from autotune.profile.launch import LaunchResult, _BoundedPump, alive, build_command, failure_of, launch
 from autotune.strategy import Strategy
 
@@ -58,7 +58,7 @@ def assert_nothing_left(m_or_res) -> None:
 
 
 def test_make_backend_deepspeed_does_not_import_torch():
-    code = ("import sys, autotune.cli, autotune.profile.backend as b; from autotune.config import load_config; "
+    code = ("import sys, autotune.cli, autotune.profile.factory as b; from autotune.config import load_config; "
             f"b.make_backend('deepspeed', load_config({TINY!r}), '/tmp/x'); "
             "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -11,7 +11,7 @@ import pytest
 
 from autotune.config import load_config
 from autotune.errors import ConfigError
-from autotune.profile.backend import make_backend
+from autotune.profile.factory import make_backend
 from autotune.profile.replay import ReplayBackend
 from autotune.strategy import Strategy
 

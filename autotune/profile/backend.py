@@ -1,4 +1,4 @@
-"""The profile-backend interface and the ``simulate`` backend.
+"""The profile-backend interface and the ``simulate`` backend (the factory is profile/factory.py).
 
 A backend turns one strategy into a Measurement: the peak GPU memory and the throughput it
 measured (or, for ``simulate``, predicted). The search only talks to this interface.
@@ -68,31 +68,3 @@ class SimulateBackend:
                            tokens_per_s_per_gpu=sim.tokens_per_s_per_gpu, step_time_s=sim.step_time_s,
                            mfu=sim.mfu, extra={"time_breakdown_s": dict(sim.breakdown),
                                                "calibrated": sim.calibrated})
-
-
-def make_backend(name: str, cfg: Any, run_dir: str, params: Optional[dict] = None) -> Backend:
-    """The backend named ``name`` for this job (heavy backends are imported only when chosen).
-
-    ``params``: simulator efficiency parameters from an earlier calibration (``--calibration``).
-    """
-    if name == "simulate":
-        return SimulateBackend(cfg.model, cfg.training, cfg.hardware, params)
-    from autotune.errors import ConfigError
-
-    if name == "replay":
-        if not cfg.profile.replay_csv:
-            raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
-        from autotune.profile.calibrate import Calibrator
-        from autotune.profile.replay import ReplayBackend
-
-        # the profiling loop's test double: the same calibrator as the deepspeed backend
-        return ReplayBackend(cfg.profile.replay_csv, cfg, calibrator=Calibrator(cfg, run_dir, initial=params))
-    if name == "deepspeed":
-        # Imports only the launcher side here; torch and deepspeed load in the launched workers.
-        from autotune.profile.calibrate import Calibrator
-        from autotune.profile.deepspeed_backend import DeepSpeedBackend, default_memory_limit
-
-        calibrator = Calibrator(cfg, run_dir, initial=params)
-        return DeepSpeedBackend(cfg, run_dir, memory_limit_bytes=default_memory_limit(), params=params,
-                                calibrator=calibrator)
-    raise ConfigError(f"unknown backend {name!r}; expected simulate, deepspeed or replay", path="profile.backend")

@@ -1,0 +1,161 @@
+"""The files of a run directory, read and written in one place.
+
+``runs/<name>/`` holds run.json (written by rundir), trials.csv and front.json (written by output),
+best.json, ds_configs/ and summary.md. This module owns their names, the trials.csv columns, the
+atomic JSON writer, and the reader every consumer uses (``load_run``: show, compare, report,
+nightly baselines). It reads only files, so it works for any finished run wherever it was copied,
+without re-running anything or importing torch.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional
+
+from autotune.errors import ConfigError
+from autotune.memory import GPU_COMPONENTS
+from autotune.strategy import KNOBS, Strategy, knob_choices
+
+RUN_FILE = "run.json"
+FRONT_FILE = "front.json"
+TRIALS_FILE = "trials.csv"
+
+STRATEGY_COLUMNS = list(KNOBS)
+"""The strategy columns of trials.csv (strategy.KNOBS)."""
+CSV_COLUMNS = (["number", "state"] + STRATEGY_COLUMNS
+               + [f"pred_{k}_gib" for k in (*GPU_COMPONENTS, "peak")]
+               + ["pred_cpu_gib", "pred_fits", "peak_memory_gib", "gpu_memory_gib", "tokens_per_s_per_gpu", "step_time_s", "mfu",
+                  "on_front", "prune_reason", "fail_reason", "duplicate_of", "strategy"])
+"""trials.csv columns, in file order."""
+
+
+# ---------------------------------------------------------------- writing
+
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as indented JSON, atomically (a reader never sees half a file)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def _cell(value: Any) -> Any:
+    return "" if value is None else value  # floats keep full precision (replay reads them back)
+
+
+def write_trials_csv(path: str, records: Iterable[Mapping[str, Any]]) -> None:
+    """Write trials.csv atomically; each record maps CSV_COLUMNS to values (None -> empty cell)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for rec in records:
+            writer.writerow({k: _cell(v) for k, v in rec.items()})
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- reading
+
+@dataclass
+class RunData:
+    """The files of one finished run directory."""
+
+    run_dir: str
+    front: dict[str, Any]
+    """front.json"""
+    trials: list[dict[str, str]]
+    """trials.csv rows (strings, as written)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """run.json ({} when absent)."""
+
+    @property
+    def name(self) -> str:
+        return self.meta.get("name") or os.path.basename(os.path.normpath(self.run_dir))
+
+    @property
+    def best(self) -> Optional[dict[str, Any]]:
+        return self.front.get("best") or None
+
+
+def read_json(path: str, what: str) -> Any:
+    """A JSON file; unreadable or malformed is a one-line ConfigError naming the file."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"unreadable {what} (invalid JSON at line {err.lineno}: {err.msg})", file=path) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {what}: {err.strerror}", file=path) from None
+
+
+def load_run(run_dir: str) -> RunData:
+    """Read a finished run directory; a missing or malformed one is a one-line ConfigError."""
+    if not run_dir:
+        raise ConfigError("expected a run directory, but got an empty path")
+    if not os.path.exists(run_dir):
+        raise ConfigError("no such run directory", file=run_dir)
+    if not os.path.isdir(run_dir):
+        raise ConfigError("not a directory; expected a run directory (runs/<name>/)", file=run_dir)
+    front_path = os.path.join(run_dir, FRONT_FILE)
+    if not os.path.isfile(front_path):
+        hint = " (interrupted before its outputs were written?)" if os.path.isfile(
+            os.path.join(run_dir, RUN_FILE)) else ""
+        raise ConfigError(f"not a finished autotune run: no front.json{hint}", file=run_dir)
+    front = read_json(front_path, FRONT_FILE)
+    if not isinstance(front, dict) or not isinstance(front.get("front"), list):
+        raise ConfigError("unexpected front.json: expected an object with a 'front' list", file=front_path)
+    trials_path = os.path.join(run_dir, TRIALS_FILE)
+    if not os.path.isfile(trials_path):
+        raise ConfigError("not a finished autotune run: no trials.csv", file=run_dir)
+    try:
+        with open(trials_path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            trials = list(reader)
+            columns = reader.fieldnames or []
+    except (OSError, csv.Error) as err:
+        raise ConfigError(f"cannot read trials.csv: {err}", file=trials_path) from None
+    missing = [c for c in ("number", "state") if c not in columns]
+    if missing:
+        raise ConfigError(f"unexpected trials.csv: missing column(s) {', '.join(missing)}", file=trials_path)
+    meta_path = os.path.join(run_dir, RUN_FILE)
+    meta = read_json(meta_path, RUN_FILE) if os.path.isfile(meta_path) else {}
+    return RunData(run_dir=run_dir, front=front, trials=trials, meta=meta if isinstance(meta, dict) else {})
+
+
+def to_float(text: Any) -> Optional[float]:
+    """A number cell of a run file, or None (empty, missing or not a number)."""
+    if text is None or text == "":
+        return None
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _knob_value(knob: str, value: Any) -> Any:
+    """One knob of a front.json strategy or a trials.csv cell, typed as Strategy holds it
+    (integers written as "2" or 2.0 read back as 2; empty as None; anything unreadable kept as is)."""
+    if value is None or value == "":
+        return None
+    if knob_choices(knob) is None or knob == "zero_stage":
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            return value
+        return int(number) if number.is_integer() else number
+    return value
+
+
+def strategy_from_record(record: Mapping[str, Any]) -> Strategy:
+    """The strategy a front.json point's ``strategy`` or a trials.csv row describes (its KNOBS;
+    a knob it lacks is None, so a record is never taken for one that states the default)."""
+    return Strategy(**{k: _knob_value(k, record.get(k)) for k in KNOBS})
+
+
+def strategy_key(record: Mapping[str, Any]) -> tuple:
+    """Identity of a recorded strategy across runs: Strategy.key of strategy_from_record."""
+    return strategy_from_record(record).key()
