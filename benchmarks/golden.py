@@ -11,6 +11,7 @@ Recorded per examples/*.yaml:
   every knob's values: 225 valid ones and 25 invalid ones (their one-line error is recorded). Each goes
   through the code the CLI runs (check_strategy + estimate_report, json and text), and 20 of them
   also through the CLI itself (`main(["estimate", ..., "--json"])`).
+- ``autotune [COMMAND] --help`` of every command.
 - the run: `autotune run EXAMPLE --backend simulate --seed 0` in a fresh folder: front.json,
   best.json, best_ds_config.json, ds_configs/, trials.csv, summary.md and the printed front, with
   run-specific fields (folder paths, run name, timestamps, wall times) replaced by placeholders.
@@ -152,11 +153,36 @@ def _run(example: str) -> dict[str, Any]:
         return rec
 
 
+def _help() -> dict[str, str]:
+    """``autotune [COMMAND] --help`` at a fixed width."""
+    from autotune.cli import main
+
+    out = {}
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        for command in ("", "estimate", "run", "show", "compare", "worker"):
+            stdout = io.StringIO()
+            with contextlib.redirect_stdout(stdout):
+                try:
+                    main([command, "--help"] if command else ["--help"])
+                except SystemExit:
+                    pass
+            out[command or "autotune"] = stdout.getvalue()
+    finally:
+        if old is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = old
+    return out
+
+
 def record() -> dict[str, Any]:
     examples = sorted(glob.glob("examples/*.yaml"))
     if not examples:
         raise SystemExit("golden: run from the repository root (examples/*.yaml not found)")
-    return {"examples": {ex: {"estimates": _estimates(ex), "run": _run(ex)} for ex in examples}}
+    return {"help": _help(),
+            "examples": {ex: {"estimates": _estimates(ex), "run": _run(ex)} for ex in examples}}
 
 
 def diff(a: Any, b: Any, path: str = "", out: list[str] | None = None) -> list[str]:
