@@ -1,4 +1,4 @@
-"""Reading finished runs back: ``autotune show``, ``autotune compare``, and nightly baselines.
+"""Comparing finished runs (``autotune compare``, ``run --baseline``) and the nightly baseline links.
 
 Everything here reads only the files of a run directory (front.json, trials.csv, run.json), so it
 works for any finished run, wherever it was copied, without re-running or importing torch.
@@ -28,78 +28,17 @@ runs folder can be moved or archived as a whole.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from autotune.config import Config
 from autotune.errors import ConfigError
-from autotune.strategy import Strategy, strategy_from_dict
 from autotune.runfiles import RunData, load_run, strategy_key, to_float
+from autotune.strategy import Strategy, strategy_from_dict
 
 DEFAULT_MAX_REGRESSION = "5%"
-
-
-# ---------------------------------------------------------------- show
-
-def recommendation_lines(best: Optional[dict[str, Any]], run_dir: str) -> list[str]:
-    """The recommended point, why, and how to reproduce it (DeepSpeed config + model-side call)."""
-    from autotune.output import format_gib, point_memory_gib
-
-    if not best:
-        return ["recommended: none"]
-    lines = [f"recommended (*): {best['strategy_text']}: {format_gib(point_memory_gib(best))}, "
-             f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"]
-    if best.get("why"):
-        lines.append(f"  why: {best['why']}")
-    if best.get("ds_config"):
-        lines.append(f"  DeepSpeed config: {os.path.join(run_dir, best['ds_config'])}")
-    if best.get("checkpointing"):
-        lines.append(f"  checkpointing in the model: {best['checkpointing']}")
-    if best.get("launch"):
-        lines.append(f"  launch: {best['launch']}")
-    return lines
-
-
-def format_show(run: RunData) -> str:
-    from autotune.output import format_front
-
-    f = run.front
-    hw = f.get("hardware") or {}
-    gpus = (hw.get("gpus_per_node") or 1) * (hw.get("num_nodes") or 1)
-    counts = {s: sum(t.get("state") == s for t in run.trials) for s in ("COMPLETE", "PRUNED", "FAIL")}
-    lines = [
-        f"run {run.name}: {f.get('model', '?')} on {gpus} x {hw.get('gpu', '?')}, backend {f.get('backend', '?')}, "
-        f"space {f.get('space', '?')}",
-        f"trials: {len(run.trials)} ({counts['COMPLETE']} complete, {counts['PRUNED']} pruned, "
-        f"{counts['FAIL']} failed)",
-        "",
-        format_front(f),
-        "",
-    ]
-    lines += recommendation_lines(run.best, run.run_dir)
-    if f.get("front_confidence"):
-        lines.append(f["front_confidence"])
-    report = os.path.join(run.run_dir, "report.html")
-    if os.path.isfile(report):
-        lines.append(f"report: {report}")
-    return "\n".join(lines)
-
-
-def cmd_show(args: argparse.Namespace) -> int:
-    run = load_run(args.run_dir)
-    if getattr(args, "report", False):
-        from autotune.report import write_report
-
-        write_report(run.run_dir)
-    if args.json:
-        print(json.dumps(run.front, indent=2))
-    else:
-        print(format_show(run))
-    return 0
 
 
 # ---------------------------------------------------------------- compare
@@ -295,10 +234,6 @@ def run_compare(old_dir: str, new_dir: str, max_regression: Any = DEFAULT_MAX_RE
     return c["exit_status"]
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    return run_compare(args.old_run, args.new_run, args.max_regression, as_json=args.json)
-
-
 # ---------------------------------------------------------------- nightly baselines
 
 def baseline_compare(run_dir: str, baseline_dir: str, max_regression: Any = DEFAULT_MAX_REGRESSION,
@@ -396,29 +331,3 @@ def baseline_seeds(baseline_dir: str, cfg: Optional[Config] = None) -> list[Stra
             continue
         seeds.append(s)
     return seeds
-
-
-# ---------------------------------------------------------------- parsers
-
-def add_parsers(sub: Any) -> None:
-    """Register ``show`` and ``compare`` on the CLI's subparsers (``args.func`` is not used:
-    cli.COMMANDS maps the names to cmd_show / cmd_compare)."""
-    show = sub.add_parser("show", help="print a finished run's front and recommended point again",
-                          description="Print the Pareto front table and the recommended point of a finished "
-                          "run directory (read from its files; nothing is re-run).")
-    show.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. runs/llama2-7b-20250101T000000Z "
-                      "or runs/latest")
-    show.add_argument("--json", action="store_true", help="print front.json instead of the table")
-    show.add_argument("--report", action="store_true", help="(re)write report.html and front.png first")
-
-    cmp_ = sub.add_parser("compare", help="what changed between two runs; exit 1 on a regression",
-                          description="Compare two finished runs: points that left or joined the front (matched "
-                          "by strategy), the recommended point's throughput/memory change, and old front points "
-                          "that now fail or are pruned. Exit status: 0 unchanged or better, 1 regression beyond "
-                          "--max-regression, 2 usage or input error.")
-    cmp_.add_argument("old_run", metavar="OLD_RUN", help="baseline run directory")
-    cmp_.add_argument("new_run", metavar="NEW_RUN", help="run directory to judge")
-    cmp_.add_argument("--max-regression", default=DEFAULT_MAX_REGRESSION, metavar="PCT",
-                      help="tolerated loss of the recommended point's tokens/s (and memory growth of the same "
-                      "strategy), e.g. 5%% (default: %(default)s)")
-    cmp_.add_argument("--json", action="store_true", help="print the comparison as JSON")

@@ -14,7 +14,8 @@ from typing import Any, Iterator, Optional, Sequence
 from autotune.config import Config
 from autotune.memory import GPU_COMPONENTS, MemoryEstimate, estimate_memory, overhead_bytes
 from autotune.pareto import pareto_front
-from autotune.runfiles import CSV_COLUMNS, FRONT_FILE, STRATEGY_COLUMNS, TRIALS_FILE, write_json, write_trials_csv  # noqa: F401 (CSV_COLUMNS re-exported)
+from autotune.runfiles import (CSV_COLUMNS, FRONT_FILE, STRATEGY_COLUMNS, TRIALS_FILE, RunData,  # noqa: F401 (CSV_COLUMNS
+                               write_json, write_trials_csv)                    # re-exported)
 from autotune.space import SearchSpace
 from autotune.strategy import Strategy, fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
 
@@ -357,3 +358,45 @@ def _write_summary(path: str, cfg: Config, space: SearchSpace, front_obj: dict[s
         lines += [f"- {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:15]]
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------- show (read back from the files)
+
+def recommendation_lines(best: Optional[dict[str, Any]], run_dir: str) -> list[str]:
+    """The recommended point, why, and how to reproduce it (DeepSpeed config + model-side call)."""
+    if not best:
+        return ["recommended: none"]
+    lines = [f"recommended (*): {best['strategy_text']}: {format_gib(point_memory_gib(best))}, "
+             f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"]
+    if best.get("why"):
+        lines.append(f"  why: {best['why']}")
+    if best.get("ds_config"):
+        lines.append(f"  DeepSpeed config: {os.path.join(run_dir, best['ds_config'])}")
+    if best.get("checkpointing"):
+        lines.append(f"  checkpointing in the model: {best['checkpointing']}")
+    if best.get("launch"):
+        lines.append(f"  launch: {best['launch']}")
+    return lines
+
+
+def format_show(run: RunData) -> str:
+    f = run.front
+    hw = f.get("hardware") or {}
+    gpus = (hw.get("gpus_per_node") or 1) * (hw.get("num_nodes") or 1)
+    counts = {s: sum(t.get("state") == s for t in run.trials) for s in ("COMPLETE", "PRUNED", "FAIL")}
+    lines = [
+        f"run {run.name}: {f.get('model', '?')} on {gpus} x {hw.get('gpu', '?')}, backend {f.get('backend', '?')}, "
+        f"space {f.get('space', '?')}",
+        f"trials: {len(run.trials)} ({counts['COMPLETE']} complete, {counts['PRUNED']} pruned, "
+        f"{counts['FAIL']} failed)",
+        "",
+        format_front(f),
+        "",
+    ]
+    lines += recommendation_lines(run.best, run.run_dir)
+    if f.get("front_confidence"):
+        lines.append(f["front_confidence"])
+    report = os.path.join(run.run_dir, "report.html")
+    if os.path.isfile(report):
+        lines.append(f"report: {report}")
+    return "\n".join(lines)

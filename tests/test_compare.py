@@ -19,22 +19,7 @@ search: {{space: {space}, trials: {trials}, headroom: 0.05, seed: 3}}
 
 
 def cli(argv):
-    """autotune.cli.main, with show/compare registered the way cli.py wires them (compare.add_parsers
-    + COMMANDS) in case this checkout's cli.py predates the wiring."""
-    if "compare" in autotune.cli.COMMANDS:
-        return autotune.cli.main(argv)
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="autotune")
-    sub = parser.add_subparsers(dest="command", required=True)
-    compare.add_parsers(sub)
-    args = parser.parse_args(argv)
-    try:
-        return {"show": compare.cmd_show, "compare": compare.cmd_compare}[args.command](args)
-    except ConfigError as err:
-        print(f"autotune: error: {err}", file=sys.stderr)
-        return 2
+    return autotune.cli.main(argv)
 
 
 def make_run(tmp, name, gpu="a100-80gb", space="default", trials=30, stem="job"):

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import socket
-import sys
 import time
 from typing import Any
 
@@ -45,7 +44,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of a line")
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     import optuna
 
     from autotune.config import load_config
@@ -103,6 +102,3 @@ def cmd_worker(args: argparse.Namespace) -> int:
               f"{summary['trials_in_study']} trials ({summary['wall_s']} s)")
     return 130 if outcome.interrupted else 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(1)

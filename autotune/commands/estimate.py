@@ -1,0 +1,166 @@
+"""``autotune estimate CONFIG``: the memory breakdown, fit verdict and simulated speed of one strategy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from autotune.config import Config, check_strategy, load_config
+from autotune.errors import ConfigError
+from autotune.strategy import FLAG_KNOBS, Strategy, knob_choices
+
+GIB = float(1 << 30)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("estimate", help="memory breakdown, fit verdict and simulated speed of one strategy",
+                         description="Print the per-GPU memory breakdown at the peak, the fits verdict "
+                         "with reasons, the simulated step time, and the DeepSpeed config of one strategy.")
+    p.add_argument("config", help="job file (YAML: model, training, hardware sections)")
+    add_strategy_flags(p)
+    p.add_argument("--trace", action="store_true",
+                     help="take activations from a FakeTensorMode trace of the real model on the CPU (allocates "
+                     "nothing; needs torch) and combine them with the analytical model states and buffers")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+FLAG_HELP = {
+    "zero_stage": "ZeRO stage: 0 (plain DP), 1, 2 or 3",
+    "micro_batch_size": "sequences per GPU per forward/backward",
+    "checkpointing": "activation checkpointing: none, selective (attention core recomputed), attention or mlp "
+                     "(that module recomputed, the other kept), op (op-level selective, torchtitan's policy) "
+                     "or full (whole block)",
+    "checkpoint_layers": "number of blocks checkpointed, 0..num_layers (default: all when checkpointing is on)",
+    "offload_optimizer": "where optimizer states live (ZeRO >= 1)",
+    "offload_params": "where parameters live (ZeRO-3 only)",
+    "precision": "compute precision (fp16 = loss scaling)",
+}
+"""Help text of each strategy flag (the flags themselves are strategy.FLAG_KNOBS)."""
+
+
+def add_strategy_flags(p: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per strategy.FLAG_KNOBS; choices from the field's Literal type, else an integer."""
+    g = p.add_argument_group("strategy (overrides the config's strategy: section)")
+    for knob in FLAG_KNOBS:
+        choices = knob_choices(knob)
+        kwargs: dict[str, Any] = {"help": FLAG_HELP[knob]}
+        if choices is None:
+            kwargs.update(type=int, metavar="N")
+        else:
+            kwargs.update(type=type(choices[0]), choices=choices) if isinstance(choices[0], int) else \
+                kwargs.update(choices=choices)
+        g.add_argument("--" + knob.replace("_", "-"), **kwargs)
+
+
+def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dict[str, Any]:
+    """Everything ``autotune estimate --json`` prints, as one JSON-able dict."""
+    from autotune.memory import estimate_memory
+    from autotune.simulate import simulate
+    from autotune.strategy import fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
+
+    provenance = None
+    if trace:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise ConfigError("needs torch, from the profile extra: pip install torch==2.13.0 "
+                              "-e '.[profile]'", path="--trace") from None
+        from autotune.trace import traced_estimate
+
+        mem, provenance = traced_estimate(cfg, strategy)
+    else:
+        mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy, headroom=cfg.search.headroom)
+    sim = simulate(cfg.model, cfg.training, cfg.hardware, strategy)
+    return {
+        "config": cfg.path,
+        "model": cfg.model.name,
+        "num_parameters": cfg.model.num_parameters,
+        "gpu": cfg.hardware.gpu.name,
+        "num_gpus": cfg.hardware.num_gpus,
+        "strategy": strategy.as_dict(),
+        "strategy_text": strategy.describe(cfg.model.num_hidden_layers),
+        "gradient_accumulation_steps": gradient_accumulation_steps(strategy, cfg.training, cfg.hardware),
+        "gpu_memory_bytes": dict(mem.gpu),
+        "gpu_total_bytes": mem.total_gpu_bytes,
+        "gpu_capacity_bytes": cfg.hardware.gpu.memory_bytes,
+        "gpu_usable_bytes": int(cfg.hardware.gpu.memory_bytes * (1 - cfg.search.headroom)),
+        "headroom": cfg.search.headroom,
+        "peak_phase": mem.peak_phase,
+        "peak_by_phase_bytes": dict(mem.phases),
+        "cpu_memory_bytes": mem.cpu_bytes_per_node,
+        "nvme_bytes": mem.nvme_bytes_per_node,
+        "fits": mem.fits,
+        "reasons": list(mem.reasons),
+        "step_time_s": sim.step_time_s,
+        "tokens_per_s_per_gpu": sim.tokens_per_s_per_gpu,
+        "mfu": sim.mfu,
+        "time_breakdown_s": dict(sim.breakdown),
+        "calibrated": sim.calibrated,
+        "fsdp": fsdp_equivalent(strategy, cfg.hardware),
+        "deepspeed_config": to_deepspeed_config(strategy, cfg.model, cfg.training, cfg.hardware),
+        "memory_fidelity": "traced" if trace else "analytic",
+        **({"memory_provenance": provenance} if provenance else {}),
+    }
+
+
+def format_estimate(r: dict[str, Any]) -> str:
+    """The breakdown as a table whose rows add up: the components at the peak sum to the peak
+    allocated; the overhead on top of it gives the memory the GPU must hold, which is what the
+    verdict compares with the usable capacity."""
+    from autotune.memory import GPU_COMPONENTS
+
+    mem = r["gpu_memory_bytes"]
+    total = r["gpu_total_bytes"]
+    unit, scale = ("GiB", GIB) if total >= GIB / 4 else ("MiB", GIB / 1024)
+    lines = [
+        f"{r['model']} ({r['num_parameters']:,} parameters) on {r['num_gpus']} x {r['gpu']}",
+        f"strategy: {r['strategy_text']} (gradient accumulation {r['gradient_accumulation_steps']})",
+        f"FSDP equivalent: {r['fsdp']['sharding_strategy']}",
+        "",
+        f"{'component (at the peak)':<30}{unit:>10}{'share':>9}",
+    ]
+    for key in GPU_COMPONENTS:
+        if key != "overhead":
+            lines.append(f"  {key.replace('_', ' '):<28}{mem[key] / scale:>10.2f}{100 * mem[key] / total:>8.1f}%")
+    lines.append(f"{'= peak allocated':<30}{mem['peak'] / scale:>10.2f}{100 * mem['peak'] / total:>8.1f}%   "
+                 f"(in {r['peak_phase']}; by phase: "
+                 + ", ".join(f"{k} {v / scale:.2f}" for k, v in r["peak_by_phase_bytes"].items()) + ")")
+    lines.append(f"{'+ context and allocator':<30}{mem['overhead'] / scale:>10.2f}{100 * mem['overhead'] / total:>8.1f}%")
+    lines.append(f"{'= GPU memory needed':<30}{total / scale:>10.2f}")
+    lines.append(f"{'usable of the GPU':<30}{r['gpu_usable_bytes'] / scale:>10.2f}   "
+                 f"({r['gpu_capacity_bytes'] / scale:.2f} {unit} less {100 * r['headroom']:g}% headroom)")
+    if r["cpu_memory_bytes"]:
+        lines.append(f"{'CPU RAM / node':<18}{r['cpu_memory_bytes'] / scale:>10.2f}")
+    if r["nvme_bytes"]:
+        lines.append(f"{'NVMe / node':<18}{r['nvme_bytes'] / scale:>10.2f}")
+    if r.get("memory_provenance"):
+        prov = r["memory_provenance"]
+        lines.append(f"memory sources: traced ({', '.join(prov.get('traced', {}))}); "
+                     f"analytic ({', '.join(k for k in prov.get('analytic', {}) if k in GPU_COMPONENTS)})")
+    lines.append("")
+    lines.append("verdict: FITS" if r["fits"] else "verdict: DOES NOT FIT")
+    lines.extend(f"  - {reason}" for reason in r["reasons"])
+    lines.append("")
+    cal = "" if r["calibrated"] else "  [uncalibrated GPU: datasheet defaults]"
+    lines.append(f"step time {r['step_time_s']:.3f} s, {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+                 f"MFU {100 * r['mfu']:.1f}%{cal}")
+    lines.append("  " + ", ".join(f"{k} {v:.3f} s" for k, v in r["time_breakdown_s"].items()))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    overrides = {k: getattr(args, k) for k in FLAG_KNOBS if getattr(args, k) is not None}
+    strategy = cfg.strategy.replace(**overrides)
+    try:
+        check_strategy(strategy, cfg.model, cfg.training, cfg.hardware)
+    except ConfigError as err:
+        flag = "--" + (err.path or "").replace("_", "-")
+        raise ConfigError(err.message, file=args.config, path=flag if err.path in overrides else f"strategy.{err.path}")
+    report = estimate_report(cfg, strategy, trace=args.trace)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_estimate(report))
+    return 0
