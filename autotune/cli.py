@@ -11,7 +11,6 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from autotune.commands import COMMANDS as _MODULES
-from autotune.commands.estimate import estimate_report, format_estimate  # noqa: F401 (public helpers)
 from autotune.errors import ConfigError
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {name: m.run for name, m in _MODULES.items()}

@@ -6,7 +6,6 @@ can be rewritten at any time (``autotune show`` does) without re-running anythin
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence

@@ -34,6 +34,7 @@ into ``status: "error"``. This module imports torch lazily (only the builders ne
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -144,14 +145,34 @@ def transformers_available() -> bool:
     return True
 
 
+def hf_model_from_config(hf_config: str) -> Any:
+    """``AutoModelForCausalLM.from_config`` of an HF config.json, sdpa attention (eager where the
+    family has no sdpa path), random weights; the profiler and the traced memory tier both build
+    HF models with it."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as err:
+        raise UserModelError("hf source needs transformers (pip install transformers)") from err
+    with open(hf_config, encoding="utf-8") as fh:
+        raw = json.load(fh)
+    kind = raw.pop("model_type", "llama")
+    for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path"):
+        raw.pop(key, None)
+    config = AutoConfig.for_model(kind, **raw)
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError as err:  # e.g. Gemma2 (attention-logit softcapping): eager only
+        if "scaled_dot_product_attention" not in str(err):
+            raise
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
 def build_hf_model(hf_config: str, seed: int = 0) -> BuiltModel:
     """``AutoModelForCausalLM.from_config`` (sdpa attention, random init, nothing downloaded)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from autotune.trace import _hf_model  # same conventions as the traced memory screening
-
     try:
-        module = _hf_model(hf_config)
+        module = hf_model_from_config(hf_config)
     except Exception as err:
         if _is_oom_like(err):
             raise

@@ -1,0 +1,307 @@
+"""``trace_memory``: one micro-batch (forward, backward, optimizer step) of the real module under
+FakeTensorMode, measured by the tracker; ``TraceCache`` reuses traces across ZeRO/offload variants."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from autotune.spec import ModelSpec, TrainingSpec
+from autotune.strategy import Strategy
+from autotune.trace.ops import flash_ops, sdpa_to_flash, unpacked_positions
+from autotune.trace.tracker import ACT_CATEGORIES, GRAD32, MASTER, collect_after_each_module, frozen_heap, make_tracker
+
+
+class TraceError(RuntimeError):
+    """The model cannot be traced (missing dependency, unsupported option, user model error)."""
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """Traced memory and FLOPs of one micro-batch (fwd + bwd + optimizer step), bytes per GPU."""
+
+    model_name: str
+    source: str
+    """``reference`` (autotune.profile.models), ``hf`` (transformers from_config) or ``factory:<path>``."""
+    micro_batch_size: int
+    seq_len: int
+    precision: str
+    checkpointing: str
+    checkpoint_layers: int
+    """Number of blocks checkpointed (0 when checkpointing is none)."""
+    activation_peak: int
+    """Peak over forward+backward of activations + temporaries (+ the input ids), excluding model states."""
+    saved_activations: int
+    """Activations alive at the end of the forward (what backward needs; the classic 'activation memory')."""
+    peak: int
+    """Peak of everything the plain-torch trace holds (16-bit params, grads, masters, Adam states, activations)."""
+    phase_peaks: dict
+    """{forward|backward|optimizer: {"total": bytes, "activations": bytes}} peaks per phase."""
+    states: dict
+    """Model-state bytes the trace saw, per category (params, grads, masters, Adam states, buffers)."""
+    at_activation_peak: dict
+    """Category -> bytes at the instant of the activation peak (and its phase under ``phase``)."""
+    flops: dict
+    """FlopCounterMode totals for the micro-batch: forward, backward (incl. recompute), gemm, attention_fwd, attention_bwd, total."""
+    parameters: int
+    """Trainable parameters of the traced module (shared tensors once)."""
+    wall_s: float
+    notes: tuple = ()
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _set_checkpointing(model: Any, source: str, granularity: str, n: int, num_layers: int) -> list[str]:
+    """Apply the strategy's checkpointing to the built module (autotune.checkpointing, the same call
+    the profiler and users make); returns notes on how it was applied."""
+    from autotune.checkpointing import apply_checkpointing
+
+    try:
+        return apply_checkpointing(model, granularity, n)
+    except ValueError as err:
+        raise TraceError(f"{source} model: {err}") from None
+
+
+def _loss(model: Any, ids: Any, labels: Any) -> Any:
+    """Forward that returns only the loss, so logits die as early as in a training loop."""
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        names = {}
+    if "input_ids" in names and "labels" in names:  # HF-style keyword forward
+        kwargs = {"input_ids": ids, "labels": labels}
+        if "use_cache" in names:
+            kwargs["use_cache"] = False
+        out = model(**kwargs)
+    else:
+        out = model(ids, labels)
+    if hasattr(out, "loss"):
+        return out.loss
+    if isinstance(out, dict):
+        return out["loss"]
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
+def _dtype(precision: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def _checkpoint_key(strategy: Strategy, num_layers: int) -> tuple[str, int]:
+    n = strategy.num_checkpointed(num_layers)
+    return (strategy.checkpointing if n else "none", n)
+
+
+def trace_memory(
+    model_spec: ModelSpec,
+    training: TrainingSpec,
+    strategy: Strategy,
+    *,
+    hf_config: Optional[str] = None,
+    model_factory: Optional[str] = None,
+    python_path: Optional[list[str]] = None,
+    optimizer_step: bool = True,
+) -> TraceResult:
+    """Trace one micro-batch of `strategy` (fwd + bwd + mixed-precision AdamW step) under FakeTensorMode.
+
+    Source of the module: `model_factory` (``package.module:function`` following the profiling
+    contract of autotune.profile.user_models: ``build_model(spec, training) -> (module, batch_fn)``;
+    the batch comes from ``batch_fn``) if given, else an HF model from `hf_config` when transformers
+    is installed, else the reference decoder of ``autotune.profile.models``.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    t0 = time.perf_counter()
+    precision = strategy.precision
+    dtype = _dtype(precision)
+    b, s = strategy.micro_batch_size, training.seq_len
+    L = model_spec.num_hidden_layers
+    granularity, n_ckpt = _checkpoint_key(strategy, L)
+    notes: list[str] = []
+    if model_factory:
+        source = f"factory:{model_factory}"
+    elif hf_config:
+        try:
+            import transformers  # noqa: F401
+
+            source = "hf"
+        except ImportError:
+            source = "reference"
+            notes.append("transformers not installed: traced the reference decoder built from the HF config")
+    else:
+        source = "reference"
+
+    old_dtype = torch.get_default_dtype()
+    fake = FakeTensorMode(allow_non_fake_inputs=False)
+    tracker = make_tracker()
+    flop_mode = FlopCounterMode(display=False, custom_mapping=flash_ops()["flop_mapping"])
+    batch_fn = None
+    with fake:
+        torch.set_default_dtype(dtype)
+        try:
+            if model_factory:
+                from autotune.profile.user_models import UserModelError, build_factory_model
+
+                try:
+                    built = build_factory_model(model_factory, model_spec, training, python_path)
+                except UserModelError as err:
+                    raise TraceError(str(err)) from err
+                model, batch_fn = built.module, built.batch_fn
+            elif source == "hf":
+                from autotune.profile.user_models import UserModelError, hf_model_from_config
+
+                try:
+                    model = hf_model_from_config(hf_config)  # type: ignore[arg-type]
+                except UserModelError as err:
+                    raise TraceError(str(err)) from err
+            else:
+                from autotune.profile.models import build_model
+
+                model = build_model(model_spec)
+        finally:
+            torch.set_default_dtype(old_dtype)
+        if not isinstance(model, torch.nn.Module):
+            raise TraceError(f"{source} did not return an nn.Module (got {type(model).__name__})")
+        model.train()
+        notes += _set_checkpointing(model, source, granularity, n_ckpt, L)
+        if granularity != "none" and n_ckpt:
+            collect_after_each_module(model)
+        params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        wrong = {str(p.dtype) for p in params if p.dtype != dtype}
+        if wrong:
+            notes.append(f"parameters not in {dtype}: {sorted(wrong)} (kept as built)")
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None) or model_spec.vocab_size
+        if batch_fn is not None:
+            batch = batch_fn(b, s, torch.device("cpu"))
+            inputs = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+        else:
+            ids = torch.randint(0, vocab, (b, s), dtype=torch.long)
+            labels = torch.randint(0, vocab, (b, s), dtype=torch.long)
+            inputs = [ids, labels]
+        tracker.track_external(model, *inputs)
+        # Cyclic garbage (autograd/checkpoint frames under fake mode) is freed whenever Python's
+        # collector runs: _frozen_heap collects first (the collections inside the trace then fall at
+        # the same points whatever ran before in this process) and _collect_after_each_module runs it
+        # where real autograd would free the tensors (a deterministic, real-lifetime peak).
+        with frozen_heap(), tracker, sdpa_to_flash(), unpacked_positions(source):
+            # fp32 master weights, as a mixed-precision optimizer keeps them (not for fp32 training)
+            masters = []
+            if dtype != torch.float32 and optimizer_step:
+                tracker.phase = "setup"
+                for p in params:
+                    m = p.detach().float()
+                    tracker.refile(m, MASTER)
+                    masters.append(m)
+            tracker.phase = "forward"
+            with flop_mode:
+                if batch_fn is not None:
+                    from autotune.profile.user_models import loss_of
+
+                    loss = loss_of(model(**batch), f"model factory {model_factory!r}")
+                else:
+                    loss = _loss(model, *inputs)
+                flops_fwd = flop_mode.get_total_flops()
+                saved = sum(v for k, v in tracker.categories().items() if k in ACT_CATEGORIES)
+                tracker.phase = "backward"
+                loss.backward()
+                del loss
+            flops_total = flop_mode.get_total_flops()
+            tracker.phase = "optimizer"
+            states_before_step = tracker.categories()
+            if optimizer_step:
+                if masters:
+                    for p, m in zip(params, masters):
+                        g = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+                        tracker.refile(g, GRAD32)
+                        p.grad = None
+                        m.grad = g
+                    opt_params = masters
+                else:
+                    opt_params = params
+                fused = {"fused": True} if training.optimizer != "sgd" else {}
+                if training.optimizer == "sgd":
+                    opt = torch.optim.SGD(opt_params, lr=1e-4, momentum=0.9)
+                elif training.optimizer == "adam":
+                    opt = torch.optim.Adam(opt_params, lr=1e-4, **fused)
+                else:
+                    opt = torch.optim.AdamW(opt_params, lr=1e-4, weight_decay=0.1, **fused)
+                opt.step()
+                if masters:
+                    with torch.no_grad():
+                        for p, m in zip(params, masters):
+                            p.copy_(m)
+            final = tracker.categories()
+        tracker.reset_mod_stats()
+
+    counts = flop_mode.get_flop_counts().get("Global", {})
+    ops = flash_ops()
+    attn_f = int(counts.get(ops["fwd"], 0))
+    attn_b = int(counts.get(ops["bwd"], 0))
+    gemm = int(sum(v for k, v in counts.items() if k not in (ops["fwd"], ops["bwd"])))
+    flops = {"forward": int(flops_fwd), "backward": int(flops_total - flops_fwd), "total": int(flops_total),
+             "gemm": gemm, "attention_fwd": attn_f, "attention_bwd": attn_b}
+    state_keys = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads", "Optstate": "optimizer",
+                  MASTER: "master_weights", GRAD32: "grads_fp32"}
+    states = {name: int(max(final.get(k, 0), states_before_step.get(k, 0))) for k, name in state_keys.items()}
+    phase_peaks = {k: dict(v) for k, v in tracker.phase_peaks.items() if k != "setup"}
+    peak = max((v["total"] for v in tracker.phase_peaks.values()), default=0)
+    at_peak = dict(tracker.act_peak_snap)
+    at_peak["phase"] = tracker.act_peak_phase  # type: ignore[assignment]
+    return TraceResult(
+        model_name=model_spec.name, source=source, micro_batch_size=b, seq_len=s, precision=precision,
+        checkpointing=granularity, checkpoint_layers=n_ckpt, activation_peak=int(tracker.act_peak),
+        saved_activations=int(saved), peak=int(peak), phase_peaks=phase_peaks, states=states,
+        at_activation_peak=at_peak, flops=flops, parameters=sum(p.numel() for p in params),
+        wall_s=time.perf_counter() - t0, notes=tuple(notes),
+    )
+
+
+class TraceCache:
+    """Traces keyed by what changes activations: (micro_batch, checkpointing, checkpoint_layers).
+
+    The model, sequence length, precision, optimizer and model source are part of the key too, so
+    one cache can serve several jobs; ZeRO stage, offload and bucket sizes are not: they change
+    model states and DeepSpeed buffers only, which come from the analytical model in
+    :func:`combine`. A search over N ZeRO/offload variants of one (micro-batch, checkpointing)
+    pair therefore traces once.
+    """
+
+    def __init__(self, tracer: Optional[Callable[..., TraceResult]] = None) -> None:
+        self._tracer = tracer or trace_memory
+        self._store: dict[tuple, TraceResult] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(model_spec: ModelSpec, training: TrainingSpec, strategy: Strategy, *,
+            hf_config: Optional[str] = None, model_factory: Optional[str] = None) -> tuple:
+        granularity, n = _checkpoint_key(strategy, model_spec.num_hidden_layers)
+        return (model_spec, training.seq_len, strategy.precision, training.optimizer, hf_config, model_factory,
+                strategy.micro_batch_size, granularity, n)
+
+    def get(self, model_spec: ModelSpec, training: TrainingSpec, strategy: Strategy, *,
+            hf_config: Optional[str] = None, model_factory: Optional[str] = None) -> TraceResult:
+        key = self.key(model_spec, training, strategy, hf_config=hf_config, model_factory=model_factory)
+        with self._lock:
+            hit = self._store.get(key)
+            if hit is not None:
+                self.hits += 1
+                return hit
+        result = self._tracer(model_spec, training, strategy, hf_config=hf_config, model_factory=model_factory)
+        with self._lock:
+            self.misses += 1
+            return self._store.setdefault(key, result)
+
+    def __len__(self) -> int:
+        return len(self._store)
