@@ -81,7 +81,7 @@ def measurement_extras(run: RunData) -> dict[int, dict[str, Any]]:
     try:
         import optuna
 
-        from autotune.search import make_storage
+        from autotune.storage import make_storage
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.load_study(study_name=run.name, storage=make_storage(storage))

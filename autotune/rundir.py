@@ -171,9 +171,9 @@ def wait_for_stale_trials(storage: Any, study_name: str) -> None:
             print(f"autotune: waiting up to {grace} s for the heartbeat of running trial(s) "
                   f"{', '.join(map(str, running))} to go stale (re-queued if their process is gone)", file=sys.stderr)
             told = True
-        from autotune.search import _fail_stale
+        from autotune.claim import fail_stale
 
-        _fail_stale(study)
+        fail_stale(study)
         time.sleep(0.5)
 
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from autotune.config import ConfigError, check_section, choice, int_, mapping, read_yaml, show
+from autotune.config import Config, ConfigError, check_section, choice, int_, mapping, read_yaml, show
 from autotune.spec import ModelSpec
 from autotune.strategy import CHECKPOINTINGS, KNOBS, OFFLOADS, PRECISIONS, ZERO_STAGES, Strategy, knob_applies
 
@@ -108,6 +108,13 @@ def strategy_params(strategy: Strategy, space: SearchSpace, model: ModelSpec) ->
             if len(space.choices(knob, model)) > 1}
 
 
+def trial_strategy(trial: Any, space: SearchSpace, cfg: Config) -> Strategy:
+    """The strategy a finished trial evaluated (rebuilt from its params)."""
+    import optuna
+
+    return space.suggest(optuna.trial.FixedTrial(trial.params), cfg.model)
+
+
 # ---------------------------------------------------------------- loading
 
 def resolve_space_path(name_or_path: str, base_dir: str = ".") -> str:
@@ -130,7 +137,7 @@ def load_space(name_or_path: str, base_dir: str = ".", precision: str = "bf16") 
         raise err.in_file(path) from None
 
 
-def space_for(cfg: Any) -> SearchSpace:
+def space_for(cfg: Config) -> SearchSpace:
     """The search space a job file names (resolved next to the file), at the job's precision
     unless the space lists precisions itself."""
     return load_space(cfg.search.space, os.path.dirname(os.path.abspath(cfg.path)), cfg.training.precision)

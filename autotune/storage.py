@@ -17,7 +17,8 @@ import os
 from typing import Any
 
 from optuna.storages.journal import JournalFileBackend, JournalStorage
-from optuna.storages.journal._file import BaseJournalFileLock
+
+from autotune._optuna_compat import BaseJournalFileLock, heartbeat_enabled, journal_file_path, journal_lock
 
 
 class FlockLock(BaseJournalFileLock):
@@ -47,13 +48,14 @@ class UnsyncedJournalFileBackend(JournalFileBackend):
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         text = "\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n"
-        self._lock.acquire()
+        lock = journal_lock(self)
+        lock.acquire()
         try:
-            with open(self._file_path, "ab") as fh:
+            with open(journal_file_path(self), "ab") as fh:
                 fh.write(text.encode("utf-8"))
                 fh.flush()
         finally:
-            self._lock.release()
+            lock.release()
 
 
 HEARTBEAT_ENV = "AUTOTUNE_HEARTBEAT_S"
@@ -153,9 +155,8 @@ def _postgres_driver(url: str) -> str:
 
 
 def has_heartbeat(storage: Any) -> bool:
-    from optuna.storages._heartbeat import is_heartbeat_enabled
-
-    return is_heartbeat_enabled(storage)
+    """Whether ``storage`` records trial heartbeats (make_storage with heartbeat=True, RDB only)."""
+    return heartbeat_enabled(storage)
 
 
 class _quiet:

@@ -225,7 +225,8 @@ def test_study_is_loadable_by_optuna_with_metric_names(runs, tmp_path):
     """optuna-dashboard opens the study through Optuna's storages: load it the same way."""
     import optuna
 
-    from autotune.search import METRIC_NAMES, make_storage
+    from autotune.search import METRIC_NAMES
+    from autotune.storage import make_storage
 
     with open(os.path.join(runs["a100"], "run.json")) as fh:
         meta = json.load(fh)

@@ -2,7 +2,7 @@
 
 Many workers (processes, possibly on several nodes) run the same Optuna study through one RDB
 storage (SQLite on one machine, PostgreSQL across machines). Every trial records its strategy key
-right after ``ask()`` and claims it (autotune.search._claim): each candidate is evaluated once,
+right after ``ask()`` and claims it (autotune.claim): each candidate is evaluated once,
 repeats reuse the first result, and a worker that dies mid-trial is detected by Optuna's heartbeat
 and its trial re-queued for another worker. ::
 

@@ -1,0 +1,80 @@
+"""Screening: every candidate of a search space through the analytic models (memory, and the
+simulator for those that fit), and the predicted front the study starts from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from autotune.config import Config
+from autotune.memory import MemoryEstimate, estimate_memory
+from autotune.pareto import pareto_front
+from autotune.simulate import simulate
+from autotune.space import SearchSpace
+from autotune.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class Screened:
+    """One candidate as the analytic models see it."""
+
+    strategy: Strategy
+    memory: MemoryEstimate
+    tokens_per_s_per_gpu: float = 0.0
+    """Simulated throughput (0 when infeasible: not simulated)."""
+
+
+def screen(cfg: Config, space: SearchSpace, headroom: float, params: Optional[dict] = None) -> list[Screened]:
+    """Every candidate of the space through the memory model, and the feasible ones through the
+    simulator (with efficiency ``params`` when given, e.g. from a calibration).
+
+    With ``search.fidelity: traced`` every candidate's activations come from a FakeTensorMode trace
+    of the real model (autotune.trace; one trace per micro-batch x checkpointing pair, reused across
+    ZeRO stages and offload); with ``search.trace_near_limit`` only those within that fraction of
+    the usable memory are traced.
+    """
+    traced = _tracer(cfg, headroom)
+    capacity = cfg.hardware.gpu.memory_bytes * (1 - headroom)
+    near = cfg.search.trace_near_limit * capacity
+    out = []
+    for strategy in space.candidates(cfg.model):
+        mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy, headroom=headroom)
+        if traced and (cfg.search.fidelity == "traced" or
+                       abs(mem.gpu["peak"] + mem.gpu["overhead"] - capacity) <= near):
+            mem = traced(strategy)
+        tps = simulate(cfg.model, cfg.training, cfg.hardware, strategy, params).tokens_per_s_per_gpu if mem.fits else 0.0
+        out.append(Screened(strategy, mem, tps))
+    return out
+
+
+def _tracer(cfg: Config, headroom: float) -> Optional[Callable[[Strategy], MemoryEstimate]]:
+    """A function tracing one strategy (with a shared cache), or None when tracing is off."""
+    if cfg.search.fidelity != "traced" and cfg.search.trace_near_limit <= 0:
+        return None
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        from autotune.errors import ConfigError
+
+        raise ConfigError("traced memory needs torch: pip install torch==2.13.0 -e '.[profile]'",
+                          path="search.fidelity") from None
+    from autotune.trace import TraceCache, traced_estimate
+
+    cache = TraceCache()
+    return lambda strategy: traced_estimate(cfg, strategy, cache, headroom=headroom)[0]
+
+
+def predicted_front(screened: list[Screened]) -> list[Screened]:
+    feasible = [s for s in screened if s.memory.fits]
+    idx = pareto_front([(s.memory.gpu["peak"], s.tokens_per_s_per_gpu) for s in feasible])
+    return [feasible[i] for i in idx]
+
+
+def spread(points: list, k: int) -> list:
+    """At most ``k`` of ``points`` (a front, memory ascending), evenly spaced and always including
+    both ends: a budget smaller than the predicted front still covers low memory and top speed."""
+    if k >= len(points):
+        return list(points)
+    if k == 1:
+        return [points[-1]]
+    return [points[round(i * (len(points) - 1) / (k - 1))] for i in range(k)]
