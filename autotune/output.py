@@ -16,9 +16,8 @@ from autotune.pareto import pareto_front
 from autotune.runfiles import (CSV_COLUMNS, FRONT_FILE, STRATEGY_COLUMNS, TRIALS_FILE, RunData,  # noqa: F401 (CSV_COLUMNS
                                write_json, write_trials_csv)                    # re-exported)
 from autotune.space import SearchSpace
+from autotune.spec import GIB
 from autotune.strategy import Strategy, fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
-
-GIB = float(1 << 30)
 
 
 @dataclass(frozen=True)

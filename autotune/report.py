@@ -18,10 +18,12 @@ import os
 import re
 from typing import Any, Optional
 
-from autotune.runfiles import RunData, load_run, to_float
+from autotune.config import Config
 from autotune.output import empty_front_reason, format_gib, point_memory_gib
+from autotune.profile.backend import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY
+from autotune.runfiles import RunData, load_run, to_float
+from autotune.spec import GIB
 
-GIB = float(1 << 30)
 COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
 """Memory-breakdown components, bottom to top (memory.GPU_COMPONENTS; the front.json keys win)."""
 COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_states": "#e45756",
@@ -42,7 +44,7 @@ def _components(front: list[dict[str, Any]]) -> list[str]:
     return ordered + [k for k in keys if k not in ordered]
 
 
-def gpu_capacity(run: RunData, cfg: Any = None) -> tuple[Optional[float], Optional[float]]:
+def gpu_capacity(run: RunData, cfg: Optional[Config] = None) -> tuple[Optional[float], Optional[float]]:
     """(GPU memory GiB, headroom fraction) from the config object, front.json, the GPU preset, or
     the run's config file; (None, None) when none of them is available."""
     if cfg is not None:
@@ -88,16 +90,6 @@ def measurement_extras(run: RunData) -> dict[int, dict[str, Any]]:
         return {t.number: t.user_attrs.get("measurement") or {} for t in study.get_trials(deepcopy=False)}
     except Exception:
         return {}
-
-
-def _predicted_tps(meas: dict[str, Any]) -> Optional[float]:
-    extra = meas.get("extra") or {}
-    pred = extra.get("predicted") if isinstance(extra.get("predicted"), dict) else {}
-    for src in (pred, extra):
-        for key in ("tokens_per_s_per_gpu", "predicted_tokens_per_s_per_gpu", "pred_tokens_per_s_per_gpu"):
-            if to_float(src.get(key)) is not None:
-                return to_float(src.get(key))
-    return None
 
 
 def reason_summary(rows: list[dict[str, str]], state: str, column: str) -> list[tuple[str, int, list[int]]]:
@@ -323,9 +315,9 @@ def predicted_vs_measured(run: RunData) -> list[list[Any]]:
         meas_tps = to_float(r.get("tokens_per_s_per_gpu"))
         meas = extras.get(n, {})
         extra = meas.get("extra") or {}
-        if to_float(extra.get("predicted_peak_bytes")) is not None:
-            pred_mem = to_float(extra.get("predicted_peak_bytes")) / GIB
-        pred_tps = _predicted_tps(meas)
+        if to_float(extra.get(PREDICTED_PEAK_KEY)) is not None:
+            pred_mem = to_float(extra.get(PREDICTED_PEAK_KEY)) / GIB
+        pred_tps = to_float(extra.get(PREDICTED_TPS_KEY))
         status = "ok" if r["state"] == "COMPLETE" else (r.get("fail_reason") or "failed")
         if extra.get("oom_phase"):
             status += f" (OOM in {extra['oom_phase']})"
@@ -419,7 +411,7 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
             "</head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
 
 
-def write_report(run_dir: str, cfg: Any = None) -> Optional[str]:
+def write_report(run_dir: str, cfg: Optional[Config] = None) -> Optional[str]:
     """Write run_dir/report.html and run_dir/front.png from the run's files; returns report.html's path.
     ``cfg`` (the run's Config, when at hand) gives the exact GPU capacity and headroom. plotly and
     matplotlib are the optional ``report`` extra: without one of them its file is skipped with a

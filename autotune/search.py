@@ -23,9 +23,9 @@ from autotune.screen import Screened, predicted_front, screen, spread  # noqa: F
 from autotune.signals import StopFlag
 from autotune.simulate import simulate
 from autotune.space import SearchSpace, strategy_params, trial_strategy
+from autotune.spec import GIB
 from autotune.strategy import Strategy
 
-GIB = float(1 << 30)
 METRIC_NAMES = ["peak_memory_gib", "tokens_per_s_per_gpu"]
 DIRECTIONS = ["minimize", "maximize"]
 

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from autotune.spec import GPUSpec, HardwareSpec, ModelSpec, TrainingSpec
+from autotune.spec import BYTES_PER_ELEMENT, GPUSpec, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, default_buckets
 
 EFFICIENCY_KEYS = (
@@ -52,7 +52,6 @@ _BASE_DEFAULTS = dict(
     comm_eff=0.6, overlap=0.7, coll_latency_s=5e-6, step_overhead_s=0.03, layer_overhead_s=5e-4,
 )
 
-_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 # Elementwise traffic per token per block, in activation elements (read + written), counted for a
 # pre-norm block without dropout: 2 norms (r d, w d each), activation (r f, w f; gated: r 2f, w f),
@@ -149,7 +148,7 @@ def simulate(
     if peak <= 0:  # e.g. bf16 on V100: validate() rejects it; simulate the fp16 path instead
         peak = gpu.peak_flops("fp16")
     hbm = gpu.hbm_bandwidth_gbps * 1e9 * p["hbm_eff"]
-    act_bytes = _BYTES[prec]
+    act_bytes = BYTES_PER_ELEMENT[prec]
 
     L = model.num_hidden_layers
     d = model.hidden_size
@@ -217,7 +216,7 @@ def simulate(
         if multi_node else gpu.intra_node_bandwidth_gbps
     bw = link * 1e9 * p["comm_eff"]
     lat = p["coll_latency_s"]
-    pbytes = _BYTES[prec]  # 16-bit params and grads on the wire (fp32 when training in fp32)
+    pbytes = BYTES_PER_ELEMENT[prec]  # 16-bit params and grads on the wire (fp32 when training in fp32)
     ov = p["overlap"]
     z = strategy.zero_stage
     buckets = default_buckets(model, strategy)

@@ -15,6 +15,11 @@ Norm = Literal["rmsnorm", "layernorm", "rmsnorm_fp32"]
 PositionEmbedding = Literal["rope", "learned", "alibi", "none"]
 AttnImplementation = Literal["sdpa", "eager"]
 
+GIB = 1 << 30
+"""Bytes per GiB."""
+BYTES_PER_ELEMENT: dict[Precision, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes of one tensor element at each compute precision."""
+
 GATED_ACTS = ("silu", "swiglu", "swish")
 """Activations whose MLP is gated (SwiGLU, Shazeer 2020): three projections instead of two."""
 

@@ -8,9 +8,8 @@ from typing import Any
 
 from autotune.config import Config, check_strategy, load_config
 from autotune.errors import ConfigError
+from autotune.spec import GIB
 from autotune.strategy import FLAG_KNOBS, Strategy, knob_choices
-
-GIB = float(1 << 30)
 
 
 def add_parser(sub: Any) -> None:

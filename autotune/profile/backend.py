@@ -14,6 +14,11 @@ from autotune.strategy import Strategy
 
 Status = Literal["ok", "oom", "nan", "timeout", "crash", "error"]
 
+PREDICTED_PEAK_KEY = "predicted_peak_bytes"
+"""Measurement.extra key: the memory model's peak for the measured strategy (measuring backends)."""
+PREDICTED_TPS_KEY = "predicted_tokens_per_s_per_gpu"
+"""Measurement.extra key: the simulator's tokens/s per GPU for the measured strategy (measuring backends)."""
+
 
 @dataclass(frozen=True)
 class Measurement:

@@ -36,6 +36,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from autotune.config import Config
 from autotune.errors import ConfigError
 from autotune.strategy import Strategy
 
@@ -101,7 +102,7 @@ def _stats(errs: list[Optional[float]]) -> dict[str, Any]:
 class Calibrator:
     """Measured-vs-predicted bookkeeping and simulator re-fitting for one job (one GPU type)."""
 
-    def __init__(self, cfg: Any, run_dir: Optional[str] = None, *, initial: Optional[dict] = None,
+    def __init__(self, cfg: Config, run_dir: Optional[str] = None, *, initial: Optional[dict] = None,
                  min_runs: int = 1, autosave: bool = True) -> None:
         self.cfg = cfg
         self.run_dir = run_dir

@@ -32,8 +32,10 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from autotune.profile.backend import Measurement
+from autotune.profile.backend import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Measurement
+from autotune.config import Config
 from autotune.profile.launch import LaunchResult, failure_of, launch
+from autotune.profile.protocol import WorkerJob, WorkerResult
 from autotune.strategy import Strategy, to_deepspeed_config
 
 
@@ -48,7 +50,7 @@ class DeepSpeedBackend:
 
     name = "deepspeed"
 
-    def __init__(self, cfg: Any, run_dir: str, *, nproc: Optional[int] = None, device: str = "auto",
+    def __init__(self, cfg: Config, run_dir: str, *, nproc: Optional[int] = None, device: str = "auto",
                  memory_limit_bytes: Optional[int] = None, optimizer_impl: str = "auto", memory: str = "auto",
                  seed: int = 0, hostfile: Optional[str] = None, env: Optional[dict[str, str]] = None,
                  params: Optional[dict] = None, calibrator: Any = None, worker_entry: Optional[str] = None,
@@ -91,34 +93,34 @@ class DeepSpeedBackend:
         path.mkdir(parents=True)
         return path
 
-    def job_for(self, strategy: Strategy, trial_dir: Path, trial_number: Optional[int] = None) -> dict[str, Any]:
+    def job(self, strategy: Strategy, trial_dir: Path, trial_number: Optional[int] = None) -> WorkerJob:
+        """The worker job measuring ``strategy`` in ``trial_dir``."""
         cfg = self.cfg
         profile = cfg.profile
-        job: dict[str, Any] = {
-            "model": dataclasses.asdict(cfg.model),
-            "training": dataclasses.asdict(cfg.training),
-            "strategy": strategy.as_dict(),
-            "deepspeed_config": _merge(to_deepspeed_config(strategy, cfg.model, cfg.training, cfg.hardware),
-                                       self.ds_config_overrides),
-            "result_path": str(trial_dir / "result.json"),
-            "warmup_steps": profile.warmup_steps,
-            "measure_steps": profile.measure_steps,
-            "optimizer_impl": self.optimizer_impl,
-            "memory": self.memory,
-            "seed": self.seed,
-            "device": self.device,
-        }
-        if getattr(cfg, "model_factory", None):
-            job["model_factory"] = cfg.model_factory
+        source: dict[str, Any] = {}
+        if cfg.model_factory:
             # the factory's module is looked up next to the config file, then in the current directory
-            job["python_path"] = [os.path.dirname(os.path.abspath(cfg.path)), os.getcwd()]
-        elif getattr(cfg, "hf_config", None):
-            job["hf_config"] = os.path.abspath(cfg.hf_config)
+            source = {"model_factory": cfg.model_factory,
+                      "python_path": [os.path.dirname(os.path.abspath(cfg.path)), os.getcwd()]}
+        elif cfg.hf_config:
+            source = {"hf_config": os.path.abspath(cfg.hf_config)}
+        snapshot = None
         if self.snapshot_trial is not None and trial_number == self.snapshot_trial:
             from autotune.snapshot import SNAPSHOT_FILE
 
-            job["snapshot"] = str(trial_dir / SNAPSHOT_FILE)
-        return job
+            snapshot = str(trial_dir / SNAPSHOT_FILE)
+        return WorkerJob(
+            model=dataclasses.asdict(cfg.model), training=dataclasses.asdict(cfg.training),
+            strategy=strategy.as_dict(),
+            deepspeed_config=_merge(to_deepspeed_config(strategy, cfg.model, cfg.training, cfg.hardware),
+                                    self.ds_config_overrides),
+            result_path=str(trial_dir / "result.json"), warmup_steps=profile.warmup_steps,
+            measure_steps=profile.measure_steps, optimizer_impl=self.optimizer_impl, memory=self.memory,
+            seed=self.seed, device=self.device, snapshot=snapshot, **source)
+
+    def job_for(self, strategy: Strategy, trial_dir: Path, trial_number: Optional[int] = None) -> dict[str, Any]:
+        """The job.json object of :meth:`job`."""
+        return self.job(strategy, trial_dir, trial_number).to_json()
 
     # ---------------------------------------------------------------- evaluate
 
@@ -126,7 +128,8 @@ class DeepSpeedBackend:
         trial_dir = self._trial_dir(trial_number)
         job_path = trial_dir / "job.json"
         number = trial_number if trial_number is not None else _number_of(trial_dir)
-        job_path.write_text(json.dumps(self.job_for(strategy, trial_dir, number), indent=1))
+        job = self.job(strategy, trial_dir, number)
+        job_path.write_text(json.dumps(job.to_json(), indent=1))
         env = dict(self.env)
         if self.device == "cpu":
             env.setdefault("DS_ACCELERATOR", "cpu")
@@ -135,13 +138,13 @@ class DeepSpeedBackend:
                      memory_limit_bytes=self.memory_limit_bytes, num_nodes=self.cfg.hardware.num_nodes,
                      hostfile=self.hostfile, env=env, worker_entry=self.worker_entry)
         m = self.measurement(strategy, res)
-        rank0 = res.results.get(0, {})
-        if rank0.get("notes"):
-            m.extra["notes"] = rank0["notes"]
-        if rank0.get("model_source"):
-            m.extra["model_source"] = rank0["model_source"]
-        if "snapshot" in json.loads(job_path.read_text()):
-            m.extra["snapshot_path"] = rank0.get("snapshot_path")
+        rank0 = WorkerResult.from_json(res.results.get(0, {}))
+        if rank0.notes:
+            m.extra["notes"] = rank0.notes
+        if rank0.model_source:
+            m.extra["model_source"] = rank0.model_source
+        if job.snapshot is not None:
+            m.extra["snapshot_path"] = rank0.snapshot_path
         (trial_dir / "measurement.json").write_text(json.dumps(m.as_dict(), indent=1, default=str))
         if self.calibrator is not None:
             self.calibrator.add(strategy, m)
@@ -152,68 +155,73 @@ class DeepSpeedBackend:
         from autotune.simulate import simulate
 
         cfg = self.cfg
-        out: dict[str, Optional[float]] = {"predicted_peak_bytes": None, "predicted_tokens_per_s_per_gpu": None}
+        out: dict[str, Optional[float]] = {PREDICTED_PEAK_KEY: None, PREDICTED_TPS_KEY: None}
         try:
             from autotune.memory import estimate_memory
 
-            out["predicted_peak_bytes"] = int(estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy).gpu["peak"])
+            out[PREDICTED_PEAK_KEY] = int(estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy).gpu["peak"])
         except ImportError:  # memory model not installed in this checkout
             pass
         params = self.calibrator.current_params() if self.calibrator is not None else self.params
-        out["predicted_tokens_per_s_per_gpu"] = simulate(cfg.model, cfg.training, cfg.hardware, strategy,
+        out[PREDICTED_TPS_KEY] = simulate(cfg.model, cfg.training, cfg.hardware, strategy,
                                                          params).tokens_per_s_per_gpu
         return out
 
     def measurement(self, strategy: Strategy, res: LaunchResult) -> Measurement:
         """Convert one launch's results into a Measurement (failures included)."""
-        rank0 = res.results.get(0, {})
+        ranks = [WorkerResult.from_json(res.results[r]) for r in sorted(res.results)]
+        rank0 = WorkerResult.from_json(res.results.get(0, {}))
         extra: dict[str, Any] = {
             "log_dir": res.log_dir, "launcher": self.cfg.profile.launcher, "world_size": res.nproc,
-            "elapsed_s": round(res.elapsed_s, 3), "device": rank0.get("device"),
+            "elapsed_s": round(res.elapsed_s, 3), "device": rank0.device,
             "launch_id": res.launch_id, "launcher_pid": res.pid,
         }
         extra.update(self.predictions(strategy))
         failed = failure_of(res)
         if failed is not None:
-            status, reason = failed
-            phases = [r.get("phase") for r in res.results.values() if r.get("status") == status and r.get("phase")]
-            if status == "oom":
-                extra["oom_phase"] = phases[0] if phases else None
-            extra["exit_status"] = {str(k): v.get("signal") or v.get("returncode") for k, v in res.exits.items()}
-            extra["launcher_returncode"] = res.returncode
-            losses = rank0.get("losses")
-            if losses:
-                extra["losses"] = losses
-            return Measurement(status=status, reason=reason, extra=extra)  # type: ignore[arg-type]
-
-        ranks = [res.results[r] for r in sorted(res.results)]
-        peaks = [r.get("peak_allocated_bytes") for r in ranks]
-        if any(p is None for p in peaks) or not rank0.get("tokens_per_s") or not rank0.get("step_times_s"):
+            return self._failure(res, ranks, rank0, failed, extra)
+        peaks = [r.peak_allocated_bytes for r in ranks]
+        if any(p is None for p in peaks) or not rank0.tokens_per_s or not rank0.step_times_s:
             return Measurement(status="error", reason="worker result lacks peak memory or step times", extra=extra)
-        world = int(rank0.get("world_size") or res.nproc)
-        peak = int(max(peaks))
-        tps_gpu = float(rank0["tokens_per_s"]) / world
-        times = sorted(rank0["step_times_s"])
+        world = int(rank0.world_size or res.nproc)
+        peak = int(max(peaks))  # type: ignore[type-var]
+        tps_gpu = float(rank0.tokens_per_s) / world
+        times = sorted(rank0.step_times_s)
         step = times[len(times) // 2]
         mfu = None
-        if rank0.get("device") == "cuda":
+        if rank0.device == "cuda":
             cfg = self.cfg
             peak_flops = cfg.hardware.gpu.peak_flops(strategy.precision)
             if peak_flops > 0:
                 mfu = tps_gpu * cfg.model.flops_per_token(cfg.training.seq_len) / peak_flops
-        reserved = [r.get("peak_reserved_bytes") for r in ranks]
+        reserved = [r.peak_reserved_bytes for r in ranks]
         extra.update(
-            measured_peak_bytes=peak, per_rank_peak_bytes=peaks, peak_phase=ranks[peaks.index(peak)].get("peak_phase"),
+            measured_peak_bytes=peak, per_rank_peak_bytes=peaks, peak_phase=ranks[peaks.index(peak)].peak_phase,
             peak_reserved_bytes=max((x for x in reserved if x is not None), default=None),
-            init_peak_bytes=rank0.get("init_peak_bytes"), step_times_s=rank0["step_times_s"],
-            losses=rank0.get("losses"), optimizer=rank0.get("optimizer"),
-            gradient_accumulation_steps=rank0.get("gradient_accumulation_steps"),
+            init_peak_bytes=rank0.init_peak_bytes, step_times_s=rank0.step_times_s,
+            losses=rank0.losses, optimizer=rank0.optimizer,
+            gradient_accumulation_steps=rank0.gradient_accumulation_steps,
             measured_tokens_per_s_per_gpu=tps_gpu,
-            memory_error_pct=_pct(extra["predicted_peak_bytes"], peak),
-            tokens_error_pct=_pct(extra["predicted_tokens_per_s_per_gpu"], tps_gpu),
+            memory_error_pct=_pct(extra[PREDICTED_PEAK_KEY], peak),
+            tokens_error_pct=_pct(extra[PREDICTED_TPS_KEY], tps_gpu),
         )
         return Measurement(status="ok", peak_memory_bytes=peak, tokens_per_s_per_gpu=tps_gpu, step_time_s=step,
                            mfu=mfu, extra=extra)
+
+    @staticmethod
+    def _failure(res: LaunchResult, ranks: list[WorkerResult], rank0: WorkerResult, failed: tuple[str, str],
+                 extra: dict[str, Any]) -> Measurement:
+        """A failed launch as a Measurement: status and reason from failure_of, the OOM's phase, the
+        exit statuses and the losses so far."""
+        status, reason = failed
+        phases = [r.phase for r in ranks if r.status == status and r.phase]
+        if status == "oom":
+            extra["oom_phase"] = phases[0] if phases else None
+        extra["exit_status"] = {str(k): v.get("signal") or v.get("returncode") for k, v in res.exits.items()}
+        extra["launcher_returncode"] = res.returncode
+        if rank0.losses:
+            extra["losses"] = rank0.losses
+        return Measurement(status=status, reason=reason, extra=extra)  # type: ignore[arg-type]
 
 
 def _number_of(trial_dir: Path) -> Optional[int]:

@@ -8,11 +8,10 @@ import os
 from typing import Any, Optional
 
 from autotune.config import Config
-from autotune.spec import ModelSpec, TrainingSpec
+from autotune.spec import GIB, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
 from autotune.trace.run import TraceCache, TraceResult
 
-GIB = float(1 << 30)
 
 ACTIVATION_COMPONENTS = ("activations", "logits")
 """Analytical GPU components replaced by the trace (MemoryEstimate.gpu keys)."""
