@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from autotune.spec import BYTES_PER_ELEMENT, GPUSpec, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, default_buckets
@@ -133,6 +133,40 @@ def _exposed(comm: float, window: float, overlap: float) -> float:
     return (comm - hidden) + (1.0 - overlap) * hidden
 
 
+class _MicroBatch(NamedTuple):
+    """Compute time of one micro-batch on one GPU, seconds."""
+
+    fwd: float
+    """Forward: every block, the LM head and the embedding gather."""
+    bwd: float
+    """Backward of the same."""
+    loss: float
+    """Loss over the vocabulary (upcast, log-softmax and its gradient)."""
+    fwd_block: float
+    """Forward of one block (what full checkpointing repeats)."""
+    attn_fwd_block: float
+    """Forward of one block's attention core (what selective checkpointing repeats)."""
+    gemm_fwd_block: float
+    """Forward GEMMs of one block."""
+    elem_fwd_block: float
+    """Forward elementwise work of one block."""
+    attn_module: float
+    """Forward of one block's attention module: projections, core, rope/dropout."""
+    mlp_module: float
+    """Forward of one block's MLP module: its GEMMs and activation."""
+
+
+class _Rates(NamedTuple):
+    """What the GPU reaches for this strategy's precision."""
+
+    peak: float
+    """Dense FLOP/s at the compute precision."""
+    hbm: float
+    """Elementwise HBM bytes/s (bandwidth x hbm_eff)."""
+    act_bytes: int
+    """Bytes per activation element (and per 16-bit parameter or gradient on the wire)."""
+
+
 def simulate(
     model: ModelSpec,
     training: TrainingSpec,
@@ -147,21 +181,51 @@ def simulate(
     peak = gpu.peak_flops(prec)
     if peak <= 0:  # e.g. bf16 on V100: validate() rejects it; simulate the fp16 path instead
         peak = gpu.peak_flops("fp16")
-    hbm = gpu.hbm_bandwidth_gbps * 1e9 * p["hbm_eff"]
-    act_bytes = BYTES_PER_ELEMENT[prec]
+    rates = _Rates(peak, gpu.hbm_bandwidth_gbps * 1e9 * p["hbm_eff"], BYTES_PER_ELEMENT[prec])
+    L = model.num_hidden_layers
+    b = strategy.micro_batch_size
+    n = hardware.num_gpus
+    T = float(b * training.seq_len)  # tokens per micro-batch per GPU (the GEMM M dimension)
+    gas = max(1, training.global_batch_size // max(1, b * n))
 
+    mb = _micro_batch_compute(model, training.seq_len, T, rates, p)
+    compute_mb = mb.fwd + mb.bwd + mb.loss
+    recompute_mb = _recompute(strategy, L, mb)
+    fwd_window = mb.fwd
+    bwd_window = mb.bwd + recompute_mb
+    comm_exposed = _exposed_communication(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window)
+    optimizer, offload = _optimizer_and_offload(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window)
+
+    overhead = p["step_overhead_s"] + p["layer_overhead_s"] * L * gas
+    compute = gas * compute_mb
+    recompute = gas * recompute_mb
+    step = compute + recompute + comm_exposed + offload + optimizer + overhead
+    tokens = gas * T
+    tps = tokens / step
+    mfu = model.flops_per_token(training.seq_len) * tps / peak
+    return SimResult(
+        step_time_s=step,
+        tokens_per_s_per_gpu=tps,
+        mfu=mfu,
+        breakdown={
+            "compute": compute,
+            "recompute": recompute,
+            "exposed_communication": comm_exposed,
+            "offload": offload,
+            "optimizer": optimizer,
+            "overhead": overhead,
+        },
+        calibrated=calibrated,
+    )
+
+
+def _micro_batch_compute(model: ModelSpec, S: int, T: float, rates: _Rates, p: dict) -> _MicroBatch:
+    """GEMMs, attention core and elementwise work of one micro-batch of T tokens (sequence length S)."""
+    peak, hbm, act_bytes = rates
     L = model.num_hidden_layers
     d = model.hidden_size
     f = model.intermediate_size
     V = model.vocab_size
-    S = training.seq_len
-    b = strategy.micro_batch_size
-    n = hardware.num_gpus
-    T = float(b * S)  # tokens per micro-batch per GPU (the GEMM M dimension)
-    gas = max(1, training.global_batch_size // max(1, b * n))
-    N = float(model.num_parameters)
-
-    # ---- compute per micro-batch -------------------------------------------------------------
     # GEMM efficiency: saturating in M (tokens) and in the smaller of K/N (width); a smooth stand-in
     # for tile/wave quantisation (Nvidia "Matrix Multiplication Background" guide, sec. 4-5).
     e_gemm = p["gemm_eff"] * T / (T + p["gemm_m_half"])
@@ -192,23 +256,37 @@ def simulate(
     fwd_block = gemm_fwd_block + attn_fwd_block + elem_fwd_block
     fwd = L * fwd_block + gemm_fwd_head + T * d * 4 * act_bytes / hbm  # + embedding gather
     bwd = L * (2.0 * gemm_fwd_block + 2.5 * attn_fwd_block + 2.0 * elem_fwd_block) + 2.0 * gemm_fwd_head
-    compute_mb = fwd + bwd + loss_time
+    attn_module = T * blk_attn / rate + attn_fwd_block + T * 3 * d * act_bytes / hbm
+    mlp_module = T * blk_mlp / rate + T * ((3 if model.gated_mlp else 2) * f + 3 * d) * act_bytes / hbm
+    return _MicroBatch(fwd, bwd, loss_time, fwd_block, attn_fwd_block, gemm_fwd_block, elem_fwd_block, attn_module,
+                       mlp_module)
 
+
+def _recompute(strategy: Strategy, L: int, mb: _MicroBatch) -> float:
+    """Forward work repeated in the backward of one micro-batch by activation checkpointing."""
     n_ckpt = strategy.num_checkpointed(L)
     if strategy.checkpointing == "full":
-        recompute_mb = n_ckpt * fwd_block  # one extra forward of each checkpointed block
-    elif strategy.checkpointing == "selective":
-        recompute_mb = n_ckpt * attn_fwd_block  # only the attention core (Korthikanti 2022, sec. 5)
-    elif strategy.checkpointing == "attention":  # the attention module: projections, core, rope/dropout
-        recompute_mb = n_ckpt * (T * blk_attn / rate + attn_fwd_block + T * 3 * d * act_bytes / hbm)
-    elif strategy.checkpointing == "op":  # op-level SAC: half the block's GEMMs and the elementwise work
-        recompute_mb = n_ckpt * (0.5 * gemm_fwd_block + elem_fwd_block)
-    elif strategy.checkpointing == "mlp":  # the MLP module: its GEMMs and activation
-        recompute_mb = n_ckpt * (T * blk_mlp / rate + T * ((3 if model.gated_mlp else 2) * f + 3 * d) * act_bytes / hbm)
-    else:
-        recompute_mb = 0.0
+        return n_ckpt * mb.fwd_block  # one extra forward of each checkpointed block
+    if strategy.checkpointing == "selective":
+        return n_ckpt * mb.attn_fwd_block  # only the attention core (Korthikanti 2022, sec. 5)
+    if strategy.checkpointing == "attention":  # the attention module: projections, core, rope/dropout
+        return n_ckpt * mb.attn_module
+    if strategy.checkpointing == "op":  # op-level SAC: half the block's GEMMs and the elementwise work
+        return n_ckpt * (0.5 * mb.gemm_fwd_block + mb.elem_fwd_block)
+    if strategy.checkpointing == "mlp":  # the MLP module: its GEMMs and activation
+        return n_ckpt * mb.mlp_module
+    return 0.0
 
-    # ---- communication -------------------------------------------------------------------------
+
+def _exposed_communication(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, rates: _Rates, p: dict,
+                           gas: int, fwd_window: float, bwd_window: float) -> float:
+    """Collective time of one optimizer step left on the critical path (ZeRO stage's collectives)."""
+    gpu = hardware.gpu
+    n = hardware.num_gpus
+    if n <= 1:
+        return 0.0
+    L = model.num_hidden_layers
+    N = float(model.num_parameters)
     multi_node = hardware.num_nodes > 1
     # NCCL runs one ring channel per NIC (rail-aligned), so a ring crossing nodes gets the node's
     # aggregate NIC bandwidth per GPU, capped by NVLink (nccl-tests doc/PERFORMANCE.md, busBW).
@@ -216,54 +294,59 @@ def simulate(
         if multi_node else gpu.intra_node_bandwidth_gbps
     bw = link * 1e9 * p["comm_eff"]
     lat = p["coll_latency_s"]
-    pbytes = BYTES_PER_ELEMENT[prec]  # 16-bit params and grads on the wire (fp32 when training in fp32)
+    pbytes = rates.act_bytes  # 16-bit params and grads on the wire (fp32 when training in fp32)
     ov = p["overlap"]
     z = strategy.zero_stage
     buckets = default_buckets(model, strategy)
     P = N * pbytes
-    fwd_window = fwd
-    bwd_window = bwd + recompute_mb
-    comm_exposed = 0.0
-    if n > 1:
-        if z == 3:
-            # DeepSpeed ZeRO-3 / FSDP FULL_SHARD: all-gather params in forward and again in backward,
-            # reduce-scatter grads, every micro-batch (ZeRO paper, Rajbhandari et al. 2020 sec. 7.2.2: 3x).
-            nb = max(L + 1, math.ceil(N / max(1, buckets["prefetch_bucket_size"])))
-            ag = _ring_time(P, n, bw, 0.0) + nb * (n - 1) * lat
-            nr = max(L + 1, math.ceil(N / max(1, buckets["reduce_bucket_size"])))
-            rs = _ring_time(P, n, bw, 0.0) + nr * (n - 1) * lat
-            first = ag / nb  # first gather cannot be prefetched behind compute
-            last = rs / nr  # last reduce-scatter bucket starts after the backward ends
-            per_mb = first + last + _exposed(ag - first, fwd_window, ov) \
-                + _exposed(ag + rs - last, bwd_window, ov)
-            comm_exposed = gas * per_mb
-        else:
-            nr = max(1, math.ceil(N / max(1, buckets["reduce_bucket_size"])))
-            if z == 0:
-                # all-reduce = reduce-scatter + all-gather (2x), once at the accumulation boundary
-                # (deepspeed/runtime/engine.py allreduce_gradients; Rajbhandari et al. 2020 sec. 7.1).
-                red = 2.0 * _ring_time(P, n, bw, 0.0) + 2 * nr * (n - 1) * lat
-                reductions, post = 1, 0.0
-            else:
-                red = _ring_time(P, n, bw, 0.0) + nr * (n - 1) * lat
-                # ZeRO-2 reduces every micro-batch (partition_gradients), ZeRO-1 only at the boundary
-                # (deepspeed/runtime/engine.py allreduce_gradients / zero/stage_1_and_2.py).
-                reductions = gas if z == 2 else 1
-                ng = max(1, math.ceil(N / max(1, buckets.get("allgather_bucket_size", N))))
-                # updated 16-bit partitions all-gathered after the step, not overlapped (stage_1_and_2.py step)
-                post = _ring_time(P, n, bw, 0.0) + ng * (n - 1) * lat
-            last = red / nr
-            per_red = last + _exposed(red - last, bwd_window, ov)
-            comm_exposed = reductions * per_red + post
+    if z == 3:
+        # DeepSpeed ZeRO-3 / FSDP FULL_SHARD: all-gather params in forward and again in backward,
+        # reduce-scatter grads, every micro-batch (ZeRO paper, Rajbhandari et al. 2020 sec. 7.2.2: 3x).
+        nb = max(L + 1, math.ceil(N / max(1, buckets["prefetch_bucket_size"])))
+        ag = _ring_time(P, n, bw, 0.0) + nb * (n - 1) * lat
+        nr = max(L + 1, math.ceil(N / max(1, buckets["reduce_bucket_size"])))
+        rs = _ring_time(P, n, bw, 0.0) + nr * (n - 1) * lat
+        first = ag / nb  # first gather cannot be prefetched behind compute
+        last = rs / nr  # last reduce-scatter bucket starts after the backward ends
+        per_mb = first + last + _exposed(ag - first, fwd_window, ov) \
+            + _exposed(ag + rs - last, bwd_window, ov)
+        return gas * per_mb
+    nr = max(1, math.ceil(N / max(1, buckets["reduce_bucket_size"])))
+    if z == 0:
+        # all-reduce = reduce-scatter + all-gather (2x), once at the accumulation boundary
+        # (deepspeed/runtime/engine.py allreduce_gradients; Rajbhandari et al. 2020 sec. 7.1).
+        red = 2.0 * _ring_time(P, n, bw, 0.0) + 2 * nr * (n - 1) * lat
+        reductions, post = 1, 0.0
+    else:
+        red = _ring_time(P, n, bw, 0.0) + nr * (n - 1) * lat
+        # ZeRO-2 reduces every micro-batch (partition_gradients), ZeRO-1 only at the boundary
+        # (deepspeed/runtime/engine.py allreduce_gradients / zero/stage_1_and_2.py).
+        reductions = gas if z == 2 else 1
+        ng = max(1, math.ceil(N / max(1, buckets.get("allgather_bucket_size", N))))
+        # updated 16-bit partitions all-gathered after the step, not overlapped (stage_1_and_2.py step)
+        post = _ring_time(P, n, bw, 0.0) + ng * (n - 1) * lat
+    last = red / nr
+    per_red = last + _exposed(red - last, bwd_window, ov)
+    return reductions * per_red + post
 
-    # ---- optimizer step and offload -------------------------------------------------------------
+
+def _optimizer_and_offload(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, rates: _Rates, p: dict,
+                           gas: int, fwd_window: float, bwd_window: float) -> tuple[float, float]:
+    """(GPU optimizer step, exposed offload traffic and CPU-Adam) of one optimizer step, seconds."""
+    gpu = hardware.gpu
+    n = hardware.num_gpus
+    N = float(model.num_parameters)
+    prec = strategy.precision
+    pbytes = rates.act_bytes
+    ov = p["overlap"]
+    z = strategy.zero_stage
     shard = N / n if z >= 1 else N  # parameters whose optimizer state this GPU owns
     # Adam on GPU: read grad, fp32 param, m, v; write fp32 param, m, v and the 16-bit copy
     # (deepspeed/ops/adam FusedAdam multi_tensor_adam: 4+4+4+4 read, 4+4+4+2 write bytes).
     opt_bytes = 30.0 if prec != "fp32" else 28.0
     if prec == "fp16":
         opt_bytes += 2.0  # overflow check over the gradients (loss scaler, deepspeed/runtime/fp16)
-    optimizer = shard * opt_bytes / hbm
+    optimizer = shard * opt_bytes / rates.hbm
     offload = 0.0
     pcie = gpu.pcie_bandwidth_gbps * 1e9
     gpn = hardware.gpus_per_node
@@ -285,25 +368,4 @@ def simulate(
         if strategy.offload_params == "nvme" and hardware.nvme is not None:
             fetch += 2.0 * (N / n) * gpn * pbytes / (hardware.nvme.bandwidth_gbps * 1e9)
         offload += gas * _exposed(fetch, fwd_window + bwd_window, ov)
-
-    overhead = p["step_overhead_s"] + p["layer_overhead_s"] * L * gas
-    compute = gas * compute_mb
-    recompute = gas * recompute_mb
-    step = compute + recompute + comm_exposed + offload + optimizer + overhead
-    tokens = gas * T
-    tps = tokens / step
-    mfu = model.flops_per_token(S) * tps / peak
-    return SimResult(
-        step_time_s=step,
-        tokens_per_s_per_gpu=tps,
-        mfu=mfu,
-        breakdown={
-            "compute": compute,
-            "recompute": recompute,
-            "exposed_communication": comm_exposed,
-            "offload": offload,
-            "optimizer": optimizer,
-            "overhead": overhead,
-        },
-        calibrated=calibrated,
-    )
+    return optimizer, offload
