@@ -8,20 +8,18 @@ Sections: ``model``, ``training``, ``hardware``, optional ``strategy`` (the defa
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import reprlib
+import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal, Optional
 
 from autotune import presets
+from autotune.checks import (Checker, bool_, check_section, choice, float_, int_, key_name, mapping, optional,
+                             read_yaml, show, str_)
 from autotune.errors import ConfigError
+from autotune.hf_config import check_exact_count, map_hf_config, read_hf_config
 from autotune.spec import GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, TrainingSpec
-from autotune.strategy import CHECKPOINTINGS, OFFLOADS, PRECISIONS, Strategy, validation_errors
-
-MAX_INT = 2**62
-"""Largest integer accepted anywhere (keeps arithmetic finite and exact)."""
+from autotune.strategy import PRECISIONS, Strategy, knob_choices, validation_errors
 
 SAMPLERS = ("auto", "nsga2", "tpe", "gp", "random", "ehvi")
 BACKENDS = ("simulate", "deepspeed", "replay")
@@ -86,111 +84,6 @@ class Config:
     """``package.module:function`` building the user's own nn.Module (profiling only)."""
     hf_config: Optional[str] = None
     """Resolved path of the HF config.json the model came from, if any."""
-
-
-# ---------------------------------------------------------------- value checkers
-# Each takes (value, key path) and returns the converted value or raises ConfigError(path=...).
-
-Checker = Callable[[Any, str], Any]
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 80, 80, 40
-
-
-def show(value: Any) -> str:
-    """A bounded repr for error messages: YAML alias bombs and huge values print in O(1)."""
-    try:
-        return _REPR.repr(value)
-    except Exception:  # pragma: no cover - exotic objects from YAML tags are rejected earlier
-        return f"<{type(value).__name__}>"
-
-
-def key_name(key: Any) -> str:
-    """A key as it appears in a key path: printable keys as they are, others escaped (one line)."""
-    return key if isinstance(key, str) and key.isprintable() and len(key) <= 80 else show(key)
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def int_(low: int = 1, high: int = MAX_INT) -> Checker:
-    def check(value: Any, path: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer() and abs(value) < MAX_INT:
-                value = int(value)
-            else:
-                raise ConfigError(f"expected an integer, but got {_type_name(value)} {show(value)}"[:200], path=path)
-        if not low <= value <= high:
-            raise ConfigError(f"expected an integer in [{low}, {high}], but got {value}", path=path)
-        return value
-
-    return check
-
-
-def float_(low: float = 0.0, high: float = 1e18, *, low_open: bool = False) -> Checker:
-    def check(value: Any, path: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"expected a number, but got {_type_name(value)} {show(value)}"[:200], path=path)
-        value = float(value)
-        if math.isnan(value) or math.isinf(value):
-            raise ConfigError(f"expected a finite number, but got {value}", path=path)
-        if value < low or value > high or (low_open and value == low):
-            lo = "(" if low_open else "["
-            raise ConfigError(f"expected a number in {lo}{low:g}, {high:g}], but got {value:g}", path=path)
-        return value
-
-    return check
-
-
-def bool_(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"expected true or false, but got {_type_name(value)} {show(value)}"[:200], path=path)
-    return value
-
-
-def str_(value: Any, path: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > 4096 or "\x00" in value:
-        raise ConfigError(f"expected a non-empty string, but got {_type_name(value)} {show(value)}"[:200], path=path)
-    return value
-
-
-def choice(*options: Any) -> Checker:
-    def check(value: Any, path: str) -> Any:
-        # bool/int mix-ups (True == 1) are rejected by comparing types too.
-        if not any(value == o and type(value) is type(o) for o in options):
-            shown = ", ".join(str(o) for o in options)
-            raise ConfigError(f"expected one of {shown}, but got {show(value)}"[:200], path=path)
-        return value
-
-    return check
-
-
-def optional(check: Checker) -> Checker:
-    return lambda value, path: None if value is None else check(value, path)
-
-
-def mapping(value: Any, path: str) -> dict:
-    if not isinstance(value, dict):
-        raise ConfigError(f"expected a mapping, but got {_type_name(value)}", path=path or None)
-    for key in value:
-        if not isinstance(key, str):
-            raise ConfigError(f"keys must be strings, but got {_type_name(key)} {show(key)}"[:200], path=path or None)
-    return value
-
-
-def check_section(raw: Any, path: str, schema: dict[str, Checker]) -> dict[str, Any]:
-    """Validate a mapping against ``schema`` (key -> checker); unknown keys are errors."""
-    raw = mapping(raw, path)
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        sub = f"{path}.{key_name(key)}" if path else key_name(key)
-        if key not in schema:
-            allowed = ", ".join(sorted(schema))
-            raise ConfigError(f"unknown key {show(key)}; expected one of: {allowed}"[:400], path=sub)
-        out[key] = schema[key](value, sub)
-    return out
 
 
 # ---------------------------------------------------------------- sections
@@ -266,19 +159,19 @@ HARDWARE_SCHEMA: dict[str, Checker] = {
     "allocator_slack": float_(0.0, 0.9),
 }
 
-STRATEGY_SCHEMA: dict[str, Checker] = {
-    "zero_stage": choice(0, 1, 2, 3),
-    "micro_batch_size": int_(1, 1 << 20),
-    "checkpointing": choice(*CHECKPOINTINGS),
-    "checkpoint_layers": optional(int_(0, 10_000)),
-    "offload_optimizer": choice(*OFFLOADS),
-    "offload_params": choice(*OFFLOADS),
-    "precision": choice(*PRECISIONS),
-    "reduce_bucket_size": optional(int_(1)),
-    "allgather_bucket_size": optional(int_(1)),
-    "prefetch_bucket_size": optional(int_(1)),
-    "param_persistence_threshold": optional(int_(0)),
-}
+def _strategy_checker(knob: dataclasses.Field) -> Checker:
+    """A Strategy field's checker: one of its Literal values, or an integer in its ``int_range``
+    (None allowed where None is the default: autotune's choice)."""
+    choices = knob_choices(knob.name)
+    if choices is not None:
+        return choice(*choices)
+    low, high = knob.metadata["int_range"]
+    check = int_(low) if high is None else int_(low, high)
+    return optional(check) if knob.default is None else check
+
+
+STRATEGY_SCHEMA: dict[str, Checker] = {f.name: _strategy_checker(f) for f in fields(Strategy)}
+"""The job file's strategy section: every Strategy field."""
 
 SEARCH_SCHEMA: dict[str, Checker] = {
     "space": str_,
@@ -303,38 +196,6 @@ TOP_SCHEMA = ("model", "training", "hardware", "strategy", "search", "profile")
 
 
 # ---------------------------------------------------------------- loading
-
-def read_yaml(path: str) -> Any:
-    """Read a YAML file with the safe loader; any failure is a one-line ConfigError naming the file."""
-    import yaml
-
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(16 << 20)
-    except FileNotFoundError:
-        raise ConfigError("file not found", file=path) from None
-    except IsADirectoryError:
-        raise ConfigError("is a directory, expected a YAML file", file=path) from None
-    except OSError as err:
-        raise ConfigError(f"cannot read file ({err.strerror})", file=path) from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError("not a UTF-8 text file", file=path) from None
-    if "\x00" in text:
-        raise ConfigError("not a text file (contains NUL bytes)", file=path)
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or type(err).__name__
-        raise ConfigError(f"malformed YAML{where}: {problem}", file=path) from None
-    except RecursionError:
-        raise ConfigError("malformed YAML: nesting too deep", file=path) from None
-    except (ValueError, TypeError, OverflowError) as err:  # e.g. an integer of > 4300 digits
-        raise ConfigError(f"malformed YAML: {show(str(err))}", file=path) from None
-
 
 def load_config(path: str) -> Config:
     """Load and validate a job file. Raises ConfigError with file and key path on bad input."""
@@ -419,133 +280,22 @@ def _model(raw: Any, base_dir: str) -> tuple[ModelSpec, Optional[str], Optional[
 
 
 def hf_config_fields(path: str, exact_check: bool = True) -> dict[str, Any]:
-    """Map a Hugging Face config.json onto ModelSpec fields (read as JSON). ``exact_check`` (when
-    torch and transformers are importable): refuse the file unless the mapped description has
-    exactly the parameters of the transformers model (``_check_exact_count``)."""
+    """Map a Hugging Face config.json onto ModelSpec fields (read as JSON), checked like explicit
+    fields. ``exact_check`` (when torch and transformers are importable): refuse the file unless
+    the mapped description has exactly the parameters of the transformers model
+    (hf_config.check_exact_count)."""
+    cfg = read_hf_config(path)
     try:
-        with open(path, encoding="utf-8") as fh:
-            cfg = json.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"file not found: {path}", path="model.hf_config") from None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ConfigError(f"cannot read {path} as JSON ({type(err).__name__})", path="model.hf_config") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path} must hold a JSON object", path="model.hf_config")
-    try:
-        out = _hf_fields(cfg, path)
+        mapped = map_hf_config(cfg, path)
+        out = {k: (MODEL_FIELDS[k](v, f"model.hf_config:{k}") if k in MODEL_FIELDS else v) for k, v in mapped.items()}
     except (TypeError, ValueError, AttributeError, OverflowError, KeyError) as err:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"{path}: a value has the wrong type or range ({type(err).__name__}: {show(str(err))})",
                           path="model.hf_config") from None
     if exact_check:
-        _check_exact_count(cfg, out, path)
+        check_exact_count(cfg, out, path)
     return out
-
-
-def _check_exact_count(cfg: dict, fields_: dict, path: str) -> None:
-    """With torch + transformers: the analytic description must reproduce the parameter count of
-    the transformers model built from the file on the meta device (autotune.hf_count), or the file
-    is refused in one line naming the difference; never silently mis-sized."""
-    from autotune.hf_count import HFCountError, describe_difference, hf_parameter_count
-
-    spec = ModelSpec(**{"name": "hf", **fields_})
-    try:
-        exact = hf_parameter_count(cfg, spec.num_hidden_layers)
-    except HFCountError as err:
-        raise ConfigError(f"{path}: {err}", path="model.hf_config") from None
-    if exact is not None and exact != spec.num_parameters:
-        kind = cfg.get("model_type", "llama")
-        raise ConfigError(f"{path}: model_type {show(kind)}: {describe_difference(spec, exact)}",
-                          path="model.hf_config")
-
-
-def _hf_fields(cfg: dict, path: str) -> dict[str, Any]:
-    kind = str(cfg.get("model_type", "llama"))
-
-    def get(*keys: str, default: Any = None) -> Any:
-        for k in keys:
-            if cfg.get(k) is not None:
-                return cfg[k]
-        if default is None:
-            raise ConfigError(f"{path} has none of {', '.join(keys)} (model_type {kind})", path="model.hf_config")
-        return default
-
-    name = str(cfg.get("_name_or_path") or kind)
-    if kind == "gpt2":
-        d = get("n_embd", "hidden_size")
-        out = dict(name=name, num_hidden_layers=get("n_layer"), hidden_size=d, num_attention_heads=get("n_head"),
-                   intermediate_size=cfg.get("n_inner") or 4 * d, vocab_size=get("vocab_size"),
-                   hidden_act=get("activation_function", default="gelu_new"),
-                   tie_word_embeddings=get("tie_word_embeddings", default=True), norm="layernorm", bias=True,
-                   position_embedding="learned", max_position_embeddings=get("n_positions", default=1024),
-                   attention_dropout=float(get("attn_pdrop", default=0.1)),
-                   hidden_dropout=float(max(get("resid_pdrop", default=0.1), get("embd_pdrop", default=0.1))))
-        out["num_key_value_heads"] = out["num_attention_heads"]
-        out["linear_addmm"] = True  # Conv1D: torch.addmm(bias, x, weight)
-    elif kind == "mpt":
-        d = get("d_model")
-        attn = cfg.get("attn_config") or {}
-        out = dict(name=name, num_hidden_layers=get("n_layers"), hidden_size=d, num_attention_heads=get("n_heads"),
-                   intermediate_size=int(get("expansion_ratio", default=4) * d), vocab_size=get("vocab_size"),
-                   hidden_act="gelu", tie_word_embeddings=True, norm="layernorm", bias=not get("no_bias", default=True),
-                   position_embedding="alibi" if attn.get("alibi") else "learned",
-                   max_position_embeddings=get("max_seq_len", default=2048))
-        out["num_key_value_heads"] = attn.get("kv_n_heads") or out["num_attention_heads"]
-    elif kind == "gpt_neox":
-        # transformers models/gpt_neox: LayerNorms with bias, biased fused qkv / dense / MLP,
-        # plain GELU MLP, partial rotary (no parameters), untied embed_out, parallel residual
-        heads = get("num_attention_heads")
-        out = dict(name=name, num_hidden_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"),
-                   num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=get("intermediate_size"),
-                   vocab_size=get("vocab_size"), hidden_act=get("hidden_act", default="gelu"), mlp_gated=False,
-                   tie_word_embeddings=bool(get("tie_word_embeddings", default=False)), norm="layernorm",
-                   bias=bool(get("attention_bias", default=True)), position_embedding="rope",
-                   max_position_embeddings=get("max_position_embeddings", default=2048),
-                   parallel_residual=bool(get("use_parallel_residual", default=True)), fused_qkv=True,
-                   rotary_concat=True,
-                   attention_dropout=float(cfg.get("attention_dropout") or 0.0),
-                   hidden_dropout=float(cfg.get("hidden_dropout") or 0.0))
-    else:  # llama, mistral, qwen2/3, gemma/2, phi3, olmo2 and other Llama-shaped decoders
-        # (transformers models/<kind>/modeling_<kind>.py: gate/up/down MLP whatever the activation)
-        heads = get("num_attention_heads")
-        act = get("hidden_activation", "hidden_act", default="silu")
-        attn_bias = bool(cfg.get("attention_bias"))
-        out = dict(name=name, num_hidden_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"),
-                   num_attention_heads=heads, num_key_value_heads=get("num_key_value_heads", default=heads),
-                   intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
-                   hidden_act=act, mlp_gated=True,
-                   tie_word_embeddings=bool(get("tie_word_embeddings",
-                                                default=kind in ("gemma", "gemma2", "gemma3_text"))),
-                   norm="rmsnorm", bias=bool(attn_bias and cfg.get("mlp_bias")),
-                   qkv_bias=kind == "qwen2" or attn_bias,
-                   position_embedding="rope", max_position_embeddings=get("max_position_embeddings", default=4096),
-                   attention_dropout=float(cfg.get("attention_dropout") or 0.0),
-                   hidden_dropout=float(max(cfg.get("resid_pdrop") or 0.0, cfg.get("embd_pdrop") or 0.0)))
-        if kind in ("gemma", "gemma2", "olmo2"):
-            out["norm"] = "rmsnorm_fp32"  # GemmaRMSNorm / Olmo2RMSNorm: weight applied in fp32
-        if kind == "phi3":
-            out["fused_qkv"] = True  # qkv_proj, sliced
-            out["rotary_concat"] = True  # apply_rotary_pos_emb: torch.cat([rotated, q_pass])
-        if kind == "gemma2":
-            out["norms_per_block"] = 4  # input, post_attention, pre_feedforward, post_feedforward
-            out["attn_implementation"] = "eager"  # transformers has no sdpa path for Gemma2
-            out["num_attention_masks"] = 2  # sliding_attention and full_attention layers alternate
-            if cfg.get("attn_logit_softcapping", 50.0):  # Gemma2Config's default
-                out["attn_logit_softcapping"] = float(cfg.get("attn_logit_softcapping", 50.0))
-            if cfg.get("final_logit_softcapping", 30.0):
-                out["final_logit_softcapping"] = float(cfg.get("final_logit_softcapping", 30.0))
-        if kind in ("qwen3", "gemma3_text"):
-            out["qk_norm"] = "head"  # q_norm / k_norm: RMSNorm(head_dim)
-        if kind == "olmo2":
-            out["qk_norm"] = "full"  # q_norm: RMSNorm(heads * head_dim), k_norm: RMSNorm(kv_heads * head_dim)
-        if cfg.get("head_dim"):
-            out["head_dim"] = cfg["head_dim"]
-        elif kind in ("gemma", "gemma2"):
-            out["head_dim"] = 256  # GemmaConfig / Gemma2Config default
-    out["implementation"] = "hf"  # trained as the transformers class of this model_type
-    # Re-check the mapped values with the same rules as explicit fields.
-    return {k: (MODEL_FIELDS[k](v, f"model.hf_config:{k}") if k in MODEL_FIELDS else v) for k, v in out.items()}
 
 
 def _training(raw: Any) -> TrainingSpec:

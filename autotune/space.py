@@ -13,7 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from autotune.config import Config, ConfigError, check_section, choice, int_, mapping, read_yaml, show
+from autotune.checks import check_section, choice, int_, mapping, read_yaml, show
+from autotune.config import Config
+from autotune.errors import ConfigError
 from autotune.spec import ModelSpec
 from autotune.strategy import CHECKPOINTINGS, KNOBS, OFFLOADS, PRECISIONS, ZERO_STAGES, Strategy, knob_applies
 

@@ -27,10 +27,13 @@ FSDP_SHARDING = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FULL
 """ZeRO stage -> closest FSDP ShardingStrategy (the seed's table; FSDP has no optimizer-only mode)."""
 
 
-def _knob(default: Any, *, search_order: Optional[int], flag: bool) -> Any:
+def _knob(default: Any, *, search_order: Optional[int], flag: bool,
+          int_range: Optional[tuple[int, Optional[int]]] = None) -> Any:
     """A Strategy field. ``search_order``: its place in KNOBS (the order Optuna is asked and the
-    trials.csv columns; None: not searched). ``flag``: ``autotune estimate`` has a ``--flag`` for it."""
-    return dataclasses.field(default=default, metadata={"search_order": search_order, "flag": flag})
+    trials.csv columns; None: not searched). ``flag``: ``autotune estimate`` has a ``--flag`` for it.
+    ``int_range``: (low, high) an integer knob accepts in a job file (high None: no bound)."""
+    return dataclasses.field(default=default, metadata={"search_order": search_order, "flag": flag,
+                                                        "int_range": int_range})
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class Strategy:
 
     zero_stage: ZeroStage = _knob(0, search_order=0, flag=True)
     """ZeRO stage 0-3 (0 = plain data parallel)."""
-    micro_batch_size: int = _knob(1, search_order=3, flag=True)
+    micro_batch_size: int = _knob(1, search_order=3, flag=True, int_range=(1, 1 << 20))
     """Sequences per GPU per forward/backward."""
     checkpointing: Checkpointing = _knob("none", search_order=4, flag=True)
     """Activation checkpointing granularity: selective = attention core recomputed
@@ -47,7 +50,7 @@ class Strategy:
     other kept (module-level selective recompute, the norms stay outside); op = torchtitan's
     op-level selective checkpointing of the block (attention outputs and every other matmul
     output kept, the rest recomputed); full = whole block recomputed."""
-    checkpoint_layers: Optional[int] = _knob(None, search_order=5, flag=True)
+    checkpoint_layers: Optional[int] = _knob(None, search_order=5, flag=True, int_range=(0, 10_000))
     """Number of blocks checkpointed, 0..num_layers (None: all of them when checkpointing != none)."""
     offload_optimizer: Offload = _knob("none", search_order=1, flag=True)
     """Where optimizer states and fp32 master weights live (ZeRO >= 1)."""
@@ -55,13 +58,14 @@ class Strategy:
     """Where the sharded 16-bit parameters live between uses (ZeRO-3 only)."""
     precision: Precision = _knob("bf16", search_order=6, flag=True)
     """Compute precision; fp16 adds dynamic loss scaling."""
-    reduce_bucket_size: Optional[int] = _knob(None, search_order=7, flag=False)
+    reduce_bucket_size: Optional[int] = _knob(None, search_order=7, flag=False, int_range=(1, None))
     """Elements per gradient reduce bucket (None: autotune's choice, see default_buckets)."""
-    allgather_bucket_size: Optional[int] = _knob(None, search_order=8, flag=False)
+    allgather_bucket_size: Optional[int] = _knob(None, search_order=8, flag=False, int_range=(1, None))
     """ZeRO-1/2: elements per parameter all-gather bucket (None: autotune's choice)."""
-    prefetch_bucket_size: Optional[int] = _knob(None, search_order=9, flag=False)
+    prefetch_bucket_size: Optional[int] = _knob(None, search_order=9, flag=False, int_range=(1, None))
     """ZeRO-3: elements prefetched ahead of use (None: autotune's choice)."""
-    param_persistence_threshold: Optional[int] = _knob(None, search_order=None, flag=False)
+    param_persistence_threshold: Optional[int] = _knob(None, search_order=None, flag=False,
+                                                     int_range=(0, None))
     """ZeRO-3: parameters smaller than this stay unpartitioned (None: autotune's choice)."""
 
     def num_checkpointed(self, num_layers: int) -> int:
