@@ -1,4 +1,4 @@
-"""How long does one re-fit of the simulator take inside the profiling loop? (issue 13: < 0.2 s on 2 cores)
+"""How long does one re-fit of the simulator take inside the profiling loop? (target: < 0.2 s on 2 cores)
 
 A Calibrator (autotune.profile.calibrate) is fed 60 "measurements" one by one, as the profiling loop
 feeds it: llama2-7b on 8 x A100-80GB, candidates of the default space in a fixed random order, their

@@ -1,4 +1,4 @@
-"""Issue 4's bar: `autotune run examples/llama2-7b.yaml` (simulate backend, default space) in <= 3 s
+"""Target: `autotune run examples/llama2-7b.yaml` (simulate backend, default space) in <= 3 s
 wall including interpreter start, screening >= 1000 candidates, without importing torch/deepspeed.
 
     python benchmarks/run_speed.py [--repeat 5] [--config examples/llama2-7b.yaml]

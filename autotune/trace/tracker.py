@@ -79,12 +79,10 @@ def collect_after_each_module(model: Any) -> None:
     (layers: the children of ModuleLists).
 
     Under FakeTensorMode a checkpointed layer's recomputed tensors end up in reference cycles, so
-    they outlive their use until Python's collector happens to run: at 22 layers the traced
-    activation peak came out 28% high, and collecting once per layer still left llama2-7b (seq
-    4096) 20% high, from recomputed MLP tensors that real autograd frees as soon as their node
-    has run (checked with real tensors: a SwiGLU MLP under non-reentrant checkpointing peaks at
-    6 f-wide tensors). Collecting after every leaf module gives the real lifetimes back (traced =
-    analytic to 0.0%); ``frozen_heap`` keeps those collections cheap. The trace's module is thrown away
+    they outlive their use until Python's collector happens to run; real autograd frees them as
+    soon as their node has run. Collecting after every leaf module (not just every layer: the
+    recomputed MLP tensors sit inside it) gives the real lifetimes back (docs/accuracy.md has the
+    figures); ``frozen_heap`` keeps those collections cheap. The trace's module is thrown away
     afterwards, so the hooks stay.
     """
     import torch
