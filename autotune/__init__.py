@@ -1,14 +1,17 @@
 """autotune: simulation-based training-strategy autotuner.
 
-The pieces, in the order data flows (cli -> search -> {memory, simulate, profile} -> config/strategy):
+The pieces, in the order data flows (cli -> commands -> search -> {memory, simulate, profile} ->
+strategy/spec; README "Where things are" maps every file):
 
+- ``autotune.cli`` / ``autotune.commands``  the command line, one module per command
 - ``autotune.config``    job file (YAML) -> typed specs, one-line key-path errors
 - ``autotune.presets``   model and GPU presets (``model_from_name``, ``gpu_from_name``)
-- ``autotune.strategy``  one strategy value -> DeepSpeed config / FSDP equivalent
+- ``autotune.strategy``  one strategy value (its fields are the knob list) -> DeepSpeed config / FSDP equivalent
 - ``autotune.memory``    analytical per-GPU memory model (pure math)
 - ``autotune.simulate``  throughput simulator (pure math); ``autotune.calibration`` fits it
-- ``autotune.space`` / ``autotune.search``  the Optuna search
+- ``autotune.space`` / ``autotune.screen`` / ``autotune.search``  the Optuna search
 - ``autotune.profile``   measurement backends (simulate, deepspeed, replay) and the worker
+- ``autotune.runfiles`` / ``autotune.output``  the run directory's files
 
 Importing ``autotune`` never imports torch or deepspeed.
 """
