@@ -122,56 +122,16 @@ def trace_memory(
     from torch.utils.flop_counter import FlopCounterMode
 
     t0 = time.perf_counter()
-    precision = strategy.precision
-    dtype = _dtype(precision)
+    dtype = _dtype(strategy.precision)
     b, s = strategy.micro_batch_size, training.seq_len
     L = model_spec.num_hidden_layers
     granularity, n_ckpt = _checkpoint_key(strategy, L)
-    notes: list[str] = []
-    if model_factory:
-        source = f"factory:{model_factory}"
-    elif hf_config:
-        try:
-            import transformers  # noqa: F401
-
-            source = "hf"
-        except ImportError:
-            source = "reference"
-            notes.append("transformers not installed: traced the reference decoder built from the HF config")
-    else:
-        source = "reference"
-
-    old_dtype = torch.get_default_dtype()
+    source, notes = _model_source(hf_config, model_factory)
     fake = FakeTensorMode(allow_non_fake_inputs=False)
     tracker = make_tracker()
     flop_mode = FlopCounterMode(display=False, custom_mapping=flash_ops()["flop_mapping"])
-    batch_fn = None
     with fake:
-        torch.set_default_dtype(dtype)
-        try:
-            if model_factory:
-                from autotune.profile.user_models import UserModelError, build_factory_model
-
-                try:
-                    built = build_factory_model(model_factory, model_spec, training, python_path)
-                except UserModelError as err:
-                    raise TraceError(str(err)) from err
-                model, batch_fn = built.module, built.batch_fn
-            elif source == "hf":
-                from autotune.profile.user_models import UserModelError, hf_model_from_config
-
-                try:
-                    model = hf_model_from_config(hf_config)  # type: ignore[arg-type]
-                except UserModelError as err:
-                    raise TraceError(str(err)) from err
-            else:
-                from autotune.profile.models import build_model
-
-                model = build_model(model_spec)
-        finally:
-            torch.set_default_dtype(old_dtype)
-        if not isinstance(model, torch.nn.Module):
-            raise TraceError(f"{source} did not return an nn.Module (got {type(model).__name__})")
+        model, batch_fn = _build_module(source, model_spec, training, dtype, hf_config, model_factory, python_path)
         model.train()
         notes += _set_checkpointing(model, source, granularity, n_ckpt, L)
         if granularity != "none" and n_ckpt:
@@ -181,6 +141,7 @@ def trace_memory(
         if wrong:
             notes.append(f"parameters not in {dtype}: {sorted(wrong)} (kept as built)")
         vocab = getattr(getattr(model, "config", None), "vocab_size", None) or model_spec.vocab_size
+        batch = None
         if batch_fn is not None:
             batch = batch_fn(b, s, torch.device("cpu"))
             inputs = [v for v in batch.values() if isinstance(v, torch.Tensor)]
@@ -190,8 +151,8 @@ def trace_memory(
             inputs = [ids, labels]
         tracker.track_external(model, *inputs)
         # Cyclic garbage (autograd/checkpoint frames under fake mode) is freed whenever Python's
-        # collector runs: _frozen_heap collects first (the collections inside the trace then fall at
-        # the same points whatever ran before in this process) and _collect_after_each_module runs it
+        # collector runs: frozen_heap collects first (the collections inside the trace then fall at
+        # the same points whatever ran before in this process) and collect_after_each_module runs it
         # where real autograd would free the tensors (a deterministic, real-lifetime peak).
         with frozen_heap(), tracker, sdpa_to_flash(), unpacked_positions(source):
             # fp32 master weights, as a mixed-precision optimizer keeps them (not for fp32 training)
@@ -204,7 +165,7 @@ def trace_memory(
                     masters.append(m)
             tracker.phase = "forward"
             with flop_mode:
-                if batch_fn is not None:
+                if batch is not None:
                     from autotune.profile.user_models import loss_of
 
                     loss = loss_of(model(**batch), f"model factory {model_factory!r}")
@@ -218,38 +179,10 @@ def trace_memory(
             flops_total = flop_mode.get_total_flops()
             tracker.phase = "optimizer"
             states_before_step = tracker.categories()
-            if optimizer_step:
-                if masters:
-                    for p, m in zip(params, masters):
-                        g = p.grad.float() if p.grad is not None else torch.zeros_like(m)
-                        tracker.refile(g, GRAD32)
-                        p.grad = None
-                        m.grad = g
-                    opt_params = masters
-                else:
-                    opt_params = params
-                fused = {"fused": True} if training.optimizer != "sgd" else {}
-                if training.optimizer == "sgd":
-                    opt = torch.optim.SGD(opt_params, lr=1e-4, momentum=0.9)
-                elif training.optimizer == "adam":
-                    opt = torch.optim.Adam(opt_params, lr=1e-4, **fused)
-                else:
-                    opt = torch.optim.AdamW(opt_params, lr=1e-4, weight_decay=0.1, **fused)
-                opt.step()
-                if masters:
-                    with torch.no_grad():
-                        for p, m in zip(params, masters):
-                            p.copy_(m)
-            final = tracker.categories()
+            opt = _optimizer_step(tracker, training, params, masters) if optimizer_step else None  # noqa: F841
+            final = tracker.categories()  # ``opt`` keeps its states alive until the trace returns
         tracker.reset_mod_stats()
 
-    counts = flop_mode.get_flop_counts().get("Global", {})
-    ops = flash_ops()
-    attn_f = int(counts.get(ops["fwd"], 0))
-    attn_b = int(counts.get(ops["bwd"], 0))
-    gemm = int(sum(v for k, v in counts.items() if k not in (ops["fwd"], ops["bwd"])))
-    flops = {"forward": int(flops_fwd), "backward": int(flops_total - flops_fwd), "total": int(flops_total),
-             "gemm": gemm, "attention_fwd": attn_f, "attention_bwd": attn_b}
     state_keys = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads", "Optstate": "optimizer",
                   MASTER: "master_weights", GRAD32: "grads_fp32"}
     states = {name: int(max(final.get(k, 0), states_before_step.get(k, 0))) for k, name in state_keys.items()}
@@ -258,12 +191,105 @@ def trace_memory(
     at_peak = dict(tracker.act_peak_snap)
     at_peak["phase"] = tracker.act_peak_phase  # type: ignore[assignment]
     return TraceResult(
-        model_name=model_spec.name, source=source, micro_batch_size=b, seq_len=s, precision=precision,
+        model_name=model_spec.name, source=source, micro_batch_size=b, seq_len=s, precision=strategy.precision,
         checkpointing=granularity, checkpoint_layers=n_ckpt, activation_peak=int(tracker.act_peak),
         saved_activations=int(saved), peak=int(peak), phase_peaks=phase_peaks, states=states,
-        at_activation_peak=at_peak, flops=flops, parameters=sum(p.numel() for p in params),
-        wall_s=time.perf_counter() - t0, notes=tuple(notes),
+        at_activation_peak=at_peak, flops=_flop_summary(flop_mode, flops_fwd, flops_total),
+        parameters=sum(p.numel() for p in params), wall_s=time.perf_counter() - t0, notes=tuple(notes),
     )
+
+
+def _model_source(hf_config: Optional[str], model_factory: Optional[str]) -> tuple[str, list[str]]:
+    """Which module the trace builds (``factory:<path>``, ``hf`` or ``reference``) and notes on it."""
+    if model_factory:
+        return f"factory:{model_factory}", []
+    if hf_config:
+        try:
+            import transformers  # noqa: F401
+
+            return "hf", []
+        except ImportError:
+            return "reference", ["transformers not installed: traced the reference decoder built from the HF config"]
+    return "reference", []
+
+
+def _build_module(source: str, model_spec: ModelSpec, training: TrainingSpec, dtype: Any,
+                  hf_config: Optional[str], model_factory: Optional[str],
+                  python_path: Optional[list[str]]) -> tuple[Any, Optional[Callable[..., dict]]]:
+    """The module to trace, built in ``dtype`` (under the caller's fake mode: ``.to(dtype)`` fails
+    there), and the factory's batch function (None: the trace feeds token ids and labels)."""
+    import torch
+
+    old_dtype = torch.get_default_dtype()
+    batch_fn = None
+    torch.set_default_dtype(dtype)
+    try:
+        if model_factory:
+            from autotune.profile.user_models import UserModelError, build_factory_model
+
+            try:
+                built = build_factory_model(model_factory, model_spec, training, python_path)
+            except UserModelError as err:
+                raise TraceError(str(err)) from err
+            model, batch_fn = built.module, built.batch_fn
+        elif source == "hf":
+            from autotune.profile.user_models import UserModelError, hf_model_from_config
+
+            try:
+                model = hf_model_from_config(hf_config)  # type: ignore[arg-type]
+            except UserModelError as err:
+                raise TraceError(str(err)) from err
+        else:
+            from autotune.profile.models import build_model
+
+            model = build_model(model_spec)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"{source} did not return an nn.Module (got {type(model).__name__})")
+    return model, batch_fn
+
+
+def _optimizer_step(tracker: Any, training: TrainingSpec, params: list[Any], masters: list[Any]) -> Any:
+    """The optimizer step: with masters (mixed precision) fp32 gradients re-filed as GRAD32, the step
+    on the masters and the 16-bit parameters copied back; without, the step on the parameters.
+    Returns the optimizer: its states live as long as the caller holds it."""
+    import torch
+
+    if masters:
+        for p, m in zip(params, masters):
+            g = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+            tracker.refile(g, GRAD32)
+            p.grad = None
+            m.grad = g
+        opt_params = masters
+    else:
+        opt_params = params
+    fused = {"fused": True} if training.optimizer != "sgd" else {}
+    if training.optimizer == "sgd":
+        opt = torch.optim.SGD(opt_params, lr=1e-4, momentum=0.9)
+    elif training.optimizer == "adam":
+        opt = torch.optim.Adam(opt_params, lr=1e-4, **fused)
+    else:
+        opt = torch.optim.AdamW(opt_params, lr=1e-4, weight_decay=0.1, **fused)
+    opt.step()
+    if masters:
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    return opt
+
+
+def _flop_summary(flop_mode: Any, flops_fwd: int, flops_total: int) -> dict[str, int]:
+    """FLOPs of the micro-batch: forward, backward (recompute included), total, GEMMs and the
+    attention core's forward and backward (the flash op's own counts)."""
+    counts = flop_mode.get_flop_counts().get("Global", {})
+    ops = flash_ops()
+    attn_f = int(counts.get(ops["fwd"], 0))
+    attn_b = int(counts.get(ops["bwd"], 0))
+    gemm = int(sum(v for k, v in counts.items() if k not in (ops["fwd"], ops["bwd"])))
+    return {"forward": int(flops_fwd), "backward": int(flops_total - flops_fwd), "total": int(flops_total),
+            "gemm": gemm, "attention_fwd": attn_f, "attention_bwd": attn_b}
 
 
 class TraceCache:
