@@ -144,35 +144,41 @@ def run_study(
     study = optuna.create_study(directions=DIRECTIONS, sampler=study.sampler)
     known = [t for t in persistent.get_trials(deepcopy=False) if t.state.is_finished()] if resume else []
     study.add_trials(known)
-    flushed = len(known)
-    last_flush = time.monotonic()
+    flusher = _Flusher(study, persistent, flushed=len(known))
+    try:
+        outcome = _run(study, persistent, cfg, space, backend, screened, n_trials, headroom, resume, progress,
+                       enqueue, seed_predicted_front, after_trial=flusher.flush)
+    finally:
+        flusher.flush(final=True)
+    outcome.study = persistent
+    return outcome
 
-    def flush(final: bool = False) -> None:
-        """Append the finished in-memory trials to ``persistent`` (every FLUSH_EVERY_S, and at the end),
-        so a SIGKILLed fast run loses at most the last couple of seconds of work."""
-        nonlocal flushed, last_flush
-        if not final and time.monotonic() - last_flush < FLUSH_EVERY_S:
+
+class _Flusher:
+    """Appends the finished trials of an in-memory study to its persistent one (every FLUSH_EVERY_S,
+    and at the end), so a SIGKILLed fast run loses at most the last couple of seconds of work."""
+
+    def __init__(self, study: Any, persistent: Any, flushed: int) -> None:
+        self.study, self.persistent = study, persistent
+        self.flushed = flushed
+        """Trials of ``study`` already in ``persistent`` (its first ones)."""
+        self.last_flush = time.monotonic()
+
+    def flush(self, final: bool = False) -> None:
+        if not final and time.monotonic() - self.last_flush < FLUSH_EVERY_S:
             return
-        trials = study.get_trials(deepcopy=False)
+        trials = self.study.get_trials(deepcopy=False)
         batch = []
-        for t in trials[flushed:]:
+        for t in trials[self.flushed:]:
             if not t.state.is_finished():
                 if final:
                     continue
                 break
             batch.append(t)
         if batch:
-            persistent.add_trials(batch)
-        flushed += len(batch)
-        last_flush = time.monotonic()
-
-    try:
-        outcome = _run(study, persistent, cfg, space, backend, screened, n_trials, headroom, resume, progress,
-                       enqueue, seed_predicted_front, after_trial=flush)
-    finally:
-        flush(final=True)
-    outcome.study = persistent
-    return outcome
+            self.persistent.add_trials(batch)
+        self.flushed += len(batch)
+        self.last_flush = time.monotonic()
 
 
 FLUSH_EVERY_S = 1.0
@@ -191,7 +197,6 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
     and every evaluation is claimed first (``claim.claim``).
     """
     from optuna.exceptions import UpdateFinishedTrialError
-    from optuna.trial import TrialState
 
     by_key = {s.strategy.key(): s for s in screened}
     outcome = StudyOutcome(study=study, screened=screened)
