@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from autotune.config import Config
 from autotune.errors import ConfigError
-from autotune.runfiles import RunData, load_run, strategy_key, to_float
+from autotune.runfiles import RunData, TrialRecord, load_run, strategy_key
 from autotune.strategy import Strategy, strategy_from_dict
 
 DEFAULT_MAX_REGRESSION = "5%"
@@ -85,53 +85,57 @@ def _front_by_key(front_obj: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
     return points
 
 
+def _brief(p: dict[str, Any]) -> dict[str, Any]:
+    """A front point as the comparison lists it."""
+    return {"strategy_text": p["strategy_text"], "peak_memory_gib": p["peak_memory_gib"],
+            "tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"]}
+
+
+def _outcome_now(records: list[TrialRecord]) -> dict[str, Any]:
+    """How the new run ended a strategy that left the front: completed (dominated), failed, pruned,
+    or not tried (its first trials count; repeats only when there is nothing else)."""
+    rows = [r for r in records if not r.is_repeat] or records
+    by_state = {}
+    for r in reversed(rows):
+        by_state[r.state] = r  # the first row of each state
+    if "COMPLETE" in by_state:
+        r = by_state["COMPLETE"]
+        return {"state": "COMPLETE (dominated)", "peak_memory_gib": r.peak_memory_gib,
+                "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu}
+    if "FAIL" in by_state:
+        return {"state": "FAIL", "reason": by_state["FAIL"].fail_reason}
+    if "PRUNED" in by_state:
+        return {"state": "PRUNED", "reason": by_state["PRUNED"].prune_reason}
+    return {"state": "not tried"}
+
+
 def compare_runs(old: RunData, new: RunData, max_regression: float) -> dict[str, Any]:
     """What changed between two runs, and whether it is a regression (a JSON-able dict)."""
     old_front = _front_by_key(old.front)
     new_front = _front_by_key(new.front)
-    new_rows: dict[tuple, list[dict[str, str]]] = {}
-    for row in new.trials:
-        new_rows.setdefault(strategy_key(row), []).append(row)
-
-    def brief(p: dict[str, Any]) -> dict[str, Any]:
-        return {"strategy_text": p["strategy_text"], "peak_memory_gib": p["peak_memory_gib"],
-                "tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"]}
+    new_rows: dict[tuple, list[TrialRecord]] = {}
+    for rec in new.records:
+        new_rows.setdefault(rec.strategy.key(), []).append(rec)
 
     left, now_failing, now_pruned, not_tried = [], [], [], []
     for key, p in old_front.items():
         if key in new_front:
             continue
-        rows = [r for r in new_rows.get(key, []) if not r.get("duplicate_of")] or new_rows.get(key, [])
-        states = {r["state"] for r in rows}
-        entry = brief(p)
-        if "COMPLETE" in states:
-            r = next(r for r in rows if r["state"] == "COMPLETE")
-            entry["now"] = {"state": "COMPLETE (dominated)", "peak_memory_gib": to_float(r.get("peak_memory_gib")),
-                            "tokens_per_s_per_gpu": to_float(r.get("tokens_per_s_per_gpu"))}
-        elif "FAIL" in states:
-            r = next(r for r in rows if r["state"] == "FAIL")
-            entry["now"] = {"state": "FAIL", "reason": r.get("fail_reason", "")}
-            now_failing.append(entry)
-        elif "PRUNED" in states:
-            r = next(r for r in rows if r["state"] == "PRUNED")
-            entry["now"] = {"state": "PRUNED", "reason": r.get("prune_reason", "")}
-            now_pruned.append(entry)
-        else:
-            entry["now"] = {"state": "not tried"}
-            not_tried.append(entry)
+        entry = {**_brief(p), "now": _outcome_now(new_rows.get(key, []))}
+        {"FAIL": now_failing, "PRUNED": now_pruned, "not tried": not_tried}.get(entry["now"]["state"], []).append(entry)
         left.append(entry)
     order = {"FAIL": 0, "PRUNED": 1, "not tried": 2}
     left.sort(key=lambda e: order.get(e["now"]["state"], 3))  # the ones that matter first
-    joined = [brief(p) for k, p in new_front.items() if k not in old_front]
+    joined = [_brief(p) for k, p in new_front.items() if k not in old_front]
     stayed = []
     for key, p in new_front.items():
         if key in old_front:
             o = old_front[key]
-            stayed.append({**brief(p), "memory_change": _pct(p["peak_memory_gib"], o["peak_memory_gib"]),
+            stayed.append({**_brief(p), "memory_change": _pct(p["peak_memory_gib"], o["peak_memory_gib"]),
                            "throughput_change": _pct(p["tokens_per_s_per_gpu"], o["tokens_per_s_per_gpu"])})
 
     ob, nb = old.best, new.best
-    best: dict[str, Any] = {"old": ob and brief(ob), "new": nb and brief(nb), "same_strategy": False,
+    best: dict[str, Any] = {"old": ob and _brief(ob), "new": nb and _brief(nb), "same_strategy": False,
                             "throughput_change": None, "memory_change": None}
     regressions: list[str] = []
     if ob and nb:

@@ -13,8 +13,8 @@ from typing import Any, Iterator, Optional, Sequence
 from autotune.config import Config
 from autotune.memory import GPU_COMPONENTS, MemoryEstimate, estimate_memory, overhead_bytes
 from autotune.pareto import pareto_front
-from autotune.runfiles import (CSV_COLUMNS, FRONT_FILE, STRATEGY_COLUMNS, TRIALS_FILE, RunData,  # noqa: F401 (CSV_COLUMNS
-                               write_json, write_trials_csv)                    # re-exported)
+from autotune.runfiles import (CSV_COLUMNS, FRONT_FILE, STRATEGY_COLUMNS, TRIALS_FILE, RunData,  # noqa: F401 (CSV_COLUMNS,
+                               TrialRecord, write_json, write_trials_csv)       # STRATEGY_COLUMNS re-exported)
 from autotune.space import SearchSpace
 from autotune.spec import GIB
 from autotune.strategy import Strategy, fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
@@ -272,20 +272,19 @@ def checkpointing_call(cfg: Config, s: Strategy) -> str:
     return f"autotune.apply_checkpointing(model, {s.checkpointing!r}, num_layers={n})"
 
 
-def _trial_records(cfg: Config, rows: list[TrialRow], on_front: set[int], predicted: bool) -> Iterator[dict[str, Any]]:
+def _trial_records(cfg: Config, rows: list[TrialRow], on_front: set[int], predicted: bool) -> Iterator[TrialRecord]:
     """trials.csv records: each trial's strategy, predicted memory breakdown and outcome."""
     for r in rows:
         mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, r.strategy)
-        rec: dict[str, Any] = {"number": r.number, "state": r.state, **{k: getattr(r.strategy, k)
-                                                                        for k in STRATEGY_COLUMNS}}
-        rec.update({f"pred_{k}_gib": mem.gpu[k] / GIB for k in (*GPU_COMPONENTS, "peak")})
-        rec.update(pred_cpu_gib=mem.cpu_bytes_per_node / GIB, pred_fits=mem.fits,
-                   peak_memory_gib=r.peak_memory_gib, tokens_per_s_per_gpu=r.tokens_per_s_per_gpu,
-                   gpu_memory_gib=None if r.peak_memory_gib is None else gpu_memory_gib(cfg, r, predicted, mem),
-                   step_time_s=r.step_time_s, mfu=r.mfu, on_front=r.number in on_front,
-                   prune_reason=r.prune_reason, fail_reason=r.fail_reason, duplicate_of=r.duplicate_of,
-                   strategy=r.strategy.describe(cfg.model.num_hidden_layers))
-        yield rec
+        yield TrialRecord(
+            number=r.number, state=r.state, strategy=r.strategy,
+            predicted_gib={k: mem.gpu[k] / GIB for k in (*GPU_COMPONENTS, "peak")},
+            predicted_cpu_gib=mem.cpu_bytes_per_node / GIB, predicted_fits=mem.fits,
+            peak_memory_gib=r.peak_memory_gib,
+            gpu_memory_gib=None if r.peak_memory_gib is None else gpu_memory_gib(cfg, r, predicted, mem),
+            tokens_per_s_per_gpu=r.tokens_per_s_per_gpu, step_time_s=r.step_time_s, mfu=r.mfu,
+            on_front=r.number in on_front, prune_reason=r.prune_reason, fail_reason=r.fail_reason,
+            duplicate_of=r.duplicate_of, strategy_text=r.strategy.describe(cfg.model.num_hidden_layers))
 
 
 def point_memory_gib(p: dict[str, Any]) -> float:

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from autotune.config import Config
 from autotune.output import empty_front_reason, format_gib, point_memory_gib
 from autotune.profile.backend import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY
-from autotune.runfiles import RunData, load_run, to_float
+from autotune.runfiles import RunData, TrialRecord, load_run, to_float
 from autotune.spec import GIB
 
 COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
@@ -92,26 +92,26 @@ def measurement_extras(run: RunData) -> dict[int, dict[str, Any]]:
         return {}
 
 
-def reason_summary(rows: list[dict[str, str]], state: str, column: str) -> list[tuple[str, int, list[int]]]:
+def reason_summary(records: list[TrialRecord], state: str, column: str) -> list[tuple[str, int, list[int]]]:
     """(example reason, count, trial numbers) for distinct trials in ``state``, most common first. Reasons
     are grouped by their first clause with the numbers masked ("needs 92.3 GiB > 76.0 GiB" and "needs
     125.7 GiB > 76.0 GiB" are one group); the example is the first trial's reason."""
     groups: dict[str, tuple[str, list[int]]] = {}
-    for r in rows:
-        if r.get("state") == state and not r.get("duplicate_of"):
-            first = (r.get(column) or "(no reason recorded)").split(";")[0].strip()
+    for r in records:
+        if r.state == state and not r.is_repeat:
+            first = (getattr(r, column) or "(no reason recorded)").split(";")[0].strip()
             key = _NUMBER.sub("#", first)
-            groups.setdefault(key, (first, []))[1].append(int(r["number"]))
+            groups.setdefault(key, (first, []))[1].append(r.number)
     return sorted(((ex, len(nums), nums) for ex, nums in groups.values()), key=lambda x: -x[1])
 
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
 
-def _category(r: dict[str, str]) -> str:
-    if r["state"] == "COMPLETE":
-        return "front" if r.get("on_front") == "True" else "dominated"
-    return {"PRUNED": "pruned", "FAIL": "failed"}.get(r["state"], "other")
+def _category(r: TrialRecord) -> str:
+    if r.state == "COMPLETE":
+        return "front" if r.on_front else "dominated"
+    return {"PRUNED": "pruned", "FAIL": "failed"}.get(r.state, "other")
 
 
 def plot_points(run: RunData, clip_gib: Optional[float] = None) -> dict[str, list[dict[str, Any]]]:
@@ -119,29 +119,29 @@ def plot_points(run: RunData, clip_gib: Optional[float] = None) -> dict[str, lis
     predicted above ``clip_gib`` are drawn at ``clip_gib`` (``clipped``: True) so that a few hopeless
     candidates do not squeeze the front into a corner; the hover text keeps the true prediction."""
     out: dict[str, list[dict[str, Any]]] = {"front": [], "dominated": [], "failed": [], "pruned": []}
-    for r in run.trials:
+    for r in run.records:
         cat = _category(r)
         if cat == "other":
             continue
         measured = cat in ("front", "dominated")
         if measured:  # what the GPU holds (fits' figure); older trials.csv files: the allocated peak
-            mem = to_float(r.get("gpu_memory_gib")) or to_float(r.get("peak_memory_gib"))
+            mem = r.gpu_memory_gib or r.peak_memory_gib
         else:
-            mem = (to_float(r.get("pred_peak_gib")) or 0.0) + (to_float(r.get("pred_overhead_gib")) or 0.0)
-        tps = to_float(r.get("tokens_per_s_per_gpu")) if measured else 0.0
+            mem = (r.predicted_gib["peak"] or 0.0) + (r.predicted_gib["overhead"] or 0.0)
+        tps = r.tokens_per_s_per_gpu if measured else 0.0
         note = ""
-        if r.get("duplicate_of"):
-            note = f"repeat of trial {r['duplicate_of']}"
+        if r.is_repeat:
+            note = f"repeat of trial {r.duplicate_of}"
         if cat == "pruned":
-            note = "; ".join(x for x in (note, "pruned: " + (r.get("prune_reason") or "")) if x)
+            note = "; ".join(x for x in (note, "pruned: " + r.prune_reason) if x)
         if cat == "failed":
-            note = "; ".join(x for x in (note, "failed: " + (r.get("fail_reason") or "")) if x)
+            note = "; ".join(x for x in (note, "failed: " + r.fail_reason) if x)
         mem = mem if mem is not None else 0.0
         clipped = bool(not measured and clip_gib and mem > clip_gib)
         if not measured:
             note = f"predicted {format_gib(mem)}; " + note
-        out[cat].append({"trial": int(r["number"]), "memory_gib": clip_gib if clipped else mem, "clipped": clipped,
-                         "tokens_per_s": tps or 0.0, "strategy": r.get("strategy", ""), "note": note})
+        out[cat].append({"trial": r.number, "memory_gib": clip_gib if clipped else mem, "clipped": clipped,
+                         "tokens_per_s": tps or 0.0, "strategy": r.strategy_text, "note": note})
     out["front"].sort(key=lambda p: p["memory_gib"])
     return out
 
@@ -151,8 +151,7 @@ def plot_points(run: RunData, clip_gib: Optional[float] = None) -> dict[str, lis
 def _clip(run: RunData, capacity: Optional[float]) -> Optional[float]:
     """Where unmeasured points are clipped: 1.5 x the larger of the GPU capacity and the largest
     measured peak (None: no capacity known and nothing measured)."""
-    measured = [to_float(r.get("gpu_memory_gib")) or to_float(r.get("peak_memory_gib")) or 0.0
-                for r in run.trials if r.get("state") == "COMPLETE"]
+    measured = [r.gpu_memory_gib or r.peak_memory_gib or 0.0 for r in run.records if r.state == "COMPLETE"]
     top = max([capacity or 0.0, *measured])
     return 1.5 * top if top > 0 else None
 
@@ -307,21 +306,21 @@ def predicted_vs_measured(run: RunData) -> list[list[Any]]:
         return []
     extras = measurement_extras(run)
     rows = []
-    for r in run.trials:
-        if r["state"] not in ("COMPLETE", "FAIL") or r.get("duplicate_of"):
+    for r in run.records:
+        if r.state not in ("COMPLETE", "FAIL") or r.is_repeat:
             continue
-        n = int(r["number"])
-        pred_mem, meas_mem = to_float(r.get("pred_peak_gib")), to_float(r.get("peak_memory_gib"))
-        meas_tps = to_float(r.get("tokens_per_s_per_gpu"))
+        n = r.number
+        pred_mem, meas_mem = r.predicted_gib["peak"], r.peak_memory_gib
+        meas_tps = r.tokens_per_s_per_gpu
         meas = extras.get(n, {})
         extra = meas.get("extra") or {}
         if to_float(extra.get(PREDICTED_PEAK_KEY)) is not None:
             pred_mem = to_float(extra.get(PREDICTED_PEAK_KEY)) / GIB
         pred_tps = to_float(extra.get(PREDICTED_TPS_KEY))
-        status = "ok" if r["state"] == "COMPLETE" else (r.get("fail_reason") or "failed")
+        status = "ok" if r.state == "COMPLETE" else (r.fail_reason or "failed")
         if extra.get("oom_phase"):
             status += f" (OOM in {extra['oom_phase']})"
-        rows.append([n, r.get("strategy", ""), "-" if pred_mem is None else format_gib(pred_mem),
+        rows.append([n, r.strategy_text, "-" if pred_mem is None else format_gib(pred_mem),
                      "-" if meas_mem is None else format_gib(meas_mem), _err(meas_mem, pred_mem),
                      _num(pred_tps, ",.0f"), _num(meas_tps, ",.0f"), _err(meas_tps, pred_tps), status])
     return rows
@@ -345,7 +344,7 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
     hw = f.get("hardware") or {}
     gpus = (hw.get("gpus_per_node") or 1) * (hw.get("num_nodes") or 1)
     counts = {s: sum(t.get("state") == s for t in run.trials) for s in ("COMPLETE", "PRUNED", "FAIL")}
-    repeats = sum(bool(t.get("duplicate_of")) for t in run.trials)
+    repeats = sum(r.is_repeat for r in run.records)
     cfg = {"displaylogo": False, "responsive": True}
     pareto = pareto_figure(run, capacity, headroom).to_html(full_html=False, include_plotlyjs=False,
                                                              div_id=PARETO_DIV, config=cfg)
@@ -395,7 +394,7 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
                      "the models' predictions.</p>")
     for title, state, column in (("Why candidates were pruned", "PRUNED", "prune_reason"),
                                  ("Why candidates failed", "FAIL", "fail_reason")):
-        summary = reason_summary(run.trials, state, column)
+        summary = reason_summary(run.records, state, column)
         if summary:
             parts.append(f"<h2>{title}</h2>")
             parts.append(_table(["trials", "reason (first clause; example)", "trial numbers"],

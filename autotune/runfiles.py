@@ -47,15 +47,83 @@ def _cell(value: Any) -> Any:
     return "" if value is None else value  # floats keep full precision (replay reads them back)
 
 
-def write_trials_csv(path: str, records: Iterable[Mapping[str, Any]]) -> None:
-    """Write trials.csv atomically; each record maps CSV_COLUMNS to values (None -> empty cell)."""
+def write_trials_csv(path: str, records: Iterable["TrialRecord"]) -> None:
+    """Write trials.csv atomically (None -> empty cell)."""
     tmp = path + ".tmp"
     with open(tmp, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         for rec in records:
-            writer.writerow({k: _cell(v) for k, v in rec.items()})
+            writer.writerow({k: _cell(v) for k, v in rec.to_row().items()})
     os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- trials.csv rows
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One row of trials.csv: a trial's strategy, the memory model's prediction and the outcome."""
+
+    number: int
+    state: str
+    """COMPLETE, PRUNED or FAIL."""
+    strategy: Strategy
+    """Its KNOBS (other fields at their defaults)."""
+    predicted_gib: dict[str, Optional[float]]
+    """The memory model's GPU breakdown (GPU_COMPONENTS and ``peak``), GiB."""
+    predicted_cpu_gib: Optional[float]
+    predicted_fits: Optional[bool]
+    peak_memory_gib: Optional[float]
+    """Measured (or simulated) allocated peak; None unless COMPLETE."""
+    gpu_memory_gib: Optional[float]
+    """Peak + context and allocator: what ``fits`` compares with the usable memory."""
+    tokens_per_s_per_gpu: Optional[float]
+    step_time_s: Optional[float]
+    mfu: Optional[float]
+    on_front: bool
+    prune_reason: str
+    fail_reason: str
+    duplicate_of: Optional[int]
+    """The trial whose result this repeat reuses."""
+    strategy_text: str
+    """Strategy.describe (the ``strategy`` column)."""
+
+    @property
+    def is_repeat(self) -> bool:
+        return self.duplicate_of is not None
+
+    def to_row(self) -> dict[str, Any]:
+        """The record as trials.csv columns (CSV_COLUMNS order; values as the csv module writes them)."""
+        row: dict[str, Any] = {"number": self.number, "state": self.state,
+                               **{k: getattr(self.strategy, k) for k in STRATEGY_COLUMNS}}
+        row.update({f"pred_{k}_gib": self.predicted_gib.get(k) for k in (*GPU_COMPONENTS, "peak")})
+        row.update(pred_cpu_gib=self.predicted_cpu_gib, pred_fits=self.predicted_fits,
+                   peak_memory_gib=self.peak_memory_gib, gpu_memory_gib=self.gpu_memory_gib,
+                   tokens_per_s_per_gpu=self.tokens_per_s_per_gpu, step_time_s=self.step_time_s, mfu=self.mfu,
+                   on_front=self.on_front, prune_reason=self.prune_reason, fail_reason=self.fail_reason,
+                   duplicate_of=self.duplicate_of, strategy=self.strategy_text)
+        return row
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> "TrialRecord":
+        """A record from a trials.csv row (strings); missing or unreadable cells read as None / "".
+        ``number`` and ``state`` must be there (load_run checks the columns)."""
+        def number_or_none(key: str) -> Optional[int]:
+            value = to_float(row.get(key))
+            return None if value is None else int(value)
+
+        fits = row.get("pred_fits")
+        return cls(
+            number=int(row["number"]), state=row["state"], strategy=strategy_from_record(row),
+            predicted_gib={k: to_float(row.get(f"pred_{k}_gib")) for k in (*GPU_COMPONENTS, "peak")},
+            predicted_cpu_gib=to_float(row.get("pred_cpu_gib")),
+            predicted_fits=None if fits in (None, "") else fits == "True",
+            peak_memory_gib=to_float(row.get("peak_memory_gib")), gpu_memory_gib=to_float(row.get("gpu_memory_gib")),
+            tokens_per_s_per_gpu=to_float(row.get("tokens_per_s_per_gpu")), step_time_s=to_float(row.get("step_time_s")),
+            mfu=to_float(row.get("mfu")), on_front=row.get("on_front") == "True",
+            prune_reason=row.get("prune_reason") or "", fail_reason=row.get("fail_reason") or "",
+            duplicate_of=number_or_none("duplicate_of"), strategy_text=row.get("strategy") or "",
+        )
 
 
 # ---------------------------------------------------------------- reading
@@ -71,6 +139,11 @@ class RunData:
     """trials.csv rows (strings, as written)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """run.json ({} when absent)."""
+
+    @property
+    def records(self) -> list[TrialRecord]:
+        """trials.csv rows as typed records."""
+        return [TrialRecord.from_row(r) for r in self.trials]
 
     @property
     def name(self) -> str:
