@@ -72,21 +72,32 @@ def combine(trace: TraceResult, estimate: Any, *, capacity_bytes: Optional[float
         phases[trace.at_activation_peak.get("phase", "backward")] = fb_peak
         changes["phases"] = phases
     if capacity_bytes is not None and hasattr(estimate, "fits"):
-        total = gpu["peak"] + int(gpu.get("overhead", 0))
-        fits_gpu = total <= capacity_bytes
-        reasons = [r for r in getattr(estimate, "reasons", []) if not r.startswith("peak ") and " free" not in r]
-        if not fits_gpu:
-            reasons.insert(0, f"traced peak {gpu['peak'] / GIB:.2f} GiB + overhead "
-                              f"{int(gpu.get('overhead', 0)) / GIB:.2f} GiB > {capacity_bytes / GIB:.2f} GiB free")
-        changes["fits"] = fits_gpu and not reasons
-        changes["reasons"] = reasons
+        changes["fits"], changes["reasons"] = _verdict(estimate, gpu, capacity_bytes)
     try:
         combined = dataclasses.replace(estimate, **changes)
     except (TypeError, ValueError):
         combined = estimate
         for k, v in changes.items():
             setattr(combined, k, v)
-    provenance = {
+    return combined, _provenance(trace, estimate, gpu, states, how, analytic_act)
+
+
+def _verdict(estimate: Any, gpu: dict[str, int], capacity_bytes: float) -> tuple[bool, list[str]]:
+    """fits / reasons re-decided on the combined peak + overhead; the estimate's other reasons
+    (rules, host RAM, NVMe) stand."""
+    total = gpu["peak"] + int(gpu.get("overhead", 0))
+    fits_gpu = total <= capacity_bytes
+    reasons = [r for r in getattr(estimate, "reasons", []) if not r.startswith("peak ") and " free" not in r]
+    if not fits_gpu:
+        reasons.insert(0, f"traced peak {gpu['peak'] / GIB:.2f} GiB + overhead "
+                          f"{int(gpu.get('overhead', 0)) / GIB:.2f} GiB > {capacity_bytes / GIB:.2f} GiB free")
+    return fits_gpu and not reasons, reasons
+
+
+def _provenance(trace: TraceResult, estimate: Any, gpu: dict[str, int], states: dict[str, int], how: str,
+                analytic_act: int) -> dict[str, Any]:
+    """Where each component of the combined estimate came from, and the trace's own figures."""
+    return {
         "fidelity": "traced",
         "traced": {"activations": f"{trace.source} model under FakeTensorMode + MemTracker: peak of activations "
                                   f"+ temporaries over forward/backward ({trace.at_activation_peak.get('phase', '?')})",
@@ -103,7 +114,6 @@ def combine(trace: TraceResult, estimate: Any, *, capacity_bytes: Optional[float
                   "wall_s": round(trace.wall_s, 2), "flops_per_micro_batch": trace.flops["total"],
                   "notes": list(trace.notes)},
     }
-    return combined, provenance
 
 
 def traced_estimate(cfg: Config, strategy: Strategy, cache: Optional[TraceCache] = None,
