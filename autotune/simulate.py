@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from autotune.spec import BYTES_PER_ELEMENT, GPUSpec, HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import Strategy, default_buckets
+from autotune.strategy import Strategy, default_buckets, gradient_accumulation_steps
 
 EFFICIENCY_KEYS = (
     "gemm_eff",          # fraction of dense peak a large GEMM reaches
@@ -184,9 +184,8 @@ def simulate(
     rates = _Rates(peak, gpu.hbm_bandwidth_gbps * 1e9 * p["hbm_eff"], BYTES_PER_ELEMENT[prec])
     L = model.num_hidden_layers
     b = strategy.micro_batch_size
-    n = hardware.num_gpus
     T = float(b * training.seq_len)  # tokens per micro-batch per GPU (the GEMM M dimension)
-    gas = max(1, training.global_batch_size // max(1, b * n))
+    gas = gradient_accumulation_steps(strategy, training, hardware)
 
     mb = _micro_batch_compute(model, training.seq_len, T, rates, p)
     compute_mb = mb.fwd + mb.bwd + mb.loss
