@@ -52,3 +52,9 @@ def test_result_keeps_unknown_keys_and_reads_partial_files():
     assert (r.status, r.phase, r.rank, r.tokens_per_s) == ("oom", "backward", 1, None)
     assert r.to_json() == raw
     assert WorkerResult.from_json({}).status is None
+
+
+def test_a_left_out_setting_reads_as_the_workers_default():
+    job = WorkerJob(model={}, training={}, strategy={}, seed=7)
+    assert job.setting("seed") == 7 and job.setting("measure_steps") == 2 and job.setting("loop") == "keep_outputs"
+    assert job.setting("snapshot") is None

@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+WORKER_DEFAULTS: dict[str, Any] = {
+    "warmup_steps": 2, "measure_steps": 2, "optimizer_impl": "auto", "memory": "auto", "seed": 0,
+    "device": "auto", "loop": "keep_outputs", "gc_collect": True, "exchange_timeout_s": 60,
+}
+"""What the worker uses for a WorkerJob field left out (None)."""
+
+
 @dataclass(frozen=True)
 class WorkerJob:
     """One measurement job (``python -m autotune.profile.worker JOB.json``)."""
@@ -53,6 +60,11 @@ class WorkerJob:
     """Bound of the final cross-rank exchange."""
     fault: Optional[dict[str, Any]] = None
     """Test-only fault injection: {rank, phase, kind}."""
+
+    def setting(self, name: str) -> Any:
+        """The field's value, or the worker's default (WORKER_DEFAULTS) when it is left out."""
+        value = getattr(self, name)
+        return WORKER_DEFAULTS.get(name) if value is None else value
 
     def to_json(self) -> dict[str, Any]:
         """The job.json object (keys in field order; None values left out)."""
