@@ -12,6 +12,8 @@ Recorded per examples/*.yaml:
   through the code the CLI runs (check_strategy + estimate_report, json and text), and 20 of them
   also through the CLI itself (`main(["estimate", ..., "--json"])`).
 - ``autotune [COMMAND] --help`` of every command.
+- ``autotune run TABLE --backend replay`` of every data/measured/*/config.yaml (the profiling loop:
+  calibrator, ehvi sampler, stopping rule), files as for the simulated runs.
 - the run: `autotune run EXAMPLE --backend simulate --seed 0` in a fresh folder: front.json,
   best.json, best_ds_config.json, ds_configs/, trials.csv, summary.md and the printed front, with
   run-specific fields (folder paths, run name, timestamps, wall times) replaced by placeholders.
@@ -126,7 +128,7 @@ def _scrub(text: str, out_dir: str, name: str) -> str:
     return re.sub(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\+00:00|Z)?", "<TIME>", text)
 
 
-def _run(example: str) -> dict[str, Any]:
+def _run(example: str, backend: str = "simulate") -> dict[str, Any]:
     from autotune.cli import main
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,7 +136,7 @@ def _run(example: str) -> dict[str, Any]:
         name = "golden-run"
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            rc = main(["run", example, "--backend", "simulate", "--seed", "0", "--out", out_dir, "--name", name])
+            rc = main(["run", example, "--backend", backend, "--seed", "0", "--out", out_dir, "--name", name])
         run_dir = os.path.join(out_dir, name)
         rec: dict[str, Any] = {"rc": rc, "stdout": _scrub(stdout.getvalue(), out_dir, name),
                                "stderr": _scrub(stderr.getvalue(), out_dir, name)}
@@ -181,8 +183,10 @@ def record() -> dict[str, Any]:
     examples = sorted(glob.glob("examples/*.yaml"))
     if not examples:
         raise SystemExit("golden: run from the repository root (examples/*.yaml not found)")
+    tables = sorted(glob.glob("data/measured/*/config.yaml"))
     return {"help": _help(),
-            "examples": {ex: {"estimates": _estimates(ex), "run": _run(ex)} for ex in examples}}
+            "examples": {ex: {"estimates": _estimates(ex), "run": _run(ex)} for ex in examples},
+            "replayed": {t: _run(t, "replay") for t in tables}}
 
 
 def diff(a: Any, b: Any, path: str = "", out: list[str] | None = None) -> list[str]:
@@ -207,8 +211,11 @@ def counts(data: dict[str, Any]) -> str:
     n_ok = sum("json" in r for v in ex.values() for r in v["estimates"])
     n_cli = sum("cli" in r for v in ex.values() for r in v["estimates"])
     n_front = sum(len(v["run"].get("front.json", {}).get("front", [])) for v in ex.values())
+    replayed = data.get("replayed", {})
+    n_replayed = sum(len(v.get("front.json", {}).get("front", [])) for v in replayed.values())
     return (f"{len(ex)} examples, {n_est} (config, strategy) pairs ({n_ok} estimated, {n_est - n_ok} refused, "
-            f"{n_cli} through the CLI), {len(ex)} simulated runs with {n_front} front points")
+            f"{n_cli} through the CLI), {len(ex)} simulated runs with {n_front} front points, "
+            f"{len(replayed)} replayed measured tables with {n_replayed} front points")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,19 +23,18 @@ import csv
 import dataclasses
 from typing import Any, Optional
 
+from autotune.config import Config
 from autotune.errors import ConfigError
 from autotune.profile.backend import Measurement
-from autotune.strategy import Strategy
+from autotune.spec import GIB
+from autotune.strategy import Strategy, knob_choices
 
-GIB = float(1 << 30)
 _STATUSES = ("oom", "nan", "timeout", "crash", "error")
-_INT_COLUMNS = ("zero_stage", "micro_batch_size", "checkpoint_layers", "reduce_bucket_size", "allgather_bucket_size",
-                "prefetch_bucket_size", "param_persistence_threshold")
-
-
-REQUIRED_COLUMNS = ("zero_stage", "micro_batch_size", "checkpointing", "offload_optimizer", "offload_params",
-                    "precision")
-STRATEGY_FIELDS = tuple(f.name for f in dataclasses.fields(Strategy))
+_FIELDS = dataclasses.fields(Strategy)
+STRATEGY_FIELDS = tuple(f.name for f in _FIELDS)
+REQUIRED_COLUMNS = tuple(f.name for f in _FIELDS if f.default is not None)
+"""The knobs without an automatic value (None): a table must state them."""
+_INT_COLUMNS = tuple(f.name for f in _FIELDS if knob_choices(f.name) is None or f.name == "zero_stage")
 
 
 def _cell(column: str, raw: Optional[str]) -> Any:
@@ -53,7 +52,9 @@ def _float(raw: Optional[str]) -> Optional[float]:
 
 
 def strategy_key(values: dict[str, Any], columns: list[str]) -> tuple:
-    return tuple(values.get(c) for c in columns)
+    """Strategy.key of the strategy with only ``columns`` taken from ``values`` (the other fields at
+    their defaults): a table matches on the columns it has."""
+    return Strategy(**{c: values.get(c) for c in columns}).key()
 
 
 class ReplayBackend:
@@ -61,7 +62,7 @@ class ReplayBackend:
 
     name = "replay"
 
-    def __init__(self, csv_path: str, cfg: Any = None, calibrator: Any = None) -> None:
+    def __init__(self, csv_path: str, cfg: Optional[Config] = None, calibrator: Any = None) -> None:
         self.csv_path = csv_path
         self.cfg = cfg
         self.calibrator = calibrator
