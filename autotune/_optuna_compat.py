@@ -13,6 +13,7 @@ that changes it fails there, not in a run.
   ``study.optimize`` uses and ask/tell loops must start themselves.
 - ``optuna.storages.journal._file.BaseJournalFileLock`` and JournalFileBackend's ``_lock`` /
   ``_file_path``: for the journal backend without per-append fsync (autotune.storage).
+- ``optuna._hypervolume.compute_hypervolume``: the hypervolume the ehvi sampler measures fronts with.
 """
 
 from __future__ import annotations
@@ -85,3 +86,10 @@ def journal_file_path(backend: Any) -> str:
 def journal_lock(backend: Any) -> Any:
     """The lock object a JournalFileBackend was built with (``_lock``)."""
     return backend._lock
+
+
+def compute_hypervolume(points: Any, reference: Any, assume_pareto: bool = False) -> float:
+    """Hypervolume of minimised ``points`` (n x d array) against ``reference`` (Optuna's own)."""
+    from optuna._hypervolume import compute_hypervolume as optuna_hypervolume
+
+    return float(optuna_hypervolume(points, reference, assume_pareto=assume_pareto))

@@ -19,7 +19,7 @@ dashboard work unchanged). Before each trial it rebuilds its state from the stud
   right of x, so E[HVI] is a sum of log-normal call prices, exp(mu + s^2/2) Phi(d1) - h Phi(d2)
   (Black & Scholes 1973 eq. 13; the 2-D EHVI of Emmerich et al. 2006 with one deterministic
   objective). Staircase heights are raised by the measured noise, so gains within noise are not
-  chased. The hypervolume itself is Optuna's (optuna._hypervolume.compute_hypervolume).
+  chased. The hypervolume itself is Optuna's (compute_hypervolume, through autotune._optuna_compat).
 
 The residual model's amplitude is at least the out-of-sample error its predictions have shown
 over the more recent half of the measurements (a model fitted on a handful of points is not trusted
@@ -39,6 +39,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 from optuna.samplers import BaseSampler
+
+from autotune.strategy import BUCKET_KNOBS, OFFLOADS, PRECISIONS, ZERO_STAGES
 
 GIB = float(1 << 30)
 DEFAULT_STOP_GAIN = 0.01
@@ -93,15 +95,14 @@ def features(strategy: Any, num_layers: int, mbs_range: tuple[int, int]) -> list
     span = max(1e-9, math.log2(hi) - math.log2(lo))
     frac = strategy.num_checkpointed(num_layers) / max(1, num_layers)
     return [
-        *(h * (strategy.zero_stage == z) for z in range(4)),
+        *(h * (strategy.zero_stage == z) for z in ZERO_STAGES),
         (math.log2(strategy.micro_batch_size) - math.log2(lo)) / span,
         frac if strategy.checkpointing == "full" else 0.0,
         frac if strategy.checkpointing == "selective" else 0.0,
-        *(h * (strategy.offload_optimizer == o) for o in ("none", "cpu", "nvme")),
-        *(h * (strategy.offload_params == o) for o in ("none", "cpu", "nvme")),
-        *(h * (strategy.precision == p) for p in ("bf16", "fp16", "fp32")),
-        *(0.5 * (getattr(strategy, k) is not None) for k in ("reduce_bucket_size", "allgather_bucket_size",
-                                                               "prefetch_bucket_size")),
+        *(h * (strategy.offload_optimizer == o) for o in OFFLOADS),
+        *(h * (strategy.offload_params == o) for o in OFFLOADS),
+        *(h * (strategy.precision == p) for p in PRECISIONS),
+        *(0.5 * (getattr(strategy, k) is not None) for k in BUCKET_KNOBS),
     ]
 
 
@@ -217,7 +218,7 @@ def expected_remaining_gain(x: np.ndarray, mu: np.ndarray, sd: np.ndarray, front
 
 def hypervolume(points: Sequence[tuple[float, float]], ref_x: float) -> float:
     """Optuna's hypervolume of (memory, tokens/s) points, both as minimised objectives."""
-    from optuna._hypervolume import compute_hypervolume
+    from autotune._optuna_compat import compute_hypervolume
 
     pts = [(m, -t) for m, t in points if m < ref_x and t > 0]
     if not pts:

@@ -17,7 +17,7 @@ from autotune.checks import check_section, choice, int_, mapping, read_yaml, sho
 from autotune.config import Config
 from autotune.errors import ConfigError
 from autotune.spec import ModelSpec
-from autotune.strategy import CHECKPOINTINGS, KNOBS, OFFLOADS, PRECISIONS, ZERO_STAGES, Strategy, knob_applies
+from autotune.strategy import BUCKET_KNOBS, CHECKPOINTINGS, KNOBS, OFFLOADS, PRECISIONS, ZERO_STAGES, Strategy, knob_applies
 
 SPACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "search_spaces")
 """Shipped spaces (default, no-offload, single-gpu), at the repository root."""
@@ -72,11 +72,10 @@ class SearchSpace:
         ):
             layout = {"zero_stage": z, "checkpointing": ck}
             for n in (layers if knob_applies("checkpoint_layers", layout) else [None]):
-                for rb, ag, pf in itertools.product(*(self.values_where_applies(k, layout) for k in (
-                        "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"))):
+                for buckets in itertools.product(*(self.values_where_applies(k, layout) for k in BUCKET_KNOBS)):
                     yield Strategy(zero_stage=z, offload_optimizer=oo, offload_params=op, micro_batch_size=mbs,
-                                   checkpointing=ck, checkpoint_layers=n, precision=prec, reduce_bucket_size=rb,
-                                   allgather_bucket_size=ag, prefetch_bucket_size=pf)
+                                   checkpointing=ck, checkpoint_layers=n, precision=prec,
+                                   **dict(zip(BUCKET_KNOBS, buckets)))
 
     def values_where_applies(self, knob: str, layout: Any) -> tuple[Any, ...]:
         """The space's values of a bucket knob, or (None,) where the knob has no effect."""

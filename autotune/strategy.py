@@ -28,12 +28,13 @@ FSDP_SHARDING = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FULL
 
 
 def _knob(default: Any, *, search_order: Optional[int], flag: bool,
-          int_range: Optional[tuple[int, Optional[int]]] = None) -> Any:
+          int_range: Optional[tuple[int, Optional[int]]] = None, buffer: bool = False) -> Any:
     """A Strategy field. ``search_order``: its place in KNOBS (the order Optuna is asked and the
     trials.csv columns; None: not searched). ``flag``: ``autotune estimate`` has a ``--flag`` for it.
-    ``int_range``: (low, high) an integer knob accepts in a job file (high None: no bound)."""
+    ``int_range``: (low, high) an integer knob accepts in a job file (high None: no bound).
+    ``buffer``: a DeepSpeed buffer size (None: autotune's choice, see default_buckets)."""
     return dataclasses.field(default=default, metadata={"search_order": search_order, "flag": flag,
-                                                        "int_range": int_range})
+                                                        "int_range": int_range, "buffer": buffer})
 
 
 @dataclass(frozen=True)
@@ -58,14 +59,14 @@ class Strategy:
     """Where the sharded 16-bit parameters live between uses (ZeRO-3 only)."""
     precision: Precision = _knob("bf16", search_order=6, flag=True)
     """Compute precision; fp16 adds dynamic loss scaling."""
-    reduce_bucket_size: Optional[int] = _knob(None, search_order=7, flag=False, int_range=(1, None))
+    reduce_bucket_size: Optional[int] = _knob(None, search_order=7, flag=False, int_range=(1, None), buffer=True)
     """Elements per gradient reduce bucket (None: autotune's choice, see default_buckets)."""
-    allgather_bucket_size: Optional[int] = _knob(None, search_order=8, flag=False, int_range=(1, None))
+    allgather_bucket_size: Optional[int] = _knob(None, search_order=8, flag=False, int_range=(1, None), buffer=True)
     """ZeRO-1/2: elements per parameter all-gather bucket (None: autotune's choice)."""
-    prefetch_bucket_size: Optional[int] = _knob(None, search_order=9, flag=False, int_range=(1, None))
+    prefetch_bucket_size: Optional[int] = _knob(None, search_order=9, flag=False, int_range=(1, None), buffer=True)
     """ZeRO-3: elements prefetched ahead of use (None: autotune's choice)."""
     param_persistence_threshold: Optional[int] = _knob(None, search_order=None, flag=False,
-                                                     int_range=(0, None))
+                                                     int_range=(0, None), buffer=True)
     """ZeRO-3: parameters smaller than this stay unpartitioned (None: autotune's choice)."""
 
     def num_checkpointed(self, num_layers: int) -> int:
@@ -117,6 +118,9 @@ columns of trials.csv and the fields that identify a point across runs."""
 
 FLAG_KNOBS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Strategy) if f.metadata["flag"])
 """The knobs ``autotune estimate`` takes as ``--flags`` (field order)."""
+
+BUCKET_KNOBS: tuple[str, ...] = tuple(k for k in KNOBS if Strategy.__dataclass_fields__[k].metadata["buffer"])
+"""The searched DeepSpeed buffer sizes (KNOBS order)."""
 
 
 def knob_choices(knob: str) -> Optional[tuple[Any, ...]]:

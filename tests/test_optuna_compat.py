@@ -107,3 +107,12 @@ def test_study_private_attributes_exist(tmp_path, name):
     assert hasattr(study, name)
     if name == "_thread_local":
         assert hasattr(study._thread_local, "cached_all_trials")
+
+
+def test_hypervolume_of_a_staircase():
+    import numpy as np
+
+    pts = np.array([[1.0, 3.0], [2.0, 2.0], [3.0, 1.0], [2.5, 2.5]])  # the last one is dominated
+    # area below (4, 4) not dominated by the points: 3x1 + 2x1 + 1x1 = 6
+    assert compat.compute_hypervolume(pts, np.array([4.0, 4.0])) == pytest.approx(6.0)
+    assert compat.compute_hypervolume(pts[:3], np.array([4.0, 4.0]), assume_pareto=True) == pytest.approx(6.0)
