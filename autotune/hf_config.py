@@ -4,7 +4,7 @@ and (with torch + transformers) checking the parameter count against the real mo
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from autotune.checks import show
 from autotune.errors import ConfigError
@@ -42,6 +42,11 @@ def check_exact_count(cfg: dict, fields_: dict, path: str) -> None:
                           path="model.hf_config")
 
 
+_Getter = Callable[..., Any]
+"""``get(*keys, default=None)``: the first of ``keys`` the config sets, else ``default`` (required
+when None: a one-line error names the file and the keys)."""
+
+
 def map_hf_config(cfg: dict, path: str) -> dict[str, Any]:
     """ModelSpec fields of a Hugging Face config.json object (unchecked values; autotune.config
     checks them like explicit fields)."""
@@ -56,74 +61,92 @@ def map_hf_config(cfg: dict, path: str) -> dict[str, Any]:
         return default
 
     name = str(cfg.get("_name_or_path") or kind)
-    if kind == "gpt2":
-        d = get("n_embd", "hidden_size")
-        out = dict(name=name, num_hidden_layers=get("n_layer"), hidden_size=d, num_attention_heads=get("n_head"),
-                   intermediate_size=cfg.get("n_inner") or 4 * d, vocab_size=get("vocab_size"),
-                   hidden_act=get("activation_function", default="gelu_new"),
-                   tie_word_embeddings=get("tie_word_embeddings", default=True), norm="layernorm", bias=True,
-                   position_embedding="learned", max_position_embeddings=get("n_positions", default=1024),
-                   attention_dropout=float(get("attn_pdrop", default=0.1)),
-                   hidden_dropout=float(max(get("resid_pdrop", default=0.1), get("embd_pdrop", default=0.1))))
-        out["num_key_value_heads"] = out["num_attention_heads"]
-    elif kind == "mpt":
-        d = get("d_model")
-        attn = cfg.get("attn_config") or {}
-        out = dict(name=name, num_hidden_layers=get("n_layers"), hidden_size=d, num_attention_heads=get("n_heads"),
-                   intermediate_size=int(get("expansion_ratio", default=4) * d), vocab_size=get("vocab_size"),
-                   hidden_act="gelu", tie_word_embeddings=True, norm="layernorm", bias=not get("no_bias", default=True),
-                   position_embedding="alibi" if attn.get("alibi") else "learned",
-                   max_position_embeddings=get("max_seq_len", default=2048))
-        out["num_key_value_heads"] = attn.get("kv_n_heads") or out["num_attention_heads"]
-    elif kind == "gpt_neox":
-        # transformers models/gpt_neox: LayerNorms with bias, biased fused qkv / dense / MLP,
-        # plain GELU MLP, partial rotary (no parameters), untied embed_out, parallel residual
-        heads = get("num_attention_heads")
-        out = dict(name=name, num_hidden_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"),
-                   num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=get("intermediate_size"),
-                   vocab_size=get("vocab_size"), hidden_act=get("hidden_act", default="gelu"), mlp_gated=False,
-                   tie_word_embeddings=bool(get("tie_word_embeddings", default=False)), norm="layernorm",
-                   bias=bool(get("attention_bias", default=True)), position_embedding="rope",
-                   max_position_embeddings=get("max_position_embeddings", default=2048),
-                   parallel_residual=bool(get("use_parallel_residual", default=True)), fused_qkv=True,
-                   rotary_concat=True,
-                   attention_dropout=float(cfg.get("attention_dropout") or 0.0),
-                   hidden_dropout=float(cfg.get("hidden_dropout") or 0.0))
-    else:  # llama, mistral, qwen2/3, gemma/2, phi3, olmo2 and other Llama-shaped decoders
-        # (transformers models/<kind>/modeling_<kind>.py: gate/up/down MLP whatever the activation)
-        heads = get("num_attention_heads")
-        act = get("hidden_activation", "hidden_act", default="silu")
-        attn_bias = bool(cfg.get("attention_bias"))
-        out = dict(name=name, num_hidden_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"),
-                   num_attention_heads=heads, num_key_value_heads=get("num_key_value_heads", default=heads),
-                   intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
-                   hidden_act=act, mlp_gated=True,
-                   tie_word_embeddings=bool(get("tie_word_embeddings",
-                                                default=kind in ("gemma", "gemma2", "gemma3_text"))),
-                   norm="rmsnorm", bias=bool(attn_bias and cfg.get("mlp_bias")),
-                   qkv_bias=kind == "qwen2" or attn_bias,
-                   position_embedding="rope", max_position_embeddings=get("max_position_embeddings", default=4096),
-                   attention_dropout=float(cfg.get("attention_dropout") or 0.0),
-                   hidden_dropout=float(max(cfg.get("resid_pdrop") or 0.0, cfg.get("embd_pdrop") or 0.0)))
-        if kind in ("gemma", "gemma2", "olmo2"):
-            out["norm"] = "rmsnorm_fp32"  # GemmaRMSNorm / Olmo2RMSNorm: weight applied in fp32
-        if kind == "phi3":
-            out["fused_qkv"] = True  # qkv_proj, sliced
-            out["rotary_concat"] = True  # apply_rotary_pos_emb: torch.cat([rotated, q_pass])
-        if kind == "gemma2":
-            out["norms_per_block"] = 4  # input, post_attention, pre_feedforward, post_feedforward
-            out["attn_implementation"] = "eager"  # transformers has no sdpa path for Gemma2
-            if cfg.get("attn_logit_softcapping", 50.0):  # Gemma2Config's default
-                out["attn_logit_softcapping"] = float(cfg.get("attn_logit_softcapping", 50.0))
-            if cfg.get("final_logit_softcapping", 30.0):
-                out["final_logit_softcapping"] = float(cfg.get("final_logit_softcapping", 30.0))
-        if kind in ("qwen3", "gemma3_text"):
-            out["qk_norm"] = "head"  # q_norm / k_norm: RMSNorm(head_dim)
-        if kind == "olmo2":
-            out["qk_norm"] = "full"  # q_norm: RMSNorm(heads * head_dim), k_norm: RMSNorm(kv_heads * head_dim)
-        if cfg.get("head_dim"):
-            out["head_dim"] = cfg["head_dim"]
-        elif kind in ("gemma", "gemma2"):
-            out["head_dim"] = 256  # GemmaConfig / Gemma2Config default
+    family = {"gpt2": _gpt2, "mpt": _mpt, "gpt_neox": _gpt_neox}.get(kind, _llama_like)
+    out = family(cfg, get, name, kind)
     out["implementation"] = "hf"  # trained as the transformers class of this model_type
+    return out
+
+
+def _gpt2(cfg: dict, get: _Getter, name: str, kind: str) -> dict[str, Any]:
+    """GPT-2 (transformers models/gpt2)."""
+    d = get("n_embd", "hidden_size")
+    out = dict(name=name, num_hidden_layers=get("n_layer"), hidden_size=d, num_attention_heads=get("n_head"),
+               intermediate_size=cfg.get("n_inner") or 4 * d, vocab_size=get("vocab_size"),
+               hidden_act=get("activation_function", default="gelu_new"),
+               tie_word_embeddings=get("tie_word_embeddings", default=True), norm="layernorm", bias=True,
+               position_embedding="learned", max_position_embeddings=get("n_positions", default=1024),
+               attention_dropout=float(get("attn_pdrop", default=0.1)),
+               hidden_dropout=float(max(get("resid_pdrop", default=0.1), get("embd_pdrop", default=0.1))))
+    out["num_key_value_heads"] = out["num_attention_heads"]
+    return out
+
+
+def _mpt(cfg: dict, get: _Getter, name: str, kind: str) -> dict[str, Any]:
+    """MPT (llm-foundry / transformers models/mpt)."""
+    d = get("d_model")
+    attn = cfg.get("attn_config") or {}
+    out = dict(name=name, num_hidden_layers=get("n_layers"), hidden_size=d, num_attention_heads=get("n_heads"),
+               intermediate_size=int(get("expansion_ratio", default=4) * d), vocab_size=get("vocab_size"),
+               hidden_act="gelu", tie_word_embeddings=True, norm="layernorm", bias=not get("no_bias", default=True),
+               position_embedding="alibi" if attn.get("alibi") else "learned",
+               max_position_embeddings=get("max_seq_len", default=2048))
+    out["num_key_value_heads"] = attn.get("kv_n_heads") or out["num_attention_heads"]
+    return out
+
+
+def _gpt_neox(cfg: dict, get: _Getter, name: str, kind: str) -> dict[str, Any]:
+    """GPT-NeoX."""
+    # transformers models/gpt_neox: LayerNorms with bias, biased fused qkv / dense / MLP,
+    # plain GELU MLP, partial rotary (no parameters), untied embed_out, parallel residual
+    heads = get("num_attention_heads")
+    out = dict(name=name, num_hidden_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"),
+               num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=get("intermediate_size"),
+               vocab_size=get("vocab_size"), hidden_act=get("hidden_act", default="gelu"), mlp_gated=False,
+               tie_word_embeddings=bool(get("tie_word_embeddings", default=False)), norm="layernorm",
+               bias=bool(get("attention_bias", default=True)), position_embedding="rope",
+               max_position_embeddings=get("max_position_embeddings", default=2048),
+               parallel_residual=bool(get("use_parallel_residual", default=True)), fused_qkv=True,
+               rotary_concat=True,
+               attention_dropout=float(cfg.get("attention_dropout") or 0.0),
+               hidden_dropout=float(cfg.get("hidden_dropout") or 0.0))
+    return out
+
+
+def _llama_like(cfg: dict, get: _Getter, name: str, kind: str) -> dict[str, Any]:
+    """llama, mistral, qwen2/3, gemma/2, phi3, olmo2 and other Llama-shaped decoders
+    (transformers models/<kind>/modeling_<kind>.py: gate/up/down MLP whatever the activation)."""
+    heads = get("num_attention_heads")
+    act = get("hidden_activation", "hidden_act", default="silu")
+    attn_bias = bool(cfg.get("attention_bias"))
+    out = dict(name=name, num_hidden_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"),
+               num_attention_heads=heads, num_key_value_heads=get("num_key_value_heads", default=heads),
+               intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
+               hidden_act=act, mlp_gated=True,
+               tie_word_embeddings=bool(get("tie_word_embeddings",
+                                            default=kind in ("gemma", "gemma2", "gemma3_text"))),
+               norm="rmsnorm", bias=bool(attn_bias and cfg.get("mlp_bias")),
+               qkv_bias=kind == "qwen2" or attn_bias,
+               position_embedding="rope", max_position_embeddings=get("max_position_embeddings", default=4096),
+               attention_dropout=float(cfg.get("attention_dropout") or 0.0),
+               hidden_dropout=float(max(cfg.get("resid_pdrop") or 0.0, cfg.get("embd_pdrop") or 0.0)))
+    if kind in ("gemma", "gemma2", "olmo2"):
+        out["norm"] = "rmsnorm_fp32"  # GemmaRMSNorm / Olmo2RMSNorm: weight applied in fp32
+    if kind == "phi3":
+        out["fused_qkv"] = True  # qkv_proj, sliced
+        out["rotary_concat"] = True  # apply_rotary_pos_emb: torch.cat([rotated, q_pass])
+    if kind == "gemma2":
+        out["norms_per_block"] = 4  # input, post_attention, pre_feedforward, post_feedforward
+        out["attn_implementation"] = "eager"  # transformers has no sdpa path for Gemma2
+        if cfg.get("attn_logit_softcapping", 50.0):  # Gemma2Config's default
+            out["attn_logit_softcapping"] = float(cfg.get("attn_logit_softcapping", 50.0))
+        if cfg.get("final_logit_softcapping", 30.0):
+            out["final_logit_softcapping"] = float(cfg.get("final_logit_softcapping", 30.0))
+    if kind in ("qwen3", "gemma3_text"):
+        out["qk_norm"] = "head"  # q_norm / k_norm: RMSNorm(head_dim)
+    if kind == "olmo2":
+        out["qk_norm"] = "full"  # q_norm: RMSNorm(heads * head_dim), k_norm: RMSNorm(kv_heads * head_dim)
+    if cfg.get("head_dim"):
+        out["head_dim"] = cfg["head_dim"]
+    elif kind in ("gemma", "gemma2"):
+        out["head_dim"] = 256  # GemmaConfig / Gemma2Config default
     return out
