@@ -40,6 +40,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from optuna.samplers import BaseSampler
 
+from autotune.config import Config
+from autotune.space import SearchSpace
 from autotune.strategy import BUCKET_KNOBS, OFFLOADS, PRECISIONS, ZERO_STAGES
 
 GIB = float(1 << 30)
@@ -232,7 +234,7 @@ class FrontSampler(BaseSampler):
     chooses_front = True
     """search._run: no predicted-front seeding and no re-seeding; the sampler re-predicts each trial."""
 
-    def __init__(self, cfg: Any, space: Any, screened: Sequence[Any], *, headroom: float,
+    def __init__(self, cfg: Config, space: SearchSpace, screened: Sequence[Any], *, headroom: float,
                  calibrator: Any = None, seed: int = 0, stop_gain: Optional[float] = None) -> None:
         import optuna
 

@@ -196,8 +196,6 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
     read back before every ask, stale trials are failed and re-queued through Optuna's heartbeat,
     and every evaluation is claimed first (``claim.claim``).
     """
-    from optuna.exceptions import UpdateFinishedTrialError
-
     by_key = {s.strategy.key(): s for s in screened}
     outcome = StudyOutcome(study=study, screened=screened)
     # sampler ehvi re-predicts every candidate before each trial: no front seeding, no re-seeding,
@@ -231,26 +229,12 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
                 break  # everything that fits has been evaluated (or, when nothing fits, seen)
             trial = ask(study)
             asks += 1
-            try:
-                strategy = space.suggest(trial, cfg.model)
-                if shared:
-                    trial.set_user_attr(KEY_ATTR, key_text(strategy))
-                    owner = claim(study, trial, strategy, space, cfg, heartbeat)
-                    if owner is not None:
-                        cache.setdefault(strategy.key(), _Outcome.of(owner))
-                with heartbeat_around(trial, study, heartbeat):
-                    ended = _evaluate_trial(study, trial, strategy, cfg, backend, headroom, by_key, cache, oom_at)
-            except UpdateFinishedTrialError:
-                # Another worker's heartbeat check declared this trial stale (our heartbeat was late,
-                # e.g. on an overloaded machine) and re-queued it: its retry evaluates the candidate,
-                # so this result is dropped and nothing is cached for the strategy.
-                seen.add(trial.number)
-                continue
-            except BaseException as err:
-                abandon(study, trial, err)
-                raise
-            cache.setdefault(strategy.key(), ended)
+            done = _one_trial(study, trial, space, cfg, backend, headroom, by_key, cache, oom_at, shared, heartbeat)
             seen.add(trial.number)
+            if done is None:
+                continue
+            strategy, ended = done
+            cache.setdefault(strategy.key(), ended)
             if after_trial is not None:
                 after_trial()
             if ended.measured:
@@ -270,6 +254,33 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
     outcome.evaluated = {k: o.number for k, o in cache.items()}
     outcome.evaluations = evaluations
     return outcome
+
+
+def _one_trial(study: Any, trial: Any, space: SearchSpace, cfg: Config, backend: Backend, headroom: float,
+               by_key: dict, cache: dict, oom_at: dict, shared: bool,
+               heartbeat: bool) -> Optional[tuple[Strategy, "_Outcome"]]:
+    """Choose the asked trial's strategy, claim it (shared studies) and finish the trial; returns the
+    strategy and how it ended. None: another worker's heartbeat check declared this trial stale (our
+    heartbeat was late, e.g. on an overloaded machine) and re-queued it; its retry evaluates the
+    candidate, so this result is dropped and nothing is cached. Anything else that cuts the trial
+    short (SIGTERM, an error) abandons it and propagates."""
+    from optuna.exceptions import UpdateFinishedTrialError
+
+    try:
+        strategy = space.suggest(trial, cfg.model)
+        if shared:
+            trial.set_user_attr(KEY_ATTR, key_text(strategy))
+            owner = claim(study, trial, strategy, space, cfg, heartbeat)
+            if owner is not None:
+                cache.setdefault(strategy.key(), _Outcome.of(owner))
+        with heartbeat_around(trial, study, heartbeat):
+            ended = _evaluate_trial(study, trial, strategy, cfg, backend, headroom, by_key, cache, oom_at)
+    except UpdateFinishedTrialError:
+        return None
+    except BaseException as err:
+        abandon(study, trial, err)
+        raise
+    return strategy, ended
 
 
 def _initialise(study: Any, persistent: Any, cfg: Config, space: SearchSpace, screened: list[Screened],
