@@ -137,6 +137,7 @@ def _llama_like(cfg: dict, get: _Getter, name: str, kind: str) -> dict[str, Any]
     if kind == "gemma2":
         out["norms_per_block"] = 4  # input, post_attention, pre_feedforward, post_feedforward
         out["attn_implementation"] = "eager"  # transformers has no sdpa path for Gemma2
+        out["num_attention_masks"] = 2  # sliding_attention and full_attention layers alternate
         if cfg.get("attn_logit_softcapping", 50.0):  # Gemma2Config's default
             out["attn_logit_softcapping"] = float(cfg.get("attn_logit_softcapping", 50.0))
         if cfg.get("final_logit_softcapping", 30.0):
