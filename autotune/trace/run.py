@@ -140,15 +140,7 @@ def trace_memory(
         wrong = {str(p.dtype) for p in params if p.dtype != dtype}
         if wrong:
             notes.append(f"parameters not in {dtype}: {sorted(wrong)} (kept as built)")
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None) or model_spec.vocab_size
-        batch = None
-        if batch_fn is not None:
-            batch = batch_fn(b, s, torch.device("cpu"))
-            inputs = [v for v in batch.values() if isinstance(v, torch.Tensor)]
-        else:
-            ids = torch.randint(0, vocab, (b, s), dtype=torch.long)
-            labels = torch.randint(0, vocab, (b, s), dtype=torch.long)
-            inputs = [ids, labels]
+        batch, inputs = _inputs(model, model_spec, batch_fn, b, s)
         tracker.track_external(model, *inputs)
         # Cyclic garbage (autograd/checkpoint frames under fake mode) is freed whenever Python's
         # collector runs: frozen_heap collects first (the collections inside the trace then fall at
@@ -156,13 +148,7 @@ def trace_memory(
         # where real autograd would free the tensors (a deterministic, real-lifetime peak).
         with frozen_heap(), tracker, sdpa_to_flash(), unpacked_positions(source):
             # fp32 master weights, as a mixed-precision optimizer keeps them (not for fp32 training)
-            masters = []
-            if dtype != torch.float32 and optimizer_step:
-                tracker.phase = "setup"
-                for p in params:
-                    m = p.detach().float()
-                    tracker.refile(m, MASTER)
-                    masters.append(m)
+            masters = _master_weights(tracker, params) if dtype != torch.float32 and optimizer_step else []
             tracker.phase = "forward"
             with flop_mode:
                 if batch is not None:
@@ -197,6 +183,32 @@ def trace_memory(
         at_activation_peak=at_peak, flops=_flop_summary(flop_mode, flops_fwd, flops_total),
         parameters=sum(p.numel() for p in params), wall_s=time.perf_counter() - t0, notes=tuple(notes),
     )
+
+
+def _inputs(model: Any, model_spec: ModelSpec, batch_fn: Optional[Callable[..., dict]], b: int,
+            s: int) -> tuple[Optional[dict], list[Any]]:
+    """The micro-batch (fake tensors): the factory's batch (and its tensors), or token ids and labels
+    over the model's vocabulary (batch None)."""
+    import torch
+
+    if batch_fn is not None:
+        batch = batch_fn(b, s, torch.device("cpu"))
+        return batch, [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or model_spec.vocab_size
+    ids = torch.randint(0, vocab, (b, s), dtype=torch.long)
+    labels = torch.randint(0, vocab, (b, s), dtype=torch.long)
+    return None, [ids, labels]
+
+
+def _master_weights(tracker: Any, params: list[Any]) -> list[Any]:
+    """fp32 copies of the parameters, filed under MASTER (setup phase)."""
+    tracker.phase = "setup"
+    masters = []
+    for p in params:
+        m = p.detach().float()
+        tracker.refile(m, MASTER)
+        masters.append(m)
+    return masters
 
 
 def _model_source(hf_config: Optional[str], model_factory: Optional[str]) -> tuple[str, list[str]]:
