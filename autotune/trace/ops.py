@@ -24,89 +24,104 @@ def flash_ops() -> dict[str, Any]:
         if _FLASH:
             return _FLASH
         import torch
-        from torch.utils import flop_counter as fc
 
-        def _expand(k: "torch.Tensor", heads: int) -> "torch.Tensor":
-            rep = heads // k.shape[1]
-            return k.repeat_interleave(rep, dim=1) if rep > 1 else k
+        _register_flash_ops()
+        fwd, bwd = torch.ops.autotune_trace.flash_fwd, torch.ops.autotune_trace.flash_bwd
+        fwd_flops, bwd_flops = _flop_formulas()
+        _FLASH.update(apply=_flash_function().apply, fwd=fwd, bwd=bwd, flop_mapping={fwd: fwd_flops, bwd: bwd_flops})
+        return _FLASH
 
-        @torch.library.custom_op("autotune_trace::flash_fwd", mutates_args=(),
-                                 schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)")
-        def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-            kk, vv = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-            s = torch.matmul(q.float(), kk.float().transpose(-1, -2)) * scale
+
+def _expand(k: Any, heads: int) -> Any:
+    """k or v with its kv heads repeated to ``heads`` (GQA)."""
+    rep = heads // k.shape[1]
+    return k.repeat_interleave(rep, dim=1) if rep > 1 else k
+
+
+def _register_flash_ops() -> None:
+    """``autotune_trace::flash_fwd`` / ``flash_bwd``: math-path kernels and FlashAttention-2-shaped fakes."""
+    import torch
+
+    @torch.library.custom_op("autotune_trace::flash_fwd", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)")
+    def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        kk, vv = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+        s = torch.matmul(q.float(), kk.float().transpose(-1, -2)) * scale
+        if causal:
+            n, m = s.shape[-2:]
+            s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1 + m - n), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vv.float()).to(q.dtype)
+        return out.transpose(1, 2).contiguous().transpose(1, 2), lse  # (b, s, a, hd) memory, like FA2
+
+    @flash_fwd.register_fake
+    def _(q, k, v, causal, scale):
+        b, a, s, _ = q.shape
+        # FA2 (and PyTorch's flash kernels) allocate the output (b, s, a, hd) and return it
+        # transposed, so the caller's transpose(1, 2).reshape(b, s, a*hd) is a free view.
+        out = q.new_empty((b, s, a, v.shape[-1])).transpose(1, 2)
+        return out, q.new_empty((b, a, s), dtype=torch.float32)
+
+    @torch.library.custom_op("autotune_trace::flash_bwd", mutates_args=(),
+                             schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                                    "bool causal, float scale) -> (Tensor, Tensor, Tensor)")
+    def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with torch.enable_grad():
+            qq, kk, vv = (t.detach().float().requires_grad_() for t in (q, k, v))
+            ke, ve = _expand(kk, q.shape[1]), _expand(vv, q.shape[1])
+            s = torch.matmul(qq, ke.transpose(-1, -2)) * scale
             if causal:
                 n, m = s.shape[-2:]
-                s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1 + m - n), float("-inf"))
-            lse = torch.logsumexp(s, dim=-1)
-            out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vv.float()).to(q.dtype)
-            return out.transpose(1, 2).contiguous().transpose(1, 2), lse  # (b, s, a, hd) memory, like FA2
+                s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1 + m - n),
+                                  float("-inf"))
+            o = torch.matmul(torch.softmax(s, -1), ve)
+            dq, dk, dv = torch.autograd.grad(o, (qq, kk, vv), dout.float())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-        @flash_fwd.register_fake
-        def _(q, k, v, causal, scale):
-            b, a, s, _ = q.shape
-            # FA2 (and PyTorch's flash kernels) allocate the output (b, s, a, hd) and return it
-            # transposed, so the caller's transpose(1, 2).reshape(b, s, a*hd) is a free view.
-            out = q.new_empty((b, s, a, v.shape[-1])).transpose(1, 2)
-            return out, q.new_empty((b, a, s), dtype=torch.float32)
+    @flash_bwd.register_fake
+    def _(dout, q, k, v, out, lse, causal, scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-        @torch.library.custom_op("autotune_trace::flash_bwd", mutates_args=(),
-                                 schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-                                        "bool causal, float scale) -> (Tensor, Tensor, Tensor)")
-        def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            with torch.enable_grad():
-                qq, kk, vv = (t.detach().float().requires_grad_() for t in (q, k, v))
-                ke, ve = _expand(kk, q.shape[1]), _expand(vv, q.shape[1])
-                s = torch.matmul(qq, ke.transpose(-1, -2)) * scale
-                if causal:
-                    n, m = s.shape[-2:]
-                    s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1 + m - n),
-                                      float("-inf"))
-                o = torch.matmul(torch.softmax(s, -1), ve)
-                dq, dk, dv = torch.autograd.grad(o, (qq, kk, vv), dout.float())
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-        @flash_bwd.register_fake
-        def _(dout, q, k, v, out, lse, causal, scale):
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _flash_function() -> Any:
+    """The autograd.Function running the two ops."""
+    import torch
 
-        class _Flash(torch.autograd.Function):
-            # A plain autograd.Function (not register_autograd): its save order is stable under
-            # non-reentrant checkpoint recomputation.
-            @staticmethod
-            def forward(ctx, q, k, v, causal, scale):
-                out, lse = torch.ops.autotune_trace.flash_fwd(q, k, v, causal, scale)
-                ctx.save_for_backward(q, k, v, out, lse)
-                ctx.causal, ctx.scale = causal, scale
-                return out
+    class _Flash(torch.autograd.Function):
+        # A plain autograd.Function (not register_autograd): its save order is stable under
+        # non-reentrant checkpoint recomputation.
+        @staticmethod
+        def forward(ctx, q, k, v, causal, scale):
+            out, lse = torch.ops.autotune_trace.flash_fwd(q, k, v, causal, scale)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.causal, ctx.scale = causal, scale
+            return out
 
-            @staticmethod
-            def backward(ctx, dout):
-                q, k, v, out, lse = ctx.saved_tensors
-                dq, dk, dv = torch.ops.autotune_trace.flash_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
-                return dq, dk, dv, None, None
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = torch.ops.autotune_trace.flash_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+            return dq, dk, dv, None, None
+    return _Flash
 
-        def _q_heads_shape(q_shape, kv_shape):
-            # torch's formulas count GQA per query head; present k/v with the query head count.
-            return (kv_shape[0], q_shape[1], kv_shape[2], kv_shape[3])
 
-        # FlopCounterMode hands the formulas the argument shapes (its shape_wrapper).
-        def fwd_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
-            return fc.sdpa_flop_count(q, _q_heads_shape(q, k), _q_heads_shape(q, v))
+def _flop_formulas() -> tuple[Any, Any]:
+    """FLOPs of the forward and backward ops: torch's own SDPA formulas."""
+    from torch.utils import flop_counter as fc
 
-        def bwd_flops(dout, q, k, v, *args, out_shape=None, **kwargs) -> int:
-            return fc.sdpa_backward_flop_count(dout, q, _q_heads_shape(q, k), _q_heads_shape(q, v))
+    def _q_heads_shape(q_shape, kv_shape):
+        # torch's formulas count GQA per query head; present k/v with the query head count.
+        return (kv_shape[0], q_shape[1], kv_shape[2], kv_shape[3])
 
-        _FLASH.update(
-            apply=_Flash.apply,
-            fwd=torch.ops.autotune_trace.flash_fwd,
-            bwd=torch.ops.autotune_trace.flash_bwd,
-            flop_mapping={torch.ops.autotune_trace.flash_fwd: fwd_flops,
-                          torch.ops.autotune_trace.flash_bwd: bwd_flops},
-        )
-        return _FLASH
+    # FlopCounterMode hands the formulas the argument shapes (its shape_wrapper).
+    def fwd_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_flop_count(q, _q_heads_shape(q, k), _q_heads_shape(q, v))
+
+    def bwd_flops(dout, q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_backward_flop_count(dout, q, _q_heads_shape(q, k), _q_heads_shape(q, v))
+    return fwd_flops, bwd_flops
 
 
 @contextlib.contextmanager
