@@ -10,6 +10,7 @@ without re-running anything or importing torch.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -140,9 +141,9 @@ class RunData:
     meta: dict[str, Any] = field(default_factory=dict)
     """run.json ({} when absent)."""
 
-    @property
+    @functools.cached_property
     def records(self) -> list[TrialRecord]:
-        """trials.csv rows as typed records."""
+        """trials.csv rows as typed records (read once)."""
         return [TrialRecord.from_row(r) for r in self.trials]
 
     @property

@@ -125,17 +125,24 @@ BUCKET_KNOBS: tuple[str, ...] = tuple(k for k in KNOBS if Strategy.__dataclass_f
 
 def knob_choices(knob: str) -> Optional[tuple[Any, ...]]:
     """The fixed values of a knob with a ``Literal`` type (None for integers)."""
+    return _CHOICES[knob]
+
+
+def _literal_choices() -> dict[str, Optional[tuple[Any, ...]]]:
     import typing
 
-    hint = typing.get_type_hints(Strategy)[knob]
-    return get_args(hint) if typing.get_origin(hint) is Literal else None
+    hints = typing.get_type_hints(Strategy)
+    return {name: get_args(hint) if typing.get_origin(hint) is Literal else None for name, hint in hints.items()}
+
+
+_CHOICES = _literal_choices()
 
 
 def knob_applies(knob: str, strategy: "Strategy | Mapping[str, Any]") -> bool:
     """Whether ``knob`` has an effect on ``strategy`` (a Strategy, or a mapping holding at least its
     ``zero_stage`` and ``checkpointing``): checkpoint_layers only with checkpointing on; each bucket
     knob only at the ZeRO stages whose DeepSpeed config carries it (see to_deepspeed_config)."""
-    get = strategy.get if isinstance(strategy, Mapping) else lambda k: getattr(strategy, k)
+    get = (lambda k: getattr(strategy, k)) if isinstance(strategy, Strategy) else strategy.get
     if knob == "checkpoint_layers":
         return get("checkpointing") != "none"
     if knob == "reduce_bucket_size":
