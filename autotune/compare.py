@@ -31,14 +31,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from autotune.config import Config
 from autotune.errors import ConfigError
 from autotune.runfiles import RunData, TrialRecord, load_run, strategy_key
 from autotune.strategy import Strategy, strategy_from_dict
 
+if TYPE_CHECKING:
+    from autotune.config import Config
+
 DEFAULT_MAX_REGRESSION = "5%"
+"""Tolerated loss of the recommended point's tokens/s (``compare``, ``run --baseline``)."""
 
 
 # ---------------------------------------------------------------- compare

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from autotune.compare import DEFAULT_MAX_REGRESSION, run_compare
+from autotune.compare import DEFAULT_MAX_REGRESSION
 
 
 def add_parser(sub: Any) -> None:
@@ -23,4 +23,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from autotune.compare import run_compare
+
     return run_compare(args.old_run, args.new_run, args.max_regression, as_json=args.json)

@@ -8,10 +8,8 @@ import os
 import sys
 from typing import Any
 
-from autotune import compare
-from autotune.config import load_config
+from autotune.compare import DEFAULT_MAX_REGRESSION
 from autotune.errors import ConfigError
-from autotune.output import recommendation_lines
 
 
 def add_parser(sub: Any) -> None:
@@ -45,11 +43,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--baseline", metavar="RUN_DIR|latest",
                      help="nightly retuning: re-measure this run's front first, then compare against it and exit "
                      "with compare's status (latest: <out>/latest-<config stem>)")
-    p.add_argument("--max-regression", default="5%", metavar="PCT",
+    p.add_argument("--max-regression", default=DEFAULT_MAX_REGRESSION, metavar="PCT",
                      help="with --baseline: tolerated loss of the recommended point's tokens/s (default: 5%%)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from autotune import compare
+    from autotune.config import load_config
+    from autotune.output import recommendation_lines
     from autotune.report import write_report
     from autotune.rundir import open_run
 

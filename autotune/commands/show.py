@@ -6,8 +6,6 @@ import argparse
 import json
 from typing import Any
 
-from autotune.output import format_show
-from autotune.runfiles import load_run
 
 
 def add_parser(sub: Any) -> None:
@@ -21,6 +19,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from autotune.output import format_show
+    from autotune.runfiles import load_run
+
     data = load_run(args.run_dir)
     if getattr(args, "report", False):
         from autotune.report import write_report
