@@ -78,6 +78,7 @@ def _gpt2(cfg: dict, get: _Getter, name: str, kind: str) -> dict[str, Any]:
                attention_dropout=float(get("attn_pdrop", default=0.1)),
                hidden_dropout=float(max(get("resid_pdrop", default=0.1), get("embd_pdrop", default=0.1))))
     out["num_key_value_heads"] = out["num_attention_heads"]
+    out["linear_addmm"] = True  # Conv1D: torch.addmm(bias, x, weight)
     return out
 
 
