@@ -62,7 +62,9 @@ def _pool(cfg: Any) -> list[Any]:
         for s in space.candidates(model):
             seen.setdefault(repr(s), s)
     layers = model.num_hidden_layers
-    raw = itertools.product((0, 1, 2, 3), (1, 2, 3, 4, 8, 16), ("none", "selective", "full"),
+    from autotune.strategy import CHECKPOINTINGS
+
+    raw = itertools.product((0, 1, 2, 3), (1, 2, 3, 4, 8, 16), CHECKPOINTINGS,
                             (None, 0, max(1, layers // 2), layers, layers + 1), ("none", "cpu", "nvme"),
                             ("none", "cpu", "nvme"), ("bf16", "fp16", "fp32"))
     for z, mbs, ck, n, oo, op, prec in raw:
