@@ -3,8 +3,8 @@
 
 import pytest
 
-from autotune.memory import (GPU_COMPONENTS, GIB, PREDICTION_MARGIN, MemoryEstimate, estimate_memory, model_states_bytes,
-                             zero_model_states)
+from autotune.memory import GPU_COMPONENTS, PREDICTION_MARGIN, MemoryEstimate, estimate_memory, model_states_bytes, zero_model_states
+from autotune.spec import GIB
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.spec import HardwareSpec, NVMeSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -179,7 +179,7 @@ def test_hf_gelu_new_composite_keeps_three_more_tensors():
 
 # ---------------------------------------------------------------- issue 11: what a user's job hits
 
-from autotune.memory import _model_states  # noqa: E402
+from autotune.memory.states import _model_states  # noqa: E402
 
 SMALL = model_from_name("tiny-llama").replace(num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
                                               num_key_value_heads=8, intermediate_size=688, vocab_size=4096)

@@ -10,8 +10,8 @@ import os
 import pytest
 
 from autotune.config import hf_config_fields
-from autotune.memory import (_composite_gelu_backward_transient, _mlp_backward_transient, activation_breakdown,
-                             block_activation_bytes_per_token)
+from autotune.memory.activations import _composite_gelu_backward_transient, _mlp_backward_transient
+from autotune.memory import activation_breakdown, block_activation_bytes_per_token
 from autotune.spec import ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
 from conftest import ROOT

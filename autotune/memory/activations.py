@@ -1,0 +1,282 @@
+"""Activation memory per block and outside the blocks, per operation (Korthikanti et al. 2022,
+sec. 4, adapted to the reference decoders and HF families; see the package docstring)."""
+
+from __future__ import annotations
+
+from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy
+
+
+def _norm_saved(m: ModelSpec, p: int) -> float:
+    """Bytes per token one norm keeps for backward, its output (saved by the next linear) included."""
+    h = m.hidden_size
+    if m.norm == "rmsnorm_fp32":
+        # HF GemmaRMSNorm / Olmo2RMSNorm: x.float() (4h), rsqrt (4), the fp32 normalised value
+        # saved by the fp32 weight multiply (4h), the output cast to the model dtype (p h). OLMo2's
+        # post-norms save the same: their output feeds the residual, the linears save the block input.
+        return 8 * h + p * h + 4
+    if m.norm == "rmsnorm":
+        # HF LlamaRMSNorm: x.float() (4h), rsqrt (4), h.to(dtype) (p h), weight * h (p h)
+        return 4 * h + 2 * p * h + 4
+    # native_layer_norm saves input (p h), mean and rstd (fp32); output saved by the linear (p h)
+    return 2 * p * h + 8
+
+
+def _sdpa_math(m: ModelSpec, device: str) -> bool:
+    """sdpa with attention dropout on the CPU: PyTorch's CPU flash kernel has no dropout, so
+    ``scaled_dot_product_attention`` falls back to ``_scaled_dot_product_attention_math``
+    (aten/src/ATen/native/transformers/attention.cpp), in fp32 for bf16/fp16 inputs on the CPU.
+    On CUDA the flash / memory-efficient kernels apply dropout from an RNG seed: nothing extra."""
+    return m.attn_implementation == "sdpa" and m.attention_dropout > 0 and device == "cpu"
+
+
+def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device: str = "cuda") -> float:
+    """Bytes per token the attention core (softmax(QK^T)V) keeps, q/k/v inputs included."""
+    q, kv, a = m.q_size, m.kv_size, m.num_attention_heads
+    if _sdpa_math(m, device):
+        # math path (measured with saved_tensors_hooks, torch 2.13 CPU): fp32 copies of the scaled
+        # q and k (k repeated for GQA), v (fp32, repeated), the fp32 softmax output, the fp32
+        # dropout noise and the dropout output (each b x a x s x s); the output is not saved, the
+        # contiguous copy o_proj saves is (p q)
+        kv_eff = q if m.num_key_value_heads < a else kv
+        return 4 * (q + 2 * kv_eff) + 12 * a * s + p * q
+    if m.attn_implementation == "sdpa":
+        # flash kernels save q, k, v, out and the fp32 log-sum-exp; no s x s matrix. The CPU kernel
+        # allocates out like q (aten/src/ATen/native/transformers/attention.cpp, empty_like): q made
+        # by torch.cat (rotary_concat) gives a per-head contiguous out, and o_proj saves its copy
+        n = p * (q + 2 * kv) + p * q + 4 * a
+        return n + p * q if m.rotary_concat else n
+    rep = a // m.num_key_value_heads
+    kv_eff = q if rep > 1 else kv  # repeat_kv copies are what the matmuls save
+    n = p * q + 2 * p * kv_eff  # q, k (QK^T), v (PV)
+    n += 4 * a * s  # fp32 softmax output (saved by softmax backward)
+    if m.attn_logit_softcapping:
+        n += p * a * s  # tanh output of the score softcapping (transformers modeling_gemma2.py)
+    if m.attention_dropout > 0:
+        n += (mask_bytes + p) * a * s  # dropout mask and dropout output (saved by PV)
+    elif p < 4:
+        n += p * a * s  # probabilities cast back to the model dtype (saved by PV)
+    n += p * q  # output (b,a,s,hd) transposed back: contiguous copy saved by o_proj
+    return n
+
+
+def _attention_core_selective(m: ModelSpec, p: int) -> float:
+    """Attention core under selective checkpointing: only its inputs q, k, v and its output."""
+    q, kv = m.q_size, m.kv_size
+    return p * (q + 2 * kv) + p * q
+
+
+def _attention_sublayer_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device: str, core: str) -> float:
+    """Per token, what the attention module (projections, core, its residual dropout) keeps, its
+    input (the norm's output, counted with the norm) excluded. ``core``: ``"full"`` or
+    ``"selective"`` (core recomputed, Korthikanti et al. 2022 sec. 5)."""
+    if core == "selective":
+        n = _attention_core_selective(m, p)
+    else:
+        n = _attention_core_saved(m, p, s, mask_bytes, device)
+    if m.qk_norm != "none":
+        # HF q_norm / k_norm (RMSNorm with the fp32 upcast, Qwen3 per head, OLMo2 over the whole
+        # projection): the fp32 input, the normalised value in the model dtype (saved by the weight
+        # multiply) and one fp32 rsqrt per normalised vector; the output goes to rope / attention
+        # (Olmo2RMSNorm multiplies the weight in fp32: the fp32 normalised value instead)
+        width = m.q_size + m.kv_size
+        vectors = (m.num_attention_heads + m.num_key_value_heads) if m.qk_norm == "head" else 2
+        n += (8 if m.norm == "rmsnorm_fp32" else 4 + p) * width + 4 * vectors
+    if m.fused_qkv and m.position_embedding == "rope" and core != "selective":
+        # rotary makes new q and k, v stays a view of the fused projection's output: attention
+        # keeps that whole output (q + 2 kv) where separate projections keep v alone
+        n += p * (m.q_size + m.kv_size)
+    if m.hidden_dropout > 0:
+        n += mask_bytes * m.hidden_size  # its residual-branch dropout mask
+    return n
+
+
+def _mlp_sublayer_saved(m: ModelSpec, p: int, mask_bytes: int) -> float:
+    """Per token, what the MLP module keeps, its input (the norm's output) excluded."""
+    f = m.intermediate_size
+    n = (4 if m.gated_mlp else 2) * p * f
+    if m.implementation == "hf" and m.hidden_act == "gelu_new":
+        # transformers activations.py NewGELUActivation is a Python composite,
+        # 0.5*x*(1+tanh(c*(x+0.044715*x^3))): autograd keeps x, tanh(.), 0.5*x and 1+tanh(.)
+        # where F.gelu(approximate="tanh") keeps x alone: three more f-wide tensors.
+        n += 3 * p * f
+    if m.hidden_dropout > 0:
+        n += mask_bytes * m.hidden_size  # its residual-branch dropout mask
+    return n
+
+
+def _op_sac_saved(m: ModelSpec, p: int, s: int, device: str, zero3_linear: bool = False) -> float:
+    """Per token, what op-level selective checkpointing keeps of a block (``autotune.checkpointing
+    .op_sac_context``, torchtitan's policy): the block input, the attention kernel's outputs (out
+    and the fp32 log-sum-exp of sdpa's flash kernels; eager and the CPU math path are recomputed)
+    and the output of every other ``aten.mm`` in the block's order (1st, 3rd, ...). Biased linears
+    run ``addmm``, which is recomputed and not counted, except under ZeRO-3 (``zero3_linear``):
+    DeepSpeed's memory-efficient linear computes a batched input as ``matmul`` plus the bias
+    (deepspeed/runtime/zero/linear.py ``LinearFunctionForZeroStage3``), unless the model calls
+    ``torch.addmm`` itself (``linear_addmm``, HF GPT-2's Conv1D)."""
+    h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
+    biased_mm = zero3_linear and not m.linear_addmm
+    qkv_mm = biased_mm or not (m.bias or m.qkv_bias or m.linear_addmm)
+    rest_mm = biased_mm or not (m.bias or m.linear_addmm)
+    if m.fused_qkv:  # Phi-3 qkv_proj / gate_up_proj, GPT-NeoX query_key_value
+        linears = [(q + 2 * kv, qkv_mm), (h, rest_mm)]
+        linears += [(2 * f, rest_mm)] if m.gated_mlp else [(f, rest_mm)]
+    else:
+        linears = [(q, qkv_mm), (kv, qkv_mm), (kv, qkv_mm), (h, rest_mm)]
+        linears += [(f, rest_mm), (f, rest_mm)] if m.gated_mlp else [(f, rest_mm)]
+    linears.append((h, rest_mm))
+    mm_widths = [width for width, is_mm in linears if is_mm]
+    n = p * h + p * sum(mm_widths[0::2])
+    if m.attn_implementation == "sdpa" and not _sdpa_math(m, device):
+        n += p * q + 4 * m.num_attention_heads
+    return n
+
+
+def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing: str = "none",
+                                     mask_bytes: int = 1, device: str = "cuda", zero3_linear: bool = False) -> float:
+    """Bytes per token one block keeps for backward (Korthikanti et al. 2022, per operation).
+
+    ``checkpointing``: ``full`` keeps the block input only; ``attention`` / ``mlp`` checkpoint that
+    module (the sublayer inside the norms, as HF decoder layers hold it: the checkpoint's input is
+    the norm output the norm count already has); ``op`` keeps what the op-level selective policy
+    saves (``_op_sac_saved``); ``selective`` recomputes the attention core.
+    ``mask_bytes``: bytes per element of a dropout mask (1 on CUDA: bool mask of the fused
+    kernel; the model dtype's size on CPU, whose dropout multiplies by a noise tensor).
+    """
+    h = m.hidden_size
+    if checkpointing == "full":
+        return p * h  # the block input saved by the checkpoint
+    if checkpointing == "op":
+        return _op_sac_saved(m, p, s, device, zero3_linear)
+    # the two pre-norms' outputs are saved by the next linear; extra (post-)norms (Gemma2) feed the
+    # residual add, which saves nothing
+    n = 2 * _norm_saved(m, p) + (m.norms_per_block - 2) * (_norm_saved(m, p) - p * h)
+    if m.parallel_residual and m.norm == "layernorm":
+        n -= p * h  # both pre-norms save the same block input (native_layer_norm): one tensor
+    if checkpointing != "attention":
+        n += _attention_sublayer_saved(m, p, s, mask_bytes, device, "selective" if checkpointing == "selective" else "full")
+    if checkpointing != "mlp":
+        n += _mlp_sublayer_saved(m, p, mask_bytes)
+    return n
+
+
+def _attention_backward_transient(m: ModelSpec, p: int, s: int, device: str = "cuda") -> float:
+    """Gradient buffers of the attention core's backward, per token, beyond its saved tensors.
+
+    Eager: the probabilities' gradient in the model dtype next to the fp32 gradient of the
+    softmax (s x s per head). sdpa/flash: dq, dk, dv. sdpa's CPU math path (dropout): fp32
+    gradients of the dropout output and of the softmax (s x s per head).
+    """
+    if _sdpa_math(m, device):
+        # the softmax gradient next to the dropout output's gradient (fp32, s x s per head), after
+        # the PV matmul's backward released the saved dropout output (fp32, s x s per head)
+        return 4 * m.num_attention_heads * s
+    if m.attn_implementation == "eager":
+        return (4 + p) * m.num_attention_heads * s
+    return p * (m.q_size + 2 * m.kv_size)
+
+
+def _mlp_backward_transient(m: ModelSpec, p: int, mask_bytes: int) -> float:
+    """Per token, what the MLP's backward adds next to the block's saved tensors (its peak).
+
+    Measured on allocation traces of real CPU steps (benchmarks/memory_vs_deepspeed.py, and a
+    SwiGLU MLP alone under non-reentrant checkpointing): the down projection's input gradient
+    (f wide). A gated MLP's multiply backward then adds the gradients of both factors while that
+    input gradient is alive, but the product (the down projection's saved input) was released
+    after the down projection's backward: +2 f-wide net. With residual dropout, the dropout
+    backward's output (h) while the dropout mask itself has been released. The down projection's
+    weight gradient (f x h, not per token) is added by the caller.
+    """
+    n = (2 if m.gated_mlp else 1) * p * m.intermediate_size
+    if m.hidden_dropout > 0:
+        n += p * m.hidden_size - mask_bytes * m.hidden_size
+    return n
+
+
+def _composite_gelu_backward_transient(m: ModelSpec, p: int) -> float:
+    """Per token, the peak of HF's composite GELU backward (NewGELUActivation, 0.5*x*(1+tanh(.))).
+
+    Its last multiply's backward makes the gradients of both factors (f wide each) while the
+    incoming gradient is alive, after the down projection's backward released the activation's
+    output (its saved input): +2 f-wide net, without the down projection's weight gradient
+    (already accumulated). Measured on allocation traces of transformers' GPT2MLP (torch 2.13
+    CPU): +2.25 f above the forward end, against +1.5 f for F.gelu(approximate="tanh").
+    """
+    if m.implementation == "hf" and m.hidden_act == "gelu_new" and not m.gated_mlp:
+        return 2 * p * m.intermediate_size
+    return 0.0
+
+
+CPU_RNG_STATE_BYTES = 5056
+"""``torch.get_rng_state()`` (the CPU mt19937 generator's state), which a non-reentrant checkpoint
+keeps per checkpointed region to replay dropout (torch/utils/checkpoint.py ``preserve_rng_state``);
+host memory on GPUs, where the device generator's state is a few bytes."""
+
+
+def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str, device: str = "cuda") -> float:
+    """Per-block bytes independent of the micro-batch (eager attention's s x s causal mask; the RNG
+    state a checkpointed region keeps, on the CPU)."""
+    n = 0.0
+    if m.attn_implementation == "eager" and checkpointing == "none":
+        n += s * s
+    if checkpointing != "none" and device == "cpu":
+        n += CPU_RNG_STATE_BYTES
+    return n
+
+
+def _nonblock_saved_per_token(m: ModelSpec, p: int, mask_bytes: int = 1) -> float:
+    """Final norm, embedding dropout mask and the loss's fp32 log-softmax output (per token)."""
+    n = _norm_saved(m, p) + 4 * m.vocab_size
+    if m.hidden_dropout > 0:
+        n += mask_bytes * m.hidden_size
+    return n
+
+
+def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Strategy,
+                         device: str = "cuda") -> dict[str, float]:
+    """Saved activations at the end of the forward pass (bytes per GPU) and the loss transients."""
+    m, s, b = model, training.seq_len, strategy.micro_batch_size
+    p = BYTES_PER_ELEMENT[strategy.precision]
+    mb = p if device == "cpu" else 1
+    tokens = b * s
+    L = m.num_hidden_layers
+    n_ck = min(strategy.num_checkpointed(L), L)
+    gran = strategy.checkpointing if n_ck else "none"
+    per_plain = block_activation_bytes_per_token(m, p, s, "none", mb, device) * tokens + _block_fixed_bytes(m, s, "none")
+    per_ck = (block_activation_bytes_per_token(m, p, s, gran, mb, device, zero3_linear=strategy.zero_stage == 3) * tokens
+              + _block_fixed_bytes(m, s, gran, device))
+    blocks = n_ck * per_ck + (L - n_ck) * per_plain
+    rope = 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
+    nonblock = _nonblock_saved_per_token(m, p, mb) * tokens + rope
+    V = m.vocab_size
+    # Gemma2's final_logit_softcapping, cap * tanh(logits / cap): tanh keeps its output (model dtype)
+    softcap = p * V * tokens if m.final_logit_softcapping else 0.0
+    nonblock += softcap
+    if m.implementation == "hf" and m.attn_implementation == "eager" and n_ck and gran in ("full", "op", "attention"):
+        # HF's 4-D additive masks (model dtype): the checkpoints keep them as inputs of the block /
+        # attention module
+        # (transformers masking_utils.py eager_mask; without checkpointing they die with the forward)
+        nonblock += m.num_attention_masks * b * s * s * p
+    # forward end: logits (model dtype), their fp32 copy and log_softmax's output coexist
+    loss_fwd = (p + 4) * V * tokens if p < 4 else 4 * V * tokens
+    # backward start: nll grad + log_softmax grad (fp32) next to the saved log_softmax output,
+    # then the cast to the model dtype
+    loss_bwd = 8 * V * tokens
+    return {
+        "blocks": blocks,
+        "per_block_plain": per_plain,
+        "per_block_checkpointed": per_ck,
+        "num_checkpointed": n_ck,
+        "granularity": gran,
+        "nonblock": nonblock,
+        "logits_saved": 4 * V * tokens + softcap,
+        "loss_forward_transient": loss_fwd,
+        "loss_backward_transient": loss_bwd,
+        "recompute": (per_plain - per_ck) if n_ck else 0.0,
+        "mlp_saved_per_block": (4 if m.gated_mlp else 2) * p * m.intermediate_size * tokens,
+        "attention_backward_transient": _attention_backward_transient(m, p, s, device) * tokens,
+        "final_norm_saved": _norm_saved(m, p) * tokens,
+        "hidden_grad": p * m.hidden_size * tokens,
+        "mlp_backward_transient": max(_mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
+                                      _composite_gelu_backward_transient(m, p) * tokens),
+    }

@@ -1,0 +1,76 @@
+"""The memory model's shared pieces: component names, the estimate record, overheads and units."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autotune.spec import GIB, HardwareSpec
+
+
+_DS_SUB_GROUP = 1_000_000_000
+"""ZeRO-3 sub_group_size autotune writes (elements)."""
+_DS_MAX_LIVE = 1_000_000_000
+"""stage3_max_live_parameters / stage3_max_reuse_distance autotune writes (elements)."""
+
+GPU_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
+
+
+_DS_ALLREDUCE_BUCKET = 500_000_000
+"""DeepSpeed's default ``allreduce_bucket_size`` (elements), used by ZeRO-0 gradient all-reduce."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU memory of one training step (bytes), where its peak falls, and the verdict."""
+
+    gpu: dict[str, int]
+    """GPU_COMPONENTS plus ``peak`` (predicted max_memory_allocated, overhead excluded)."""
+    peak_phase: str
+    """``forward`` | ``backward`` | ``optimizer``."""
+    cpu_bytes_per_node: int
+    """Host RAM that offload (and its pinned buffers) needs per node."""
+    nvme_bytes_per_node: int
+    """NVMe bytes that ZeRO-Infinity offload needs per node."""
+    fits: bool
+    """Whether peak + overhead fits the GPU (minus headroom) and host RAM / NVMe suffice."""
+    reasons: list[str] = field(default_factory=list)
+    """Why it does not fit, in words."""
+    phases: dict[str, int] = field(default_factory=dict)
+    """Predicted allocated bytes at the peak of each phase (forward/backward/optimizer)."""
+    activation_peak: int = 0
+    """Largest activations + logits at any point of the step (the peak's own may be smaller when
+    the step's peak falls where model states dominate, e.g. the optimizer step)."""
+
+    @property
+    def total_gpu_bytes(self) -> int:
+        """Peak plus overhead: what must fit in the GPU."""
+        return self.gpu["peak"] + self.gpu["overhead"]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total_gpu_bytes"] = self.total_gpu_bytes
+        return d
+
+
+PREDICTION_MARGIN = 0.01
+"""The memory model's worst measured under-prediction of a job's peak, rounded up, as a fraction of
+the peak: ``python benchmarks/memory_vs_deepspeed.py --json out.json`` (102 configs, the max over
+measured optimizer steps and ranks; worst -0.73%, see the README's Accuracy section).
+``estimate_memory`` adds this fraction of the predicted peak to ``gpu["overhead"]``, so ``fits`` and
+the recommended point keep that much headroom beyond ``search.headroom``."""
+
+
+def overhead_bytes(hardware: HardwareSpec, peak_allocated: float) -> int:
+    """Memory outside the allocator's live tensors: the CUDA context plus the caching allocator's
+    fragmentation, a fraction of the allocated peak (hardware.cuda_context_gib, allocator_slack)."""
+    return int(hardware.cuda_context_gib * GIB + hardware.allocator_slack * peak_allocated)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _partition(n: int, dp: int) -> int:
+    """Elements of one data-parallel partition (DeepSpeed pads to equal partitions)."""
+    return -(-n // dp)

@@ -1,0 +1,216 @@
+"""``estimate_memory``: the phases of one steady-state step (forward, backward, optimizer) and the
+verdict, from the activations and model states."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from autotune.memory.activations import activation_breakdown
+from autotune.memory.common import GPU_COMPONENTS, MemoryEstimate, PREDICTION_MARGIN, _gib, _partition, overhead_bytes
+from autotune.memory.states import _model_states
+from autotune.reason import Reason
+from autotune.spec import BYTES_PER_ELEMENT, GIB, HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy, data_parallel_size, default_buckets, gradient_accumulation_steps, validate
+
+
+Loop = Literal["keep_outputs", "drop_outputs"]
+LOOPS: tuple[str, ...] = ("keep_outputs", "drop_outputs")
+
+
+def _accumulation_carry(m: ModelSpec, hardware: HardwareSpec, s: Strategy, gas: int) -> tuple[float, bool]:
+    """Bytes that live across the micro-steps of one optimizer step (gradient accumulation > 1),
+    and whether a later micro-step's backward still grows gradients block by block.
+
+    * ZeRO-0 (plain optimizer, FP16_Optimizer / FP16_UnfusedOptimizer): ``param.grad`` keeps
+      the whole model's gradients (model dtype) from the first micro-step on; later micro-steps
+      add into them in place, the all-reduce runs only at the boundary (engine.py
+      ``allreduce_gradients``: "Communicate only at gradient accumulation boundaries").
+    * ZeRO-1 (``partition_gradients`` False): nothing is reduced before the boundary
+      (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``: ``if self.partition_gradients
+      or self.is_gradient_accumulation_boundary()``), so the epilogue's ``all_grad_tensors``
+      (``independent_gradient_partition_epilogue``, ``get_all_grad_tensors``) keeps full-size
+      gradients, and the ipg double buffer (two reduce buckets, model dtype) they were gathered
+      in stays referenced; measured on allocation traces (benchmarks/memory_vs_deepspeed.py, 1 and
+      2 ranks): the gradients plus the two buckets, where the boundary micro-step reuses the
+      buckets rather than adding new ones.
+    * ZeRO-2: each micro-step reduces into ``grads_in_partition``; the epilogue keeps that
+      partition in ``all_grad_tensors`` and the next micro-step allocates a new one to add into
+      it (stage_1_and_2.py ``copy_grads_in_partition`` / ``accumulated_grad.add_``): one
+      partition (Psi/N, model dtype) lives across micro-steps.
+    * ZeRO-3: the gradient partition buffer allocated at init accumulates in place
+      (stage3.py ``partition_grads``: ``grad_buffer.add_``): nothing extra.
+    With optimizer offload the accumulated gradients live in host RAM (not modelled on the GPU).
+    FP16 with loss scaling (ZeRO-0 fp16: ``FP16_Optimizer``) carries like ZeRO-0 bf16.
+    ``BF16_Optimizer`` (fp32 gradient accumulation buffers) is picked only for ZeRO-1 with
+    ``data_types.grad_accum_dtype: fp32`` or with pipeline parallelism (engine.py
+    ``_do_optimizer_sanity_check``), and ``contiguous_gradients`` is always on in the configs
+    autotune writes (strategy.py ``to_deepspeed_config``): neither is modelled.
+    """
+    if gas <= 1 or s.offload_optimizer != "none":
+        return 0.0, True
+    p = BYTES_PER_ELEMENT[s.precision]
+    psi = m.num_parameters
+    part = _partition(psi, data_parallel_size(hardware))
+    if s.zero_stage == 0:
+        return float(p * psi), False
+    if s.zero_stage == 1:
+        bucket = min(default_buckets(m, s)["reduce_bucket_size"], psi)
+        return float(p * psi + 2 * p * bucket), True
+    if s.zero_stage == 2:
+        return float(p * part), True
+    return 0.0, True
+
+
+def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,
+                    *, headroom: float = 0.0, device: str = "cuda", loop: Loop = "keep_outputs") -> MemoryEstimate:
+    """Predict per-GPU peak memory of a steady-state step, host/NVMe needs and the verdict.
+
+    ``device="cpu"`` predicts the same step on DeepSpeed's CPU accelerator (the benchmark's
+    ground truth): dropout masks in the model dtype instead of 1-byte bool, and sdpa with
+    attention dropout on PyTorch's math kernel.
+
+    ``loop``: ``keep_outputs`` (default, the larger) is the loop people write,
+    ``outputs = engine(**batch); engine.backward(outputs.loss); engine.step()``: ``outputs`` holds
+    the logits (model dtype) through backward, the step and the next forward, until the name is
+    rebound; ``drop_outputs`` keeps only the loss (the logits die inside the forward).
+    """
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
+    m, s = model, strategy
+    p = BYTES_PER_ELEMENT[s.precision]
+    st = _model_states(m, training, hardware, s, device)
+    act = activation_breakdown(m, training, s, device)
+    L = m.num_hidden_layers
+    tokens = training.seq_len * s.micro_batch_size
+    saved_blocks, nonblock, logits_saved = act["blocks"], act["nonblock"], act["logits_saved"]
+    other_saved = nonblock - logits_saved  # final norm, masks, rope tables
+    # the logits the user's ``outputs`` keeps (lm_head output, model dtype; fp32 training: the
+    # very tensor the loss reads): alive everywhere in the steady state, the previous micro-step's
+    # through the next forward until ``outputs`` is rebound
+    kept = p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0
+    gas = gradient_accumulation_steps(s, training, hardware)
+    carry, grow = _accumulation_carry(m, hardware, s, gas)
+    # ZeRO-1: part of the carry is the ipg double buffer (2 reduce buckets) filled in the earlier
+    # micro-steps; where the boundary micro-step's own buckets are counted, they are those buffers
+    carry_ipg = st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0
+
+    fixed = st.params + st.optimizer + st.grad_buffer + st.resident_buffers
+    cands: list[tuple[str, float, float, float, float, float]] = []  # phase, total, grads, act, logits, buffers
+
+    # a tied head's gradient waits in autograd's input buffer of the shared weight until the
+    # embedding's backward (one AccumulateGrad for both uses): outside param.grad until then
+    pending_head = p * m.vocab_size * m.hidden_size if m.tie_word_embeddings else 0.0
+
+    def add(phase: str, grads: float = 0.0, activations: float = 0.0, logits: float = 0.0,
+            buffers: float = 0.0, pending: float = 0.0) -> None:
+        logits += kept
+        if phase != "optimizer":
+            # later micro-steps: accumulated gradients (ZeRO-0 adds into them in place, but not
+            # what autograd still holds, ``pending``)
+            grads = grads + carry - min(carry_ipg, buffers) if grow else max(grads - pending, carry) + pending
+        cands.append((phase, fixed + grads + activations + logits + buffers, grads, activations, logits, buffers))
+
+    # forward end: everything saved plus the loss transient (logits, their fp32 copy, log_softmax)
+    add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_forward_transient"],
+        buffers=st.buffers_fwd)
+    # backward start: the logits gradient (fp32 nll grad + log_softmax grad next to its saved output);
+    # DeepSpeed's gradient buffers appear with the first parameter gradient, right after
+    add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_backward_transient"],
+        buffers=st.buffers_fwd)
+    head = m.vocab_size * m.hidden_size
+    # lm_head backward: its weight gradient is computed next to the logits gradient (model dtype)
+    add("backward", grads=p * head, activations=saved_blocks + other_saved, logits=p * m.vocab_size * tokens,
+        buffers=st.buffers_fwd, pending=pending_head)
+    # its gradient hook: ZeRO-1/2 allocate the reduce buckets (the logits gradient is gone)
+    add("backward", grads=p * head, activations=saved_blocks + other_saved, buffers=st.buffers_bwd,
+        pending=pending_head)
+    # the head's weight gradient stays alive through the blocks: ZeRO-0 keeps every gradient; with
+    # tied embeddings autograd holds it in the shared weight's input buffer until the embedding's
+    # own backward has added its part (one AccumulateGrad for both uses), so no hook fires before
+    head_grad = p * head if (s.zero_stage == 0 or m.tie_word_embeddings) else 0.0
+    # through the blocks (last to first): saved activations shrink while gradients accumulate;
+    # a checkpointed block is recomputed (its full activations) before its backward
+    n_ck = int(act["num_checkpointed"])
+    bucket = st.partition_after or 0
+    per_plain, per_ck = act["per_block_plain"], act["per_block_checkpointed"]
+    attn_delta = act["attention_backward_transient"] - act["mlp_saved_per_block"]
+    block_params = m.block_params()
+    # the state at block i is linear in i within a run of same-kind blocks, so only the ends of
+    # each run (and both sides of the point where ZeRO-1/2's gradient partition appears) matter
+    points = {L - 1, n_ck, n_ck - 1, 0}
+    reduces: dict[int, bool] = {}  # block -> whether the gradient partition exists at its bucket reduce
+    if bucket and block_params:
+        k = int(max(0.0, bucket - head) // block_params)  # blocks done before the partition exists
+        k2 = int(max(0.0, 2 * bucket - head) // block_params)  # ... before the second reduce
+        points.update({L - 1 - k, L - 2 - k, L - 2 - k2})
+        if st.reduce_flat:
+            reduces = {L - 2 - k2: True, L - 2 - k: False}
+    # during the blocks' backward the final norm's saved tensors are already released, and the
+    # gradient of the hidden states (one h-wide tensor per token) flows from block to block
+    block_other = other_saved - act["final_norm_saved"] + act["hidden_grad"]
+    mlp_bwd = act["mlp_backward_transient"]
+    for i in sorted((i for i in points if 0 <= i < L), reverse=True):
+        ck = i < n_ck
+        done = L - 1 - i  # blocks whose backward is complete
+        remaining = min(i + 1, n_ck) * per_ck + max(0, i + 1 - n_ck) * per_plain
+        g_before = head_grad + done * st.grad_per_block  # without ZeRO-1/2's gradient partition
+        g = g_before + (st.grads if bucket and head + done * block_params > bucket else 0.0)
+        # a checkpointed block is recomputed in full; what its checkpoint saved (the block input,
+        # or selective's kept tensors) is part of the recomputed set, not a second copy
+        a = remaining + (per_plain - per_ck if ck else 0.0) + block_other
+        # a checkpointed attention module is recomputed only after the MLP's backward
+        a_mlp = a - (per_plain - per_ck) if (ck and act["granularity"] == "attention") else a
+        add("backward", grads=g, activations=a_mlp + mlp_bwd, buffers=st.buffers_bwd, pending=pending_head)
+        if attn_delta > 0:  # its attention backward: MLP tensors freed, the core's gradients appear
+            add("backward", grads=g, activations=a + attn_delta, buffers=st.buffers_bwd, pending=pending_head)
+        if i in reduces:  # a bucket is all-reduced during this block's backward
+            add("backward", grads=g if reduces[i] else g_before, activations=a,
+                buffers=st.buffers_bwd + st.reduce_flat, pending=pending_head)
+    # backward end: all gradients, ZeRO-0's flat all-reduce bucket
+    add("backward", grads=st.grads, buffers=st.buffers_bwd + st.buffers_bwd_end)
+    if st.reduce_flat:  # the last bucket's reduce; the partition exists if an earlier reduce made it
+        add("backward", grads=st.grads if m.num_parameters > bucket else 0.0,
+            buffers=st.buffers_bwd + st.reduce_flat)
+    # optimizer step
+    add("optimizer", grads=st.grads, buffers=st.buffers_step)
+
+    phases: dict[str, int] = {}
+    best = cands[0]
+    for c in cands:
+        if c[1] > phases.get(c[0], -1):
+            phases[c[0]] = int(c[1])
+        if c[1] > best[1]:
+            best = c
+    peak_phase = best[0]
+    gpu = {"parameters": int(st.params), "gradients": int(st.grad_buffer + best[2]),
+           "optimizer_states": int(st.optimizer), "activations": int(best[3]), "logits": int(best[4]),
+           "buffers": int(st.resident_buffers + best[5])}
+    peak = sum(gpu.values())
+    # + the measured worst-case under-prediction of the model (PREDICTION_MARGIN)
+    gpu["overhead"] = overhead_bytes(hardware, peak) + int(PREDICTION_MARGIN * peak)
+    gpu = {k: gpu[k] for k in GPU_COMPONENTS} | {"peak": int(peak)}
+
+    gpn = hardware.gpus_per_node
+    cpu = int(st.cpu * gpn)
+    nvme = int(st.nvme * gpn)
+    reasons = list(validate(s, m, training, hardware))
+    avail = hardware.gpu.memory_bytes * (1.0 - headroom)
+    total = gpu["peak"] + gpu["overhead"]
+    if total > avail:
+        biggest = max(GPU_COMPONENTS[:-1], key=lambda k: gpu[k])
+        reasons.append(Reason(
+            f"peak {_gib(total)} (incl. {_gib(gpu['overhead'])} overhead) > {_gib(avail)} free on "
+            f"{hardware.gpu.name}; largest part: {biggest.replace('_', ' ')} {_gib(gpu[biggest])}", "gpu_memory"
+        ))
+        if gpu[biggest] > avail:
+            reasons.append(Reason(f"{biggest.replace('_', ' ')} {_gib(gpu[biggest])} > {_gib(avail)} free", "gpu_memory"))
+    cpu_avail = hardware.cpu_memory_gib * GIB
+    if cpu > cpu_avail:
+        reasons.append(Reason(f"offload needs {_gib(cpu)} host RAM per node > {_gib(cpu_avail)} available", "host_memory"))
+    if nvme:
+        cap = hardware.nvme.capacity_gib * GIB if hardware.nvme else 0
+        if nvme > cap:
+            reasons.append(Reason(f"offload needs {_gib(nvme)} NVMe per node > {_gib(cap)} available", "nvme"))
+    return MemoryEstimate(gpu=gpu, peak_phase=peak_phase, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
+                          fits=not reasons, reasons=reasons, phases=phases,
+                          activation_peak=int(max(c[3] + c[4] for c in cands)))

@@ -1,0 +1,209 @@
+"""Model states: parameters, gradients, optimizer states and DeepSpeed's buffers per ZeRO stage and
+offload, as DeepSpeed 0.19 allocates them (see the package docstring); the ZeRO paper's rule."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from autotune.memory.common import _DS_ALLREDUCE_BUCKET, _DS_MAX_LIVE, _DS_SUB_GROUP, _partition
+from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy, data_parallel_size, default_buckets, gradient_accumulation_steps
+
+
+def _largest_param(m: ModelSpec) -> int:
+    """Elements of the largest single parameter tensor."""
+    d = m.hidden_size
+    return max(m.vocab_size * d, d * m.intermediate_size, d * m.q_size,
+               m.max_position_embeddings * d if m.position_embedding == "learned" else 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _persistent_params(m: ModelSpec, threshold: int) -> int:
+    """ZeRO-3 params with numel <= threshold stay whole on every rank (norm weights, biases...)."""
+    d = m.hidden_size
+    sizes: list[int] = []
+    norm = [d] * (2 if (m.norm == "layernorm" and m.bias) else 1)
+    block = norm * m.norms_per_block
+    if m.qk_norm == "head":
+        block += [m.head_size] * 2
+    elif m.qk_norm == "full":
+        block += [m.q_size, m.kv_size]
+    if m.bias:
+        block += [m.q_size, m.kv_size, m.kv_size, d] + [m.intermediate_size] * (2 if m.gated_mlp else 1) + [d]
+    for t in (d * m.q_size, d * m.kv_size, d * m.kv_size, m.q_size * d):
+        block.append(t)
+    f = m.intermediate_size
+    block += [d * f] * (3 if m.gated_mlp else 2)
+    sizes += block * m.num_hidden_layers
+    sizes += norm + [m.vocab_size * d]
+    if m.position_embedding == "learned":
+        sizes.append(m.max_position_embeddings * d)
+    if not m.tie_word_embeddings:
+        sizes.append(m.vocab_size * d)
+    return sum(n for n in sizes if n <= threshold)
+
+
+@dataclass
+class _States:
+    params: float = 0.0
+    grads: float = 0.0            # gradients held at the end of backward (model dtype)
+    optimizer: float = 0.0        # fp32 master + moments on the GPU
+    buffers_bwd: float = 0.0      # DeepSpeed buffers alive from the first gradient on (buckets, live params)
+    buffers_bwd_end: float = 0.0  # extra buffers at the end of backward (ZeRO-0 all-reduce flatten)
+    buffers_step: float = 0.0     # extra buffers at the optimizer step
+    buffers_fwd: float = 0.0      # extra buffers during forward (ZeRO-3 fetched params)
+    grad_per_block: float = 0.0   # gradient bytes that accumulate per block during backward
+    grad_buffer: float = 0.0      # gradient storage allocated once and resident (ZeRO-3 partition)
+    resident_buffers: float = 0.0  # other always-allocated buffers (ZeRO-3 reduce bucket)
+    partition_after: float = 0.0  # ZeRO-1/2: grads (elements) after which the partition buffer exists
+    reduce_flat: float = 0.0      # ZeRO-1/2, several ranks: flat copy of a bucket while it is all-reduced
+    cpu: float = 0.0              # host bytes per GPU (offload)
+    nvme: float = 0.0             # NVMe bytes per GPU
+
+
+def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy,
+                  device: str = "cuda") -> _States:
+    psi = m.num_parameters
+    dp = data_parallel_size(hardware)
+    p = BYTES_PER_ELEMENT[s.precision]
+    k_opt = 8 if training.optimizer in ("adam", "adamw") else 4  # moments (sgd: momentum)
+    out = _States()
+    buckets = default_buckets(m, s)
+    if s.zero_stage == 0:
+        out.params = p * psi
+        out.grads = p * psi
+        master = 4 * psi if p < 4 else 0
+        out.optimizer = (k_opt * psi) + master
+        bucket = min(_DS_ALLREDUCE_BUCKET, psi)
+        out.buffers_bwd_end = p * bucket  # allreduce_bucket flattens the grads (even on one rank)
+        out.buffers_step = 4 * psi if p < 4 else 0  # flattened fp32 grads
+        out.grad_per_block = p * m.block_params()
+        return out
+    part = _partition(psi, dp)
+    off_opt = s.offload_optimizer != "none"
+    if s.zero_stage in (1, 2):
+        out.params = p * psi
+        bucket = min(buckets["reduce_bucket_size"], psi)
+        out.grads = p * part  # grads_in_partition (allocated when the first bucket is reduced)
+        out.partition_after = bucket
+        if off_opt:
+            # ZeRO-Offload (stage_1_and_2.py: any offload_optimizer device, nvme included, sets
+            # cpu_offload; stages 1/2 have no NVMe swapper): fp32 master, moments and the fp32
+            # gradient partition live in host RAM; reduced gradients go straight from the reduce
+            # buckets to the host through temp_grad_buffer_for_gpu_offload (GPU) and
+            # temp_grad_buffer_for_cpu_offload (host, pinned), both of the largest parameter in
+            # the model dtype, so the GPU holds no gradient partition. With gradient accumulation
+            # the partition accumulates on the host (accumulated_grads_in_cpu, model dtype).
+            out.optimizer = 0
+            out.grads = 0
+            out.resident_buffers = p * _largest_param(m)
+            out.buffers_bwd = 2 * p * bucket
+            out.buffers_step = 0
+            gas = gradient_accumulation_steps(s, training, hardware)
+            # + param_buffer_of_bit16_for_cpu_offload_groups: a pinned model-dtype copy of the
+            # partition the updated master weights are cast into (stage_1_and_2.py, __init__)
+            host = (4 + k_opt + 4 + p) * part + p * _largest_param(m) + (p * part if gas > 1 else 0)
+        else:
+            out.optimizer = (4 + k_opt) * part
+            out.buffers_bwd = 2 * p * bucket  # ipg double buffer (overlap_comm)
+            fp32_grad = 4 * part if p < 4 else 0
+            out.buffers_step = p * part + max(p * bucket, fp32_grad)
+            host = 0
+        if dp > 1:
+            # each bucket reduce goes through allreduce_and_scatter -> allreduce_bucket, which
+            # flattens the bucket's gradients (zero/stage_1_and_2.py allreduce_bucket: self.flatten)
+            out.reduce_flat = p * bucket
+        out.grad_per_block = 0
+    else:  # stage 3
+        host = 0.0
+        thr = buckets["param_persistence_threshold"]
+        persist = _persistent_params(m, thr)
+        rb = buckets["reduce_bucket_size"]
+        prefetch = buckets["prefetch_bucket_size"]
+        # Fetched (all-gathered) params stay alive while their reuse distance is below
+        # stage3_max_reuse_distance and their count below stage3_max_live_parameters (autotune
+        # writes 1e9 for both, like HF's "auto"): up to 1e9 params stay gathered through forward
+        # and backward. With one rank the gathered tensor is the partition itself.
+        off_par = s.offload_params != "none"
+        # ... except when the partitions live on the host (offload_param): then every block is
+        # fetched to the GPU, one rank or many
+        # (on DeepSpeed's CPU accelerator "fetching" a host partition to the device is no copy)
+        fetch_copies = dp > 1 or (off_par and device != "cpu")
+        live = p * min(psi - persist, _DS_MAX_LIVE + prefetch) if fetch_copies else 0.0
+        out.params = (0 if off_par else p * part) + p * persist
+        # the reduce bucket (ipg buffer) is allocated at init on the GPU (stage3.py
+        # _setup_for_real_optimizer: "bucket.buffer = torch.empty(self.reduce_bucket_size, ...)")
+        out.resident_buffers = p * min(rb, psi)
+        out.grads = 0
+        out.buffers_fwd = live
+        out.buffers_bwd = live
+        if off_opt:
+            # stage3.py: self.device = "cpu" when the optimizer is offloaded, and the gradient
+            # partitions (grad_partitions_flat_buffer, gradient_accumulation_dtype = model dtype)
+            # are allocated there, pinned: no gradient partition and no optimizer state on the GPU
+            out.grad_buffer = 0
+            out.optimizer = 0
+            out.buffers_step = 0
+            if s.offload_optimizer == "cpu":
+                host += (4 + k_opt + 4) * part + p * part  # master, moments, fp32 grads; grad partitions
+            else:
+                # ZeRO-Infinity: master, moments and fp32 gradients swap to NVMe; the host keeps the
+                # pinned gradient partitions and buffer_count (4) pinned fp32 swap buffers of one
+                # sub group (autotune writes sub_group_size 1e9)
+                out.nvme += (4 + k_opt + 4) * part
+                host += p * part + 4 * 4 * min(_DS_SUB_GROUP, part)
+        else:
+            # the 16-bit gradient partition is allocated once, at init, on the GPU (stage3.py
+            # grad_partitions_flat_buffer on self.device)
+            out.grad_buffer = p * part
+            out.optimizer = (4 + k_opt) * part
+            out.buffers_step = (4 * part if p < 4 else 0) + p * part
+        if s.offload_params == "cpu":
+            host += p * part  # the 16-bit parameter partitions, pinned
+        elif s.offload_params == "nvme":
+            # partitions swap to NVMe through buffer_count (5) x buffer_size (1e8) pinned buffers
+            # (autotune's offload_param config; AsyncPartitionedParameterSwapper)
+            out.nvme += p * part
+            host += 5 * 100_000_000 * p
+    out.cpu = host
+    return out
+
+
+
+def zero_model_states(num_parameters: float, dp: int, stage: int, precision: str = "fp16", *,
+                      offload_optimizer: bool = False) -> dict[str, float]:
+    """Model states per GPU by the ZeRO paper's rule, plus DeepSpeed's estimator's count.
+
+    ``parameters``/``gradients``/``optimizer_states``/``total``: Rajbhandari et al. 2020
+    (Figure 1): 2 + 2 + K bytes per parameter (K = 12: fp32 master + two moments; 8 in pure
+    fp32 training with 4-byte params and grads), partitioned by stage (1: optimizer, 2: +grads,
+    3: +params). ``deepspeed``: what ``estimate_zero2/3_model_states_mem_needs`` counts on the
+    GPU (2 + 18/N for ZeRO-2, the extra 4 bytes being the fp32 gradient partition; 18/N for
+    ZeRO-3 without its largest-layer term; with optimizer offload only the 16-bit params).
+    """
+    psi, n = float(num_parameters), dp
+    p = BYTES_PER_ELEMENT[precision]
+    k = 12 if p < 4 else 8
+    params = p * psi / (n if stage >= 3 else 1)
+    grads = p * psi / (n if stage >= 2 else 1)
+    opt = k * psi / (n if stage >= 1 else 1)
+    if offload_optimizer:
+        ds = params
+    else:
+        if stage == 2:
+            ds = params + (p + 4 + k) * psi / n
+        elif stage == 3:  # DeepSpeed counts 18 B/param/N here (16-bit params + grads + K + 2)
+            ds = (2 * p + k + 2) * psi / n
+        else:
+            ds = params + grads + opt
+    return {"parameters": params, "gradients": grads, "optimizer_states": opt, "total": params + grads + opt,
+            "deepspeed": ds}
+
+
+def model_states_bytes(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
+                       strategy: Strategy) -> dict[str, int]:
+    """:func:`zero_model_states` for a model / strategy (ints, bytes per GPU)."""
+    ms = zero_model_states(model.num_parameters, data_parallel_size(hardware), strategy.zero_stage,
+                           strategy.precision, offload_optimizer=strategy.offload_optimizer != "none")
+    return {k: int(v) for k, v in ms.items()}
