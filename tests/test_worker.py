@@ -100,7 +100,7 @@ def test_zero3_two_processes_matches_model(tmp_path):
 
 
 def test_live_totals_drop_blocks_freed_on_unprofiled_threads():
-    from autotune.profile.worker import _live_totals
+    from autotune.profile.cpu_memory import live_totals as _live_totals
 
     # 100 B at address 1 is freed on a thread the profiler does not see (no event); the allocator
     # then hands address 1 out again: the old block must not be counted twice

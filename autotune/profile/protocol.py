@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 WORKER_DEFAULTS: dict[str, Any] = {
     "warmup_steps": 2, "measure_steps": 2, "optimizer_impl": "auto", "memory": "auto", "seed": 0,
-    "device": "auto", "loop": "keep_outputs", "gc_collect": True, "exchange_timeout_s": 60,
+    "device": "auto", "loop": "keep_outputs", "gc_collect": True, "exchange_timeout_s": 60, "gpu": "h100-80gb",
 }
 """What the worker uses for a WorkerJob field left out (None)."""
 
@@ -44,6 +44,8 @@ class WorkerJob:
     """Seed of the model and the batches."""
     device: Optional[str] = None
     """cuda | cpu | auto."""
+    gpu: Optional[str] = None
+    """GPU preset for the default DeepSpeed config (when ``deepspeed_config`` is not given)."""
     model_factory: Optional[str] = None
     """``package.module:function``: the user's model factory (autotune.profile.user_models)."""
     python_path: Optional[list[str]] = None

@@ -40,10 +40,11 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   outlive the step at random (not so with NCCL);
                                                 #   this reduces, but does not remove, the effect
                                                 #   (blocks released on gloo's threads are counted
-                                                #   through _track_all_threads):
+                                                #   through track_all_threads):
                                                 #   accuracy figures use the max over steps and
                                                 #   ranks (what a job OOMs at)
       "device": "auto",                         # "cuda" | "cpu" | "auto"
+      "gpu": "h100-80gb",                       # GPU preset of the default deepspeed_config (none given)
       "hf_config": "path/config.json",          # build an HF model from_config (transformers installed)
       "model_factory": "pkg.mod:build_model",   # the user's factory (contract: autotune.profile.user_models)
       "python_path": ["dir", ...],              # put first on sys.path before importing the factory
@@ -95,7 +96,6 @@ An ``oom`` reason starts with autotune.snapshot.oom_note(phase) (the seed's OOM 
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import gc
 import json
@@ -108,8 +108,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-PHASES = ("forward", "backward", "optimizer")
-_MARK = "autotune::measured::"
+from autotune.profile.protocol import WorkerJob
+from autotune.profile.cpu_memory import PHASES, MEASURED_MARK, CpuMemoryProbe, record_phase
 
 
 def result_path_for_rank(result_path: str | Path, rank: int) -> Path:
@@ -133,157 +133,6 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and (
         "out of memory" in msg or "can't allocate memory" in msg or "not enough memory" in msg
     )
-
-
-class _CpuMemoryProbe:
-    """Peak CPU tensor bytes from torch.profiler allocation events (profile_memory=True).
-
-    The profiler reports, for every allocation and free of the c10 CPU allocator, the running
-    total of bytes allocated since profiling started. Profiling starts before the model is
-    built, so that total is the absolute tensor memory of the process (DeepSpeed's flat buffers,
-    master weights, buckets, activations...). Phase markers are record_function ranges.
-    """
-
-    def __init__(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self.marks: list[tuple[str, int, int]] = []  # (phase, start_ns, end_ns) of measured phases
-        self.window: Optional[tuple[int, int]] = None
-        self.init_end: Optional[int] = None
-        self.last_step_start: Optional[int] = None
-        self.gas = 1  # micro-steps per optimizer step (set by the worker)
-
-    def __enter__(self) -> "_CpuMemoryProbe":
-        self.all_threads = _track_all_threads()
-        self.started = False
-        if not self.all_threads:
-            self.start()  # the per-address fallback must see every allocation from the start
-        return self
-
-    def start(self) -> None:
-        """Start recording (idempotent). With c10's tally counting every thread from ``__enter__``
-        on, ``total_allocated`` is absolute whenever recording starts, so the worker starts it at
-        the first measured step: the model build and warm-up steps are not recorded (far fewer
-        events to analyse; ``init_peak_bytes`` is then unknown)."""
-        if not self.started:
-            self.started = True
-            self.prof.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.started:
-            self.prof.__exit__(*exc)
-
-    @staticmethod
-    def now() -> int:
-        return time.time_ns()
-
-    def analyse(self) -> dict[str, Any]:
-        from torch._C._profiler import _EventType
-
-        raw: list[tuple[int, int, int]] = []  # (time, ptr, +size allocated / -size freed)
-        ranges = []
-        if not self.started:  # failed before the first measured step: nothing recorded
-            return {"init_peak_bytes": None, "peak_allocated_bytes": None, "peak_phase": None,
-                    "phase_peaks_bytes": {}, "step_start_bytes": None}
-        stack = list(self.prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            if node.typed[0] == _EventType.Allocation and str(node.typed[1].device).startswith("cpu"):
-                f = node.typed[1]
-                raw.append((node.start_time_ns, f.ptr, f.alloc_size, f.total_allocated))
-            elif node.name.startswith(_MARK):
-                ranges.append(node)
-            stack.extend(node.children)
-        raw.sort()
-        if self.all_threads:  # c10's tally is exact (every thread's allocations and frees)
-            events = [(t, total) for t, _, _, total in raw]
-        else:
-            events = _live_totals([(t, ptr, size) for t, ptr, size, _ in raw])
-        out: dict[str, Any] = {"init_peak_bytes": None, "peak_allocated_bytes": None, "peak_phase": None,
-                               "phase_peaks_bytes": {}, "step_start_bytes": None}
-        if not events:
-            return out
-        # phase windows from the profiler's own record_function events (same clock as allocations)
-        marks = [(n.name.rsplit(":", 1)[-1], n.start_time_ns, n.end_time_ns) for n in ranges]
-        if not marks:
-            marks = self.marks
-        marks.sort(key=lambda m: m[1])
-        times = [ts for ts, _ in events]
-        totals = [t for _, t in events]
-
-        def at(t: int) -> int:  # running total just before time t
-            i = bisect.bisect_right(times, t) - 1
-            return totals[i] if i >= 0 else 0
-
-        def peak_in(t0: int, t1: int) -> int:
-            i, j = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
-            return max([at(t0)] + totals[i:j])
-
-        if self.init_end is not None and not self.all_threads:  # init recorded (fallback mode only)
-            out["init_peak_bytes"] = max(totals[: bisect.bisect_right(times, self.init_end)], default=0)
-        if marks:
-            out["step_start_bytes"] = at(marks[-3][1] if len(marks) >= 3 else marks[0][1])
-        peaks = {ph: 0 for ph in PHASES}
-        best, best_phase = -1, None
-        step_peaks: list[int] = []
-        per_step = 3 * max(1, self.gas)  # forward, backward, step of every micro-step
-        for k, (phase, t0, t1) in enumerate(marks):
-            m = peak_in(t0, t1)
-            if k % per_step == 0:  # a new optimizer step (all its micro-steps)
-                step_peaks.append(0)
-            if step_peaks:
-                step_peaks[-1] = max(step_peaks[-1], m)
-            peaks[phase] = max(peaks[phase], m)
-            if m > best:
-                best, best_phase = m, phase
-        out.update(peak_allocated_bytes=max(best, 0), peak_phase=best_phase, phase_peaks_bytes=peaks,
-                   step_peaks_bytes=step_peaks, min_step_peak_bytes=min(step_peaks) if step_peaks else None,
-                   max_step_peak_bytes=max(step_peaks) if step_peaks else None)
-        return out
-
-
-def _track_all_threads() -> bool:
-    """Make c10's CPU allocation tally count every thread (``FLAGS_caffe2_report_cpu_memory_usage``).
-
-    c10's ProfiledCPUMemoryReporter (c10/core/CPUAllocator.cpp) updates the tally that the
-    profiler reports as ``total_allocated`` only on threads with the profiler active unless this
-    flag is set: a tensor allocated on the main thread and released on one of gloo's worker
-    threads (ProcessGroupGloo drops the last reference to a collective's tensors there) is never
-    subtracted, and the tally drifts up by random amounts per rank and run. The flag is a plain
-    exported global of libc10 (no Python API), set through ctypes; False if that fails.
-    """
-    try:
-        import ctypes
-
-        import torch
-
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-        ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
-        return True
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _live_totals(raw: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
-    """Running live tensor bytes from allocation events ``(time, ptr, +size | -size)``.
-
-    The fallback when c10's tally cannot be made to count every thread (``_track_all_threads``):
-    frees on other threads have no event, but an allocation at an address that is still live
-    proves that block was freed unseen, so it is dropped here; a block freed unseen and not
-    reused yet still counts (this errs high, never low).
-    """
-    live: dict[int, int] = {}
-    total = 0
-    out: list[tuple[int, int]] = []
-    for t, ptr, size in raw:
-        if size > 0:
-            total += size - live.get(ptr, 0)
-            live[ptr] = size
-        else:
-            total -= live.pop(ptr, 0)
-        out.append((t, total))
-    return out
 
 
 def _process_groups(engine: Any) -> list:
@@ -314,28 +163,22 @@ def _flush_gloo(groups: list) -> None:
             dist.all_reduce(torch.zeros(1), group=grp)
 
 
-def _record(name: str):
-    from torch.profiler import record_function
-
-    return record_function(name)
-
-
-def _ds_config_for_job(job: dict, world_size: int) -> tuple[dict, Any, Any, Any]:
+def _ds_config_for_job(job: WorkerJob, world_size: int) -> tuple[dict, Any, Any, Any]:
     from autotune.presets import gpu_from_name
     from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
     from autotune.strategy import Strategy, to_deepspeed_config
 
-    model = ModelSpec(**job["model"])
-    training = TrainingSpec(**job["training"])
-    strategy = Strategy(**job["strategy"])
-    cfg = job.get("deepspeed_config")
+    model = ModelSpec(**job.model)
+    training = TrainingSpec(**job.training)
+    strategy = Strategy(**job.strategy)
+    cfg = job.deepspeed_config
     if cfg is None:
-        hw = HardwareSpec(gpu=gpu_from_name(job.get("gpu", "h100-80gb")), gpus_per_node=world_size, num_nodes=1)
+        hw = HardwareSpec(gpu=gpu_from_name(job.setting("gpu")), gpus_per_node=world_size, num_nodes=1)
         cfg = to_deepspeed_config(strategy, model, training, hw)
     return json.loads(json.dumps(cfg)), model, training, strategy
 
 
-def run_job(job: dict, job_dir: Path, write_early: Optional[Any] = None) -> dict[str, Any]:
+def run_job(job: WorkerJob, job_dir: Path, write_early: Optional[Any] = None) -> dict[str, Any]:
     """Run the job in this process (a rank of the group); returns the result dict.
 
     ``write_early(result)``: called with a failed rank's result before the cross-rank exchange, so
@@ -349,7 +192,7 @@ def run_job(job: dict, job_dir: Path, write_early: Optional[Any] = None) -> dict
                               "peak_phase": None, "phase_peaks_bytes": {}, "step_start_bytes": None,
                               "init_peak_bytes": None, "step_times_s": [], "tokens_per_s": None, "losses": [],
                               "num_parameters": None, "optimizer": None, "gradient_accumulation_steps": None}
-    probe: Optional[_CpuMemoryProbe] = None
+    probe: Optional[CpuMemoryProbe] = None
     notes: list[str] = []
     result["notes"] = notes
     snap_info: dict[str, Any] = {"path": None}
@@ -358,18 +201,18 @@ def run_job(job: dict, job_dir: Path, write_early: Optional[Any] = None) -> dict
 
         from autotune import snapshot
 
-        want = job.get("device", "auto")
+        want = job.setting("device")
         use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
         device_kind = "cuda" if use_cuda else "cpu"
         result["device"] = device_kind
         if not use_cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        memory_mode = job.get("memory", "auto")
+        memory_mode = job.setting("memory")
         if memory_mode == "auto":
             memory_mode = "cuda" if use_cuda else "profiler"
         if memory_mode == "profiler":
-            probe = _CpuMemoryProbe()
-        snap_path = job.get("snapshot")
+            probe = CpuMemoryProbe()
+        snap_path = job.snapshot
         if snap_path and not use_cuda:
             notes.append("memory snapshot requested, but torch.cuda memory history needs CUDA and this worker "
                          "ran on the CPU: no snapshot written")
@@ -445,9 +288,9 @@ def _gather_ranks(result: dict, world: int) -> None:
                                f"{(str(exc).strip().splitlines() or [''])[0][:200]}")
 
 
-def _maybe_fault(job: dict, rank: int, phase: str) -> None:
+def _maybe_fault(job: WorkerJob, rank: int, phase: str) -> None:
     """Test-only fault injection: ``"fault": {"rank": 1, "phase": "init" | "end", "kind": "error" | "oom"}``."""
-    fault = job.get("fault")
+    fault = job.fault
     if not fault or int(fault.get("rank", -1)) != rank or fault.get("phase", "end") != phase:
         return
     if fault.get("kind") == "oom":
@@ -455,7 +298,7 @@ def _maybe_fault(job: dict, rank: int, phase: str) -> None:
     raise RuntimeError(f"injected fault on rank {rank} at {phase}")
 
 
-def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, world: int, local_rank: int,
+def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: int, world: int, local_rank: int,
          use_cuda: bool, memory_mode: str) -> None:
     import torch
 
@@ -464,7 +307,7 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
     from autotune.profile.user_models import build_for_job, loss_of, set_checkpointing
 
     ds_config, model_spec, training, strategy = _ds_config_for_job(job, world)
-    seed = int(job.get("seed", 0))
+    seed = int(job.setting("seed"))
     torch.manual_seed(seed + rank)
 
     os.environ.setdefault("RANK", str(rank))
@@ -478,20 +321,20 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        try:  # skip the JIT build of the shared-memory allreduce (private switch, see NOTES-cpu.md)
+        try:  # skip the JIT build of the shared-memory allreduce (a private DeepSpeed switch: deepspeed.ops.__compatible_ops__)
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         except Exception:
             pass
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
     if world > 1:
-        _make_exchange_group(float(job.get("exchange_timeout_s", 60)))
+        _make_exchange_group(float(job.setting("exchange_timeout_s")))
     _maybe_fault(job, rank, "init")
 
-    impl = job.get("optimizer_impl", "auto")
+    impl = job.setting("optimizer_impl")
     if impl == "auto":
         impl = "deepspeed" if use_cuda else "torch"
     optimizer = None
-    built = build_for_job(job, model_spec, training, seed=seed * 1000 + rank * 100)
+    built = build_for_job(job.to_json(), model_spec, training, seed=seed * 1000 + rank * 100)
     model = built.module
     result["model_source"] = built.source
     n_ckpt = strategy.num_checkpointed(model_spec.num_hidden_layers)
@@ -519,7 +362,7 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
     mbs = engine.train_micro_batch_size_per_gpu()
     seq = training.seq_len
     batches = [built.batch_fn(mbs, seq, device) for _ in range(2)]
-    collect = bool(job.get("gc_collect", True))
+    collect = bool(job.setting("gc_collect"))
     if collect:
         # collect once, then freeze the survivors (torch, DeepSpeed, transformers modules...) so
         # the per-phase collections below only scan what the steps create (seconds -> ms)
@@ -530,7 +373,7 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
     if use_cuda:
         torch.cuda.synchronize()
 
-    warmup, measure = int(job.get("warmup_steps", 2)), int(job.get("measure_steps", 2))
+    warmup, measure = int(job.setting("warmup_steps")), int(job.setting("measure_steps"))
     groups = _process_groups(engine)
     phase_peaks = {ph: 0 for ph in PHASES}
     peak_reserved = 0
@@ -538,7 +381,7 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
     # engine.backward(outputs.loss); engine.step()``: ``outputs`` (and the logits in it) stays alive
     # through backward and the step, until the next forward's result is bound to the name;
     # "drop_outputs" keeps only the loss (the logits die with the forward).
-    keep = job.get("loop", "keep_outputs") == "keep_outputs"
+    keep = job.setting("loop") == "keep_outputs"
     result["loop"] = "keep_outputs" if keep else "drop_outputs"
     outputs = None
     for step in range(warmup + measure):
@@ -556,7 +399,7 @@ def _run(job: dict, result: dict, probe: Optional[_CpuMemoryProbe], rank: int, w
             for phase in PHASES:
                 result["phase"] = phase
                 t_ph = probe.now() if probe is not None else 0
-                mark = _record(_MARK + phase) if (probe is not None and measured) else contextlib.nullcontext()
+                mark = record_phase(MEASURED_MARK + phase) if (probe is not None and measured) else contextlib.nullcontext()
                 with mark:
                     if phase == "forward":
                         if keep:
@@ -610,9 +453,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("usage: python -m autotune.profile.worker JOB.json", file=sys.stderr)
         return 2
     job_path = Path(argv[0])
-    job = json.loads(job_path.read_text())
+    try:
+        job = WorkerJob.from_json(json.loads(job_path.read_text()))
+    except (OSError, ValueError, TypeError) as err:
+        print(f"autotune worker: bad job file {job_path}: {err}", file=sys.stderr)
+        return 2
     rank = int(os.environ.get("RANK", "0"))
-    out = result_path_for_rank(job.get("result_path") or job_path.with_name("result.json"), rank)
+    out = result_path_for_rank(job.result_path or job_path.with_name("result.json"), rank)
     def write(res: dict) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
