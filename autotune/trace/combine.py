@@ -8,6 +8,7 @@ import os
 from typing import Any, Optional
 
 from autotune.config import Config
+from autotune.reason import Reason, kind_of
 from autotune.spec import GIB, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
 from autotune.trace.run import TraceCache, TraceResult
@@ -87,10 +88,11 @@ def _verdict(estimate: Any, gpu: dict[str, int], capacity_bytes: float) -> tuple
     (rules, host RAM, NVMe) stand."""
     total = gpu["peak"] + int(gpu.get("overhead", 0))
     fits_gpu = total <= capacity_bytes
-    reasons = [r for r in getattr(estimate, "reasons", []) if not r.startswith("peak ") and " free" not in r]
+    reasons = [r for r in getattr(estimate, "reasons", []) if kind_of(r) != "gpu_memory"]
     if not fits_gpu:
-        reasons.insert(0, f"traced peak {gpu['peak'] / GIB:.2f} GiB + overhead "
-                          f"{int(gpu.get('overhead', 0)) / GIB:.2f} GiB > {capacity_bytes / GIB:.2f} GiB free")
+        reasons.insert(0, Reason(f"traced peak {gpu['peak'] / GIB:.2f} GiB + overhead "
+                                 f"{int(gpu.get('overhead', 0)) / GIB:.2f} GiB > {capacity_bytes / GIB:.2f} GiB free",
+                                 "gpu_memory"))
     return fits_gpu and not reasons, reasons
 
 
