@@ -13,8 +13,7 @@ from typing import Any, Iterator, Optional, Sequence
 from autotune.config import Config
 from autotune.memory import GPU_COMPONENTS, MemoryEstimate, estimate_memory, overhead_bytes
 from autotune.pareto import pareto_front
-from autotune.runfiles import (CSV_COLUMNS, FRONT_FILE, STRATEGY_COLUMNS, TRIALS_FILE, RunData,  # noqa: F401 (CSV_COLUMNS,
-                               TrialRecord, write_json, write_trials_csv)       # STRATEGY_COLUMNS re-exported)
+from autotune.runfiles import FRONT_FILE, TRIALS_FILE, RunData, TrialRecord, write_json, write_trials_csv
 from autotune.space import SearchSpace
 from autotune.spec import GIB
 from autotune.strategy import Strategy, fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config

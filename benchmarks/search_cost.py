@@ -67,7 +67,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from autotune.config import load_config  # noqa: E402
-from autotune.output import CSV_COLUMNS, STRATEGY_COLUMNS  # noqa: E402
+from autotune.runfiles import CSV_COLUMNS, STRATEGY_COLUMNS  # noqa: E402
 from autotune.pareto import hypervolume, pareto_front  # noqa: E402
 from autotune.profile.backend import Measurement  # noqa: E402
 from autotune.profile.replay import ReplayBackend  # noqa: E402

@@ -109,7 +109,8 @@ def test_make_backend_replay(table):
 def test_replays_a_real_trials_csv(tmp_path):
     """A simulate study's trials.csv, replayed, gives back every completed trial exactly."""
     pytest.importorskip("autotune.memory", reason="memory model not in this checkout yet")
-    from autotune.output import STRATEGY_COLUMNS as OUT_COLUMNS, write_outputs
+    from autotune.output import write_outputs
+    from autotune.runfiles import STRATEGY_COLUMNS as OUT_COLUMNS
     from autotune.profile.backend import SimulateBackend
     from autotune.search import run_study, trial_strategy
     from autotune.space import load_space
