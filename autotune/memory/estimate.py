@@ -3,7 +3,7 @@ verdict, from the activations and model states."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from autotune.memory.activations import activation_breakdown
 from autotune.memory.common import GPU_COMPONENTS, MemoryEstimate, PREDICTION_MARGIN, _gib, _partition, overhead_bytes
@@ -95,7 +95,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     carry_ipg = st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0
 
     fixed = st.params + st.optimizer + st.grad_buffer + st.resident_buffers
-    cands: list[tuple[str, float, float, float, float, float]] = []  # phase, total, grads, act, logits, buffers
+    cands: list[_Candidate] = []
 
     # a tied head's gradient waits in autograd's input buffer of the shared weight until the
     # embedding's backward (one AccumulateGrad for both uses): outside param.grad until then
@@ -108,7 +108,8 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
             # later micro-steps: accumulated gradients (ZeRO-0 adds into them in place, but not
             # what autograd still holds, ``pending``)
             grads = grads + carry - min(carry_ipg, buffers) if grow else max(grads - pending, carry) + pending
-        cands.append((phase, fixed + grads + activations + logits + buffers, grads, activations, logits, buffers))
+        cands.append(_Candidate(phase, fixed + grads + activations + logits + buffers, grads, activations, logits,
+                                buffers))
 
     # forward end: everything saved plus the loss transient (logits, their fp32 copy, log_softmax)
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_forward_transient"],
@@ -174,17 +175,10 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     # optimizer step
     add("optimizer", grads=st.grads, buffers=st.buffers_step)
 
-    phases: dict[str, int] = {}
-    best = cands[0]
-    for c in cands:
-        if c[1] > phases.get(c[0], -1):
-            phases[c[0]] = int(c[1])
-        if c[1] > best[1]:
-            best = c
-    peak_phase = best[0]
-    gpu = {"parameters": int(st.params), "gradients": int(st.grad_buffer + best[2]),
-           "optimizer_states": int(st.optimizer), "activations": int(best[3]), "logits": int(best[4]),
-           "buffers": int(st.resident_buffers + best[5])}
+    phases, best = _phase_peaks(cands)
+    gpu = {"parameters": int(st.params), "gradients": int(st.grad_buffer + best.grads),
+           "optimizer_states": int(st.optimizer), "activations": int(best.activations), "logits": int(best.logits),
+           "buffers": int(st.resident_buffers + best.buffers)}
     peak = sum(gpu.values())
     # + the measured worst-case under-prediction of the model (PREDICTION_MARGIN)
     gpu["overhead"] = overhead_bytes(hardware, peak) + int(PREDICTION_MARGIN * peak)
@@ -193,7 +187,39 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     gpn = hardware.gpus_per_node
     cpu = int(st.cpu * gpn)
     nvme = int(st.nvme * gpn)
-    reasons = list(validate(s, m, training, hardware))
+    reasons = _reasons(list(validate(s, m, training, hardware)), gpu, cpu, nvme, hardware, headroom)
+    return MemoryEstimate(gpu=gpu, peak_phase=best.phase, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
+                          fits=not reasons, reasons=reasons, phases=phases,
+                          activation_peak=int(max(c.activations + c.logits for c in cands)))
+
+
+class _Candidate(NamedTuple):
+    """One instant of the step that may hold the peak: what is allocated then (bytes per GPU)."""
+
+    phase: str
+    """forward, backward or optimizer."""
+    total: float
+    grads: float
+    activations: float
+    logits: float
+    buffers: float
+
+
+def _phase_peaks(cands: list[_Candidate]) -> tuple[dict[str, int], _Candidate]:
+    """The peak of each phase, and the candidate holding the step's peak (the first on a tie)."""
+    phases: dict[str, int] = {}
+    best = cands[0]
+    for c in cands:
+        if c.total > phases.get(c.phase, -1):
+            phases[c.phase] = int(c.total)
+        if c.total > best.total:
+            best = c
+    return phases, best
+
+
+def _reasons(reasons: list[str], gpu: dict[str, int], cpu: int, nvme: int, hardware: HardwareSpec,
+             headroom: float) -> list[str]:
+    """The strategy's rule violations plus every limit it exceeds (GPU, host RAM, NVMe), each a Reason."""
     avail = hardware.gpu.memory_bytes * (1.0 - headroom)
     total = gpu["peak"] + gpu["overhead"]
     if total > avail:
@@ -211,6 +237,4 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         cap = hardware.nvme.capacity_gib * GIB if hardware.nvme else 0
         if nvme > cap:
             reasons.append(Reason(f"offload needs {_gib(nvme)} NVMe per node > {_gib(cap)} available", "nvme"))
-    return MemoryEstimate(gpu=gpu, peak_phase=peak_phase, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
-                          fits=not reasons, reasons=reasons, phases=phases,
-                          activation_peak=int(max(c[3] + c[4] for c in cands)))
+    return reasons
