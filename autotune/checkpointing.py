@@ -151,12 +151,18 @@ def _checkpoint_forward(module: Any, op_level: bool = False) -> None:
     module._autotune_checkpointed = True
 
 
-def _wrap_blocks(model: Any, n: Optional[int], op_level: bool = False) -> list[str]:
-    blocks = blocks_of(model)
+def _first_blocks(model: Any, n: Optional[int]) -> tuple[list[Any], int]:
+    """The model's blocks and how many of them (the first ``n``, None: all) are checkpointed."""
+    blocks = list(blocks_of(model))
     n = len(blocks) if n is None else n
     if n > len(blocks):
         raise ValueError(f"cannot checkpoint {n} blocks: the model's longest ModuleList has {len(blocks)}")
-    for block in list(blocks)[:n]:
+    return blocks, n
+
+
+def _wrap_blocks(model: Any, n: Optional[int], op_level: bool = False) -> list[str]:
+    blocks, n = _first_blocks(model, n)
+    for block in blocks[:n]:
         _checkpoint_forward(block, op_level)
     how = "torch.utils.checkpoint with the op-level selective policy" if op_level else "torch.utils.checkpoint"
     return [f"forward of the first {n} of {len(blocks)} blocks wrapped in {how}"]
@@ -171,10 +177,7 @@ GPT-2 ``attn`` / ``mlp``, GPT-NeoX ``attention`` / ``mlp``, autotune's decoders 
 def _wrap_submodules(model: Any, granularity: str, n: Optional[int]) -> list[str]:
     """``attention`` / ``mlp``: that module of each of the first ``n`` blocks recomputed (its
     ``forward`` wrapped in non-reentrant checkpoint; the norms around it are not recomputed)."""
-    blocks = list(blocks_of(model))
-    n = len(blocks) if n is None else n
-    if n > len(blocks):
-        raise ValueError(f"cannot checkpoint {n} blocks: the model's longest ModuleList has {len(blocks)}")
+    blocks, n = _first_blocks(model, n)
     names = SUBMODULE_NAMES[granularity]
     for i, block in enumerate(blocks[:n]):
         sub = next((getattr(block, k) for k in names if hasattr(block, k)), None)

@@ -155,12 +155,11 @@ GRANULARITY_ROWS = [("hf-llama", 2, 2, 2, 2, 256, "attention", "bf16"), ("hf-gpt
 def grid(quick: bool) -> list[dict]:
     """Reference-decoder rows and the checkpointing-granularity rows (the HF families, hf_grid,
     carry most of the accuracy claim)."""
-    keys = ("model", "stage", "nproc", "ga", "mbs", "seq", "ckpt", "precision")
-    rows = [dict(zip(keys, r)) for r in REFERENCE_ROWS]
+    rows = [dict(zip(ROW_KEYS, r)) for r in REFERENCE_ROWS]
     if quick:
         return rows[::3]
     have_hf = importlib.util.find_spec("transformers") is not None
-    return rows + [dict(zip(keys, r)) for r in GRANULARITY_ROWS if have_hf or r[0] not in HF_FAMILIES]
+    return rows + [dict(zip(ROW_KEYS, r)) for r in GRANULARITY_ROWS if have_hf or r[0] not in HF_FAMILIES]
 
 
 def specs(row: dict, workdir: Path | None = None) -> tuple[ModelSpec, TrainingSpec, HardwareSpec, Strategy]:

@@ -90,7 +90,6 @@ def test_block_activations_match_transformers(path, precision, tmp_path):
 def test_composite_gelu_backward_peak_matches_an_allocation_trace():
     """transformers' GPT2MLP with gelu_new (0.5*x*(1+tanh(.))): the backward rises above the forward
     end by what the model adds for it; F.gelu(approximate="tanh") rises by less."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
     from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
@@ -103,18 +102,10 @@ def test_composite_gelu_backward_peak_matches_an_allocation_trace():
             y = mlp(x)
             with torch.profiler.record_function("BACKWARD"):
                 y.sum().backward()
-        events, marks, stack = [], [], list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            e = stack.pop()
-            if e.typed[0] == _EventType.Allocation:
-                events.append((e.start_time_ns, e.typed[1].alloc_size))
-            elif e.name == "BACKWARD":
-                marks.append(e.start_time_ns)
-            stack.extend(e.children)
-        events.sort()
+        events, marks = _allocations_and_marks(prof)
         total, at_backward, peak = 0, None, 0
         for t, size in events:
-            if at_backward is None and t >= marks[0]:
+            if at_backward is None and t >= marks["BACKWARD"]:
                 at_backward = total
             total += size
             peak = max(peak, total)
@@ -131,24 +122,33 @@ def test_composite_gelu_backward_peak_matches_an_allocation_trace():
     assert rises["gelu_new"] - rises["gelu_pytorch_tanh"] >= 0.5
 
 
+def _allocations_and_marks(prof) -> tuple[list[tuple[int, int]], dict[str, int]]:
+    """torch.profiler's allocation events as sorted (time, +bytes | -bytes), and the start time of
+    each record_function range by name."""
+    from torch._C._profiler import _EventType
+
+    events, marks, stack = [], {}, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.typed[0] == _EventType.Allocation:
+            events.append((e.start_time_ns, e.typed[1].alloc_size))
+        else:
+            marks.setdefault(e.name, e.start_time_ns)
+        stack.extend(e.children)
+    return sorted(events), marks
+
+
 def _net_forward_bytes(model, batch: int, seq: int, vocab: int) -> int:
     """Bytes a forward leaves allocated (saved activations, checkpoint inputs, logits, loss): the sum
     of the allocation events torch.profiler records during the forward."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     x = torch.randint(0, vocab, (batch, seq))
     gc.collect()  # an earlier forward's graph (checkpoint caches sit in reference cycles) is freed now
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = model(input_ids=x, labels=x, use_cache=False)
-    total, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.typed[0] == _EventType.Allocation:
-            total += e.typed[1].alloc_size
-        stack.extend(e.children)
     del out
-    return total
+    return sum(size for _, size in _allocations_and_marks(prof)[0])
 
 
 @pytest.mark.parametrize("granularity", ["attention", "mlp", "op", "full"])

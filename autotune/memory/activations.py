@@ -105,7 +105,7 @@ def _mlp_sublayer_saved(m: ModelSpec, p: int, mask_bytes: int) -> float:
     return n
 
 
-def _op_sac_saved(m: ModelSpec, p: int, s: int, device: str, zero3_linear: bool = False) -> float:
+def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False) -> float:
     """Per token, what op-level selective checkpointing keeps of a block (``autotune.checkpointing
     .op_sac_context``, torchtitan's policy): the block input, the attention kernel's outputs (out
     and the fp32 log-sum-exp of sdpa's flash kernels; eager and the CPU math path are recomputed)
@@ -147,7 +147,7 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     if checkpointing == "full":
         return p * h  # the block input saved by the checkpoint
     if checkpointing == "op":
-        return _op_sac_saved(m, p, s, device, zero3_linear)
+        return _op_sac_saved(m, p, device, zero3_linear)
     # the two pre-norms' outputs are saved by the next linear; extra (post-)norms (Gemma2) feed the
     # residual add, which saves nothing
     n = 2 * _norm_saved(m, p) + (m.norms_per_block - 2) * (_norm_saved(m, p) - p * h)
@@ -253,9 +253,9 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     softcap = p * V * tokens if m.final_logit_softcapping else 0.0
     nonblock += softcap
     if m.implementation == "hf" and m.attn_implementation == "eager" and n_ck and gran in ("full", "op", "attention"):
-        # HF's 4-D additive masks (model dtype): the checkpoints keep them as inputs of the block /
-        # attention module
-        # (transformers masking_utils.py eager_mask; without checkpointing they die with the forward)
+        # HF's 4-D additive masks (model dtype): the checkpoints keep them as inputs of the block or
+        # attention module (transformers masking_utils.py eager_mask; without checkpointing they die
+        # with the forward)
         nonblock += m.num_attention_masks * b * s * s * p
     # forward end: logits (model dtype), their fp32 copy and log_softmax's output coexist
     loss_fwd = (p + 4) * V * tokens if p < 4 else 4 * V * tokens

@@ -97,9 +97,10 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     fixed = st.params + st.optimizer + st.grad_buffer + st.resident_buffers
     cands: list[_Candidate] = []
 
+    head = m.vocab_size * m.hidden_size
     # a tied head's gradient waits in autograd's input buffer of the shared weight until the
     # embedding's backward (one AccumulateGrad for both uses): outside param.grad until then
-    pending_head = p * m.vocab_size * m.hidden_size if m.tie_word_embeddings else 0.0
+    pending_head = p * head if m.tie_word_embeddings else 0.0
 
     def add(phase: str, grads: float = 0.0, activations: float = 0.0, logits: float = 0.0,
             buffers: float = 0.0, pending: float = 0.0) -> None:
@@ -118,16 +119,14 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     # DeepSpeed's gradient buffers appear with the first parameter gradient, right after
     add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_backward_transient"],
         buffers=st.buffers_fwd)
-    head = m.vocab_size * m.hidden_size
     # lm_head backward: its weight gradient is computed next to the logits gradient (model dtype)
     add("backward", grads=p * head, activations=saved_blocks + other_saved, logits=p * m.vocab_size * tokens,
         buffers=st.buffers_fwd, pending=pending_head)
     # its gradient hook: ZeRO-1/2 allocate the reduce buckets (the logits gradient is gone)
     add("backward", grads=p * head, activations=saved_blocks + other_saved, buffers=st.buffers_bwd,
         pending=pending_head)
-    # the head's weight gradient stays alive through the blocks: ZeRO-0 keeps every gradient; with
-    # tied embeddings autograd holds it in the shared weight's input buffer until the embedding's
-    # own backward has added its part (one AccumulateGrad for both uses), so no hook fires before
+    # the head's weight gradient stays alive through the blocks: ZeRO-0 keeps every gradient; a
+    # tied one is pending (above), so no gradient hook fires for it before the embedding's backward
     head_grad = p * head if (s.zero_stage == 0 or m.tie_word_embeddings) else 0.0
     # through the blocks (last to first): saved activations shrink while gradients accumulate;
     # a checkpointed block is recomputed (its full activations) before its backward

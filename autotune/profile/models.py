@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autotune.checkpointing import op_sac_context
 from autotune.spec import ModelSpec
+from autotune.strategy import CHECKPOINTINGS
 
 
 class RMSNorm(nn.Module):
@@ -149,7 +150,6 @@ class Block(nn.Module):
         self.attn = Attention(spec)
         self.post_norm = _norm(spec)
         self.mlp = MLP(spec)
-
         self.checkpoint_module: Optional[str] = None  # "attention" | "mlp": that module recomputed
 
     def forward(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> torch.Tensor:
@@ -202,7 +202,7 @@ class Decoder(nn.Module):
         n = n_layers if num_layers is None else num_layers
         if granularity == "none":
             n = 0
-        if granularity not in ("none", "selective", "attention", "mlp", "op", "full") or not 0 <= n <= n_layers:
+        if granularity not in CHECKPOINTINGS or not 0 <= n <= n_layers:
             raise ValueError(f"bad checkpointing {granularity!r} x {num_layers}")
         for i, block in enumerate(self.layers):
             on = i < n
