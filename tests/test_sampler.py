@@ -18,13 +18,17 @@ from autotune.space import load_space
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _candidates():
+    """A 3-point front (memory, tokens/s), the reference memory, and 4 candidates' memory with the
+    mean and spread of their log throughput."""
+    front = [(10.0, 100.0), (20.0, 150.0), (35.0, 180.0)]
+    return (front, 50.0, np.array([5.0, 15.0, 30.0, 45.0]), np.log(np.array([90.0, 160.0, 170.0, 200.0])),
+            np.array([0.2, 0.1, 0.05, 0.3]))
+
+
 def test_closed_form_ehvi_matches_monte_carlo_with_optunas_hypervolume():
     rng = np.random.default_rng(0)
-    front = [(10.0, 100.0), (20.0, 150.0), (35.0, 180.0)]
-    ref = 50.0
-    x = np.array([5.0, 15.0, 30.0, 45.0])
-    mu = np.log(np.array([90.0, 160.0, 170.0, 200.0]))
-    sd = np.array([0.2, 0.1, 0.05, 0.3])
+    front, ref, x, mu, sd = _candidates()
     got = expected_hvi(x, mu, sd, front, ref)
     base = hypervolume(front, ref)
     assert base == pytest.approx(hv_pareto(front, (ref, 0.0)))
@@ -36,11 +40,7 @@ def test_closed_form_ehvi_matches_monte_carlo_with_optunas_hypervolume():
 
 def test_remaining_gain_is_the_expected_improvement_of_profiling_everything_left():
     rng = np.random.default_rng(1)
-    front = [(10.0, 100.0), (20.0, 150.0), (35.0, 180.0)]
-    ref = 50.0
-    x = np.array([5.0, 15.0, 30.0, 45.0])
-    mu = np.log(np.array([90.0, 160.0, 170.0, 200.0]))
-    sd = np.array([0.2, 0.1, 0.05, 0.3])
+    front, ref, x, mu, sd = _candidates()
     base = hypervolume(front, ref)
     # the vectorised staircase is Optuna's hypervolume
     sets = [[(float(m), float(t)) for m, t in zip(rng.uniform(0, 60, 12), rng.uniform(0, 200, 12))] for _ in range(5)]
