@@ -210,12 +210,24 @@ def to_float(text: Any) -> Optional[float]:
         return None
 
 
-def _knob_value(knob: str, value: Any) -> Any:
+ADDED_KNOBS = ("engine", "checkpoint_every", "reshard_after_forward", "sharding", "reduce_dtype")
+"""Knobs added after the first trials.csv format (with the fsdp2 engine): a record written before
+lacks them and meant their default (deepspeed)."""
+
+
+def knob_value(knob: str, value: Any) -> Any:
     """One knob of a front.json strategy or a trials.csv cell, typed as Strategy holds it
-    (integers written as "2" or 2.0 read back as 2; empty as None; anything unreadable kept as is)."""
-    if value is None or value == "":
+    (integers written as "2" or 2.0 read back as 2; "True"/"False" as booleans; empty as None;
+    anything unreadable kept as is)."""
+    if isinstance(value, str):
+        value = value.strip()
+    if value is None or value in ("", "None"):
         return None
-    if knob_choices(knob) is None or knob == "zero_stage":
+    choices = knob_choices(knob)
+    if choices is not None and isinstance(choices[0], bool):
+        return {"True": True, "False": False, "true": True, "false": False}.get(value, value) \
+            if isinstance(value, str) else value
+    if choices is None or knob == "zero_stage":
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -226,8 +238,10 @@ def _knob_value(knob: str, value: Any) -> Any:
 
 def strategy_from_record(record: Mapping[str, Any]) -> Strategy:
     """The strategy a front.json point's ``strategy`` or a trials.csv row describes (its KNOBS;
-    a knob it lacks is None, so a record is never taken for one that states the default)."""
-    return Strategy(**{k: _knob_value(k, record.get(k)) for k in KNOBS})
+    a knob it lacks is None, so a record is never taken for one that states the default, except
+    the ADDED_KNOBS, which an older record lacks and means at their defaults)."""
+    return Strategy(**{k: knob_value(k, record.get(k)) for k in KNOBS
+                       if k in record or k not in ADDED_KNOBS})
 
 
 def strategy_key(record: Mapping[str, Any]) -> tuple:

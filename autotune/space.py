@@ -17,7 +17,8 @@ from autotune.checks import check_section, choice, int_, mapping, read_yaml, sho
 from autotune.config import Config
 from autotune.errors import ConfigError
 from autotune.spec import ModelSpec
-from autotune.strategy import BUCKET_KNOBS, CHECKPOINTINGS, KNOBS, OFFLOADS, PRECISIONS, ZERO_STAGES, Strategy, knob_applies
+from autotune.strategy import (BUCKET_KNOBS, CHECKPOINTINGS, ENGINES, KNOBS, OFFLOADS, PRECISIONS, REDUCE_DTYPES,
+                               SHARDINGS, ZERO_STAGES, Strategy, knob_applies)
 
 SPACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "search_spaces")
 """Shipped spaces (default, no-offload, single-gpu), at the repository root."""
@@ -33,15 +34,21 @@ class SearchSpace:
     """Space name (file stem)."""
     path: str
     """File it was read from."""
+    engine: tuple[str, ...] = ("deepspeed",)
     zero_stage: tuple[int, ...] = (0, 1, 2, 3)
     offload_optimizer: tuple[str, ...] = ("none",)
     offload_params: tuple[str, ...] = ("none",)
     micro_batch_size: tuple[int, ...] = (1, 2, 4, 8)
     checkpointing: tuple[str, ...] = ("none", "full")
+    checkpoint_every: tuple[Optional[int], ...] = (None,)
+    """Every-k-th-block checkpointing periods (None: the first checkpoint_layers blocks)."""
     checkpoint_layers: tuple[Any, ...] = ("all",)
     """Absolute block counts (ints), or ("fractions", f1, f2, ...), or ("all",)."""
     precision: tuple[str, ...] = ("bf16",)
     """Omitted in the file: the job's training.precision (see load_space)."""
+    reshard_after_forward: tuple[bool, ...] = (True,)
+    sharding: tuple[str, ...] = ("full",)
+    reduce_dtype: tuple[str, ...] = ("fp32",)
     reduce_bucket_size: tuple[Optional[int], ...] = (None,)
     allgather_bucket_size: tuple[Optional[int], ...] = (None,)
     prefetch_bucket_size: tuple[Optional[int], ...] = (None,)
@@ -64,22 +71,19 @@ class SearchSpace:
     def candidates(self, model: ModelSpec) -> Iterator[Strategy]:
         """Every distinct strategy of the space (a knob varies only where it applies, see
         strategy.knob_applies: checkpoint_layers with checkpointing on, bucket knobs at the ZeRO
-        stages that use them)."""
-        layers = self.layer_choices(model.num_hidden_layers)
-        for z, oo, op, mbs, ck, prec in itertools.product(
-            self.zero_stage, self.offload_optimizer, self.offload_params, self.micro_batch_size,
-            self.checkpointing, self.precision,
-        ):
-            layout = {"zero_stage": z, "checkpointing": ck}
-            for n in (layers if knob_applies("checkpoint_layers", layout) else [None]):
-                for buckets in itertools.product(*(self.values_where_applies(k, layout) for k in BUCKET_KNOBS)):
-                    yield Strategy(zero_stage=z, offload_optimizer=oo, offload_params=op, micro_batch_size=mbs,
-                                   checkpointing=ck, checkpoint_layers=n, precision=prec,
-                                   **dict(zip(BUCKET_KNOBS, buckets)))
+        stages that use them, the ZeRO knobs with deepspeed, the fsdp2 knobs with fsdp2)."""
+        def expand(values: dict[str, Any], rest: tuple[str, ...]) -> Iterator[Strategy]:
+            if not rest:
+                yield Strategy(**values)
+                return
+            knob, rest = rest[0], rest[1:]
+            if not knob_applies(knob, values):  # left at its default
+                yield from expand(values, rest)
+                return
+            for value in self.choices(knob, model):
+                yield from expand({**values, knob: value}, rest)
 
-    def values_where_applies(self, knob: str, layout: Any) -> tuple[Any, ...]:
-        """The space's values of a bucket knob, or (None,) where the knob has no effect."""
-        return getattr(self, knob) if knob_applies(knob, layout) else (None,)
+        yield from expand({}, _ENUMERATION_ORDER)
 
     def searched_knobs(self, strategy: "Strategy | dict[str, Any]") -> Iterator[str]:
         """The knobs, in suggestion order, that apply to ``strategy`` (a Strategy or the values chosen
@@ -101,6 +105,13 @@ class SearchSpace:
         values (bucket knobs the space leaves on ``auto`` are not checked)."""
         return all(getattr(strategy, knob) in choices for knob in self.searched_knobs(strategy)
                    if (choices := self.choices(knob, model)) != [None])
+
+
+_ENUMERATION_ORDER = ("engine", "zero_stage", "offload_optimizer", "offload_params", "micro_batch_size",
+                      "checkpointing", "precision", "checkpoint_every", "checkpoint_layers",
+                      "reshard_after_forward", "sharding", "reduce_dtype", *BUCKET_KNOBS)
+"""The nesting of ``candidates`` (outermost first); each knob comes after the knobs it depends on."""
+assert sorted(_ENUMERATION_ORDER) == sorted(KNOBS)
 
 
 def strategy_params(strategy: Strategy, space: SearchSpace, model: ModelSpec) -> dict[str, Any]:
@@ -197,13 +208,18 @@ def _layers(raw: Any, path: str) -> tuple:
 
 
 SPACE_SCHEMA = {
+    "engine": _values(choice(*ENGINES)),
     "zero_stage": _values(choice(*ZERO_STAGES)),
     "offload_optimizer": _values(choice(*OFFLOADS)),
     "offload_params": _values(choice(*OFFLOADS)),
     "micro_batch_size": _values(int_(1, 1 << 20), integer_range=True),
     "checkpointing": _values(choice(*CHECKPOINTINGS)),
+    "checkpoint_every": _values(int_(1, 10_000)),
     "checkpoint_layers": _layers,
     "precision": _values(choice(*PRECISIONS)),
+    "reshard_after_forward": _values(choice(True, False)),
+    "sharding": _values(choice(*SHARDINGS)),
+    "reduce_dtype": _values(choice(*REDUCE_DTYPES)),
     "reduce_bucket_size": _values(int_(1), allow_auto=True),
     "allgather_bucket_size": _values(int_(1), allow_auto=True),
     "prefetch_bucket_size": _values(int_(1), allow_auto=True),

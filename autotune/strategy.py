@@ -14,14 +14,20 @@ from typing import Any, Literal, Mapping, Optional, get_args
 
 from autotune.spec import HardwareSpec, ModelSpec, Precision, TrainingSpec
 
+Engine = Literal["deepspeed", "fsdp2"]
 ZeroStage = Literal[0, 1, 2, 3]
 Offload = Literal["none", "cpu", "nvme"]
 Checkpointing = Literal["none", "selective", "attention", "mlp", "op", "full"]
+Sharding = Literal["full", "hybrid"]
+ReduceDtype = Literal["fp32", "bf16"]
 
+ENGINES: tuple[Engine, ...] = get_args(Engine)
 ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
 OFFLOADS: tuple[Offload, ...] = get_args(Offload)
 CHECKPOINTINGS: tuple[Checkpointing, ...] = get_args(Checkpointing)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
+REDUCE_DTYPES: tuple[ReduceDtype, ...] = get_args(ReduceDtype)
 
 FSDP_SHARDING = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
 """ZeRO stage -> closest FSDP ShardingStrategy (the seed's table; FSDP has no optimizer-only mode)."""
@@ -41,38 +47,78 @@ def _knob(default: Any, *, search_order: Optional[int], flag: bool,
 class Strategy:
     """How one training job is laid out on the GPUs."""
 
-    zero_stage: ZeroStage = _knob(0, search_order=0, flag=True)
-    """ZeRO stage 0-3 (0 = plain data parallel)."""
-    micro_batch_size: int = _knob(1, search_order=3, flag=True, int_range=(1, 1 << 20))
+    engine: Engine = _knob("deepspeed", search_order=0, flag=True)
+    """Training engine: deepspeed (ZeRO stages 0-3) or fsdp2 (PyTorch ``fully_shard`` on every
+    decoder layer plus the root; parameters, gradients and optimizer states always sharded)."""
+    zero_stage: ZeroStage = _knob(0, search_order=1, flag=True)
+    """ZeRO stage 0-3 (0 = plain data parallel). deepspeed only (fsdp2: always 3, fully sharded)."""
+    micro_batch_size: int = _knob(1, search_order=4, flag=True, int_range=(1, 1 << 20))
     """Sequences per GPU per forward/backward."""
-    checkpointing: Checkpointing = _knob("none", search_order=4, flag=True)
+    checkpointing: Checkpointing = _knob("none", search_order=5, flag=True)
     """Activation checkpointing granularity: selective = attention core recomputed
     (Korthikanti et al. 2022 sec. 5); attention / mlp = that module of the block recomputed, the
     other kept (module-level selective recompute, the norms stay outside); op = torchtitan's
     op-level selective checkpointing of the block (attention outputs and every other matmul
     output kept, the rest recomputed); full = whole block recomputed."""
-    checkpoint_layers: Optional[int] = _knob(None, search_order=5, flag=True, int_range=(0, 10_000))
-    """Number of blocks checkpointed, 0..num_layers (None: all of them when checkpointing != none)."""
-    offload_optimizer: Offload = _knob("none", search_order=1, flag=True)
-    """Where optimizer states and fp32 master weights live (ZeRO >= 1)."""
-    offload_params: Offload = _knob("none", search_order=2, flag=True)
-    """Where the sharded 16-bit parameters live between uses (ZeRO-3 only)."""
-    precision: Precision = _knob("bf16", search_order=6, flag=True)
-    """Compute precision; fp16 adds dynamic loss scaling."""
-    reduce_bucket_size: Optional[int] = _knob(None, search_order=7, flag=False, int_range=(1, None), buffer=True)
+    checkpoint_every: Optional[int] = _knob(None, search_order=6, flag=True, int_range=(1, 10_000))
+    """Checkpoint every k-th block (blocks k-1, 2k-1, ...; torchtitan's layer-frequency selective
+    option), L // k blocks in all; None: the first ``checkpoint_layers`` blocks instead."""
+    checkpoint_layers: Optional[int] = _knob(None, search_order=7, flag=True, int_range=(0, 10_000))
+    """Number of blocks checkpointed, the first ones, 0..num_layers (None: all of them when
+    checkpointing != none). Not with checkpoint_every."""
+    offload_optimizer: Offload = _knob("none", search_order=2, flag=True)
+    """Where optimizer states and fp32 master weights live (deepspeed, ZeRO >= 1; fsdp2: follows
+    offload_params, as CPUOffloadPolicy moves both)."""
+    offload_params: Offload = _knob("none", search_order=3, flag=True)
+    """Where the sharded parameters live between uses (deepspeed: ZeRO-3 only; fsdp2: cpu =
+    ``CPUOffloadPolicy``, sharded parameters, gradients and the optimizer step on the host)."""
+    precision: Precision = _knob("bf16", search_order=8, flag=True)
+    """Compute precision; fp16 adds dynamic loss scaling (fsdp2: ``MixedPrecisionPolicy.param_dtype``;
+    the sharded parameters stay fp32)."""
+    reshard_after_forward: Literal[True, False] = _knob(True, search_order=9, flag=True)
+    """fsdp2: free each layer's unsharded parameters after its forward and all-gather them again for
+    its backward (ZeRO-3-like); False keeps them from forward to backward (ZeRO-2-like)."""
+    sharding: Sharding = _knob("full", search_order=10, flag=True)
+    """fsdp2: full = shard over every GPU; hybrid = shard within a node and replicate across nodes
+    (HSDP, a 2-D device mesh; needs more than one node)."""
+    reduce_dtype: ReduceDtype = _knob("fp32", search_order=11, flag=True)
+    """fsdp2: dtype of the gradient reduce-scatter (``MixedPrecisionPolicy.reduce_dtype``)."""
+    reduce_bucket_size: Optional[int] = _knob(None, search_order=12, flag=False, int_range=(1, None), buffer=True)
     """Elements per gradient reduce bucket (None: autotune's choice, see default_buckets)."""
-    allgather_bucket_size: Optional[int] = _knob(None, search_order=8, flag=False, int_range=(1, None), buffer=True)
+    allgather_bucket_size: Optional[int] = _knob(None, search_order=13, flag=False, int_range=(1, None), buffer=True)
     """ZeRO-1/2: elements per parameter all-gather bucket (None: autotune's choice)."""
-    prefetch_bucket_size: Optional[int] = _knob(None, search_order=9, flag=False, int_range=(1, None), buffer=True)
+    prefetch_bucket_size: Optional[int] = _knob(None, search_order=14, flag=False, int_range=(1, None), buffer=True)
     """ZeRO-3: elements prefetched ahead of use (None: autotune's choice)."""
     param_persistence_threshold: Optional[int] = _knob(None, search_order=None, flag=False,
                                                      int_range=(0, None), buffer=True)
     """ZeRO-3: parameters smaller than this stay unpartitioned (None: autotune's choice)."""
 
+    def __post_init__(self) -> None:
+        # knobs that do not apply to the engine take one fixed value, so a strategy has one
+        # identity (``key``) whatever the caller passed for them
+        if self.engine == "fsdp2":
+            fixed: dict[str, Any] = {"zero_stage": 3, "offload_optimizer": self.offload_params,
+                                     **{k: None for k in _DEEPSPEED_BUFFERS}}
+        else:
+            fixed = {k: _DEFAULTS[k] for k in _FSDP2_ONLY}
+        for name, value in fixed.items():
+            object.__setattr__(self, name, value)
+
     def num_checkpointed(self, num_layers: int) -> int:
         if self.checkpointing == "none":
             return 0
+        if self.checkpoint_every is not None:
+            return num_layers // self.checkpoint_every
         return num_layers if self.checkpoint_layers is None else self.checkpoint_layers
+
+    def checkpointed_blocks(self, num_layers: int) -> list[int]:
+        """Indices of the checkpointed blocks: every k-th (k-1, 2k-1, ...) or the first n."""
+        if self.checkpointing == "none":
+            return []
+        if self.checkpoint_every is not None:
+            k = self.checkpoint_every
+            return list(range(k - 1, num_layers, k))
+        return list(range(min(num_layers, self.num_checkpointed(num_layers))))
 
     def replace(self, **changes: Any) -> "Strategy":
         return dataclasses.replace(self, **changes)
@@ -86,19 +132,28 @@ class Strategy:
 
     def describe(self, num_layers: Optional[int] = None) -> str:
         """The strategy in words, e.g. ``ZeRO-3, optimizer->cpu, mbs 4, full ckpt 32/32, bf16``."""
-        parts = [f"ZeRO-{self.zero_stage}"]
-        if self.offload_optimizer != "none":
-            parts.append(f"optimizer->{self.offload_optimizer}")
-        if self.offload_params != "none":
-            parts.append(f"params->{self.offload_params}")
+        if self.engine == "fsdp2":
+            parts = ["FSDP2" + (" hybrid" if self.sharding == "hybrid" else ""),
+                     "reshard" if self.reshard_after_forward else "no reshard"]
+            if self.offload_params != "none":
+                parts.append("cpu offload")
+        else:
+            parts = [f"ZeRO-{self.zero_stage}"]
+            if self.offload_optimizer != "none":
+                parts.append(f"optimizer->{self.offload_optimizer}")
+            if self.offload_params != "none":
+                parts.append(f"params->{self.offload_params}")
         parts.append(f"mbs {self.micro_batch_size}")
         if self.checkpointing == "none":
             parts.append("no ckpt")
         else:
             n = self.num_checkpointed(num_layers) if num_layers else self.checkpoint_layers
             of = f" {n}/{num_layers}" if num_layers else (f" {n}" if n is not None else "")
-            parts.append(f"{self.checkpointing} ckpt{of}")
+            every = f" every {self.checkpoint_every}" if self.checkpoint_every is not None else ""
+            parts.append(f"{self.checkpointing} ckpt{every}{of}")
         parts.append(self.precision)
+        if self.engine == "fsdp2" and self.reduce_dtype != "fp32":
+            parts.append(f"reduce {self.reduce_dtype}")
         for name, short in (("reduce_bucket_size", "reduce bucket"), ("allgather_bucket_size", "allgather bucket"),
                             ("prefetch_bucket_size", "prefetch bucket"),
                             ("param_persistence_threshold", "persistence threshold")):
@@ -109,6 +164,11 @@ class Strategy:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Strategy))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Strategy)}
+_FSDP2_ONLY = ("reshard_after_forward", "sharding", "reduce_dtype")
+"""Knobs of the fsdp2 engine (fixed at their defaults for deepspeed)."""
+_DEEPSPEED_BUFFERS = tuple(f.name for f in dataclasses.fields(Strategy) if f.metadata["buffer"])
+"""DeepSpeed's buffer sizes (None for fsdp2)."""
 
 KNOBS: tuple[str, ...] = tuple(f.name for f in sorted(
     (f for f in dataclasses.fields(Strategy) if f.metadata["search_order"] is not None),
@@ -139,12 +199,22 @@ _CHOICES = _literal_choices()
 
 
 def knob_applies(knob: str, strategy: "Strategy | Mapping[str, Any]") -> bool:
-    """Whether ``knob`` has an effect on ``strategy`` (a Strategy, or a mapping holding at least its
-    ``zero_stage`` and ``checkpointing``): checkpoint_layers only with checkpointing on; each bucket
-    knob only at the ZeRO stages whose DeepSpeed config carries it (see to_deepspeed_config)."""
+    """Whether ``knob`` has an effect on ``strategy`` (a Strategy, or a mapping holding the knobs
+    before ``knob`` in KNOBS order; a missing engine is deepspeed): checkpoint_every and
+    checkpoint_layers only with checkpointing on (checkpoint_layers not with checkpoint_every);
+    the ZeRO stage, optimizer offload and each bucket knob only with deepspeed, the buckets at the
+    stages whose DeepSpeed config carries them (see to_deepspeed_config); reshard_after_forward,
+    sharding and reduce_dtype only with fsdp2."""
     get = (lambda k: getattr(strategy, k)) if isinstance(strategy, Strategy) else strategy.get
-    if knob == "checkpoint_layers":
+    fsdp2 = (get("engine") or "deepspeed") == "fsdp2"
+    if knob in _FSDP2_ONLY:
+        return fsdp2
+    if fsdp2 and (knob in _DEEPSPEED_BUFFERS or knob in ("zero_stage", "offload_optimizer")):
+        return False
+    if knob == "checkpoint_every":
         return get("checkpointing") != "none"
+    if knob == "checkpoint_layers":
+        return get("checkpointing") != "none" and get("checkpoint_every") is None
     if knob == "reduce_bucket_size":
         return get("zero_stage") >= 1
     if knob == "allgather_bucket_size":
@@ -162,6 +232,14 @@ def strategy_from_dict(values: Mapping[str, Any]) -> "Strategy":
 def data_parallel_size(hardware: HardwareSpec) -> int:
     """Every GPU is a data-parallel rank (autotune does not search tensor/pipeline parallelism)."""
     return hardware.num_gpus
+
+
+def shard_group_size(strategy: Strategy, hardware: HardwareSpec) -> int:
+    """GPUs that parameters, gradients and optimizer states are partitioned over: all of them,
+    or one node's with fsdp2's hybrid sharding (replicated across nodes)."""
+    if strategy.engine == "fsdp2" and strategy.sharding == "hybrid":
+        return hardware.gpus_per_node
+    return data_parallel_size(hardware)
 
 
 def gradient_accumulation_steps(strategy: Strategy, training: TrainingSpec, hardware: HardwareSpec) -> int:
@@ -200,6 +278,19 @@ def validation_errors(
     if s.checkpointing == "selective" and model.implementation == "hf" and s.num_checkpointed(model.num_hidden_layers):
         errors.append(("checkpointing", "checkpointing=selective (attention core recomputed) is not available for "
                        "Hugging Face models, which checkpoint whole layers; use full or none"))
+    if s.checkpoint_every is not None and s.checkpoint_layers is not None:
+        errors.append(("checkpoint_every", f"checkpoint_every and checkpoint_layers exclude each other, but got "
+                       f"checkpoint_every={s.checkpoint_every}, checkpoint_layers={s.checkpoint_layers}"))
+    if s.checkpoint_every is not None and not 1 <= s.checkpoint_every <= model.num_hidden_layers:
+        errors.append(("checkpoint_every",
+                       f"checkpoint_every must be in 1..{model.num_hidden_layers}, but got {s.checkpoint_every}"))
+    if s.engine == "fsdp2":
+        if s.offload_params == "nvme":
+            errors.append(("offload_params", "offload_params=nvme is not available with engine fsdp2 (CPUOffloadPolicy "
+                           "offloads to host RAM only); use cpu, or engine deepspeed for NVMe"))
+        if s.sharding == "hybrid" and hardware.num_nodes < 2:
+            errors.append(("sharding", f"sharding=hybrid (shard within a node, replicate across nodes) needs more than "
+                           f"one node, but got num_nodes {hardware.num_nodes}"))
     if s.precision == "bf16" and hardware.gpu.peak_tflops_bf16 <= 0:
         errors.append(("precision", f"precision bf16 is not supported by {hardware.gpu.name}"))
     return errors
@@ -239,6 +330,8 @@ def to_deepspeed_config(
     strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
 ) -> dict[str, Any]:
     """The exact DeepSpeed config JSON object for this strategy (parsed by DeepSpeedConfig in tests)."""
+    if strategy.engine != "deepspeed":
+        raise ValueError(f"to_deepspeed_config needs engine deepspeed, but got engine {strategy.engine}")
     s = strategy
     gas = gradient_accumulation_steps(s, training, hardware)
     cfg: dict[str, Any] = {
@@ -298,6 +391,50 @@ def to_deepspeed_config(
             "synchronize_checkpoint_boundary": False, "profile": False,
         }
     return cfg
+
+
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""autotune precision name -> torch dtype attribute."""
+
+
+def to_fsdp2_config(
+    strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
+) -> dict[str, Any]:
+    """The FSDP2 layout of an fsdp2 strategy as a JSON object (what ``autotune.fsdp2.apply`` and
+    the profiling worker build from, and what a front point ships): ``fully_shard`` on each
+    decoder layer, then the root (torchtitan parallelize.py ``apply_fsdp``), over a 1-D mesh or,
+    hybrid, a 2-D (replicate, shard) mesh."""
+    if strategy.engine != "fsdp2":
+        raise ValueError(f"to_fsdp2_config needs engine fsdp2, but got engine {strategy.engine}")
+    s = strategy
+    n_ckpt = s.num_checkpointed(model.num_hidden_layers)
+    hybrid = s.sharding == "hybrid"
+    return {
+        "engine": "fsdp2",
+        "mesh": {"shape": [hardware.num_nodes, hardware.gpus_per_node] if hybrid else [hardware.num_gpus],
+                 "dim_names": ["replicate", "shard"] if hybrid else ["shard"]},
+        "fully_shard": {"units": "each decoder layer, then the root module",
+                        "reshard_after_forward": s.reshard_after_forward},
+        "mp_policy": {"param_dtype": TORCH_DTYPES[s.precision], "reduce_dtype": TORCH_DTYPES[s.reduce_dtype]},
+        "offload_policy": "CPUOffloadPolicy" if s.offload_params == "cpu" else None,
+        "activation_checkpointing": {"granularity": s.checkpointing if n_ckpt else "none",
+                                     "blocks": s.checkpointed_blocks(model.num_hidden_layers)},
+        "micro_batch_size": s.micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps(s, training, hardware),
+        "loss_scaling": s.precision == "fp16",
+        "optimizer": {"type": "AdamW" if training.optimizer == "adamw" else "Adam", "foreach": True,
+                      "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "gradient_clipping": 1.0,
+    }
+
+
+def engine_config(strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
+                  ) -> dict[str, Any]:
+    """The ready-to-use config of the strategy's engine: the DeepSpeed config JSON, or the FSDP2
+    layout (to_fsdp2_config)."""
+    if strategy.engine == "fsdp2":
+        return to_fsdp2_config(strategy, model, training, hardware)
+    return to_deepspeed_config(strategy, model, training, hardware)
 
 
 def fsdp_equivalent(strategy: Strategy, hardware: HardwareSpec) -> dict[str, Any]:

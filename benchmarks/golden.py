@@ -4,6 +4,7 @@ refactor can show that behaviour did not change.
     python benchmarks/golden.py record /tmp/golden.json     # record at one commit
     python benchmarks/golden.py check /tmp/golden.json      # re-run at another commit and compare
     python benchmarks/golden.py diff A.json B.json          # compare two recordings
+    python benchmarks/golden.py check OLD.json --ignore-knobs engine,sharding  # knobs added since OLD
 
 Recorded per examples/*.yaml:
 - estimates: 250 deterministically sampled strategies (seeded by the example's name) from the union of
@@ -207,6 +208,26 @@ def diff(a: Any, b: Any, path: str = "", out: list[str] | None = None) -> list[s
     return out
 
 
+def drop_knobs(obj: Any, names: tuple[str, ...]) -> Any:
+    """``obj`` without the strategy knobs ``names`` (knobs added since a golden was recorded, taking
+    their defaults): dict keys, trials.csv columns, ``name=value`` in Strategy reprs and
+    ``"name": value`` lines of printed JSON."""
+    if not names:
+        return obj
+    if isinstance(obj, dict):
+        return {k: drop_knobs(v, names) for k, v in obj.items() if k not in names}
+    if isinstance(obj, list):
+        if obj and isinstance(obj[0], list) and any(c in names for c in obj[0]):  # a CSV with its header
+            keep = [i for i, c in enumerate(obj[0]) if c not in names]
+            return [[row[i] for i in keep if i < len(row)] for row in obj]
+        return [drop_knobs(v, names) for v in obj]
+    if isinstance(obj, str):
+        alt = "|".join(names)
+        obj = re.sub(rf"\b({alt})=[^,()]*, ", "", obj)
+        return re.sub(rf'(?m)^\s*"({alt})": [^\n]*\n', "", obj)
+    return obj
+
+
 def counts(data: dict[str, Any]) -> str:
     ex = data["examples"]
     n_est = sum(len(v["estimates"]) for v in ex.values())
@@ -224,10 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("record").add_argument("out")
-    sub.add_parser("check").add_argument("golden")
+    c = sub.add_parser("check")
+    c.add_argument("golden")
     d = sub.add_parser("diff")
     d.add_argument("a")
     d.add_argument("b")
+    for q in (c, d):
+        q.add_argument("--ignore-knobs", default="", metavar="K1,K2",
+                       help="strategy knobs added since the golden was recorded (left at their defaults): "
+                       "compared as if absent")
     args = p.parse_args(argv)
     if args.cmd == "record":
         data = record()
@@ -244,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             a = json.load(f)
         with open(args.b) as f:
             b = json.load(f)
-    problems = diff(a, b)
+    ignored = tuple(k for k in args.ignore_knobs.split(",") if k)
+    problems = diff(drop_knobs(a, ignored), drop_knobs(b, ignored))
     for line in problems[:40]:
         print(line)
     print(f"golden: {counts(a)}: " + ("IDENTICAL" if not problems else f"{len(problems)} DIFFERENCES"))

@@ -25,15 +25,22 @@ def add_parser(sub: Any) -> None:
 
 
 FLAG_HELP = {
-    "zero_stage": "ZeRO stage: 0 (plain DP), 1, 2 or 3",
+    "engine": "training engine: deepspeed (ZeRO) or fsdp2 (PyTorch fully_shard per decoder layer plus the root)",
+    "zero_stage": "deepspeed: ZeRO stage 0 (plain DP), 1, 2 or 3",
     "micro_batch_size": "sequences per GPU per forward/backward",
     "checkpointing": "activation checkpointing: none, selective (attention core recomputed), attention or mlp "
                      "(that module recomputed, the other kept), op (op-level selective, torchtitan's policy) "
                      "or full (whole block)",
-    "checkpoint_layers": "number of blocks checkpointed, 0..num_layers (default: all when checkpointing is on)",
-    "offload_optimizer": "where optimizer states live (ZeRO >= 1)",
-    "offload_params": "where parameters live (ZeRO-3 only)",
-    "precision": "compute precision (fp16 = loss scaling)",
+    "checkpoint_every": "checkpoint every k-th block (torchtitan's layer frequency) instead of the first N",
+    "checkpoint_layers": "number of blocks checkpointed, the first ones, 0..num_layers (default: all when "
+                         "checkpointing is on)",
+    "offload_optimizer": "deepspeed: where optimizer states live (ZeRO >= 1)",
+    "offload_params": "where parameters live (deepspeed: ZeRO-3 only; fsdp2: cpu = CPUOffloadPolicy)",
+    "precision": "compute precision (fp16 = loss scaling; fsdp2: the param_dtype of MixedPrecisionPolicy)",
+    "reshard_after_forward": "fsdp2: true frees each layer's gathered parameters after its forward (ZeRO-3-like), "
+                             "false keeps them until its backward (ZeRO-2-like)",
+    "sharding": "fsdp2: full (every GPU) or hybrid (shard within a node, replicate across nodes)",
+    "reduce_dtype": "fsdp2: dtype of the gradient reduce-scatter",
 }
 """Help text of each strategy flag (the flags themselves are strategy.FLAG_KNOBS)."""
 
@@ -46,17 +53,27 @@ def add_strategy_flags(p: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"help": FLAG_HELP[knob]}
         if choices is None:
             kwargs.update(type=int, metavar="N")
+        elif isinstance(choices[0], bool):
+            kwargs.update(type=_bool, metavar="true|false")
         else:
             kwargs.update(type=type(choices[0]), choices=choices) if isinstance(choices[0], int) else \
                 kwargs.update(choices=choices)
         g.add_argument("--" + knob.replace("_", "-"), **kwargs)
 
 
+def _bool(text: str) -> bool:
+    """argparse type of a true/false flag."""
+    low = text.lower()
+    if low not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, but got {text!r}")
+    return low == "true"
+
+
 def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dict[str, Any]:
     """Everything ``autotune estimate --json`` prints, as one JSON-able dict."""
     from autotune.memory import estimate_memory
     from autotune.simulate import simulate
-    from autotune.strategy import fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
+    from autotune.strategy import fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config, to_fsdp2_config
 
     provenance = None
     if trace:
@@ -96,8 +113,10 @@ def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dic
         "mfu": sim.mfu,
         "time_breakdown_s": dict(sim.breakdown),
         "calibrated": sim.calibrated,
-        "fsdp": fsdp_equivalent(strategy, cfg.hardware),
-        "deepspeed_config": to_deepspeed_config(strategy, cfg.model, cfg.training, cfg.hardware),
+        **({"fsdp2_config": to_fsdp2_config(strategy, cfg.model, cfg.training, cfg.hardware)}
+           if strategy.engine == "fsdp2" else
+           {"fsdp": fsdp_equivalent(strategy, cfg.hardware),
+            "deepspeed_config": to_deepspeed_config(strategy, cfg.model, cfg.training, cfg.hardware)}),
         "memory_fidelity": "traced" if trace else "analytic",
         **({"memory_provenance": provenance} if provenance else {}),
     }
@@ -115,7 +134,8 @@ def format_estimate(r: dict[str, Any]) -> str:
     lines = [
         f"{r['model']} ({r['num_parameters']:,} parameters) on {r['num_gpus']} x {r['gpu']}",
         f"strategy: {r['strategy_text']} (gradient accumulation {r['gradient_accumulation_steps']})",
-        f"FSDP equivalent: {r['fsdp']['sharding_strategy']}",
+        f"FSDP equivalent: {r['fsdp']['sharding_strategy']}" if "fsdp" in r else
+        f"FSDP2: fully_shard per decoder layer + root, mesh {r['fsdp2_config']['mesh']['shape']}",
         "",
         f"{'component (at the peak)':<30}{unit:>10}{'share':>9}",
     ]

@@ -27,23 +27,23 @@ from autotune.config import Config
 from autotune.errors import ConfigError
 from autotune.profile.backend import Measurement
 from autotune.spec import GIB
+from autotune.runfiles import ADDED_KNOBS, knob_value
 from autotune.strategy import Strategy, knob_choices
 
 _STATUSES = ("oom", "nan", "timeout", "crash", "error")
 _FIELDS = dataclasses.fields(Strategy)
 STRATEGY_FIELDS = tuple(f.name for f in _FIELDS)
-REQUIRED_COLUMNS = tuple(f.name for f in _FIELDS if f.default is not None)
-"""The knobs without an automatic value (None): a table must state them."""
-_INT_COLUMNS = tuple(f.name for f in _FIELDS if knob_choices(f.name) is None or f.name == "zero_stage")
+REQUIRED_COLUMNS = tuple(f.name for f in _FIELDS if f.default is not None and f.name not in ADDED_KNOBS)
+"""The knobs without an automatic value (None): a table must state them (a table older than the
+ADDED_KNOBS lacks those: deepspeed strategies)."""
 
 
 def _cell(column: str, raw: Optional[str]) -> Any:
-    raw = (raw or "").strip()
-    if raw in ("", "None"):
-        return None
-    if column in _INT_COLUMNS:
-        return int(float(raw))
-    return raw
+    value = knob_value(column, raw)
+    integer = knob_choices(column) is None or column == "zero_stage"
+    if value is not None and integer and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{column} must be an integer, but got {raw!r}")
+    return value
 
 
 def _float(raw: Optional[str]) -> Optional[float]:
