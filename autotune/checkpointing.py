@@ -6,6 +6,7 @@ point reproduces exactly as it was measured::
 
     import autotune
     autotune.apply_checkpointing(model, "full", num_layers=24)   # first 24 blocks recomputed
+    autotune.apply_checkpointing(model, "op", num_layers=[1, 3, 5])  # these blocks (every 2nd of 6)
 
 How it reaches the blocks, in order:
 
@@ -27,28 +28,56 @@ torch is imported only when a module is actually wrapped.
 
 from __future__ import annotations
 
-from typing import Any, Optional, get_args
+from typing import Any, Optional, Sequence, Union, get_args
 
 from autotune.strategy import Checkpointing
 
 GRANULARITIES = get_args(Checkpointing)
 
+Blocks = Union[None, int, Sequence[int]]
+"""Which blocks are checkpointed: None = all, an int n = the first n, a sequence = those indices
+(``Strategy.checkpointed_blocks``: every k-th block)."""
 
-def apply_checkpointing(model: Any, granularity: str, num_layers: Optional[int] = None) -> list[str]:
-    """Checkpoint the first ``num_layers`` blocks of ``model`` (None: all of them) at
-    ``granularity`` (``"none" | "selective" | "attention" | "mlp" | "op" | "full"``). Returns notes
-    on how it was applied.
+
+def chosen_blocks(which: Blocks, total: int) -> list[int]:
+    """The block indices ``which`` names among ``total`` blocks (ValueError when out of range)."""
+    if which is None:
+        return list(range(total))
+    if isinstance(which, int):
+        if not 0 <= which <= total:
+            raise ValueError(f"cannot checkpoint {which} blocks: the model has {total}")
+        return list(range(which))
+    out = sorted(set(int(i) for i in which))
+    if out and not (0 <= out[0] and out[-1] < total):
+        raise ValueError(f"block indices must be in 0..{total - 1}, but got {list(which)}")
+    return out
+
+
+def describe_blocks(which: Blocks, total: int) -> str:
+    """``first 3 of 8`` or ``blocks 1, 3, 5 of 8``, for notes."""
+    idx = chosen_blocks(which, total)
+    if idx == list(range(len(idx))):
+        return f"first {len(idx)} of {total}"
+    return f"blocks {', '.join(map(str, idx))} of {total}"
+
+
+def apply_checkpointing(model: Any, granularity: str, num_layers: Blocks = None) -> list[str]:
+    """Checkpoint blocks of ``model`` at ``granularity`` (``"none" | "selective" | "attention" |
+    "mlp" | "op" | "full"``): the first ``num_layers`` (None: all of them), or the block indices
+    given as a list (every k-th block: ``Strategy.checkpointed_blocks``). Returns notes on how it
+    was applied.
 
     Raises ValueError when the granularity is unknown, the layer count is out of range, or the
     model offers no way to apply it (``selective`` without ``set_checkpointing``)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, but got {granularity!r}")
-    if num_layers is not None and num_layers < 0:
+    if isinstance(num_layers, int) and num_layers < 0:
         raise ValueError(f"num_layers must be >= 0, but got {num_layers}")
+    empty = num_layers == 0 or (not isinstance(num_layers, int) and num_layers is not None and not len(num_layers))
     if hasattr(model, "set_checkpointing"):
-        model.set_checkpointing(granularity if num_layers != 0 else "none", num_layers)
+        model.set_checkpointing("none" if empty else granularity, num_layers)
         return []
-    if granularity == "none" or num_layers == 0:
+    if granularity == "none" or empty:
         return []
     if granularity == "selective":
         raise ValueError("selective checkpointing (attention core recomputed) needs the model's own "
@@ -64,8 +93,8 @@ def apply_checkpointing(model: Any, granularity: str, num_layers: Optional[int] 
     return _wrap_blocks(model, num_layers)
 
 
-def _hf_full(model: Any, n: Optional[int]) -> list[str]:
-    """Hugging Face models: their own non-reentrant checkpointing, per-layer flags for a prefix."""
+def _hf_full(model: Any, n: Blocks) -> list[str]:
+    """Hugging Face models: their own non-reentrant checkpointing, per-layer flags for a subset."""
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -75,13 +104,16 @@ def _hf_full(model: Any, n: Optional[int]) -> list[str]:
     if not layers:  # transformers before GradientCheckpointingLayer (4.5x)
         layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
                   and type(m).__name__.endswith(("DecoderLayer", "Block", "Layer"))]
-    if n is None or n >= len(layers):
-        if n is not None and n > len(layers):
-            raise ValueError(f"cannot checkpoint {n} layers: the model has {len(layers)} checkpointable layers")
+    try:
+        on = set(chosen_blocks(n, len(layers)))
+    except ValueError as err:
+        raise ValueError(f"{err} checkpointable layers") from None
+    if len(on) == len(layers):
         return []
-    for layer in layers[n:]:
-        layer.gradient_checkpointing = False
-    return [f"HF per-layer gradient_checkpointing flags: first {n} of {len(layers)} layers"]
+    for i, layer in enumerate(layers):
+        if i not in on:
+            layer.gradient_checkpointing = False
+    return [f"HF per-layer gradient_checkpointing flags: {describe_blocks(n, len(layers))} layers"]
 
 
 def blocks_of(model: Any) -> Any:
@@ -151,21 +183,21 @@ def _checkpoint_forward(module: Any, op_level: bool = False) -> None:
     module._autotune_checkpointed = True
 
 
-def _first_blocks(model: Any, n: Optional[int]) -> tuple[list[Any], int]:
-    """The model's blocks and how many of them (the first ``n``, None: all) are checkpointed."""
+def _selected_blocks(model: Any, n: Blocks) -> tuple[list[Any], list[int]]:
+    """The model's blocks and the indices of those checkpointed."""
     blocks = list(blocks_of(model))
-    n = len(blocks) if n is None else n
-    if n > len(blocks):
-        raise ValueError(f"cannot checkpoint {n} blocks: the model's longest ModuleList has {len(blocks)}")
-    return blocks, n
+    try:
+        return blocks, chosen_blocks(n, len(blocks))
+    except ValueError as err:
+        raise ValueError(f"{err} (its longest ModuleList)") from None
 
 
-def _wrap_blocks(model: Any, n: Optional[int], op_level: bool = False) -> list[str]:
-    blocks, n = _first_blocks(model, n)
-    for block in blocks[:n]:
-        _checkpoint_forward(block, op_level)
+def _wrap_blocks(model: Any, n: Blocks, op_level: bool = False) -> list[str]:
+    blocks, idx = _selected_blocks(model, n)
+    for i in idx:
+        _checkpoint_forward(blocks[i], op_level)
     how = "torch.utils.checkpoint with the op-level selective policy" if op_level else "torch.utils.checkpoint"
-    return [f"forward of the first {n} of {len(blocks)} blocks wrapped in {how}"]
+    return [f"forward of the {describe_blocks(n, len(blocks))} blocks wrapped in {how}"]
 
 
 SUBMODULE_NAMES = {"attention": ("self_attn", "attn", "attention", "self_attention"),
@@ -174,15 +206,16 @@ SUBMODULE_NAMES = {"attention": ("self_attn", "attn", "attention", "self_attenti
 GPT-2 ``attn`` / ``mlp``, GPT-NeoX ``attention`` / ``mlp``, autotune's decoders ``attn`` / ``mlp``)."""
 
 
-def _wrap_submodules(model: Any, granularity: str, n: Optional[int]) -> list[str]:
-    """``attention`` / ``mlp``: that module of each of the first ``n`` blocks recomputed (its
-    ``forward`` wrapped in non-reentrant checkpoint; the norms around it are not recomputed)."""
-    blocks, n = _first_blocks(model, n)
+def _wrap_submodules(model: Any, granularity: str, n: Blocks) -> list[str]:
+    """``attention`` / ``mlp``: that module of each chosen block recomputed (its ``forward``
+    wrapped in non-reentrant checkpoint; the norms around it are not recomputed)."""
+    blocks, idx = _selected_blocks(model, n)
     names = SUBMODULE_NAMES[granularity]
-    for i, block in enumerate(blocks[:n]):
+    for i in idx:
+        block = blocks[i]
         sub = next((getattr(block, k) for k in names if hasattr(block, k)), None)
         if sub is None:
             raise ValueError(f"block {i} ({type(block).__name__}) has no {granularity} module (looked for "
                              f"{', '.join(names)}); use full checkpointing for this model")
         _checkpoint_forward(sub)
-    return [f"{granularity} module of the first {n} of {len(blocks)} blocks wrapped in torch.utils.checkpoint"]
+    return [f"{granularity} module of the {describe_blocks(n, len(blocks))} blocks wrapped in torch.utils.checkpoint"]

@@ -120,6 +120,13 @@ class Strategy:
             return list(range(k - 1, num_layers, k))
         return list(range(min(num_layers, self.num_checkpointed(num_layers))))
 
+    def checkpoint_selection(self, num_layers: int) -> "int | list[int]":
+        """Which blocks to checkpoint, as autotune.checkpointing.apply_checkpointing takes it: the
+        number of first blocks, or (checkpoint_every) the list of block indices."""
+        if self.checkpoint_every is not None and self.checkpointing != "none":
+            return self.checkpointed_blocks(num_layers)
+        return self.num_checkpointed(num_layers)
+
     def replace(self, **changes: Any) -> "Strategy":
         return dataclasses.replace(self, **changes)
 

@@ -28,7 +28,7 @@ block, ``selective`` only the attention core (Korthikanti et al. 2022, sec. 5), 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -196,16 +196,16 @@ class Decoder(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
-    def set_checkpointing(self, granularity: str, num_layers: Optional[int] = None) -> None:
-        """Checkpoint the first ``num_layers`` blocks (all when None) at ``granularity``."""
-        n_layers = self.spec.num_hidden_layers
-        n = n_layers if num_layers is None else num_layers
-        if granularity == "none":
-            n = 0
-        if granularity not in CHECKPOINTINGS or not 0 <= n <= n_layers:
+    def set_checkpointing(self, granularity: str, num_layers: Any = None) -> None:
+        """Checkpoint blocks at ``granularity``: the first ``num_layers`` (all when None) or the
+        block indices given as a list (autotune.checkpointing.chosen_blocks)."""
+        from autotune.checkpointing import chosen_blocks
+
+        if granularity not in CHECKPOINTINGS:
             raise ValueError(f"bad checkpointing {granularity!r} x {num_layers}")
+        chosen = set() if granularity == "none" else set(chosen_blocks(num_layers, self.spec.num_hidden_layers))
         for i, block in enumerate(self.layers):
-            on = i < n
+            on = i in chosen
             self._ckpt_block[i] = granularity if on and granularity in ("full", "op") else None
             block.attn.checkpoint_core = on and granularity == "selective"
             block.checkpoint_module = granularity if on and granularity in ("attention", "mlp") else None

@@ -223,8 +223,9 @@ def build_for_job(job: dict, spec: Any, training: Any, seed: int = 0) -> BuiltMo
     return build_reference_model(spec, seed)
 
 
-def set_checkpointing(built: BuiltModel, granularity: str, n: int, num_layers: int) -> None:
-    """Apply the strategy's activation checkpointing (first ``n`` of ``num_layers`` layers)."""
+def set_checkpointing(built: BuiltModel, granularity: str, n: Any, num_layers: int) -> None:
+    """Apply the strategy's activation checkpointing: the first ``n`` of ``num_layers`` layers, or
+    the layer indices ``n`` lists (autotune.checkpointing.Blocks)."""
     model = built.module
     if hasattr(model, "set_checkpointing"):
         try:
@@ -233,7 +234,7 @@ def set_checkpointing(built: BuiltModel, granularity: str, n: int, num_layers: i
             raise UserModelError(f"{built.source} set_checkpointing({granularity!r}, {n}) failed: "
                                  f"{type(err).__name__}: {_first_line(err)}") from err
         return
-    if granularity == "none" or n == 0:
+    if granularity == "none" or not n:
         return
     from autotune.checkpointing import apply_checkpointing
 

@@ -338,7 +338,8 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     model = built.module
     result["model_source"] = built.source
     n_ckpt = strategy.num_checkpointed(model_spec.num_hidden_layers)
-    set_checkpointing(built, strategy.checkpointing if n_ckpt else "none", n_ckpt, model_spec.num_hidden_layers)
+    set_checkpointing(built, strategy.checkpointing if n_ckpt else "none",
+                      strategy.checkpoint_selection(model_spec.num_hidden_layers), model_spec.num_hidden_layers)
     result["notes"].extend(built.notes)
     result["num_parameters"] = count_parameters(model)
     if impl == "torch":
