@@ -6,7 +6,8 @@ strategy/spec; README "Where things are" maps every file):
 - ``autotune.cli`` / ``autotune.commands``  the command line, one module per command
 - ``autotune.config``    job file (YAML) -> typed specs, one-line key-path errors
 - ``autotune.presets``   model and GPU presets (``model_from_name``, ``gpu_from_name``)
-- ``autotune.strategy``  one strategy value (its fields are the knob list) -> DeepSpeed config / FSDP equivalent
+- ``autotune.strategy``  one strategy value (its fields are the knob list) -> DeepSpeed config / FSDP2 layout
+- ``autotune.fsdp2``     an fsdp2 strategy applied to a model (``autotune.apply``) and its ready-to-paste snippet
 - ``autotune.memory``    analytical per-GPU memory model (pure math)
 - ``autotune.simulate``  throughput simulator (pure math); ``autotune.calibration`` fits it
 - ``autotune.space`` / ``autotune.screen`` / ``autotune.search``  the Optuna search
@@ -21,6 +22,7 @@ from importlib.metadata import version as _version
 
 from autotune.checkpointing import apply_checkpointing
 from autotune.errors import ConfigError
+from autotune.fsdp2 import apply
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.spec import GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, TrainingSpec
 from autotune.strategy import Strategy, to_deepspeed_config
@@ -38,6 +40,7 @@ __all__ = [
     "NVMeSpec",
     "Strategy",
     "TrainingSpec",
+    "apply",
     "apply_checkpointing",
     "gpu_from_name",
     "model_from_name",

@@ -1,0 +1,261 @@
+"""An fsdp2 strategy applied to a model: ``apply(model, strategy)`` and a ready-to-paste ``snippet``.
+
+``apply`` is what the profiling worker runs for an fsdp2 trial and what a front point ships, so a
+point reproduces exactly as it was measured::
+
+    import autotune
+    notes = autotune.apply(model, strategy)       # or the dict of autotune.strategy.to_fsdp2_config
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+The layout follows torchtitan (torchtitan/models/llama3/infra/parallelize.py ``apply_fsdp``): the
+activation checkpointing first, then ``fully_shard`` on every decoder block, then on the root
+module, all with one ``MixedPrecisionPolicy`` (and ``CPUOffloadPolicy`` when the parameters are
+offloaded) over a 1-D mesh, or for hybrid sharding a 2-D ``(replicate, shard)`` mesh (replicate
+across nodes, shard within a node).
+
+torch is imported only inside the functions (the simulate path never imports it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Optional, Union
+
+from autotune.strategy import TORCH_DTYPES, Strategy
+
+StrategyOrConfig = Union[Strategy, Mapping[str, Any]]
+"""A fsdp2 Strategy, or the JSON layout ``to_fsdp2_config`` makes of one."""
+
+
+def _layout(strategy_or_config: StrategyOrConfig, num_blocks: int) -> dict[str, Any]:
+    """The parts of the layout ``apply`` needs, from a Strategy or a to_fsdp2_config dict."""
+    if isinstance(strategy_or_config, Strategy):
+        s = strategy_or_config
+        if s.engine != "fsdp2":
+            raise ValueError(f"autotune.fsdp2.apply needs engine fsdp2, but got engine {s.engine}")
+        blocks = s.checkpointed_blocks(num_blocks)
+        return {"granularity": s.checkpointing if blocks else "none", "blocks": blocks,
+                "reshard_after_forward": s.reshard_after_forward, "hybrid": s.sharding == "hybrid",
+                "mesh_shape": None, "param_dtype": TORCH_DTYPES[s.precision],
+                "reduce_dtype": TORCH_DTYPES[s.reduce_dtype], "offload": s.offload_params == "cpu"}
+    cfg = strategy_or_config
+    if cfg.get("engine") != "fsdp2":
+        raise ValueError(f"autotune.fsdp2.apply needs an fsdp2 layout (to_fsdp2_config), but got engine "
+                         f"{cfg.get('engine')!r}")
+    ckpt = cfg.get("activation_checkpointing") or {}
+    blocks = list(ckpt.get("blocks") or [])
+    return {"granularity": ckpt.get("granularity", "none") if blocks else "none", "blocks": blocks,
+            "reshard_after_forward": bool(cfg["fully_shard"]["reshard_after_forward"]),
+            "hybrid": len(cfg["mesh"]["shape"]) == 2, "mesh_shape": list(cfg["mesh"]["shape"]),
+            "param_dtype": cfg["mp_policy"]["param_dtype"], "reduce_dtype": cfg["mp_policy"]["reduce_dtype"],
+            "offload": cfg.get("offload_policy") == "CPUOffloadPolicy"}
+
+
+def make_mesh(hybrid: bool, shape: Optional[list[int]] = None, device_type: Optional[str] = None) -> Any:
+    """The device mesh of the process group: 1-D ``("shard",)`` over every rank, or hybrid a 2-D
+    ``("replicate", "shard")`` mesh of (nodes, ranks per node). ``shape``: the layout's mesh shape,
+    used when it matches the group's size; otherwise the nodes are counted from LOCAL_WORLD_SIZE
+    (torchrun's ranks per node)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not hybrid:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    if shape and len(shape) == 2 and shape[0] * shape[1] == world:
+        dims = (int(shape[0]), int(shape[1]))
+    else:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if per_node < 1 or world % per_node:
+            raise ValueError(f"hybrid sharding needs the world size ({world}) to be a multiple of the ranks per "
+                             f"node (LOCAL_WORLD_SIZE {per_node})")
+        dims = (world // per_node, per_node)
+    return init_device_mesh(device_type, dims, mesh_dim_names=("replicate", "shard"))
+
+
+def apply(model: Any, strategy_or_config: StrategyOrConfig, mesh: Any = None) -> list[str]:
+    """Apply an fsdp2 strategy (a Strategy or a ``to_fsdp2_config`` dict) to ``model`` in place;
+    returns notes on how it was applied. Needs an initialised default process group.
+
+    1. activation checkpointing (``autotune.checkpointing.apply_checkpointing``) of the strategy's
+       blocks at its granularity, before sharding (as torchtitan does: the checkpoint wraps the
+       block's forward, FSDP's hooks run inside it, so a recomputed block all-gathers again);
+    2. ``fully_shard`` on each decoder block (``autotune.checkpointing.blocks_of``: the longest
+       ``nn.ModuleList``) with the strategy's ``reshard_after_forward``. Every block keeps that
+       value: unlike torchtitan, the last block is *not* set to ``reshard_after_forward=False``
+       (torchtitan does it because backward needs the last block's parameters at once); the
+       measured and predicted memory then describe exactly the strategy's one knob;
+    3. ``fully_shard`` on the root with ``reshard_after_forward=True`` (embeddings, final norm and
+       head; torchtitan's value without pipeline parallelism).
+
+    All with ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (the sharded parameters stay
+    fp32), ``CPUOffloadPolicy()`` when ``offload_params == "cpu"``, and ``mesh`` (None:
+    ``make_mesh``, a 1-D mesh over every rank or the hybrid 2-D mesh).
+    """
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from autotune.checkpointing import apply_checkpointing, blocks_of
+
+    blocks = list(blocks_of(model))
+    lay = _layout(strategy_or_config, len(blocks))
+    notes = apply_checkpointing(model, lay["granularity"], lay["blocks"]) if lay["granularity"] != "none" else []
+    if mesh is None:
+        mesh = make_mesh(lay["hybrid"], lay["mesh_shape"])
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(
+        param_dtype=getattr(torch, lay["param_dtype"]), reduce_dtype=getattr(torch, lay["reduce_dtype"]))}
+    if lay["offload"]:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=lay["reshard_after_forward"], **kwargs)
+    fully_shard(model, reshard_after_forward=True, **kwargs)
+    notes.append(f"fully_shard on {len(blocks)} blocks (reshard_after_forward={lay['reshard_after_forward']}) and the "
+                 f"root, mesh {tuple(mesh.shape)}, param {lay['param_dtype']}, reduce {lay['reduce_dtype']}"
+                 + (", CPUOffloadPolicy" if lay["offload"] else ""))
+    return notes
+
+
+# ------------------------------------------------------------------------------------ snippet
+
+_OP_SAC = '''
+
+def op_sac_context():
+    """torchtitan's op-level selective activation checkpointing policy
+    (torchtitan/distributed/activation_checkpoint.py _apply_op_sac; same as
+    autotune.checkpointing.op_sac_context): keep attention outputs and every other matmul output,
+    recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default}
+    for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            save.add(getattr(aten, name).default)
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == aten.mm.default:
+            counts[mode] += 1
+        keep = func in save and not (func == aten.mm.default and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+'''
+
+_WRAP = '''
+
+def checkpoint_forward(module, **extra):
+    """Recompute ``module`` in backward (non-reentrant torch.utils.checkpoint around its forward)."""
+    inner = module.forward
+    module.forward = lambda *a, **kw: checkpoint(inner, *a, use_reentrant=False, **extra, **kw)
+'''
+
+_SUBMODULES = {"attention": ("self_attn", "attn", "attention", "self_attention"), "mlp": ("mlp", "feed_forward", "ffn")}
+
+
+def _checkpoint_lines(granularity: str, blocks: list[int]) -> tuple[str, list[str]]:
+    """Helper definitions and the per-block lines (inside ``for i, block in enumerate(blocks):``)."""
+    if granularity == "none" or not blocks:
+        return "", []
+    lines = [f"        if i in CHECKPOINTED:  # {granularity} activation checkpointing"]
+    if granularity == "full":
+        return _WRAP, lines + ["            checkpoint_forward(block)"]
+    if granularity == "op":
+        return _WRAP + _OP_SAC, lines + ["            checkpoint_forward(block, context_fn=op_sac_context)"]
+    if granularity in _SUBMODULES:
+        names = _SUBMODULES[granularity]
+        return _WRAP, lines + [f"            sub = next(getattr(block, n) for n in {names!r} if hasattr(block, n))",
+                               "            checkpoint_forward(sub)"]
+    # selective (attention core only) needs the model to know where its attention core is
+    return "", ["        pass  # selective: see model.set_checkpointing below"]
+
+
+def snippet(config: Mapping[str, Any]) -> str:
+    """A self-contained Python snippet (plain torch; no autotune import) that builds the layout of
+    ``config`` (a ``to_fsdp2_config`` dict): device mesh, activation checkpointing (``op``: torchtitan's
+    policy inlined), ``fully_shard`` per block and on the root, the optimizer (``AdamW(foreach=True)``)
+    and one training step with gradient accumulation, clipping and (fp16) a ShardedGradScaler.
+    ``selective`` (attention core) is the one granularity it cannot inline: the snippet calls the
+    model's own ``set_checkpointing`` (autotune's reference decoders have one)."""
+    lay = _layout(config, 0)
+    opt = config["optimizer"]
+    p = opt["params"]
+    gas = int(config["gradient_accumulation_steps"])
+    helpers, ckpt = _checkpoint_lines(lay["granularity"], lay["blocks"])
+    shape = tuple(int(x) for x in config["mesh"]["shape"])
+    names = tuple(config["mesh"]["dim_names"])
+    offload = ", offload_policy=CPUOffloadPolicy()" if lay["offload"] else ""
+    opt_cls = "AdamW" if opt["type"] == "AdamW" else "Adam"
+    selective = lay["granularity"] == "selective"
+    scaler = bool(config.get("loss_scaling"))
+    text = f'''"""FSDP2 layout found by autotune. Launch: torchrun --nnodes {shape[0] if len(shape) == 2 else 1} \\
+    --nproc_per_node {shape[-1]} train.py ...; call shard(model) after building the model (fp32
+    parameters) and use train_step with {gas} micro-batch(es) of {config["micro_batch_size"]} sequence(s).
+Layout (autotune.strategy.to_fsdp2_config): {json.dumps(dict(config), sort_keys=True)}
+"""
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+MESH_SHAPE = {shape!r}
+MESH_DIM_NAMES = {names!r}
+CHECKPOINTED = {sorted(lay["blocks"])!r}  # block indices, granularity {lay["granularity"]!r}
+RESHARD_AFTER_FORWARD = {lay["reshard_after_forward"]!r}
+GRADIENT_ACCUMULATION_STEPS = {gas}
+{helpers}
+
+def shard(model, blocks=None):
+    """Checkpoint, then fully_shard every decoder block and the root; returns the optimizer."""
+    if not dist.is_initialized():
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    mesh = init_device_mesh(device_type, MESH_SHAPE, mesh_dim_names=MESH_DIM_NAMES)
+    if blocks is None:  # the decoder blocks: the model's longest nn.ModuleList
+        blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+'''
+    if selective:
+        text += "    model.set_checkpointing(\"selective\", CHECKPOINTED)  # attention core recomputed\n"
+    text += f'''    mp = MixedPrecisionPolicy(param_dtype=torch.{lay["param_dtype"]}, reduce_dtype=torch.{lay["reduce_dtype"]})
+    for i, block in enumerate(blocks):
+{chr(10).join(ckpt) if ckpt else "        pass"}
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=RESHARD_AFTER_FORWARD{offload})
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True{offload})
+    return torch.optim.{opt_cls}(model.parameters(), lr={p["lr"]!r}, betas={tuple(p["betas"])!r}, eps={p["eps"]!r},
+                               weight_decay={p["weight_decay"]!r}, foreach=True)
+
+'''
+    if scaler:
+        text += ("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n\n"
+                 "scaler = ShardedGradScaler()  # fp16: dynamic loss scaling\n\n")
+    text += f'''
+def train_step(model, optimizer, micro_batches):
+    """One optimizer step over GRADIENT_ACCUMULATION_STEPS micro-batches (dicts of model kwargs);
+    gradients are reduce-scattered every micro-step (as torchtitan does)."""
+    for batch in micro_batches:
+        loss = model(**batch)["loss"] / GRADIENT_ACCUMULATION_STEPS
+        {"scaler.scale(loss).backward()" if scaler else "loss.backward()"}
+'''
+    if scaler:
+        text += '''    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), {clip!r})
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+'''.format(clip=config["gradient_clipping"])
+    else:
+        text += f'''    torch.nn.utils.clip_grad_norm_(model.parameters(), {config["gradient_clipping"]!r})
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+'''
+    return text

@@ -1,0 +1,139 @@
+"""autotune.fsdp2: a real fully_shard on a 1-process gloo group (CPU), real training steps, and the
+ready-to-paste snippet (compiled, and executed on the same group)."""
+
+import math
+import os
+import tempfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import autotune  # noqa: E402
+from autotune import fsdp2  # noqa: E402
+from autotune.presets import gpu_from_name  # noqa: E402
+from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec  # noqa: E402
+from autotune.strategy import Strategy, to_fsdp2_config  # noqa: E402
+
+TINY = ModelSpec(name="tiny", num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=172, vocab_size=512, max_position_embeddings=128)
+TRAINING = TrainingSpec(seq_len=32, global_batch_size=4)
+
+
+@pytest.fixture
+def group():
+    """A 1-process gloo group (the default group) for the test, destroyed afterwards."""
+    if dist.is_initialized():  # pragma: no cover - another test left one
+        dist.destroy_process_group()
+    fd, store = tempfile.mkstemp(prefix="fsdp2_store_")
+    os.close(fd)
+    os.unlink(store)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _model():
+    from autotune.profile.models import build_model, synthetic_batch
+
+    torch.manual_seed(0)
+    model = build_model(TINY)
+    batches = []
+    for seed in range(2):
+        x, y = synthetic_batch(TINY, 2, TRAINING.seq_len, seed=seed)
+        batches.append({"input_ids": x, "labels": y})
+    return model, batches
+
+
+def _train(model, optimizer, batches, steps=3):
+    losses = []
+    for step in range(steps):
+        loss = model(**batches[step % 2])["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("knobs", [dict(checkpointing="op", checkpoint_every=2, reshard_after_forward=False),
+                                   dict(checkpointing="full", reduce_dtype="bf16")])
+def test_apply_shards_every_block_and_trains(group, knobs):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    model, batches = _model()
+    strategy = Strategy(engine="fsdp2", micro_batch_size=2, **knobs)
+    notes = autotune.apply(model, strategy)
+    assert autotune.apply is fsdp2.apply
+    assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.layers)
+    assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in model.parameters())
+    state = model.layers[0]._get_fsdp_state()._fsdp_param_group
+    # reshard_after_forward=False: no post-forward mesh (the unsharded parameters stay until backward)
+    assert (state.post_forward_mesh_info is None) == (knobs.get("reshard_after_forward") is False)
+    assert state.mp_policy.param_dtype == torch.bfloat16
+    assert state.mp_policy.reduce_dtype == (torch.bfloat16 if knobs.get("reduce_dtype") == "bf16" else torch.float32)
+    ckpt = ["op" if i % 2 == 1 else None for i in range(4)] if knobs["checkpointing"] == "op" else ["full"] * 4
+    assert model._ckpt_block == ckpt  # the reference decoder's own checkpointing, before sharding
+    assert any("fully_shard on 4 blocks" in n for n in notes)
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    losses = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True), batches)
+    assert all(math.isfinite(v) for v in losses) and losses[2] < losses[0]  # batch 0 again, after two steps
+    assert all(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, model.parameters()))
+
+
+def test_apply_takes_the_config_layout_and_refuses_deepspeed(group):
+    model, batches = _model()
+    hw = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=1)
+    cfg = to_fsdp2_config(Strategy(engine="fsdp2", checkpointing="mlp", checkpoint_layers=1), TINY, TRAINING, hw)
+    fsdp2.apply(model, cfg)
+    assert model.layers[0].checkpoint_module == "mlp" and model.layers[1].checkpoint_module is None
+    assert math.isfinite(_train(model, torch.optim.AdamW(model.parameters(), foreach=True), batches, steps=1)[0])
+    with pytest.raises(ValueError, match="engine fsdp2"):
+        fsdp2.apply(_model()[0], Strategy(engine="deepspeed"))
+    with pytest.raises(ValueError, match="fsdp2 layout"):
+        fsdp2.apply(_model()[0], {"engine": "deepspeed"})
+
+
+def _config(**knobs):
+    hw = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=1)
+    return to_fsdp2_config(Strategy(engine="fsdp2", micro_batch_size=2, **knobs), TINY, TRAINING, hw)
+
+
+@pytest.mark.parametrize("knobs", [dict(checkpointing="op", checkpoint_every=2, reshard_after_forward=False),
+                                   dict(checkpointing="attention", reduce_dtype="bf16"),
+                                   dict(precision="fp16", offload_params="cpu", checkpointing="full")])
+def test_snippet_compiles_and_names_the_knobs(knobs):
+    cfg = _config(**knobs)
+    text = fsdp2.snippet(cfg)
+    compile(text, "fsdp2_snippet.py", "exec")
+    assert "import autotune" not in text and "from autotune" not in text
+    assert f"RESHARD_AFTER_FORWARD = {cfg['fully_shard']['reshard_after_forward']}" in text
+    assert f"reduce_dtype=torch.{cfg['mp_policy']['reduce_dtype']}" in text
+    assert f"param_dtype=torch.{cfg['mp_policy']['param_dtype']}" in text
+    assert f"CHECKPOINTED = {cfg['activation_checkpointing']['blocks']}" in text
+    assert "foreach=True" in text and "clip_grad_norm_(model.parameters(), 1.0)" in text
+    assert ("offload_policy=CPUOffloadPolicy()" in text) == (knobs.get("offload_params") == "cpu")
+    assert ("ShardedGradScaler()" in text) == (knobs.get("precision") == "fp16")
+    assert ("def op_sac_context" in text) == (knobs.get("checkpointing") == "op")
+
+
+@pytest.mark.parametrize("knobs", [dict(checkpointing="op", checkpoint_every=2, reshard_after_forward=False),
+                                   dict(checkpointing="attention", reduce_dtype="bf16")])
+def test_snippet_runs(group, knobs):
+    """The snippet itself shards the model and trains it (one process, gloo)."""
+    cfg = _config(**knobs)
+    ns: dict = {}
+    exec(compile(fsdp2.snippet(cfg), "fsdp2_snippet.py", "exec"), ns)
+    model, batches = _model()
+    optimizer = ns["shard"](model)
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.layers)
+    before = float(model(**batches[0])["loss"].detach())
+    for _ in range(3):
+        ns["train_step"](model, optimizer, batches[:1])
+    after = float(model(**batches[0])["loss"].detach())
+    assert math.isfinite(after) and after < before
