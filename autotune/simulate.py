@@ -192,8 +192,13 @@ def simulate(
     recompute_mb = _recompute(strategy, L, mb)
     fwd_window = mb.fwd
     bwd_window = mb.bwd + recompute_mb
-    comm_exposed = _exposed_communication(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window)
-    optimizer, offload = _optimizer_and_offload(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window)
+    if strategy.engine == "fsdp2":
+        comm_exposed = _fsdp2_communication(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window)
+        optimizer, offload = _fsdp2_optimizer_and_offload(model, hardware, strategy, rates, p, gas,
+                                                          fwd_window + bwd_window)
+    else:
+        comm_exposed = _exposed_communication(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window)
+        optimizer, offload = _optimizer_and_offload(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window)
 
     overhead = p["step_overhead_s"] + p["layer_overhead_s"] * L * gas
     compute = gas * compute_mb
@@ -280,18 +285,12 @@ def _recompute(strategy: Strategy, L: int, mb: _MicroBatch) -> float:
 def _exposed_communication(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, rates: _Rates, p: dict,
                            gas: int, fwd_window: float, bwd_window: float) -> float:
     """Collective time of one optimizer step left on the critical path (ZeRO stage's collectives)."""
-    gpu = hardware.gpu
     n = hardware.num_gpus
     if n <= 1:
         return 0.0
     L = model.num_hidden_layers
     N = float(model.num_parameters)
-    multi_node = hardware.num_nodes > 1
-    # NCCL runs one ring channel per NIC (rail-aligned), so a ring crossing nodes gets the node's
-    # aggregate NIC bandwidth per GPU, capped by NVLink (nccl-tests doc/PERFORMANCE.md, busBW).
-    link = min(gpu.intra_node_bandwidth_gbps, gpu.inter_node_bandwidth_gbps * hardware.gpus_per_node) \
-        if multi_node else gpu.intra_node_bandwidth_gbps
-    bw = link * 1e9 * p["comm_eff"]
+    bw = _link_bandwidth(hardware, p, crosses_nodes=hardware.num_nodes > 1)
     lat = p["coll_latency_s"]
     pbytes = rates.act_bytes  # 16-bit params and grads on the wire (fp32 when training in fp32)
     ov = p["overlap"]
@@ -368,3 +367,62 @@ def _optimizer_and_offload(model: ModelSpec, hardware: HardwareSpec, strategy: S
             fetch += 2.0 * (N / n) * gpn * pbytes / (hardware.nvme.bandwidth_gbps * 1e9)
         offload += gas * _exposed(fetch, fwd_window + bwd_window, ov)
     return optimizer, offload
+
+
+def _link_bandwidth(hardware: HardwareSpec, p: dict, crosses_nodes: bool) -> float:
+    """Bytes/s of one GPU's ring: NVLink inside a node; across nodes NCCL runs one ring channel per
+    NIC (rail-aligned), so the ring gets the node's aggregate NIC bandwidth per GPU, capped by
+    NVLink (nccl-tests doc/PERFORMANCE.md, busBW)."""
+    gpu = hardware.gpu
+    link = min(gpu.intra_node_bandwidth_gbps, gpu.inter_node_bandwidth_gbps * hardware.gpus_per_node) \
+        if crosses_nodes else gpu.intra_node_bandwidth_gbps
+    return link * 1e9 * p["comm_eff"]
+
+
+def _fsdp2_communication(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, rates: _Rates, p: dict,
+                         gas: int, fwd_window: float, bwd_window: float) -> float:
+    """FSDP2's collectives of one optimizer step left on the critical path: per micro-batch, one
+    all-gather per unit (L blocks + root) in ``param_dtype`` in forward and, resharding after
+    forward, again in backward; one reduce-scatter per unit in ``reduce_dtype``; hybrid sharding
+    adds an all-reduce of each shard across nodes (torch/distributed/fsdp/_fully_shard
+    _fsdp_collectives.py foreach_all_gather / foreach_reduce)."""
+    hybrid = strategy.sharding == "hybrid" and hardware.num_nodes > 1
+    n = hardware.gpus_per_node if hybrid else hardware.num_gpus
+    if hardware.num_gpus <= 1:
+        return 0.0
+    units = model.num_hidden_layers + 1
+    N = float(model.num_parameters)
+    lat = p["coll_latency_s"]
+    ov = p["overlap"]
+    bw = _link_bandwidth(hardware, p, crosses_nodes=hardware.num_nodes > 1 and not hybrid)
+    ag_once = _ring_time(N * rates.act_bytes, n, bw, 0.0) + units * (n - 1) * lat if n > 1 else 0.0
+    rs = _ring_time(N * BYTES_PER_ELEMENT[strategy.reduce_dtype], n, bw, 0.0) + units * (n - 1) * lat \
+        if n > 1 else 0.0
+    if hybrid:  # each GPU's shard all-reduced with its replicas on the other nodes
+        nodes = hardware.num_nodes
+        rs += 2.0 * _ring_time(N / n * BYTES_PER_ELEMENT[strategy.reduce_dtype], nodes,
+                               _link_bandwidth(hardware, p, crosses_nodes=True), 0.0) + 2 * units * (nodes - 1) * lat
+    first = ag_once / units  # the root's gather cannot hide behind compute
+    last = rs / units  # the root's reduce-scatter starts after the backward ends
+    ag_bwd = ag_once if strategy.reshard_after_forward else 0.0
+    per_mb = first + last + _exposed(ag_once - first, fwd_window, ov) + _exposed(ag_bwd + rs - last, bwd_window, ov)
+    return gas * per_mb
+
+
+def _fsdp2_optimizer_and_offload(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, rates: _Rates,
+                                 p: dict, gas: int, window: float) -> tuple[float, float]:
+    """(GPU optimizer step, exposed offload traffic and host step) of one FSDP2 optimizer step."""
+    hybrid = strategy.sharding == "hybrid" and hardware.num_nodes > 1
+    shard = float(model.num_parameters) / (hardware.gpus_per_node if hybrid else hardware.num_gpus)
+    # torch AdamW foreach on the fp32 shard: read grad, param, m, v; write param, m, v; the
+    # sqrt temporary written and read (torch/optim/adamw.py _multi_tensor_adamw)
+    step = shard * 36.0 / rates.hbm
+    if strategy.offload_params == "none":
+        return step, 0.0
+    # CPUOffloadPolicy: the fp32 shard goes up for every all-gather (forward, and backward when
+    # resharding), fp32 gradients come down, the optimizer steps on the host
+    pcie = hardware.gpu.pcie_bandwidth_gbps * 1e9
+    gathers = 2.0 if strategy.reshard_after_forward else 1.0
+    traffic = gas * (gathers + 1.0) * shard * 4.0 / pcie
+    host_step = shard * hardware.gpus_per_node / (hardware.cpu_adam_gparams_per_s * 1e9)
+    return 0.0, host_step + _exposed(traffic, gas * window, p["overlap"])

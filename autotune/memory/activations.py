@@ -243,7 +243,7 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     n_ck = min(strategy.num_checkpointed(L), L)
     gran = strategy.checkpointing if n_ck else "none"
     per_plain = block_activation_bytes_per_token(m, p, s, "none", mb, device) * tokens + _block_fixed_bytes(m, s, "none")
-    per_ck = (block_activation_bytes_per_token(m, p, s, gran, mb, device, zero3_linear=strategy.zero_stage == 3) * tokens
+    per_ck = (block_activation_bytes_per_token(m, p, s, gran, mb, device, zero3_linear=strategy.engine == "deepspeed" and strategy.zero_stage == 3) * tokens
               + _block_fixed_bytes(m, s, gran, device))
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
     rope = 2 * s * m.head_size * p if m.position_embedding == "rope" else 0

@@ -3,18 +3,12 @@ verdict, from the activations and model states."""
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
-
 from autotune.memory.activations import activation_breakdown
-from autotune.memory.common import GPU_COMPONENTS, MemoryEstimate, PREDICTION_MARGIN, _gib, _partition, overhead_bytes
+from autotune.memory.common import MemoryEstimate, _partition
 from autotune.memory.states import _model_states
-from autotune.reason import Reason
-from autotune.spec import BYTES_PER_ELEMENT, GIB, HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import Strategy, data_parallel_size, default_buckets, gradient_accumulation_steps, validate
-
-
-Loop = Literal["keep_outputs", "drop_outputs"]
-LOOPS: tuple[str, ...] = ("keep_outputs", "drop_outputs")
+from autotune.memory.walk import LOOPS, Candidate, Loop, backward_blocks, finish
+from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy, data_parallel_size, default_buckets, gradient_accumulation_steps
 
 
 def _accumulation_carry(m: ModelSpec, hardware: HardwareSpec, s: Strategy, gas: int) -> tuple[float, bool]:
@@ -76,6 +70,10 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     """
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
+    if strategy.engine == "fsdp2":
+        from autotune.memory.fsdp2 import estimate_fsdp2
+
+        return estimate_fsdp2(model, training, hardware, strategy, headroom=headroom, device=device, loop=loop)
     m, s = model, strategy
     p = BYTES_PER_ELEMENT[s.precision]
     st = _model_states(m, training, hardware, s, device)
@@ -95,7 +93,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     carry_ipg = st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0
 
     fixed = st.params + st.optimizer + st.grad_buffer + st.resident_buffers
-    cands: list[_Candidate] = []
+    cands: list[Candidate] = []
 
     head = m.vocab_size * m.hidden_size
     # a tied head's gradient waits in autograd's input buffer of the shared weight until the
@@ -109,7 +107,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
             # later micro-steps: accumulated gradients (ZeRO-0 adds into them in place, but not
             # what autograd still holds, ``pending``)
             grads = grads + carry - min(carry_ipg, buffers) if grow else max(grads - pending, carry) + pending
-        cands.append(_Candidate(phase, fixed + grads + activations + logits + buffers, grads, activations, logits,
+        cands.append(Candidate(phase, fixed + grads + activations + logits + buffers, grads, activations, logits,
                                 buffers))
 
     # forward end: everything saved plus the loss transient (logits, their fp32 copy, log_softmax)
@@ -130,41 +128,26 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     head_grad = p * head if (s.zero_stage == 0 or m.tie_word_embeddings) else 0.0
     # through the blocks (last to first): saved activations shrink while gradients accumulate;
     # a checkpointed block is recomputed (its full activations) before its backward
-    n_ck = int(act["num_checkpointed"])
     bucket = st.partition_after or 0
-    per_plain, per_ck = act["per_block_plain"], act["per_block_checkpointed"]
-    attn_delta = act["attention_backward_transient"] - act["mlp_saved_per_block"]
     block_params = m.block_params()
     # the state at block i is linear in i within a run of same-kind blocks, so only the ends of
     # each run (and both sides of the point where ZeRO-1/2's gradient partition appears) matter
-    points = {L - 1, n_ck, n_ck - 1, 0}
+    extra: set[int] = set()
     reduces: dict[int, bool] = {}  # block -> whether the gradient partition exists at its bucket reduce
     if bucket and block_params:
         k = int(max(0.0, bucket - head) // block_params)  # blocks done before the partition exists
         k2 = int(max(0.0, 2 * bucket - head) // block_params)  # ... before the second reduce
-        points.update({L - 1 - k, L - 2 - k, L - 2 - k2})
+        extra.update({L - 1 - k, L - 2 - k, L - 2 - k2})
         if st.reduce_flat:
             reduces = {L - 2 - k2: True, L - 2 - k: False}
-    # during the blocks' backward the final norm's saved tensors are already released, and the
-    # gradient of the hidden states (one h-wide tensor per token) flows from block to block
-    block_other = other_saved - act["final_norm_saved"] + act["hidden_grad"]
-    mlp_bwd = act["mlp_backward_transient"]
-    for i in sorted((i for i in points if 0 <= i < L), reverse=True):
-        ck = i < n_ck
-        done = L - 1 - i  # blocks whose backward is complete
-        remaining = min(i + 1, n_ck) * per_ck + max(0, i + 1 - n_ck) * per_plain
-        g_before = head_grad + done * st.grad_per_block  # without ZeRO-1/2's gradient partition
-        g = g_before + (st.grads if bucket and head + done * block_params > bucket else 0.0)
-        # a checkpointed block is recomputed in full; what its checkpoint saved (the block input,
-        # or selective's kept tensors) is part of the recomputed set, not a second copy
-        a = remaining + (per_plain - per_ck if ck else 0.0) + block_other
-        # a checkpointed attention module is recomputed only after the MLP's backward
-        a_mlp = a - (per_plain - per_ck) if (ck and act["granularity"] == "attention") else a
-        add("backward", grads=g, activations=a_mlp + mlp_bwd, buffers=st.buffers_bwd, pending=pending_head)
-        if attn_delta > 0:  # its attention backward: MLP tensors freed, the core's gradients appear
-            add("backward", grads=g, activations=a + attn_delta, buffers=st.buffers_bwd, pending=pending_head)
-        if i in reduces:  # a bucket is all-reduced during this block's backward
-            add("backward", grads=g if reduces[i] else g_before, activations=a,
+    for pt in backward_blocks(act, s, L, other_saved, extra):
+        g_before = head_grad + pt.done * st.grad_per_block  # without ZeRO-1/2's gradient partition
+        g = g_before + (st.grads if bucket and head + pt.done * block_params > bucket else 0.0)
+        add("backward", grads=g, activations=pt.mlp, buffers=st.buffers_bwd, pending=pending_head)
+        if pt.attention is not None:  # its attention backward: MLP tensors freed, the core's gradients appear
+            add("backward", grads=g, activations=pt.attention, buffers=st.buffers_bwd, pending=pending_head)
+        if pt.block in reduces:  # a bucket is all-reduced during this block's backward
+            add("backward", grads=g if reduces[pt.block] else g_before, activations=pt.saved,
                 buffers=st.buffers_bwd + st.reduce_flat, pending=pending_head)
     # backward end: all gradients, ZeRO-0's flat all-reduce bucket
     add("backward", grads=st.grads, buffers=st.buffers_bwd + st.buffers_bwd_end)
@@ -174,66 +157,6 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     # optimizer step
     add("optimizer", grads=st.grads, buffers=st.buffers_step)
 
-    phases, best = _phase_peaks(cands)
-    gpu = {"parameters": int(st.params), "gradients": int(st.grad_buffer + best.grads),
-           "optimizer_states": int(st.optimizer), "activations": int(best.activations), "logits": int(best.logits),
-           "buffers": int(st.resident_buffers + best.buffers)}
-    peak = sum(gpu.values())
-    # + the measured worst-case under-prediction of the model (PREDICTION_MARGIN)
-    gpu["overhead"] = overhead_bytes(hardware, peak) + int(PREDICTION_MARGIN * peak)
-    gpu = {k: gpu[k] for k in GPU_COMPONENTS} | {"peak": int(peak)}
-
-    gpn = hardware.gpus_per_node
-    cpu = int(st.cpu * gpn)
-    nvme = int(st.nvme * gpn)
-    reasons = _reasons(list(validate(s, m, training, hardware)), gpu, cpu, nvme, hardware, headroom)
-    return MemoryEstimate(gpu=gpu, peak_phase=best.phase, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
-                          fits=not reasons, reasons=reasons, phases=phases,
-                          activation_peak=int(max(c.activations + c.logits for c in cands)))
-
-
-class _Candidate(NamedTuple):
-    """One instant of the step that may hold the peak: what is allocated then (bytes per GPU)."""
-
-    phase: str
-    """forward, backward or optimizer."""
-    total: float
-    grads: float
-    activations: float
-    logits: float
-    buffers: float
-
-
-def _phase_peaks(cands: list[_Candidate]) -> tuple[dict[str, int], _Candidate]:
-    """The peak of each phase, and the candidate holding the step's peak (the first on a tie)."""
-    phases: dict[str, int] = {}
-    best = cands[0]
-    for c in cands:
-        if c.total > phases.get(c.phase, -1):
-            phases[c.phase] = int(c.total)
-        if c.total > best.total:
-            best = c
-    return phases, best
-
-
-def _reasons(reasons: list[str], gpu: dict[str, int], cpu: int, nvme: int, hardware: HardwareSpec,
-             headroom: float) -> list[str]:
-    """The strategy's rule violations plus every limit it exceeds (GPU, host RAM, NVMe), each a Reason."""
-    avail = hardware.gpu.memory_bytes * (1.0 - headroom)
-    total = gpu["peak"] + gpu["overhead"]
-    if total > avail:
-        biggest = max(GPU_COMPONENTS[:-1], key=lambda k: gpu[k])
-        reasons.append(Reason(
-            f"peak {_gib(total)} (incl. {_gib(gpu['overhead'])} overhead) > {_gib(avail)} free on "
-            f"{hardware.gpu.name}; largest part: {biggest.replace('_', ' ')} {_gib(gpu[biggest])}", "gpu_memory"
-        ))
-        if gpu[biggest] > avail:
-            reasons.append(Reason(f"{biggest.replace('_', ' ')} {_gib(gpu[biggest])} > {_gib(avail)} free", "gpu_memory"))
-    cpu_avail = hardware.cpu_memory_gib * GIB
-    if cpu > cpu_avail:
-        reasons.append(Reason(f"offload needs {_gib(cpu)} host RAM per node > {_gib(cpu_avail)} available", "host_memory"))
-    if nvme:
-        cap = hardware.nvme.capacity_gib * GIB if hardware.nvme else 0
-        if nvme > cap:
-            reasons.append(Reason(f"offload needs {_gib(nvme)} NVMe per node > {_gib(cap)} available", "nvme"))
-    return reasons
+    return finish(cands, model, training, hardware, s, headroom, params=st.params, optimizer=st.optimizer,
+                  resident_grads=st.grad_buffer, resident_buffers=st.resident_buffers,
+                  cpu_per_gpu=st.cpu, nvme_per_gpu=st.nvme)

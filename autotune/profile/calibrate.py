@@ -47,8 +47,9 @@ FAST_NFEV = 6
 
 
 def family(strategy: Strategy) -> tuple:
-    """Candidates whose memory-model error is shared: same ZeRO stage, offload and precision."""
-    return (strategy.zero_stage, strategy.offload_optimizer, strategy.offload_params, strategy.precision)
+    """Candidates whose memory-model error is shared: same engine, ZeRO stage, offload and precision."""
+    return (strategy.zero_stage, strategy.offload_optimizer, strategy.offload_params, strategy.precision,
+            strategy.engine)
 
 
 def throughput_spread(measurement: Any) -> Optional[float]:
@@ -250,7 +251,7 @@ class Calibrator:
         fit_errs = [_err(simulate(r.model, r.training, r.hardware, r.strategy, params).tokens_per_s_per_gpu,
                          r.tokens_per_s_per_gpu) for r in self._runs]
         corrections = [{"zero_stage": f[0], "offload_optimizer": f[1], "offload_params": f[2], "precision": f[3],
-                        "n": len(pairs), "factor": round(statistics.median(m / p for p, m in pairs), 5)}
+                        "engine": f[4], "n": len(pairs), "factor": round(statistics.median(m / p for p, m in pairs), 5)}
                        for f, pairs in sorted(self._memory.items(), key=lambda kv: str(kv[0]))]
         return {
             "memory_correction": corrections,

@@ -1,0 +1,135 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) per-GPU memory of one steady-state step.
+
+The layout is the one ``autotune.fsdp2.apply`` builds (torchtitan parallelize.py ``apply_fsdp``):
+``fully_shard`` on every decoder block, then on the root (embeddings, final norm, head), with
+``MixedPrecisionPolicy(param_dtype=<precision>, reduce_dtype=<reduce_dtype>)``, AdamW with
+``foreach=True`` and ``zero_grad(set_to_none=True)``. What FSDP2 allocates, from
+torch/distributed/fsdp/_fully_shard (_fsdp_param_group.py, _fsdp_collectives.py):
+
+* sharded parameters stay in their original dtype (fp32): 4 B per parameter / N; the sharded
+  gradients are fp32 too (``foreach_reduce`` casts the reduce output back to the original dtype),
+  created per unit by its reduce-scatter and freed by ``zero_grad``; AdamW keeps two fp32 moments
+  and its foreach step makes one fp32 temporary of the shard (``_foreach_sqrt``);
+* a unit's unsharded parameters (``param_dtype``) exist from its all-gather to its reshard: the
+  root from its pre-forward to its post-forward (the loss inside the model's forward included) and
+  through the whole backward; a block through its forward, and again from its backward
+  all-gather; ``reshard_after_forward=False`` keeps every block from its forward to its backward;
+* with N > 1 the all-gather goes through one flat buffer per unit: in forward the previous unit's
+  is held until the next copy-out (``all_gather_state``), in backward the next block is
+  prefetched (all-gathered) while the current one runs: one more block's worth either way; with
+  mixed precision, the cast of a shard for the all-gather input is a short-lived copy;
+* backward: a block's unsharded gradients (``param_dtype``), then at its post-backward a flat
+  ``reduce_dtype`` reduce-scatter input of the whole unit, kept until the next unit's
+  reduce-scatter (``reduce_scatter_states``, one buffer by default); the root's gradients (the
+  head's from the start of backward, the embedding's at the end) stay unsharded until the root's
+  post-backward at the very end;
+* ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step on the host; the
+  GPU keeps only the unsharded working set and the reduce buffers;
+* hybrid sharding (HSDP): shards over one node's GPUs, replicas across nodes (all-reduce in place).
+
+Activations and the loss are the same as for DeepSpeed at the same precision (module-level
+half precision): ``activation_breakdown``, with plain ``nn.Linear`` autograd.
+"""
+
+from __future__ import annotations
+
+from autotune.memory.activations import activation_breakdown
+from autotune.memory.common import MemoryEstimate
+from autotune.memory.walk import Candidate, Loop, backward_blocks, finish
+from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy, gradient_accumulation_steps, shard_group_size
+
+
+def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,
+                   *, headroom: float = 0.0, device: str = "cuda", loop: Loop = "keep_outputs") -> MemoryEstimate:
+    """``estimate_memory`` for an fsdp2 strategy (same arguments, same record)."""
+    m, s = model, strategy
+    L = m.num_hidden_layers
+    n = shard_group_size(s, hardware)
+    p = BYTES_PER_ELEMENT[s.precision]
+    r = BYTES_PER_ELEMENT[s.reduce_dtype]
+    k_opt = 8 if training.optimizer in ("adam", "adamw") else 4
+    psi = m.num_parameters
+    per_block = m.block_params()
+    root = psi - L * per_block  # embeddings, final norm, untied head
+    offload = s.offload_params == "cpu"
+    on_gpu = 0.0 if offload else 1.0
+    shard = psi / n
+
+    params = on_gpu * 4 * shard
+    optimizer = on_gpu * k_opt * shard
+    grad_block = on_gpu * 4 * per_block / n  # one unit's sharded fp32 gradient
+    all_grads = on_gpu * 4 * shard
+
+    act = activation_breakdown(m, training, s, device)
+    tokens = training.seq_len * s.micro_batch_size
+    saved_blocks, nonblock, logits_saved = act["blocks"], act["nonblock"], act["logits_saved"]
+    other_saved = nonblock - logits_saved
+    kept = p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0
+    gas = gradient_accumulation_steps(s, training, hardware)
+    # gradient accumulation reduce-scatters every micro-step and adds into the sharded gradients:
+    # they exist through the later micro-steps
+    carry = all_grads if gas > 1 else 0.0
+
+    u_root = p * root
+    u_block = p * per_block
+    flat = u_block if n > 1 else 0.0  # the flat all-gather buffer next to the current block
+    cast_in = p * per_block / n if p < 4 else 0.0  # a shard cast to param_dtype for the all-gather
+    head = m.vocab_size * m.hidden_size
+    reshard = s.reshard_after_forward
+    mlp_params = (3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size
+
+    cands: list[Candidate] = []
+
+    def add(phase: str, grads: float = 0.0, activations: float = 0.0, logits: float = 0.0,
+            buffers: float = 0.0) -> None:
+        logits += kept
+        if phase != "optimizer":
+            grads = max(grads, carry)
+        cands.append(Candidate(phase, params + optimizer + grads + activations + logits + buffers, grads,
+                               activations, logits, buffers))
+
+    def unsharded_blocks(alive: int) -> float:
+        """Blocks whose unsharded parameters are alive, ``alive`` of them without resharding."""
+        return u_block * (alive if not reshard else 1)
+
+    # forward, last block: its gather transient on top of every earlier block's saved activations
+    add("forward", activations=saved_blocks - act["per_block_plain"] + other_saved,
+        buffers=u_root + unsharded_blocks(L) + flat + cast_in)
+    # forward end: the loss transients (inside the model's forward: the root is still gathered; the
+    # last block's flat buffer waits for the root's post-forward)
+    add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_forward_transient"],
+        buffers=u_root + (u_block * L if not reshard else 0.0) + flat)
+    # backward start: the root gathered again, the last block prefetched
+    add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_backward_transient"],
+        buffers=u_root + unsharded_blocks(L) + flat)
+    # lm_head backward: its unsharded gradient stays until the root's post-backward
+    head_grad = p * head
+    add("backward", grads=head_grad, activations=saved_blocks + other_saved, logits=p * m.vocab_size * tokens,
+        buffers=u_root + unsharded_blocks(L) + flat)
+    rs_prev = 0.0  # the previous unit's reduce-scatter input
+    for pt in backward_blocks(act, s, L, other_saved):
+        done = on_gpu * pt.done * grad_block
+        rs_prev = r * per_block if pt.done else 0.0
+        gathered = u_root + unsharded_blocks(pt.block + 1) + (flat if pt.block > 0 else 0.0)
+        grads = head_grad + done
+        # MLP backward: its weight gradients appear (unsharded, param_dtype)
+        add("backward", grads=grads + p * mlp_params, activations=pt.mlp, buffers=gathered + rs_prev)
+        if pt.attention is not None:
+            add("backward", grads=grads + u_block, activations=pt.attention, buffers=gathered + rs_prev)
+        # post-backward: the block's gradients copied into a new reduce-scatter input (the
+        # previous one released first), the block's activations gone
+        add("backward", grads=grads + u_block, activations=pt.saved - act["per_block_plain"],
+            buffers=gathered + r * per_block + grad_block)
+    # backward end: the root's post-backward (head and embedding gradients, unsharded, then its
+    # reduce-scatter input), every block's sharded gradient
+    root_grads = p * root
+    add("backward", grads=all_grads - on_gpu * 4 * root / n + root_grads, activations=act["hidden_grad"],
+        buffers=u_root + r * per_block)
+    add("backward", grads=all_grads - on_gpu * 4 * root / n + root_grads, buffers=u_root + r * root)
+    # optimizer step: AdamW foreach's fp32 temporary of the shard
+    add("optimizer", grads=all_grads, buffers=on_gpu * 4 * shard)
+
+    host = (4 + 4 + k_opt + 4) * shard if offload else 0.0
+    return finish(cands, m, training, hardware, s, headroom, params=params, optimizer=optimizer,
+                  resident_grads=0.0, resident_buffers=0.0, cpu_per_gpu=host, nvme_per_gpu=0.0)

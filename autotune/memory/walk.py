@@ -1,0 +1,134 @@
+"""The pieces both engines' step walks share: the blocks' backward activations, the candidate
+instants of a step, and the verdict built from the largest of them."""
+
+from __future__ import annotations
+
+from typing import Iterable, Literal, NamedTuple, Optional
+
+from autotune.memory.common import GPU_COMPONENTS, MemoryEstimate, PREDICTION_MARGIN, _gib, overhead_bytes
+from autotune.reason import Reason
+from autotune.spec import GIB, HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy, validate
+
+Loop = Literal["keep_outputs", "drop_outputs"]
+LOOPS: tuple[str, ...] = ("keep_outputs", "drop_outputs")
+
+
+class BlockPoint(NamedTuple):
+    """Activations alive during one block's backward (bytes per GPU)."""
+
+    block: int
+    """Block index (the backward runs from L-1 down to 0)."""
+    done: int
+    """Blocks whose backward is complete."""
+    saved: float
+    """Saved activations still alive, the block's recomputation included, no transient."""
+    mlp: float
+    """During the block's MLP backward (its transients included)."""
+    attention: Optional[float]
+    """During its attention backward (None when that is never larger than ``mlp``)."""
+
+
+def backward_blocks(act: dict[str, float], strategy: Strategy, num_layers: int, other_saved: float,
+                    extra_points: Iterable[int] = ()) -> list[BlockPoint]:
+    """The blocks' backward, last to first: what is saved shrinks as blocks finish; a checkpointed
+    block is recomputed in full before its backward (what its checkpoint saved, the block input or
+    selective's kept tensors, is part of the recomputed set, not a second copy).
+
+    Only the instants that can hold the peak are returned: the state is linear in the block index
+    within a run of same-kind blocks, so with the first n blocks checkpointed the ends of both runs
+    suffice (plus ``extra_points``); with every k-th block checkpointed every block is visited."""
+    L = num_layers
+    n_ck = int(act["num_checkpointed"])
+    per_plain, per_ck = act["per_block_plain"], act["per_block_checkpointed"]
+    every = strategy.checkpoint_every if n_ck else None
+    if every is None:
+        points = {L - 1, n_ck, n_ck - 1, 0, *extra_points}
+        is_ck, count_ck = (lambda i: i < n_ck), (lambda i: min(i + 1, n_ck))
+    else:
+        points = set(range(L))
+        is_ck, count_ck = (lambda i: (i + 1) % every == 0), (lambda i: (i + 1) // every)
+    attn_delta = act["attention_backward_transient"] - act["mlp_saved_per_block"]
+    # during the blocks' backward the final norm's saved tensors are already released, and the
+    # gradient of the hidden states (one h-wide tensor per token) flows from block to block
+    block_other = other_saved - act["final_norm_saved"] + act["hidden_grad"]
+    mlp_bwd = act["mlp_backward_transient"]
+    out = []
+    for i in sorted((i for i in points if 0 <= i < L), reverse=True):
+        ck = is_ck(i)
+        remaining = count_ck(i) * per_ck + (i + 1 - count_ck(i)) * per_plain
+        a = remaining + (per_plain - per_ck if ck else 0.0) + block_other
+        # a checkpointed attention module is recomputed only after the MLP's backward
+        a_mlp = a - (per_plain - per_ck) if (ck and act["granularity"] == "attention") else a
+        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None))
+    return out
+
+
+class Candidate(NamedTuple):
+    """One instant of the step that may hold the peak: what is allocated then (bytes per GPU)."""
+
+    phase: str
+    """forward, backward or optimizer."""
+    total: float
+    grads: float
+    activations: float
+    logits: float
+    buffers: float
+
+
+def phase_peaks(cands: list[Candidate]) -> tuple[dict[str, int], Candidate]:
+    """The peak of each phase, and the candidate holding the step's peak (the first on a tie)."""
+    phases: dict[str, int] = {}
+    best = cands[0]
+    for c in cands:
+        if c.total > phases.get(c.phase, -1):
+            phases[c.phase] = int(c.total)
+        if c.total > best.total:
+            best = c
+    return phases, best
+
+
+def _reasons(reasons: list[str], gpu: dict[str, int], cpu: int, nvme: int, hardware: HardwareSpec,
+             headroom: float) -> list[str]:
+    """The strategy's rule violations plus every limit it exceeds (GPU, host RAM, NVMe), each a Reason."""
+    avail = hardware.gpu.memory_bytes * (1.0 - headroom)
+    total = gpu["peak"] + gpu["overhead"]
+    if total > avail:
+        biggest = max(GPU_COMPONENTS[:-1], key=lambda k: gpu[k])
+        reasons.append(Reason(
+            f"peak {_gib(total)} (incl. {_gib(gpu['overhead'])} overhead) > {_gib(avail)} free on "
+            f"{hardware.gpu.name}; largest part: {biggest.replace('_', ' ')} {_gib(gpu[biggest])}", "gpu_memory"
+        ))
+        if gpu[biggest] > avail:
+            reasons.append(Reason(f"{biggest.replace('_', ' ')} {_gib(gpu[biggest])} > {_gib(avail)} free", "gpu_memory"))
+    cpu_avail = hardware.cpu_memory_gib * GIB
+    if cpu > cpu_avail:
+        reasons.append(Reason(f"offload needs {_gib(cpu)} host RAM per node > {_gib(cpu_avail)} available", "host_memory"))
+    if nvme:
+        cap = hardware.nvme.capacity_gib * GIB if hardware.nvme else 0
+        if nvme > cap:
+            reasons.append(Reason(f"offload needs {_gib(nvme)} NVMe per node > {_gib(cap)} available", "nvme"))
+    return reasons
+
+
+def finish(cands: list[Candidate], model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
+           strategy: Strategy, headroom: float, *, params: float, optimizer: float, resident_grads: float,
+           resident_buffers: float, cpu_per_gpu: float, nvme_per_gpu: float) -> MemoryEstimate:
+    """The estimate at the largest candidate: the breakdown (the resident states plus what that
+    instant holds), the overhead, host and NVMe needs per node, and the verdict with its reasons."""
+    phases, best = phase_peaks(cands)
+    gpu = {"parameters": int(params), "gradients": int(resident_grads + best.grads),
+           "optimizer_states": int(optimizer), "activations": int(best.activations), "logits": int(best.logits),
+           "buffers": int(resident_buffers + best.buffers)}
+    peak = sum(gpu.values())
+    # + the measured worst-case under-prediction of the model (PREDICTION_MARGIN)
+    gpu["overhead"] = overhead_bytes(hardware, peak) + int(PREDICTION_MARGIN * peak)
+    gpu = {k: gpu[k] for k in GPU_COMPONENTS} | {"peak": int(peak)}
+
+    gpn = hardware.gpus_per_node
+    cpu = int(cpu_per_gpu * gpn)
+    nvme = int(nvme_per_gpu * gpn)
+    reasons = _reasons(list(validate(strategy, model, training, hardware)), gpu, cpu, nvme, hardware, headroom)
+    return MemoryEstimate(gpu=gpu, peak_phase=best.phase, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
+                          fits=not reasons, reasons=reasons, phases=phases,
+                          activation_peak=int(max(c.activations + c.logits for c in cands)))
