@@ -1,6 +1,6 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 102 configs
+    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 119 configs
     python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
     python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
@@ -11,7 +11,9 @@ qwen2, qwen3, gemma, gemma2, phi3, olmo2, gpt2 with its default dropout 0.1, gpt
 with the family's own switches kept, each under 8 strategies (ZeRO 0-3, 1 and 2 gloo ranks,
 gradient accumulation 1/2/4, checkpointing none/full, bf16/fp32); plus 8 rows of autotune's
 reference decoders (selective checkpointing, eager attention), 8 rows of module-level
-checkpointing (attention / mlp) and 6 of op-level checkpointing (op). Every config runs
+checkpointing (attention / mlp), 6 of op-level checkpointing (op), 3 of every-k-th-block
+checkpointing and 14 of the fsdp2 engine (1 and 2 ranks; resharding after forward or not, reduce
+in fp32 or bf16; none/full/op/attention/mlp checkpointing). Every config runs
 ``autotune.profile.worker`` in fresh processes (``python`` for 1 rank, ``torchrun
 --nproc_per_node 2`` with gloo for 2) with a torch AdamW (fused, like DeepSpeed's FusedAdam)
 passed to ``deepspeed.initialize``, the usual loop (``outputs = engine(**batch);
@@ -152,14 +154,44 @@ GRANULARITY_ROWS = [("hf-llama", 2, 2, 2, 2, 256, "attention", "bf16"), ("hf-gpt
                     ("hf-gemma2", 2, 1, 2, 2, 256, "op", "bf16"), ("llama-s", 1, 1, 4, 2, 256, "op", "bf16")]
 
 
+# every k-th block checkpointed ("<granularity>/<k>"), both engines
+EVERY_K_ROWS = [("hf-llama", 2, 2, 1, 2, 256, "full/2", "bf16"), ("llama-m", 0, 1, 2, 2, 128, "op/2", "fp32"),
+                ("hf-qwen3", "fsdp2", 2, 1, 2, 256, "attention/2", "bf16")]
+
+# the fsdp2 engine (autotune.fsdp2.apply: fully_shard per block + root, MixedPrecisionPolicy with
+# param_dtype = precision, AdamW foreach): stage "fsdp2" (reshard_after_forward), "fsdp2-keep"
+# (reshard_after_forward False), "fsdp2-rbf16" (reduce_dtype bf16)
+FSDP2_ROWS = [("llama-s", "fsdp2", 1, 1, 1, 256, "none", "bf16"), ("llama-s", "fsdp2", 2, 2, 2, 256, "none", "bf16"),
+              ("llama-m", "fsdp2", 2, 1, 4, 128, "full", "bf16"), ("llama-m", "fsdp2-keep", 2, 1, 4, 128, "full", "bf16"),
+              ("gpt2-s", "fsdp2", 2, 2, 2, 256, "full", "fp32"), ("gpt2-s", "fsdp2-keep", 1, 1, 2, 256, "none", "bf16"),
+              ("hf-llama", "fsdp2", 2, 1, 2, 256, "op", "bf16"), ("hf-llama", "fsdp2", 1, 2, 2, 256, "op", "fp32"),
+              ("hf-qwen3", "fsdp2", 2, 1, 2, 256, "mlp", "bf16"), ("hf-gemma2", "fsdp2", 2, 1, 2, 256, "full", "bf16"),
+              ("hf-gpt2", "fsdp2-rbf16", 2, 1, 2, 256, "attention", "bf16"), ("hf-phi3", "fsdp2-keep", 2, 2, 2, 128, "op", "bf16"),
+              ("hf-neox", "fsdp2", 1, 1, 4, 128, "none", "fp32"), ("llama-m", "fsdp2-rbf16", 2, 2, 2, 128, "op", "bf16")]
+
+
 def grid(quick: bool) -> list[dict]:
-    """Reference-decoder rows and the checkpointing-granularity rows (the HF families, hf_grid,
-    carry most of the accuracy claim)."""
+    """Reference-decoder rows, the checkpointing-granularity rows and the fsdp2 rows (the HF
+    families, hf_grid, carry most of the accuracy claim)."""
     rows = [dict(zip(ROW_KEYS, r)) for r in REFERENCE_ROWS]
     if quick:
         return rows[::3]
     have_hf = importlib.util.find_spec("transformers") is not None
-    return rows + [dict(zip(ROW_KEYS, r)) for r in GRANULARITY_ROWS if have_hf or r[0] not in HF_FAMILIES]
+    return rows + [dict(zip(ROW_KEYS, r)) for r in GRANULARITY_ROWS + EVERY_K_ROWS + FSDP2_ROWS
+                   if have_hf or r[0] not in HF_FAMILIES]
+
+
+def row_strategy(row: dict) -> Strategy:
+    """The strategy a row names: ``stage`` a ZeRO stage or an fsdp2 variant, ``ckpt`` a granularity
+    or ``granularity/k`` (every k-th block)."""
+    granularity, _, every = str(row["ckpt"]).partition("/")
+    common = dict(micro_batch_size=row["mbs"], checkpointing=granularity, precision=row["precision"],
+                  checkpoint_every=int(every) if every else None)
+    stage = row["stage"]
+    if isinstance(stage, str):
+        return Strategy(engine="fsdp2", reshard_after_forward=stage != "fsdp2-keep",
+                        reduce_dtype="bf16" if stage == "fsdp2-rbf16" else "fp32", **common)
+    return Strategy(zero_stage=stage, **common)
 
 
 def specs(row: dict, workdir: Path | None = None) -> tuple[ModelSpec, TrainingSpec, HardwareSpec, Strategy]:
@@ -172,9 +204,7 @@ def specs(row: dict, workdir: Path | None = None) -> tuple[ModelSpec, TrainingSp
     training = TrainingSpec(seq_len=row["seq"], global_batch_size=row["mbs"] * row["nproc"] * row.get("ga", 1),
                             precision=row["precision"])
     hardware = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=row["nproc"], num_nodes=1)
-    strategy = Strategy(zero_stage=row["stage"], micro_batch_size=row["mbs"], checkpointing=row["ckpt"],
-                        precision=row["precision"])
-    return model, training, hardware, strategy
+    return model, training, hardware, row_strategy(row)
 
 
 def run_row(row: dict, workdir: Path, timeout: float = 300) -> dict:
@@ -243,7 +273,8 @@ def summarize(results: list[dict]) -> list[str]:
     worst_abs = max(ok, key=lambda r: abs(r["error"]))
 
     def name(r: dict) -> str:
-        return (f"{r['model']} ZeRO-{r['stage']} {r['nproc']} rank(s) GA {r.get('ga', 1)} mbs {r['mbs']} seq {r['seq']} "
+        engine = r["stage"] if isinstance(r["stage"], str) else f"ZeRO-{r['stage']}"
+        return (f"{r['model']} {engine} {r['nproc']} rank(s) GA {r.get('ga', 1)} mbs {r['mbs']} seq {r['seq']} "
                 f"{r['ckpt']} {r['precision']}")
 
     lines = [f"configs: {len(results)} run, {len(ok)} ok, {len({r['model'] for r in ok if r['model'] in HF_FAMILIES})} "
@@ -259,6 +290,8 @@ def summarize(results: list[dict]) -> list[str]:
         "1 rank": [r for r in ok if r["nproc"] == 1],
         "2 ranks": [r for r in ok if r["nproc"] > 1],
         **{f"ZeRO-{z}": [r for r in ok if r["stage"] == z] for z in range(4)},
+        "fsdp2": [r for r in ok if isinstance(r["stage"], str)],
+        "every k-th block": [r for r in ok if "/" in str(r["ckpt"])],
         **{f"GA {g}": [r for r in ok if r.get("ga", 1) == g] for g in (1, 2, 4)},
         "dropout on": [r for r in ok if r.get("dropout")],
     }
@@ -293,13 +326,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in rows if str(r.get(k)) == v]
     workdir = Path(tempfile.mkdtemp(prefix="autotune_membench_"))
     print(f"{len(rows)} configs; work dir {workdir}", flush=True)
-    header = (f"{'model':<15}{'Z':>2}{'np':>3}{'GA':>3}{'mbs':>4}{'seq':>5} {'ckpt':<10}{'prec':<5}{'measured MiB':>13}"
+    header = (f"{'model':<15}{'engine':>11}{'np':>3}{'GA':>3}{'mbs':>4}{'seq':>5} {'ckpt':<10}{'prec':<5}{'measured MiB':>13}"
               f"{'predicted MiB':>14}{'err %':>8}  phase(meas/pred)")
     print(header, flush=True)
     results: list[dict] = []
 
     def row_text(r: dict) -> str:
-        head = (f"{r['model']:<15}{r['stage']:>2}{r['nproc']:>3}{r.get('ga', 1):>3}{r['mbs']:>4}{r['seq']:>5} "
+        head = (f"{r['model']:<15}{str(r['stage']):>11}{r['nproc']:>3}{r.get('ga', 1):>3}{r['mbs']:>4}{r['seq']:>5} "
                 f"{r['ckpt']:<10}{r['precision']:<5}")
         if r.get("status") != "ok":
             return head + f"  {r.get('status')}: {str(r.get('reason'))[:200]}"
