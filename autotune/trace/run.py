@@ -31,8 +31,9 @@ class TraceResult:
     seq_len: int
     precision: str
     checkpointing: str
-    checkpoint_layers: int
-    """Number of blocks checkpointed (0 when checkpointing is none)."""
+    checkpoint_layers: Any
+    """Blocks checkpointed: their number (the first ones; 0 when checkpointing is none) or, every
+    k-th block, their indices (a tuple)."""
     activation_peak: int
     """Peak over forward+backward of activations + temporaries (+ the input ids), excluding model states."""
     saved_activations: int
@@ -56,7 +57,7 @@ class TraceResult:
         return dataclasses.asdict(self)
 
 
-def _set_checkpointing(model: Any, source: str, granularity: str, n: int, num_layers: int) -> list[str]:
+def _set_checkpointing(model: Any, source: str, granularity: str, n: Any, num_layers: int) -> list[str]:
     """Apply the strategy's checkpointing to the built module (autotune.checkpointing, the same call
     the profiler and users make); returns notes on how it was applied."""
     from autotune.checkpointing import apply_checkpointing
@@ -95,9 +96,11 @@ def _dtype(precision: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
-def _checkpoint_key(strategy: Strategy, num_layers: int) -> tuple[str, int]:
+def _checkpoint_key(strategy: Strategy, num_layers: int) -> tuple[str, Any]:
+    """(granularity, blocks): the number of first blocks, or every k-th block's indices (a tuple)."""
     n = strategy.num_checkpointed(num_layers)
-    return (strategy.checkpointing if n else "none", n)
+    selection = strategy.checkpoint_selection(num_layers)
+    return (strategy.checkpointing if n else "none", tuple(selection) if isinstance(selection, list) else n)
 
 
 def trace_memory(
