@@ -25,7 +25,8 @@ torch/distributed/fsdp/_fully_shard (_fsdp_param_group.py, _fsdp_collectives.py)
   post-backward at the very end;
 * ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step on the host; the
   GPU keeps only the unsharded working set and the reduce buffers;
-* hybrid sharding (HSDP): shards over one node's GPUs, replicas across nodes (all-reduce in place).
+* hybrid sharding (HSDP): shards over one node's GPUs, replicas across nodes (all-reduce in place);
+* on CUDA, the all-gather stream's allocator pool stays reserved beside the peak (overhead).
 
 Activations and the loss are the same as for DeepSpeed at the same precision (module-level
 half precision): ``activation_breakdown``, with plain ``nn.Linear`` autograd.
@@ -131,5 +132,13 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     add("optimizer", grads=all_grads, buffers=on_gpu * 4 * shard)
 
     host = (4 + 4 + k_opt + 4) * shard if offload else 0.0
+    # CUDA: the flat all-gather buffers are allocated on FSDP2's all-gather stream
+    # (_fsdp_collectives.py foreach_all_gather under ``all_gather_stream``), and the caching
+    # allocator reuses a freed block only for the stream it was allocated on
+    # (c10/cuda/CUDACachingAllocator.cpp, stream-ordered blocks): that stream's pool keeps the
+    # largest buffers it held (the root's, and a block's next to the prefetched one) reserved,
+    # outside what the peak's tensors can use
+    side_pool = u_root + 2 * u_block if (device == "cuda" and n > 1) else 0.0
     return finish(cands, m, training, hardware, s, headroom, params=params, optimizer=optimizer,
-                  resident_grads=0.0, resident_buffers=0.0, cpu_per_gpu=host, nvme_per_gpu=0.0)
+                  resident_grads=0.0, resident_buffers=0.0, cpu_per_gpu=host, nvme_per_gpu=0.0,
+                  reserved_elsewhere=side_pool)

@@ -113,16 +113,19 @@ def _reasons(reasons: list[str], gpu: dict[str, int], cpu: int, nvme: int, hardw
 
 def finish(cands: list[Candidate], model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
            strategy: Strategy, headroom: float, *, params: float, optimizer: float, resident_grads: float,
-           resident_buffers: float, cpu_per_gpu: float, nvme_per_gpu: float) -> MemoryEstimate:
+           resident_buffers: float, cpu_per_gpu: float, nvme_per_gpu: float,
+           reserved_elsewhere: float = 0.0) -> MemoryEstimate:
     """The estimate at the largest candidate: the breakdown (the resident states plus what that
-    instant holds), the overhead, host and NVMe needs per node, and the verdict with its reasons."""
+    instant holds), the overhead, host and NVMe needs per node, and the verdict with its reasons.
+    ``reserved_elsewhere``: memory the allocator keeps reserved outside the peak's live tensors
+    (side-stream pools), added to the overhead."""
     phases, best = phase_peaks(cands)
     gpu = {"parameters": int(params), "gradients": int(resident_grads + best.grads),
            "optimizer_states": int(optimizer), "activations": int(best.activations), "logits": int(best.logits),
            "buffers": int(resident_buffers + best.buffers)}
     peak = sum(gpu.values())
     # + the measured worst-case under-prediction of the model (PREDICTION_MARGIN)
-    gpu["overhead"] = overhead_bytes(hardware, peak) + int(PREDICTION_MARGIN * peak)
+    gpu["overhead"] = overhead_bytes(hardware, peak) + int(PREDICTION_MARGIN * peak) + int(reserved_elsewhere)
     gpu = {k: gpu[k] for k in GPU_COMPONENTS} | {"peak": int(peak)}
 
     gpn = hardware.gpus_per_node
