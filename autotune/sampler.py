@@ -105,6 +105,12 @@ def features(strategy: Any, num_layers: int, mbs_range: tuple[int, int]) -> list
         *(h * (strategy.offload_params == o) for o in OFFLOADS),
         *(h * (strategy.precision == p) for p in PRECISIONS),
         *(0.5 * (getattr(strategy, k) is not None) for k in BUCKET_KNOBS),
+        # the other granularities, and the fsdp2 engine with its knobs (all 0 for DeepSpeed)
+        *(frac if strategy.checkpointing == g else 0.0 for g in ("attention", "mlp", "op")),
+        h * (strategy.engine == "fsdp2"),
+        0.5 * (not strategy.reshard_after_forward),
+        0.5 * (strategy.reduce_dtype != "fp32"),
+        0.5 * (strategy.sharding == "hybrid"),
     ]
 
 
