@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few reference configs instead of the full grid")
     ap.add_argument("--spot", action="store_true", help="8 off-grid HF configs (GA 3, other shapes) instead of the grid")
     ap.add_argument("--json", help="write all rows (measured, predicted, per-phase) to this file")
-    ap.add_argument("--filter", action="append", default=[], help="KEY=VALUE on grid rows, e.g. stage=3")
+    ap.add_argument("--filter", action="append", default=[], help="KEY=VALUE on grid rows, e.g. stage=3 or stage=fsdp2,fsdp2-keep")
     ap.add_argument("--jobs", type=int, default=2, help="configs run this many at a time")
     ap.add_argument("--reuse", action="append", default=[],
                     help="a --json file of an earlier run: its measured rows are not run again, only "
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += hf_grid()
     for f in args.filter:
         k, v = f.split("=", 1)
-        rows = [r for r in rows if str(r.get(k)) == v]
+        rows = [r for r in rows if str(r.get(k)) in v.split(",")]  # VALUE: one, or alternatives a,b
     workdir = Path(tempfile.mkdtemp(prefix="autotune_membench_"))
     print(f"{len(rows)} configs; work dir {workdir}", flush=True)
     header = (f"{'model':<15}{'engine':>11}{'np':>3}{'GA':>3}{'mbs':>4}{'seq':>5} {'ckpt':<10}{'prec':<5}{'measured MiB':>13}"

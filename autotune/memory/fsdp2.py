@@ -101,13 +101,15 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     # last block's flat buffer waits for the root's post-forward)
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_forward_transient"],
         buffers=u_root + (u_block * L if not reshard else 0.0) + flat)
-    # backward start: the root gathered again, the last block prefetched
+    # backward start: the root gathered again (the last block is gathered by its own pre-backward
+    # hook, later); the forward's last flat buffer is still held
+    at_start = u_root + (u_block * L if not reshard else 0.0) + flat
     add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_backward_transient"],
-        buffers=u_root + unsharded_blocks(L) + flat)
+        buffers=at_start)
     # lm_head backward: its unsharded gradient stays until the root's post-backward
     head_grad = p * head
     add("backward", grads=head_grad, activations=saved_blocks + other_saved, logits=p * m.vocab_size * tokens,
-        buffers=u_root + unsharded_blocks(L) + flat)
+        buffers=at_start)
     rs_prev = 0.0  # the previous unit's reduce-scatter input
     for pt in backward_blocks(act, s, L, other_saved):
         done = on_gpu * pt.done * grad_block
