@@ -92,7 +92,7 @@ def apply(model: Any, strategy_or_config: StrategyOrConfig, mesh: Any = None) ->
        head; torchtitan's value without pipeline parallelism).
 
     All with ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (the sharded parameters stay
-    fp32), ``CPUOffloadPolicy()`` when ``offload_params == "cpu"``, and ``mesh`` (None:
+    fp32), ``CPUOffloadPolicy()`` when ``offload_params == "cpu"`` (pinned on CUDA, unpinned on a CPU mesh), and ``mesh`` (None:
     ``make_mesh``, a 1-D mesh over every rank or the hybrid 2-D mesh).
     """
     import torch
@@ -107,8 +107,8 @@ def apply(model: Any, strategy_or_config: StrategyOrConfig, mesh: Any = None) ->
         mesh = make_mesh(lay["hybrid"], lay["mesh_shape"])
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(
         param_dtype=getattr(torch, lay["param_dtype"]), reduce_dtype=getattr(torch, lay["reduce_dtype"]))}
-    if lay["offload"]:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if lay["offload"]:  # pinned host memory needs an accelerator (a CPU-only torch refuses to pin)
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for block in blocks:
         fully_shard(block, reshard_after_forward=lay["reshard_after_forward"], **kwargs)
     fully_shard(model, reshard_after_forward=True, **kwargs)
@@ -189,7 +189,7 @@ def snippet(config: Mapping[str, Any]) -> str:
     helpers, ckpt = _checkpoint_lines(lay["granularity"], lay["blocks"])
     shape = tuple(int(x) for x in config["mesh"]["shape"])
     names = tuple(config["mesh"]["dim_names"])
-    offload = ", offload_policy=CPUOffloadPolicy()" if lay["offload"] else ""
+    offload = ", offload_policy=CPUOffloadPolicy(pin_memory=device_type == \"cuda\")" if lay["offload"] else ""
     opt_cls = "AdamW" if opt["type"] == "AdamW" else "Adam"
     selective = lay["granularity"] == "selective"
     scaler = bool(config.get("loss_scaling"))

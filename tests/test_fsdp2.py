@@ -115,7 +115,7 @@ def test_snippet_compiles_and_names_the_knobs(knobs):
     assert f"param_dtype=torch.{cfg['mp_policy']['param_dtype']}" in text
     assert f"CHECKPOINTED = {cfg['activation_checkpointing']['blocks']}" in text
     assert "foreach=True" in text and "clip_grad_norm_(model.parameters(), 1.0)" in text
-    assert ("offload_policy=CPUOffloadPolicy()" in text) == (knobs.get("offload_params") == "cpu")
+    assert ('offload_policy=CPUOffloadPolicy(pin_memory=device_type == "cuda")' in text) == (knobs.get("offload_params") == "cpu")
     assert ("ShardedGradScaler()" in text) == (knobs.get("precision") == "fp16")
     assert ("def op_sac_context" in text) == (knobs.get("checkpointing") == "op")
 

@@ -147,6 +147,49 @@ def test_snapshot_is_a_noted_no_op_on_cpu_and_oom_reason_has_the_phase(tmp_path)
     assert any("no snapshot written" in n for n in res["notes"])
 
 
+def _fsdp2_job(nproc: int, mbs: int, seq: int, ga: int = 1, **knobs) -> dict:
+    return {"model": TINY, "training": {"seq_len": seq, "global_batch_size": mbs * nproc * ga, "precision": "bf16"},
+            "strategy": Strategy(engine="fsdp2", micro_batch_size=mbs, **knobs).as_dict(),
+            "warmup_steps": 2, "measure_steps": 2}
+
+
+@pytest.mark.slow
+def test_fsdp2_one_process_trains_and_measures(tmp_path):
+    """An fsdp2 job: no DeepSpeed engine, fully_shard per block and the root, AdamW, GAS 2, op-level
+    checkpointing of every 2nd block; the same result keys as a DeepSpeed job."""
+    job = _fsdp2_job(nproc=1, mbs=2, seq=128, ga=2, checkpointing="op", checkpoint_every=2)
+    assert "deepspeed_config" not in job
+    (res,) = _run(tmp_path, job)
+    assert res["status"] == "ok", res
+    assert res["optimizer"] == "AdamW" and res["gradient_accumulation_steps"] == 2
+    assert res["num_parameters"] == ModelSpec(**TINY).num_parameters
+    assert any("fully_shard on 2 blocks" in n for n in res["notes"])
+    assert len(res["losses"]) == 4 and all(0 < v < 20 for v in res["losses"]) and res["losses"][-1] < res["losses"][0]
+    assert len(res["step_peaks_bytes"]) == 2 and res["peak_allocated_bytes"] == max(res["phase_peaks_bytes"].values())
+    assert res["peak_allocated_bytes"] > 0 and res["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_reshard_after_forward_keeps_the_blocks(tmp_path):
+    """2 ranks over gloo. reshard_after_forward=False keeps every block's unsharded bf16 parameters
+    from its forward to its backward: the forward peak (at the logits, after the last block) grows
+    by exactly those bytes, L x block parameters x 2."""
+    forward = {}
+    for reshard in (True, False):
+        out = tmp_path / str(reshard)
+        out.mkdir()
+        results = _run(out, _fsdp2_job(nproc=2, mbs=2, seq=128, reshard_after_forward=reshard), nproc=2)
+        assert [r["status"] for r in results] == ["ok", "ok"], results
+        assert all(r["optimizer"] == "AdamW" and all(v == v and v < 20 for v in r["losses"]) for r in results)
+        summary = results[0]["all_ranks"]
+        assert summary["status"] == ["ok", "ok"] and all(p > 0 for p in summary["peak_allocated_bytes"])
+        forward[reshard] = max(p["forward"] for p in summary["phase_peaks_bytes"])
+    spec = ModelSpec(**TINY)
+    kept = spec.num_hidden_layers * spec.block_params() * 2
+    assert forward[False] > forward[True]
+    assert forward[False] - forward[True] == pytest.approx(kept, rel=0.02)
+
+
 @pytest.mark.parametrize("preset", ["gpt2", "gpt2-xl", "llama2-7b", "llama2-70b", "llama3-8b", "mistral-7b", "mpt-7b",
                                     "tiny-llama"])
 def test_reference_model_parameter_count_is_exact(preset):

@@ -1,4 +1,9 @@
-"""Run one DeepSpeed measurement: ``python -m autotune.profile.worker JOB.json``.
+"""Run one measurement, DeepSpeed or FSDP2: ``python -m autotune.profile.worker JOB.json``.
+
+The strategy's ``engine`` picks the engine adapter: deepspeed (``deepspeed.init_distributed`` and
+``deepspeed.initialize``) or fsdp2 (``torch.distributed.init_process_group``, gloo on CPU, NCCL
+plus gloo on CUDA; ``autotune.fsdp2.apply``; ``torch.optim.AdamW(foreach=True)``). Both run the
+same step loop (``_step_loop``), memory probe, result keys and failure handling.
 
 Launched by ``torchrun --nproc_per_node N`` (or the ``deepspeed`` launcher) or by plain
 ``python`` (then a 1-process group on a free local port is created). Reads RANK / WORLD_SIZE /
@@ -14,8 +19,10 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
       "model":    {ModelSpec fields},           # autotune.spec.ModelSpec(**model)
       "training": {TrainingSpec fields},        # seq_len, global_batch_size, precision, optimizer
       "strategy": {Strategy fields},            # autotune.strategy.Strategy(**strategy)
-      "deepspeed_config": {...},                # default: strategy.to_deepspeed_config(...) with
-                                                #   data-parallel size = WORLD_SIZE
+      "deepspeed_config": {...},                # deepspeed only; default: strategy.to_deepspeed_config(...)
+                                                #   with data-parallel size = WORLD_SIZE (fsdp2: the
+                                                #   layout is always strategy.to_fsdp2_config(...) over
+                                                #   WORLD_SIZE ranks, LOCAL_WORLD_SIZE per node)
       "result_path": "result.json",             # default: JOB.json's dir / "result.json";
                                                 #   rank r > 0 writes "<stem>.rank<r>.json"
       "warmup_steps": 2, "measure_steps": 2,    # optimizer steps (each = GAS micro-steps); the peak is
@@ -24,7 +31,7 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   engine.backward(outputs.loss); engine.step() (outputs,
                                                 #   logits included, alive until the next forward rebinds
                                                 #   it); "drop_outputs": only the loss is kept
-      "optimizer_impl": "auto",                 # "deepspeed": the config's optimizer section
+      "optimizer_impl": "auto",                 # deepspeed only; "deepspeed": the config's optimizer section
                                                 #   (FusedAdam / DeepSpeedCPUAdam, JIT-built ops);
                                                 # "torch": torch.optim.AdamW passed to initialize
                                                 #   (no JIT builds); "auto": torch on CPU, deepspeed on CUDA
@@ -78,7 +85,7 @@ Result JSON (one per rank)::
       "tokens_per_s": float,                # all ranks: mbs * seq * GAS * world / median step time
       "losses": [float, ...],               # every step (warm-up included)
       "num_parameters": int,
-      "optimizer": "BF16_Optimizer" | ...,  # DeepSpeed's final optimizer wrapper class
+      "optimizer": "BF16_Optimizer" | ...,  # DeepSpeed's final optimizer wrapper class (fsdp2: "AdamW")
       "gradient_accumulation_steps": int,
       "all_ranks": {"status": [per rank], "phase": [...], "peak_allocated_bytes": [...],
                     "min_step_peak_bytes": [...], "max_step_peak_bytes": [...], "peak_phase": [...],
@@ -105,6 +112,7 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -176,6 +184,20 @@ def _ds_config_for_job(job: WorkerJob, world_size: int) -> tuple[dict, Any, Any,
         hw = HardwareSpec(gpu=gpu_from_name(job.setting("gpu")), gpus_per_node=world_size, num_nodes=1)
         cfg = to_deepspeed_config(strategy, model, training, hw)
     return json.loads(json.dumps(cfg)), model, training, strategy
+
+
+def _fsdp2_config_for_job(job: WorkerJob, world_size: int) -> dict:
+    """The strategy's FSDP2 layout (autotune.strategy.to_fsdp2_config) over this process group:
+    WORLD_SIZE ranks, LOCAL_WORLD_SIZE (torchrun) of them per node."""
+    from autotune.presets import gpu_from_name
+    from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
+    from autotune.strategy import Strategy, to_fsdp2_config
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if per_node < 1 or world_size % per_node:
+        per_node = world_size
+    hw = HardwareSpec(gpu=gpu_from_name(job.setting("gpu")), gpus_per_node=per_node, num_nodes=world_size // per_node)
+    return to_fsdp2_config(Strategy(**job.strategy), ModelSpec(**job.model), TrainingSpec(**job.training), hw)
 
 
 def run_job(job: WorkerJob, job_dir: Path, write_early: Optional[Any] = None) -> dict[str, Any]:
@@ -298,73 +320,214 @@ def _maybe_fault(job: WorkerJob, rank: int, phase: str) -> None:
     raise RuntimeError(f"injected fault on rank {rank} at {phase}")
 
 
+@dataclass(frozen=True)
+class _Context:
+    """What one rank's run knows about its place and its measurement."""
+
+    job: WorkerJob
+    result: dict
+    """The rank's result dict, filled in place."""
+    probe: Optional[CpuMemoryProbe]
+    """The CPU memory probe (memory "profiler"), else None."""
+    rank: int
+    world: int
+    local_rank: int
+    use_cuda: bool
+    memory_mode: str
+    """cuda | profiler | none (resolved from "auto")."""
+
+
+def _set_dist_env(ctx: _Context) -> Any:
+    """torchrun's variables for a plain ``python`` launch (a 1-process group on a free port); the device."""
+    import torch
+
+    os.environ.setdefault("RANK", str(ctx.rank))
+    os.environ.setdefault("WORLD_SIZE", str(ctx.world))
+    os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    if ctx.use_cuda:
+        torch.cuda.set_device(ctx.local_rank)
+        return torch.device("cuda", ctx.local_rank)
+    return torch.device("cpu")
+
+
+class _DeepSpeedEngine:
+    """The deepspeed engine's half of the step loop: ``deepspeed.initialize`` with the job's DeepSpeed
+    config; forward / ``engine.backward`` / ``engine.step`` every micro-step (DeepSpeed applies the
+    optimizer at the accumulation boundary)."""
+
+    @staticmethod
+    def init_distributed(ctx: _Context) -> None:
+        import deepspeed
+
+        if not ctx.use_cuda:
+            try:  # skip the JIT build of the shared-memory allreduce (a private DeepSpeed switch: deepspeed.ops.__compatible_ops__)
+                deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+            except Exception:
+                pass
+        deepspeed.init_distributed(dist_backend="nccl" if ctx.use_cuda else "gloo", verbose=False)
+
+    def __init__(self, ctx: _Context, built: Any, model_spec: Any, strategy: Any, device: Any) -> None:
+        import deepspeed
+        import torch
+
+        from autotune.profile.user_models import set_checkpointing
+
+        ds_config, *_ = _ds_config_for_job(ctx.job, ctx.world)
+        model = built.module
+        n_ckpt = strategy.num_checkpointed(model_spec.num_hidden_layers)
+        set_checkpointing(built, strategy.checkpointing if n_ckpt else "none",
+                          strategy.checkpoint_selection(model_spec.num_hidden_layers), model_spec.num_hidden_layers)
+        impl = ctx.job.setting("optimizer_impl")
+        if impl == "auto":
+            impl = "deepspeed" if ctx.use_cuda else "torch"
+        optimizer = None
+        if impl == "torch":
+            opt_cfg = ds_config.pop("optimizer", None) or {}
+            params = dict(opt_cfg.get("params", {}))
+            params.setdefault("lr", 1e-4)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"],
+                                          betas=tuple(params.get("betas", (0.9, 0.999))), eps=params.get("eps", 1e-8),
+                                          weight_decay=params.get("weight_decay", 0.01),
+                                          fused=True)  # like FusedAdam: no full-size temporaries
+            ds_config["zero_allow_untested_optimizer"] = True
+            ds_config["zero_force_ds_cpu_optimizer"] = False
+        ds_config.pop("activation_checkpointing", None)  # applied by the model (non-reentrant torch checkpoint)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                               model_parameters=None if optimizer is not None else model.parameters())
+        self.optimizer_name = type(self.engine.optimizer).__name__
+        self.gas = self.engine.gradient_accumulation_steps()
+        self.mbs = self.engine.train_micro_batch_size_per_gpu()
+
+    def forward(self, batch: dict) -> Any:
+        return self.engine(**batch)
+
+    def backward(self, loss: Any, last_micro: bool) -> None:
+        self.engine.backward(loss)
+
+    def step(self, last_micro: bool) -> None:
+        self.engine.step()
+
+    def process_groups(self) -> list:
+        return _process_groups(self.engine)
+
+
+class _Fsdp2Engine:
+    """The fsdp2 engine's half of the step loop: ``autotune.fsdp2.apply`` (checkpointing, fully_shard
+    per block and the root) with the strategy's layout (``to_fsdp2_config``, data-parallel size =
+    WORLD_SIZE), ``torch.optim.AdamW(foreach=True)`` with its hyper-parameters; every micro-step
+    ``(loss / GAS).backward()``, which reduce-scatters the gradients (as torchtitan's train_step does:
+    no ``set_requires_gradient_sync(False)``, so no unsharded gradients accumulate); on the last
+    micro-step clipping (``clip_grad_norm_`` over the sharded DTensor gradients), ``optimizer.step()``
+    and ``zero_grad(set_to_none=True)``. fp16: ``ShardedGradScaler`` (dynamic loss scaling)."""
+
+    @staticmethod
+    def init_distributed(ctx: _Context) -> None:
+        import torch.distributed as dist
+
+        # gloo for CPU tensors next to NCCL on CUDA: CPUOffloadPolicy keeps sharded state on the host
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if ctx.use_cuda else "gloo")
+
+    def __init__(self, ctx: _Context, built: Any, model_spec: Any, strategy: Any, device: Any) -> None:
+        import torch
+
+        from autotune import fsdp2
+
+        config = _fsdp2_config_for_job(ctx.job, ctx.world)
+        self.model = built.module
+        ctx.result["notes"].extend(fsdp2.apply(self.model, config))
+        params = config["optimizer"]["params"]
+        opt_cls = torch.optim.AdamW if config["optimizer"]["type"] == "AdamW" else torch.optim.Adam
+        self.optimizer = opt_cls(self.model.parameters(), lr=params["lr"], betas=tuple(params["betas"]),
+                                 eps=params["eps"], weight_decay=params["weight_decay"], foreach=True)
+        self.scaler = None
+        if config["loss_scaling"]:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device=device.type)
+        self.clip = float(config["gradient_clipping"])
+        self.optimizer_name = type(self.optimizer).__name__
+        self.gas = int(config["gradient_accumulation_steps"])
+        self.mbs = int(config["micro_batch_size"])
+
+    def forward(self, batch: dict) -> Any:
+        return self.model(**batch)
+
+    def backward(self, loss: Any, last_micro: bool) -> None:
+        scaled = loss / self.gas
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+
+    def step(self, last_micro: bool) -> None:
+        import torch
+
+        if not last_micro:
+            return
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def process_groups(self) -> list:
+        import torch.distributed as dist
+
+        out: list = [None]
+        for grp in ([] if dist.get_world_size() == 1 else _mesh_groups(self.model)):
+            if all(grp is not o for o in out):
+                out.append(grp)
+        return out
+
+
+def _mesh_groups(model: Any) -> list:
+    """The process groups of the device meshes FSDP2 shards over (gloo flushes them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups: list = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()._fsdp_param_group
+            if state is not None:
+                groups.extend(state.mesh_info.mesh.get_all_groups())
+    return groups
+
+
 def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: int, world: int, local_rank: int,
          use_cuda: bool, memory_mode: str) -> None:
     import torch
 
-    import deepspeed
     from autotune.profile.models import count_parameters
-    from autotune.profile.user_models import build_for_job, loss_of, set_checkpointing
+    from autotune.profile.user_models import build_for_job
+    from autotune.spec import ModelSpec, TrainingSpec
+    from autotune.strategy import Strategy
 
-    ds_config, model_spec, training, strategy = _ds_config_for_job(job, world)
+    ctx = _Context(job, result, probe, rank, world, local_rank, use_cuda, memory_mode)
+    model_spec, training, strategy = ModelSpec(**job.model), TrainingSpec(**job.training), Strategy(**job.strategy)
     seed = int(job.setting("seed"))
     torch.manual_seed(seed + rank)
-
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(world))
-    os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        try:  # skip the JIT build of the shared-memory allreduce (a private DeepSpeed switch: deepspeed.ops.__compatible_ops__)
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        except Exception:
-            pass
-    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=False)
+    device = _set_dist_env(ctx)
+    engine_cls = _Fsdp2Engine if strategy.engine == "fsdp2" else _DeepSpeedEngine
+    engine_cls.init_distributed(ctx)
     if world > 1:
         _make_exchange_group(float(job.setting("exchange_timeout_s")))
     _maybe_fault(job, rank, "init")
 
-    impl = job.setting("optimizer_impl")
-    if impl == "auto":
-        impl = "deepspeed" if use_cuda else "torch"
-    optimizer = None
     built = build_for_job(job.to_json(), model_spec, training, seed=seed * 1000 + rank * 100)
-    model = built.module
     result["model_source"] = built.source
-    n_ckpt = strategy.num_checkpointed(model_spec.num_hidden_layers)
-    set_checkpointing(built, strategy.checkpointing if n_ckpt else "none",
-                      strategy.checkpoint_selection(model_spec.num_hidden_layers), model_spec.num_hidden_layers)
+    result["num_parameters"] = count_parameters(built.module)
+    engine = engine_cls(ctx, built, model_spec, strategy, device)
     result["notes"].extend(built.notes)
-    result["num_parameters"] = count_parameters(model)
-    if impl == "torch":
-        opt_cfg = ds_config.pop("optimizer", None) or {}
-        params = dict(opt_cfg.get("params", {}))
-        params.setdefault("lr", 1e-4)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=tuple(params.get("betas", (0.9, 0.999))),
-                                      eps=params.get("eps", 1e-8), weight_decay=params.get("weight_decay", 0.01),
-                                      fused=True)  # like FusedAdam: no full-size temporaries
-        ds_config["zero_allow_untested_optimizer"] = True
-        ds_config["zero_force_ds_cpu_optimizer"] = False
-    ds_config.pop("activation_checkpointing", None)  # applied by the model (non-reentrant torch checkpoint)
-
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                      model_parameters=None if optimizer is not None else model.parameters())
-    result["optimizer"] = type(engine.optimizer).__name__
-    gas = engine.gradient_accumulation_steps()
-    result["gradient_accumulation_steps"] = gas
+    result["optimizer"] = engine.optimizer_name
+    result["gradient_accumulation_steps"] = engine.gas
     if probe is not None:
-        probe.gas = gas
-    mbs = engine.train_micro_batch_size_per_gpu()
-    seq = training.seq_len
-    batches = [built.batch_fn(mbs, seq, device) for _ in range(2)]
-    collect = bool(job.setting("gc_collect"))
-    if collect:
+        probe.gas = engine.gas
+    batches = [built.batch_fn(engine.mbs, training.seq_len, device) for _ in range(2)]
+    if job.setting("gc_collect"):
         # collect once, then freeze the survivors (torch, DeepSpeed, transformers modules...) so
         # the per-phase collections below only scan what the steps create (seconds -> ms)
         gc.collect()
@@ -373,18 +536,38 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
         probe.init_end = probe.now()
     if use_cuda:
         torch.cuda.synchronize()
+    if not _step_loop(ctx, engine, built, batches):
+        return
+    _maybe_fault(job, rank, "end")
+    times = sorted(result["step_times_s"])
+    if times:
+        median = times[len(times) // 2]
+        result["tokens_per_s"] = engine.mbs * training.seq_len * engine.gas * world / median
+    result["status"] = "ok"
+    result["reason"] = None
 
+
+def _step_loop(ctx: _Context, engine: Any, built: Any, batches: list) -> bool:
+    """Warm-up and measured optimizer steps (each GAS micro-steps of forward, backward, optimizer),
+    one engine-neutral loop; False when a loss went non-finite (status nan already set).
+
+    "loop": "keep_outputs" (default) is the loop people write, ``outputs = engine(**batch);
+    engine.backward(outputs.loss); engine.step()``: ``outputs`` (and the logits in it) stays alive
+    through backward and the step, until the next forward's result is bound to the name;
+    "drop_outputs" keeps only the loss (the logits die with the forward)."""
+    import torch
+
+    from autotune.profile.user_models import loss_of
+
+    job, result, probe, use_cuda = ctx.job, ctx.result, ctx.probe, ctx.use_cuda
     warmup, measure = int(job.setting("warmup_steps")), int(job.setting("measure_steps"))
-    groups = _process_groups(engine)
+    collect = bool(job.setting("gc_collect"))
+    groups = engine.process_groups()
     phase_peaks = {ph: 0 for ph in PHASES}
     peak_reserved = 0
-    # "loop": "keep_outputs" (default) is the loop people write, ``outputs = engine(**batch);
-    # engine.backward(outputs.loss); engine.step()``: ``outputs`` (and the logits in it) stays alive
-    # through backward and the step, until the next forward's result is bound to the name;
-    # "drop_outputs" keeps only the loss (the logits die with the forward).
     keep = job.setting("loop") == "keep_outputs"
     result["loop"] = "keep_outputs" if keep else "drop_outputs"
-    outputs = None
+    outputs = loss = None
     for step in range(warmup + measure):
         measured = step >= warmup
         if use_cuda and measured and step == warmup:
@@ -395,28 +578,27 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
             probe.last_step_start = probe.now()
         t0 = time.perf_counter()
         step_losses = []
-        for micro in range(gas):
-            batch = batches[micro % len(batches)]
+        for micro in range(engine.gas):
+            last = micro == engine.gas - 1
             for phase in PHASES:
                 result["phase"] = phase
                 t_ph = probe.now() if probe is not None else 0
                 mark = record_phase(MEASURED_MARK + phase) if (probe is not None and measured) else contextlib.nullcontext()
                 with mark:
                     if phase == "forward":
-                        if keep:
-                            outputs = engine(**batch)
-                            loss = loss_of(outputs, built.source)
-                        else:
-                            loss = loss_of(engine(**batch), built.source)
+                        out = engine.forward(batches[micro % len(batches)])
+                        loss = loss_of(out, built.source)
+                        outputs = out if keep else None
+                        del out
                     elif phase == "backward":
-                        engine.backward(loss)
+                        engine.backward(loss, last)
                     else:
-                        engine.step()
+                        engine.step(last)
                 if collect and phase != "forward":
                     gc.collect()  # see the "gc_collect" note in the module docstring
                     if not use_cuda:
                         _flush_gloo(groups)
-                if use_cuda and measured and memory_mode == "cuda":
+                if use_cuda and measured and ctx.memory_mode == "cuda":
                     torch.cuda.synchronize()
                     phase_peaks[phase] = max(phase_peaks[phase], torch.cuda.max_memory_allocated())
                     peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved())
@@ -432,20 +614,14 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
             result["step_times_s"].append(dt)
         if not all(math.isfinite(v) for v in step_losses):
             result.update(status="nan", reason=f"non-finite loss {step_losses} at step {step}", phase="forward")
-            return
+            return False
     del loss, outputs
-    _maybe_fault(job, rank, "end")
-    times = sorted(result["step_times_s"])
-    if times:
-        median = times[len(times) // 2]
-        result["tokens_per_s"] = mbs * seq * gas * world / median
-    if memory_mode == "cuda":
+    if ctx.memory_mode == "cuda":
         result["phase_peaks_bytes"] = phase_peaks
         result["peak_allocated_bytes"] = max(phase_peaks.values())
         result["peak_phase"] = max(phase_peaks, key=phase_peaks.get)
         result["peak_reserved_bytes"] = peak_reserved
-    result["status"] = "ok"
-    result["reason"] = None
+    return True
 
 
 def main(argv: Optional[list[str]] = None) -> int:
