@@ -1,6 +1,6 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 119 configs
+    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 123 configs
     python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
     python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
@@ -12,7 +12,7 @@ with the family's own switches kept, each under 8 strategies (ZeRO 0-3, 1 and 2 
 gradient accumulation 1/2/4, checkpointing none/full, bf16/fp32); plus 8 rows of autotune's
 reference decoders (selective checkpointing, eager attention), 8 rows of module-level
 checkpointing (attention / mlp), 6 of op-level checkpointing (op), 3 of every-k-th-block
-checkpointing and 14 of the fsdp2 engine (1 and 2 ranks; resharding after forward or not, reduce
+checkpointing and 18 of the fsdp2 engine (1 and 2 ranks; resharding after forward or not, reduce
 in fp32 or bf16; none/full/op/attention/mlp checkpointing). Every config runs
 ``autotune.profile.worker`` in fresh processes (``python`` for 1 rank, ``torchrun
 --nproc_per_node 2`` with gloo for 2) with a torch AdamW (fused, like DeepSpeed's FusedAdam)
@@ -59,6 +59,10 @@ MODELS = {
                     num_key_value_heads=2, intermediate_size=344, vocab_size=2048, max_position_embeddings=1024),
     "llama-m": dict(name="llama-m", num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
                     num_key_value_heads=8, intermediate_size=688, vocab_size=4096, max_position_embeddings=1024),
+    # Llama-style with a small vocabulary: the peak falls in the blocks' backward or the optimizer
+    # step instead of the loss
+    "llama-sv": dict(name="llama-sv", num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
+                     num_key_value_heads=4, intermediate_size=688, vocab_size=256, max_position_embeddings=1024),
     # GPT-2-style: LayerNorm with bias, GELU, learned positions, tied head, residual dropout
     "gpt2-s": dict(name="gpt2-s", num_hidden_layers=3, hidden_size=192, num_attention_heads=6,
                    num_key_value_heads=6, intermediate_size=768, vocab_size=4096, hidden_act="gelu_new",
@@ -167,7 +171,10 @@ FSDP2_ROWS = [("llama-s", "fsdp2", 1, 1, 1, 256, "none", "bf16"), ("llama-s", "f
               ("hf-llama", "fsdp2", 2, 1, 2, 256, "op", "bf16"), ("hf-llama", "fsdp2", 1, 2, 2, 256, "op", "fp32"),
               ("hf-qwen3", "fsdp2", 2, 1, 2, 256, "mlp", "bf16"), ("hf-gemma2", "fsdp2", 2, 1, 2, 256, "full", "bf16"),
               ("hf-gpt2", "fsdp2-rbf16", 2, 1, 2, 256, "attention", "bf16"), ("hf-phi3", "fsdp2-keep", 2, 2, 2, 128, "op", "bf16"),
-              ("hf-neox", "fsdp2", 1, 1, 4, 128, "none", "fp32"), ("llama-m", "fsdp2-rbf16", 2, 2, 2, 128, "op", "bf16")]
+              ("hf-neox", "fsdp2", 1, 1, 4, 128, "none", "fp32"), ("llama-m", "fsdp2-rbf16", 2, 2, 2, 128, "op", "bf16"),
+              # small vocabulary: peaks inside the blocks' backward and at the optimizer step
+              ("llama-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"), ("llama-sv", "fsdp2-keep", 2, 2, 4, 256, "full", "bf16"),
+              ("llama-sv", "fsdp2", 1, 1, 2, 256, "op", "fp32"), ("llama-sv", "fsdp2", 1, 1, 1, 32, "full", "fp32")]
 
 
 def grid(quick: bool) -> list[dict]:

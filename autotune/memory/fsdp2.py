@@ -82,11 +82,14 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
 
     cands: list[Candidate] = []
 
-    def add(phase: str, grads: float = 0.0, activations: float = 0.0, logits: float = 0.0,
-            buffers: float = 0.0) -> None:
+    def add(phase: str, sharded: float = 0.0, unsharded: float = 0.0, activations: float = 0.0,
+            logits: float = 0.0, buffers: float = 0.0) -> None:
+        """``sharded``: the units' fp32 gradient shards so far; ``unsharded``: gradients still in
+        param_dtype (the root's, the current block's)."""
         logits += kept
         if phase != "optimizer":
-            grads = max(grads, carry)
+            sharded = max(sharded, carry)
+        grads = sharded + unsharded
         cands.append(Candidate(phase, params + optimizer + grads + activations + logits + buffers, grads,
                                activations, logits, buffers))
 
@@ -95,43 +98,54 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
         return u_block * (alive if not reshard else 1)
 
     # forward, last block: its gather transient on top of every earlier block's saved activations
-    add("forward", activations=saved_blocks - act["per_block_plain"] + other_saved,
+    last_saved = act["per_block_checkpointed"] if (L - 1) in s.checkpointed_blocks(L) else act["per_block_plain"]
+    add("forward", activations=saved_blocks - last_saved + other_saved,
         buffers=u_root + unsharded_blocks(L) + flat + cast_in)
     # forward end: the loss transients (inside the model's forward: the root is still gathered; the
     # last block's flat buffer waits for the root's post-forward)
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_forward_transient"],
         buffers=u_root + (u_block * L if not reshard else 0.0) + flat)
-    # backward start: the root gathered again (the last block is gathered by its own pre-backward
-    # hook, later); the forward's last flat buffer is still held
-    at_start = u_root + (u_block * L if not reshard else 0.0) + flat
+    # backward start: the root gathered again, and (resharded) the last block's all-gather issued
+    # as the root's backward prefetch (its flat buffer; copied out by the block's own hook);
+    # the forward's last flat buffer was released by the root's post-forward
+    at_start = u_root + (u_block * L if not reshard else flat)
     add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_backward_transient"],
         buffers=at_start)
     # lm_head backward: its unsharded gradient stays until the root's post-backward
     head_grad = p * head
-    add("backward", grads=head_grad, activations=saved_blocks + other_saved, logits=p * m.vocab_size * tokens,
+    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved, logits=p * m.vocab_size * tokens,
         buffers=at_start)
     rs_prev = 0.0  # the previous unit's reduce-scatter input
     for pt in backward_blocks(act, s, L, other_saved):
         done = on_gpu * pt.done * grad_block
         rs_prev = r * per_block if pt.done else 0.0
-        gathered = u_root + unsharded_blocks(pt.block + 1) + (flat if pt.block > 0 else 0.0)
-        grads = head_grad + done
+        # resharded: the next block's all-gather is prefetched during this one's backward
+        gathered = u_root + unsharded_blocks(pt.block + 1) + (flat if (reshard and pt.block > 0) else 0.0)
         # MLP backward: its weight gradients appear (unsharded, param_dtype)
-        add("backward", grads=grads + p * mlp_params, activations=pt.mlp, buffers=gathered + rs_prev)
+        add("backward", sharded=done, unsharded=head_grad + p * mlp_params, activations=pt.mlp,
+            buffers=gathered + rs_prev)
         if pt.attention is not None:
-            add("backward", grads=grads + u_block, activations=pt.attention, buffers=gathered + rs_prev)
-        # post-backward: the block's gradients copied into a new reduce-scatter input (the
-        # previous one released first), the block's activations gone
-        add("backward", grads=grads + u_block, activations=pt.saved - act["per_block_plain"],
-            buffers=gathered + r * per_block + grad_block)
+            add("backward", sharded=done, unsharded=head_grad + u_block, activations=pt.attention,
+                buffers=gathered + rs_prev)
+        # post-backward (the block's activations gone, the previous reduce-scatter input released):
+        # its gradients copied into a new reduce-scatter input, then freed before the reduce output
+        # (the new shard) is allocated
+        after = pt.saved - act["per_block_plain"]
+        add("backward", sharded=done, unsharded=head_grad + u_block, activations=after,
+            buffers=gathered + r * per_block)
+        # (accumulating, the reduce output is added into the existing shard, then freed)
+        add("backward", sharded=(carry if carry else done) + grad_block, unsharded=head_grad, activations=after,
+            buffers=gathered + r * per_block)
     # backward end: the root's post-backward (head and embedding gradients, unsharded, then its
     # reduce-scatter input), every block's sharded gradient
+    blocks_sharded = all_grads - on_gpu * 4 * root / n
     root_grads = p * root
-    add("backward", grads=all_grads - on_gpu * 4 * root / n + root_grads, activations=act["hidden_grad"],
+    add("backward", sharded=blocks_sharded, unsharded=root_grads, activations=act["hidden_grad"],
         buffers=u_root + r * per_block)
-    add("backward", grads=all_grads - on_gpu * 4 * root / n + root_grads, buffers=u_root + r * root)
+    add("backward", sharded=blocks_sharded, unsharded=root_grads, buffers=u_root + r * root)
+    add("backward", sharded=all_grads, buffers=u_root + r * root)
     # optimizer step: AdamW foreach's fp32 temporary of the shard
-    add("optimizer", grads=all_grads, buffers=on_gpu * 4 * shard)
+    add("optimizer", sharded=all_grads, buffers=on_gpu * 4 * shard)
 
     host = (4 + 4 + k_opt + 4) * shard if offload else 0.0
     # CUDA: the flat all-gather buffers are allocated on FSDP2's all-gather stream
