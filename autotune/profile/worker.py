@@ -428,7 +428,15 @@ class _Fsdp2Engine:
         import torch.distributed as dist
 
         # gloo for CPU tensors next to NCCL on CUDA: CPUOffloadPolicy keeps sharded state on the host
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if ctx.use_cuda else "gloo")
+        if ctx.use_cuda:
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl")
+            return
+        # one gloo worker thread: each thread keeps its last work's tensors alive until it runs the
+        # next one, so with gloo's default two a unit's flat all-gather buffer can outlive its
+        # copy-out at random (never so with NCCL); with one, the next collective releases it
+        options = dist.ProcessGroupGloo._Options()
+        options._threads = 1
+        dist.init_process_group(backend="gloo", pg_options=options)
 
     def __init__(self, ctx: _Context, built: Any, model_spec: Any, strategy: Any, device: Any) -> None:
         import torch
