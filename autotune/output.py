@@ -1,5 +1,9 @@
 """Run outputs: trials.csv, front.json, ds_configs/, best.json and summary.md in runs/<name>/.
 
+An fsdp2 front point gets ``fsdp2_configs/<k>.json`` (autotune.strategy.to_fsdp2_config) and
+``fsdp2_configs/<k>.py`` (autotune.fsdp2.snippet, ready to paste) instead of ``ds_configs/<k>.json``,
+and a torchrun launch line; the best point's files are ``best_fsdp2_config.json`` / ``best_fsdp2.py``.
+
 Everything here is derived from the study (the source of truth) plus the pure models, so outputs
 can be rewritten at any time (``autotune show`` does) without re-running anything.
 """
@@ -16,7 +20,8 @@ from autotune.pareto import pareto_front
 from autotune.runfiles import FRONT_FILE, TRIALS_FILE, RunData, TrialRecord, write_json, write_trials_csv
 from autotune.space import SearchSpace
 from autotune.spec import GIB
-from autotune.strategy import Strategy, fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
+from autotune.strategy import (Strategy, fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config,
+                               to_fsdp2_config)
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,29 @@ def launch_command(cfg: Config, ds_config_file: str) -> str:
     return f"deepspeed --num_gpus {hw.gpus_per_node} train.py --deepspeed {ds_config_file}"
 
 
+def torchrun_command(cfg: Config) -> str:
+    """The launch line of an fsdp2 point (torchrun; several nodes: a c10d rendezvous)."""
+    hw = cfg.hardware
+    if hw.num_nodes > 1:
+        return (f"torchrun --nnodes {hw.num_nodes} --nproc_per_node {hw.gpus_per_node} --rdzv_backend c10d "
+                f"--rdzv_endpoint $MASTER_ADDR:29500 train.py")
+    return f"torchrun --nproc_per_node {hw.gpus_per_node} train.py"
+
+
+def write_fsdp2_files(run_dir: str, cfg: Config, s: Strategy, json_rel: str, py_rel: str) -> dict[str, Any]:
+    """Write an fsdp2 point's layout (JSON) and snippet (Python); the keys its front.json point
+    carries instead of the DeepSpeed config."""
+    from autotune.fsdp2 import snippet
+
+    layout = to_fsdp2_config(s, cfg.model, cfg.training, cfg.hardware)
+    os.makedirs(os.path.dirname(os.path.join(run_dir, json_rel)), exist_ok=True)
+    write_json(os.path.join(run_dir, json_rel), layout)
+    with open(os.path.join(run_dir, py_rel), "w", encoding="utf-8") as fh:
+        fh.write(snippet(layout))
+    return {"ds_config": None, "fsdp2_config": json_rel, "fsdp2_snippet": py_rel, "launch": torchrun_command(cfg),
+            "checkpointing": f'autotune.apply(model, json.load(open("{json_rel}")))  # checkpointing + fully_shard'}
+
+
 def gpu_memory_gib(cfg: Config, row: TrialRow, predicted: bool, mem: Optional[MemoryEstimate] = None) -> float:
     """What the GPU must hold for this trial's step, the figure ``fits`` compares with the usable
     capacity: a predicted peak with the memory model's whole overhead (context, allocator slack and
@@ -188,6 +216,12 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
     os.makedirs(ds_dir, exist_ok=True)
     points = []
     for k, (row, equivalents) in enumerate(collapsed):
+        if row.strategy.engine == "fsdp2":
+            point = point_dict(cfg, row, None, equivalents, predicted)
+            point.update(write_fsdp2_files(run_dir, cfg, row.strategy, f"fsdp2_configs/{k}.json",
+                                           f"fsdp2_configs/{k}.py"))
+            points.append(point)
+            continue
         rel = f"ds_configs/{k}.json"
         write_json(os.path.join(run_dir, rel), to_deepspeed_config(row.strategy, cfg.model, cfg.training,
                                                                      cfg.hardware))
@@ -213,7 +247,10 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
         front_obj["best"]["why"] = why_recommended(front_obj["best"], points, front_obj["usable_gpu_memory_gib"])
     write_json(os.path.join(run_dir, FRONT_FILE), front_obj)
     write_trials_csv(os.path.join(run_dir, TRIALS_FILE), _trial_records(cfg, rows, on_front, predicted))
-    if best is not None:
+    if best is not None and best.strategy.engine == "fsdp2":
+        write_json(os.path.join(run_dir, "best.json"), {**front_obj["best"], **write_fsdp2_files(
+            run_dir, cfg, best.strategy, "best_fsdp2_config.json", "best_fsdp2.py")})
+    elif best is not None:
         best_point = front_obj["best"]
         write_json(os.path.join(run_dir, "best_ds_config.json"),
                     to_deepspeed_config(best.strategy, cfg.model, cfg.training, cfg.hardware))
@@ -368,6 +405,9 @@ def recommendation_lines(best: Optional[dict[str, Any]], run_dir: str) -> list[s
         lines.append(f"  why: {best['why']}")
     if best.get("ds_config"):
         lines.append(f"  DeepSpeed config: {os.path.join(run_dir, best['ds_config'])}")
+    if best.get("fsdp2_config"):
+        lines.append(f"  FSDP2 layout: {os.path.join(run_dir, best['fsdp2_config'])}; snippet: "
+                     f"{os.path.join(run_dir, best['fsdp2_snippet'])}")
     if best.get("checkpointing"):
         lines.append(f"  checkpointing in the model: {best['checkpointing']}")
     if best.get("launch"):

@@ -361,8 +361,10 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
                      f"{format_gib(point_memory_gib(best))}, {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"
                      + (f", MFU {100 * best['mfu']:.1f}%" if best.get("mfu") is not None else "")
                      + (f". Why: {esc(best['why'])}" if best.get("why") else "")
-                     + f' DeepSpeed config: <a href="best_ds_config.json">best_ds_config.json</a>; '
-                     f"checkpointing in the model: <code>{esc(best.get('checkpointing') or 'none')}</code>; "
+                     + (f' FSDP2 snippet: <a href="{esc(best["fsdp2_snippet"])}">{esc(best["fsdp2_snippet"])}</a>; '
+                        if best.get("fsdp2_snippet") else
+                        ' DeepSpeed config: <a href="best_ds_config.json">best_ds_config.json</a>; ')
+                     + f"checkpointing in the model: <code>{esc(best.get('checkpointing') or 'none')}</code>; "
                      f"<code>{esc(best.get('launch') or '')}</code></p>")
     else:
         parts.append(f"<p><b>No front.</b> {esc(empty_front_reason(f))}.</p>")
@@ -370,7 +372,7 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
     if f["front"]:
         rows = []
         for k, p in enumerate(f["front"]):
-            ds = p.get("ds_config")
+            ds = p.get("ds_config") or p.get("fsdp2_snippet")
             rows.append([k, p["trial"], format_gib(point_memory_gib(p)), f"{p['tokens_per_s_per_gpu']:,.0f}",
                          "-" if p.get("mfu") is None else f"{100 * p['mfu']:.1f}%",
                          p.get("gradient_accumulation_steps", "-"),

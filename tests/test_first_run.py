@@ -103,6 +103,12 @@ def test_front_points_say_how_to_reproduce_them(tmp_path):
                  "--json"]) == 0
     front = json.loads((tmp_path / "r" / "front.json").read_text())
     for p in front["front"]:
+        if p["strategy"]["engine"] == "fsdp2":  # the FSDP2 layout, its snippet and autotune.apply
+            layout = json.loads((tmp_path / "r" / p["fsdp2_config"]).read_text())
+            assert p["ds_config"] is None and layout["micro_batch_size"] == p["strategy"]["micro_batch_size"]
+            assert (tmp_path / "r" / p["fsdp2_snippet"]).is_file() and p["launch"].startswith("torchrun ")
+            assert p["checkpointing"].startswith(f'autotune.apply(model, json.load(open("{p["fsdp2_config"]}")))')
+            continue
         ds = json.loads((tmp_path / "r" / p["ds_config"]).read_text())
         assert ds["train_micro_batch_size_per_gpu"] == p["strategy"]["micro_batch_size"]
         n = p["strategy"]["checkpoint_layers"]
