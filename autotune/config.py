@@ -22,7 +22,9 @@ from autotune.spec import GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, TrainingSp
 from autotune.strategy import PRECISIONS, Strategy, knob_choices, validation_errors
 
 SAMPLERS = ("auto", "nsga2", "tpe", "gp", "random", "ehvi")
-BACKENDS = ("simulate", "deepspeed", "replay")
+BACKENDS = ("simulate", "profile", "deepspeed", "replay")
+"""profile runs real measurements of either engine (deepspeed or fsdp2 strategies); deepspeed is its
+old name, still accepted."""
 LAUNCHERS = ("torchrun", "deepspeed")
 
 
@@ -53,8 +55,9 @@ class SearchSection:
 class ProfileSection:
     """``profile:`` — how surviving candidates are measured."""
 
-    backend: Literal["simulate", "deepspeed", "replay"] = "simulate"
-    """simulate (throughput simulator), deepspeed (real runs) or replay (answers from a CSV)."""
+    backend: Literal["simulate", "profile", "deepspeed", "replay"] = "simulate"
+    """simulate (throughput simulator), profile (real runs of either engine; deepspeed: the same, its
+    old name) or replay (answers from a CSV)."""
     warmup_steps: int = 2
     """Optimizer steps run before measuring."""
     measure_steps: int = 3

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Optional
 
-from autotune.config import Config
+from autotune.config import BACKENDS, Config
 from autotune.errors import ConfigError
 
-BACKENDS = ("simulate", "deepspeed", "replay")
 RUN_FILE = "run.json"
 JOURNAL = "study.journal"
 SQLITE = "study.db"
@@ -77,7 +76,7 @@ class Run:
                 backend.snapshot_trial = self.snapshot
             else:
                 print(f"autotune: --snapshot is ignored by backend {self.backend} (it runs no worker; "
-                      "use --backend deepspeed)", file=sys.stderr)
+                      "use --backend profile)", file=sys.stderr)
         backend = slowed(backend)
         fast = is_fast(self.backend)
         storage = open_storage(self.storage_url, heartbeat=not fast)

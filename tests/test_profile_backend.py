@@ -74,6 +74,20 @@ def test_make_backend_unknown_and_replay_without_csv():
         make_backend("replay", cfg, "/tmp/x")
 
 
+def test_profile_is_the_engine_neutral_name_and_an_fsdp2_job_has_no_deepspeed_config(tmp_path):
+    from autotune.config import BACKENDS
+    from autotune.profile.deepspeed_backend import DeepSpeedBackend
+
+    assert {"profile", "deepspeed"} <= set(BACKENDS)
+    cfg = load_config(TINY)
+    assert type(make_backend("profile", cfg, str(tmp_path))) is type(make_backend("deepspeed", cfg, str(tmp_path)))
+    b = DeepSpeedBackend(cfg, str(tmp_path))
+    fsdp2 = b.job(Strategy(engine="fsdp2", micro_batch_size=2), tmp_path)
+    assert fsdp2.deepspeed_config is None and fsdp2.strategy["engine"] == "fsdp2"
+    assert "deepspeed_config" not in fsdp2.to_json()
+    assert b.job(Strategy(zero_stage=2, micro_batch_size=2), tmp_path).deepspeed_config["zero_optimization"]["stage"] == 2
+
+
 def test_build_command_launchers():
     cmd = build_command("torchrun", 2, "/j/job.json")
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -265,3 +279,37 @@ def test_results_in_then_teardown_hang_counts_as_measured(tmp_path):
     assert not res.timed_out and res.elapsed_s < 300
     assert failure_of(res) is None and res.results[0]["status"] == "ok"
     assert_nothing_left(res)
+
+
+@pytest.mark.slow
+def test_fsdp2_example_end_to_end_with_backend_profile(tmp_path):
+    """``autotune run examples/tiny-cpu-fsdp2.yaml --backend profile``: real FSDP2 trials on 2 CPU
+    ranks, measured memory, fsdp2_configs/<k>.json + .py per front point, a torchrun launch line."""
+    from autotune.cli import main
+
+    example = os.path.join(ROOT, "examples", "tiny-cpu-fsdp2.yaml")
+    assert main(["run", example, "--backend", "profile", "--trials", "2", "--out", str(tmp_path), "--name", "f"]) == 0
+    run = tmp_path / "f"
+    assert json.loads((run / "run.json").read_text())["backend"] == "profile"
+    front = json.loads((run / "front.json").read_text())
+    assert front["backend"] == "profile" and front["trials"]["complete"] == 2
+    import csv
+
+    rows = list(csv.DictReader(open(run / "trials.csv")))
+    assert [r["engine"] for r in rows] == ["fsdp2", "fsdp2"]
+    assert all(r["state"] == "COMPLETE" and float(r["peak_memory_gib"]) > 0 for r in rows)
+    for k, point in enumerate(front["front"]):
+        assert point["ds_config"] is None and point["fsdp2_config"] == f"fsdp2_configs/{k}.json"
+        layout = json.loads((run / point["fsdp2_config"]).read_text())
+        assert layout["engine"] == "fsdp2" and layout["mesh"]["shape"] == [2]
+        assert layout["fully_shard"]["reshard_after_forward"] == point["strategy"]["reshard_after_forward"]
+        compile((run / point["fsdp2_snippet"]).read_text(), point["fsdp2_snippet"], "exec")
+        assert point["launch"] == "torchrun --nproc_per_node 2 train.py"
+        assert not (run / "ds_configs" / f"{k}.json").exists()
+    best = json.loads((run / "best.json").read_text())
+    assert best["fsdp2_config"] == "best_fsdp2_config.json" and (run / "best_fsdp2.py").is_file()
+    assert json.loads((run / "best_fsdp2_config.json").read_text()) == json.loads(
+        (run / front["front"][[p["trial"] for p in front["front"]].index(best["trial"])]["fsdp2_config"]).read_text())
+    measurement = json.loads((run / "trials" / "0" / "measurement.json").read_text())
+    assert measurement["extra"]["optimizer"] == "AdamW" and measurement["peak_memory_bytes"] > 0
+    assert len(measurement["extra"]["per_rank_peak_bytes"]) == 2

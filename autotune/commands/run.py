@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from autotune.compare import DEFAULT_MAX_REGRESSION
+from autotune.config import BACKENDS
 from autotune.errors import ConfigError
 
 
@@ -19,8 +20,9 @@ def add_parser(sub: Any) -> None:
                        "profile backend, and write runs/<name>/ (study, trials.csv, front.json, ds_configs/, "
                        "best.json, summary.md).")
     p.add_argument("config", help="job file (YAML)")
-    p.add_argument("--backend", choices=("simulate", "deepspeed", "replay"),
-                     help="how survivors are measured (default: the config's profile.backend, else simulate)")
+    p.add_argument("--backend", choices=BACKENDS,
+                     help="how survivors are measured: simulate, profile (real training steps of either engine; deepspeed is "
+                     "its old name) or replay (default: the config's profile.backend, else simulate)")
     p.add_argument("--trials", type=int, metavar="N",
                      help="candidates to evaluate with the backend (default: search.trials); pruned candidates and "
                      "repeats do not count")
@@ -30,14 +32,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--storage", metavar="URL",
                      help="Optuna storage: an RDB URL (sqlite:///x.db, postgresql://...) or a journal file path "
                      "(default: runs/<name>/study.journal for simulate/replay, runs/<name>/study.db (SQLite, "
-                     "with a trial heartbeat) for deepspeed)")
+                     "with a trial heartbeat) for profile / deepspeed)")
     p.add_argument("--seed", type=int, metavar="N", help="sampler seed (default: search.seed)")
     p.add_argument("--calibration", metavar="RUN_DIR",
                      help="start from the simulator parameters fitted by an earlier profiled run on the same "
                      "hardware (its calibration.json)")
     p.add_argument("--json", action="store_true", help="print front.json to stdout instead of the table")
     p.add_argument("--snapshot", type=int, metavar="TRIAL",
-                     help="backend deepspeed: the workers of trial number TRIAL record a CUDA memory snapshot "
+                     help="backend profile (or deepspeed): the workers of trial number TRIAL record a CUDA memory snapshot "
                      "(runs/<name>/trials/TRIAL/memory_snapshot.pickle, also on OOM; open it in "
                      "https://pytorch.org/memory_viz); a no-op with a note on CPU")
     p.add_argument("--baseline", metavar="RUN_DIR|latest",
@@ -89,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + "\n".join(recommendation_lines(front["best"], run.run_dir)))
         if front.get("front_confidence"):
             print(front["front_confidence"])
-        print(f"\nfiles: {run.run_dir}/ (front.json, trials.csv, ds_configs/, best.json, summary.md, "
+        fsdp2 = "fsdp2_configs/, " if any(p.get("fsdp2_config") for p in front["front"]) else ""
+        print(f"\nfiles: {run.run_dir}/ (front.json, trials.csv, ds_configs/, {fsdp2}best.json, summary.md, "
               f"{'report.html, front.png, ' if report else ''}"
               f"{os.path.basename(run.storage_path) if run.storage_path else 'study in ' + run.storage_url})")
     if run.interrupted:

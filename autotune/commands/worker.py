@@ -19,6 +19,8 @@ import socket
 import time
 from typing import Any
 
+from autotune.config import BACKENDS
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -35,7 +37,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--create", action="store_true", help="create the study if it does not exist yet")
     p.add_argument("--trials", type=int, default=None, metavar="N",
                    help="evaluations by this worker (default: search.trials; 0 = only create/initialise)")
-    p.add_argument("--backend", choices=("simulate", "deepspeed", "replay"),
+    p.add_argument("--backend", choices=BACKENDS,
                    help="how candidates are measured (default: the config's profile.backend)")
     p.add_argument("--seed", type=int, metavar="N",
                    help="sampler seed (default: different per worker, so workers explore different points)")

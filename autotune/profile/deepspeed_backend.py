@@ -1,4 +1,7 @@
-"""The ``deepspeed`` backend: every candidate is trained for real, in its own launched process group.
+"""The ``profile`` backend (``deepspeed`` is its old name, still accepted): every candidate is trained
+for real, in its own launched process group, with the strategy's engine (DeepSpeed, or FSDP2's
+``fully_shard``: autotune.profile.worker picks it from ``strategy.engine``; an fsdp2 job carries no
+DeepSpeed config).
 
 ``DeepSpeedBackend(cfg, run_dir).evaluate(strategy)`` writes ``runs/<name>/trials/<n>/job.json``
 (the schema of autotune.profile.worker), launches it through autotune.profile.launch (torchrun or
@@ -46,9 +49,11 @@ def _pct(predicted: Optional[float], measured: Optional[float]) -> Optional[floa
 
 
 class DeepSpeedBackend:
-    """Real DeepSpeed training steps per candidate (see the module docstring)."""
+    """Real training steps per candidate, DeepSpeed or FSDP2 (see the module docstring)."""
 
     name = "deepspeed"
+    """The implementation's name (autotune.search chooses the ehvi sampler for it); the run files
+    record the backend name the user chose (profile or deepspeed)."""
 
     def __init__(self, cfg: Config, run_dir: str, *, nproc: Optional[int] = None, device: str = "auto",
                  memory_limit_bytes: Optional[int] = None, optimizer_impl: str = "auto", memory: str = "auto",
@@ -113,7 +118,7 @@ class DeepSpeedBackend:
             model=dataclasses.asdict(cfg.model), training=dataclasses.asdict(cfg.training),
             strategy=strategy.as_dict(),
             deepspeed_config=_merge(to_deepspeed_config(strategy, cfg.model, cfg.training, cfg.hardware),
-                                    self.ds_config_overrides),
+                                    self.ds_config_overrides) if strategy.engine == "deepspeed" else None,
             result_path=str(trial_dir / "result.json"), warmup_steps=profile.warmup_steps,
             measure_steps=profile.measure_steps, optimizer_impl=self.optimizer_impl, memory=self.memory,
             seed=self.seed, device=self.device, snapshot=snapshot, **source)

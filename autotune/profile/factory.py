@@ -29,7 +29,7 @@ def make_backend(name: str, cfg: Config, run_dir: str, params: Optional[dict] = 
 
         # the profiling loop's test double: the same calibrator as the deepspeed backend
         return ReplayBackend(cfg.profile.replay_csv, cfg, calibrator=Calibrator(cfg, run_dir, initial=params))
-    if name == "deepspeed":
+    if name in ("profile", "deepspeed"):  # deepspeed: the old name of profile (it runs both engines)
         # Imports only the launcher side here; torch and deepspeed load in the launched workers.
         from autotune.profile.calibrate import Calibrator
         from autotune.profile.deepspeed_backend import DeepSpeedBackend, default_memory_limit
@@ -37,4 +37,4 @@ def make_backend(name: str, cfg: Config, run_dir: str, params: Optional[dict] = 
         calibrator = Calibrator(cfg, run_dir, initial=params)
         return DeepSpeedBackend(cfg, run_dir, memory_limit_bytes=default_memory_limit(), params=params,
                                 calibrator=calibrator)
-    raise ConfigError(f"unknown backend {name!r}; expected simulate, deepspeed or replay", path="profile.backend")
+    raise ConfigError(f"unknown backend {name!r}; expected simulate, profile (alias deepspeed) or replay", path="profile.backend")
