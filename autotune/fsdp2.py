@@ -192,7 +192,6 @@ def snippet(config: Mapping[str, Any]) -> str:
     offload = ", offload_policy=CPUOffloadPolicy(pin_memory=device_type == \"cuda\")" if lay["offload"] else ""
     opt_cls = "AdamW" if opt["type"] == "AdamW" else "Adam"
     selective = lay["granularity"] == "selective"
-    scaler = bool(config.get("loss_scaling"))
     text = f'''"""FSDP2 layout found by autotune. Launch: torchrun --nnodes {shape[0] if len(shape) == 2 else 1} \\
     --nproc_per_node {shape[-1]} train.py ...; call shard(model) after building the model (fp32
     parameters) and use train_step with {gas} micro-batch(es) of {config["micro_batch_size"]} sequence(s).
@@ -235,9 +234,16 @@ def shard(model, blocks=None):
                                weight_decay={p["weight_decay"]!r}, foreach=True)
 
 '''
+    return text + _train_step_text(bool(config.get("loss_scaling")), config["gradient_clipping"])
+
+
+def _train_step_text(scaler: bool, clip: float) -> str:
+    """The snippet's ``train_step``: gradient accumulation, clipping, the step (fp16: a ShardedGradScaler)."""
+    text = ""
     if scaler:
         text += ("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n\n"
-                 "scaler = ShardedGradScaler()  # fp16: dynamic loss scaling\n\n")
+                 "scaler = ShardedGradScaler(device=\"cuda\" if torch.cuda.is_available() else \"cpu\")  # fp16: dynamic "
+                 "loss scaling\n\n")
     text += f'''
 def train_step(model, optimizer, micro_batches):
     """One optimizer step over GRADIENT_ACCUMULATION_STEPS micro-batches (dicts of model kwargs);
@@ -247,15 +253,13 @@ def train_step(model, optimizer, micro_batches):
         {"scaler.scale(loss).backward()" if scaler else "loss.backward()"}
 '''
     if scaler:
-        text += '''    scaler.unscale_(optimizer)
+        return text + f'''    scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(model.parameters(), {clip!r})
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-'''.format(clip=config["gradient_clipping"])
-    else:
-        text += f'''    torch.nn.utils.clip_grad_norm_(model.parameters(), {config["gradient_clipping"]!r})
+'''
+    return text + f'''    torch.nn.utils.clip_grad_norm_(model.parameters(), {clip!r})
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 '''
-    return text

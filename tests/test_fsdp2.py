@@ -116,12 +116,13 @@ def test_snippet_compiles_and_names_the_knobs(knobs):
     assert f"CHECKPOINTED = {cfg['activation_checkpointing']['blocks']}" in text
     assert "foreach=True" in text and "clip_grad_norm_(model.parameters(), 1.0)" in text
     assert ('offload_policy=CPUOffloadPolicy(pin_memory=device_type == "cuda")' in text) == (knobs.get("offload_params") == "cpu")
-    assert ("ShardedGradScaler()" in text) == (knobs.get("precision") == "fp16")
+    assert ("scaler = ShardedGradScaler(device=" in text) == (knobs.get("precision") == "fp16")
     assert ("def op_sac_context" in text) == (knobs.get("checkpointing") == "op")
 
 
 @pytest.mark.parametrize("knobs", [dict(checkpointing="op", checkpoint_every=2, reshard_after_forward=False),
-                                   dict(checkpointing="attention", reduce_dtype="bf16")])
+                                   dict(checkpointing="attention", reduce_dtype="bf16"),
+                                   dict(precision="fp16", offload_params="cpu", checkpointing="full")])
 def test_snippet_runs(group, knobs):
     """The snippet itself shards the model and trains it (one process, gloo)."""
     cfg = _config(**knobs)
@@ -129,6 +130,8 @@ def test_snippet_runs(group, knobs):
     exec(compile(fsdp2.snippet(cfg), "fsdp2_snippet.py", "exec"), ns)
     model, batches = _model()
     optimizer = ns["shard"](model)
+    if "scaler" in ns:  # fp16: the loss scaler is on (a CUDA-only scaler would disable itself here)
+        assert ns["scaler"].is_enabled() and ns["scaler"].get_scale() == 2.0 ** 16
     from torch.distributed.fsdp import FSDPModule
 
     assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.layers)
