@@ -143,7 +143,7 @@ class Strategy:
             parts = ["FSDP2" + (" hybrid" if self.sharding == "hybrid" else ""),
                      "reshard" if self.reshard_after_forward else "no reshard"]
             if self.offload_params != "none":
-                parts.append("cpu offload")
+                parts.append(f"{self.offload_params} offload")
         else:
             parts = [f"ZeRO-{self.zero_stage}"]
             if self.offload_optimizer != "none":

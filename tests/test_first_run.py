@@ -140,7 +140,8 @@ def test_progress_line_per_profiled_trial_when_not_a_terminal(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("trial ")]
     assert [ln.split(" (")[0] for ln in lines] == ["trial 1 of 3", "trial 2 of 3", "trial 3 of 3"]
-    assert all(": ok in " in ln and "elapsed" in ln and "ETA" in ln and "ZeRO-" in ln for ln in lines)
+    assert all(": ok in " in ln and "elapsed" in ln and "ETA" in ln and ("ZeRO-" in ln or "FSDP2" in ln)
+               for ln in lines)
     assert lines[-1].endswith("ETA 0 s")
 
 

@@ -46,11 +46,20 @@ def test_outputs_written(llama_run):
         assert (llama_run / name).is_file(), name
     front = load_front(llama_run)
     assert front["front"], "llama2-7b fits on 8 x A100-80GB with ZeRO"
+    engines = set()
     for k, point in enumerate(front["front"]):
+        engines.add(point["strategy"]["engine"])
+        if point["strategy"]["engine"] == "fsdp2":  # the FSDP2 layout and its snippet
+            assert point["ds_config"] is None and point["fsdp2_config"] == f"fsdp2_configs/{k}.json"
+            layout = json.loads((llama_run / point["fsdp2_config"]).read_text())
+            assert layout["micro_batch_size"] == point["strategy"]["micro_batch_size"]
+            assert (llama_run / point["fsdp2_snippet"]).is_file() and point["launch"].startswith("torchrun")
+            continue
         assert point["ds_config"] == f"ds_configs/{k}.json"
         ds = json.loads((llama_run / point["ds_config"]).read_text())
         assert ds["train_micro_batch_size_per_gpu"] == point["strategy"]["micro_batch_size"]
         assert "--deepspeed ds_configs/" in point["launch"]
+    assert engines == {"deepspeed", "fsdp2"}, "the default space's front holds both engines"
     mems = [p["peak_memory_gib"] for p in front["front"]]
     assert mems == sorted(mems)
     best = json.loads((llama_run / "best.json").read_text())
