@@ -190,6 +190,37 @@ def test_fsdp2_two_processes_reshard_after_forward_keeps_the_blocks(tmp_path):
     assert forward[False] - forward[True] == pytest.approx(kept, rel=0.02)
 
 
+@pytest.mark.slow
+def test_fsdp2_hybrid_over_two_nodes_replicates_the_states(tmp_path):
+    """sharding=hybrid over 2 "nodes" of 1 rank (two torchrun agents on localhost): a (2, 1)
+    (replicate, shard) mesh, so every rank keeps the whole model states; fully sharded over the
+    same 2 ranks each keeps half. At the optimizer step the fp32 parameters, gradients and both
+    Adam moments (16 B per parameter) are live: hybrid holds at least the other half, 8 B/param, more."""
+    job = dict(_fsdp2_job(nproc=2, mbs=2, seq=64, sharding="hybrid"), result_path=str(tmp_path / "result.json"),
+               device="cpu")
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    port = str(29200 + os.getpid() % 500)
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
+                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
+                               "-m", "autotune.profile.worker", str(tmp_path / "job.json")],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for n in (0, 1)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    from autotune.profile.worker import result_path_for_rank
+
+    assert all(result_path_for_rank(tmp_path / "result.json", r).exists() for r in (0, 1)), errs[0][-3000:]
+    hybrid = json.loads((tmp_path / "result.json").read_text())
+    assert hybrid["all_ranks"]["status"] == ["ok", "ok"], hybrid
+    assert any("mesh (2, 1)" in n for n in hybrid["notes"])
+    full_dir = tmp_path / "full"
+    full_dir.mkdir()
+    full = _run(full_dir, _fsdp2_job(nproc=2, mbs=2, seq=64), nproc=2)[0]
+    assert full["all_ranks"]["status"] == ["ok", "ok"] and any("mesh (2,)" in n for n in full["notes"])
+    step = [min(p["optimizer"] for p in r["all_ranks"]["phase_peaks_bytes"]) for r in (hybrid, full)]
+    assert step[0] - step[1] >= 8 * ModelSpec(**TINY).num_parameters
+
+
 @pytest.mark.parametrize("preset", ["gpt2", "gpt2-xl", "llama2-7b", "llama2-70b", "llama3-8b", "mistral-7b", "mpt-7b",
                                     "tiny-llama"])
 def test_reference_model_parameter_count_is_exact(preset):
