@@ -154,6 +154,10 @@ def op_sac_context() -> Any:
             aten._scaled_dot_product_flash_attention_for_cpu.default}
     if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
         save.add(aten._scaled_dot_product_cudnn_attention.default)
+    try:  # the traced tier's flash-attention op (autotune.trace.ops) is an attention kernel too
+        save.add(torch.ops.autotune_trace.flash_fwd.default)
+    except (AttributeError, RuntimeError):
+        pass  # not registered: no trace in this process
     counts = {"forward": 0, "recompute": 0}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
