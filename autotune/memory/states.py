@@ -64,111 +64,137 @@ class _States:
 
 def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy,
                   device: str = "cuda") -> _States:
+    """Model states and DeepSpeed's buffers of one GPU for the strategy's ZeRO stage."""
+    k_opt = 8 if training.optimizer in ("adam", "adamw") else 4  # moments (sgd: momentum)
+    if s.zero_stage == 0:
+        return _zero0_states(m, s, k_opt)
+    if s.zero_stage in (1, 2):
+        return _zero12_states(m, training, hardware, s, k_opt)
+    return _zero3_states(m, hardware, s, k_opt, device)
+
+
+def _zero0_states(m: ModelSpec, s: Strategy, k_opt: int) -> _States:
+    """Plain data parallel: full params, grads, master weights and moments on every GPU."""
+    psi = m.num_parameters
+    p = BYTES_PER_ELEMENT[s.precision]
+    out = _States()
+    out.params = p * psi
+    out.grads = p * psi
+    master = 4 * psi if p < 4 else 0
+    out.optimizer = (k_opt * psi) + master
+    bucket = min(_DS_ALLREDUCE_BUCKET, psi)
+    out.buffers_bwd_end = p * bucket  # allreduce_bucket flattens the grads (even on one rank)
+    out.buffers_step = 4 * psi if p < 4 else 0  # flattened fp32 grads
+    out.grad_per_block = p * m.block_params()
+    return out
+
+
+def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy,
+                   k_opt: int) -> _States:
+    """ZeRO-1/2 (DeepSpeedZeroOptimizer), with or without optimizer offload."""
     psi = m.num_parameters
     dp = data_parallel_size(hardware)
     p = BYTES_PER_ELEMENT[s.precision]
-    k_opt = 8 if training.optimizer in ("adam", "adamw") else 4  # moments (sgd: momentum)
     out = _States()
-    buckets = default_buckets(m, s)
-    if s.zero_stage == 0:
-        out.params = p * psi
-        out.grads = p * psi
-        master = 4 * psi if p < 4 else 0
-        out.optimizer = (k_opt * psi) + master
-        bucket = min(_DS_ALLREDUCE_BUCKET, psi)
-        out.buffers_bwd_end = p * bucket  # allreduce_bucket flattens the grads (even on one rank)
-        out.buffers_step = 4 * psi if p < 4 else 0  # flattened fp32 grads
-        out.grad_per_block = p * m.block_params()
-        return out
     part = _partition(psi, dp)
     off_opt = s.offload_optimizer != "none"
-    if s.zero_stage in (1, 2):
-        out.params = p * psi
-        bucket = min(buckets["reduce_bucket_size"], psi)
-        out.grads = p * part  # grads_in_partition (allocated when the first bucket is reduced)
-        out.partition_after = bucket
-        if off_opt:
-            # ZeRO-Offload (stage_1_and_2.py: any offload_optimizer device, nvme included, sets
-            # cpu_offload; stages 1/2 have no NVMe swapper): fp32 master, moments and the fp32
-            # gradient partition live in host RAM; reduced gradients go straight from the reduce
-            # buckets to the host through temp_grad_buffer_for_gpu_offload (GPU) and
-            # temp_grad_buffer_for_cpu_offload (host, pinned), both of the largest parameter in
-            # the model dtype, so the GPU holds no gradient partition. With gradient accumulation
-            # the partition accumulates on the host (accumulated_grads_in_cpu, model dtype).
-            out.optimizer = 0
-            out.grads = 0
-            out.resident_buffers = p * _largest_param(m)
-            out.buffers_bwd = 2 * p * bucket
-            out.buffers_step = 0
-            gas = gradient_accumulation_steps(s, training, hardware)
-            # + param_buffer_of_bit16_for_cpu_offload_groups: a pinned model-dtype copy of the
-            # partition the updated master weights are cast into (stage_1_and_2.py, __init__)
-            host = (4 + k_opt + 4 + p) * part + p * _largest_param(m) + (p * part if gas > 1 else 0)
-        else:
-            out.optimizer = (4 + k_opt) * part
-            out.buffers_bwd = 2 * p * bucket  # ipg double buffer (overlap_comm)
-            fp32_grad = 4 * part if p < 4 else 0
-            out.buffers_step = p * part + max(p * bucket, fp32_grad)
-            host = 0
-        if dp > 1:
-            # each bucket reduce goes through allreduce_and_scatter -> allreduce_bucket, which
-            # flattens the bucket's gradients (zero/stage_1_and_2.py allreduce_bucket: self.flatten)
-            out.reduce_flat = p * bucket
-        out.grad_per_block = 0
-    else:  # stage 3
-        host = 0.0
-        thr = buckets["param_persistence_threshold"]
-        persist = _persistent_params(m, thr)
-        rb = buckets["reduce_bucket_size"]
-        prefetch = buckets["prefetch_bucket_size"]
-        # Fetched (all-gathered) params stay alive while their reuse distance is below
-        # stage3_max_reuse_distance and their count below stage3_max_live_parameters (autotune
-        # writes 1e9 for both, like HF's "auto"): up to 1e9 params stay gathered through forward
-        # and backward. With one rank the gathered tensor is the partition itself.
-        off_par = s.offload_params != "none"
-        # ... except when the partitions live on the host (offload_param): then every block is
-        # fetched to the GPU, one rank or many
-        # (on DeepSpeed's CPU accelerator "fetching" a host partition to the device is no copy)
-        fetch_copies = dp > 1 or (off_par and device != "cpu")
-        live = p * min(psi - persist, _DS_MAX_LIVE + prefetch) if fetch_copies else 0.0
-        out.params = (0 if off_par else p * part) + p * persist
-        # the reduce bucket (ipg buffer) is allocated at init on the GPU (stage3.py
-        # _setup_for_real_optimizer: "bucket.buffer = torch.empty(self.reduce_bucket_size, ...)")
-        out.resident_buffers = p * min(rb, psi)
+    out.params = p * psi
+    bucket = min(default_buckets(m, s)["reduce_bucket_size"], psi)
+    out.grads = p * part  # grads_in_partition (allocated when the first bucket is reduced)
+    out.partition_after = bucket
+    if off_opt:
+        # ZeRO-Offload (stage_1_and_2.py: any offload_optimizer device, nvme included, sets
+        # cpu_offload; stages 1/2 have no NVMe swapper): fp32 master, moments and the fp32
+        # gradient partition live in host RAM; reduced gradients go straight from the reduce
+        # buckets to the host through temp_grad_buffer_for_gpu_offload (GPU) and
+        # temp_grad_buffer_for_cpu_offload (host, pinned), both of the largest parameter in
+        # the model dtype, so the GPU holds no gradient partition. With gradient accumulation
+        # the partition accumulates on the host (accumulated_grads_in_cpu, model dtype).
+        out.optimizer = 0
         out.grads = 0
-        out.buffers_fwd = live
-        out.buffers_bwd = live
-        if off_opt:
-            # stage3.py: self.device = "cpu" when the optimizer is offloaded, and the gradient
-            # partitions (grad_partitions_flat_buffer, gradient_accumulation_dtype = model dtype)
-            # are allocated there, pinned: no gradient partition and no optimizer state on the GPU
-            out.grad_buffer = 0
-            out.optimizer = 0
-            out.buffers_step = 0
-            if s.offload_optimizer == "cpu":
-                host += (4 + k_opt + 4) * part + p * part  # master, moments, fp32 grads; grad partitions
-            else:
-                # ZeRO-Infinity: master, moments and fp32 gradients swap to NVMe; the host keeps the
-                # pinned gradient partitions and buffer_count (4) pinned fp32 swap buffers of one
-                # sub group (autotune writes sub_group_size 1e9)
-                out.nvme += (4 + k_opt + 4) * part
-                host += p * part + 4 * 4 * min(_DS_SUB_GROUP, part)
-        else:
-            # the 16-bit gradient partition is allocated once, at init, on the GPU (stage3.py
-            # grad_partitions_flat_buffer on self.device)
-            out.grad_buffer = p * part
-            out.optimizer = (4 + k_opt) * part
-            out.buffers_step = (4 * part if p < 4 else 0) + p * part
-        if s.offload_params == "cpu":
-            host += p * part  # the 16-bit parameter partitions, pinned
-        elif s.offload_params == "nvme":
-            # partitions swap to NVMe through buffer_count (5) x buffer_size (1e8) pinned buffers
-            # (autotune's offload_param config; AsyncPartitionedParameterSwapper)
-            out.nvme += p * part
-            host += 5 * 100_000_000 * p
+        out.resident_buffers = p * _largest_param(m)
+        out.buffers_bwd = 2 * p * bucket
+        out.buffers_step = 0
+        gas = gradient_accumulation_steps(s, training, hardware)
+        # + param_buffer_of_bit16_for_cpu_offload_groups: a pinned model-dtype copy of the
+        # partition the updated master weights are cast into (stage_1_and_2.py, __init__)
+        host = (4 + k_opt + 4 + p) * part + p * _largest_param(m) + (p * part if gas > 1 else 0)
+    else:
+        out.optimizer = (4 + k_opt) * part
+        out.buffers_bwd = 2 * p * bucket  # ipg double buffer (overlap_comm)
+        fp32_grad = 4 * part if p < 4 else 0
+        out.buffers_step = p * part + max(p * bucket, fp32_grad)
+        host = 0
+    if dp > 1:
+        # each bucket reduce goes through allreduce_and_scatter -> allreduce_bucket, which
+        # flattens the bucket's gradients (zero/stage_1_and_2.py allreduce_bucket: self.flatten)
+        out.reduce_flat = p * bucket
+    out.grad_per_block = 0
     out.cpu = host
     return out
 
+
+def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, k_opt: int, device: str) -> _States:
+    """ZeRO-3 (DeepSpeedZeroOptimizer_Stage3), with optimizer and parameter offload."""
+    psi = m.num_parameters
+    dp = data_parallel_size(hardware)
+    p = BYTES_PER_ELEMENT[s.precision]
+    out = _States()
+    part = _partition(psi, dp)
+    off_opt = s.offload_optimizer != "none"
+    buckets = default_buckets(m, s)
+    host = 0.0
+    thr = buckets["param_persistence_threshold"]
+    persist = _persistent_params(m, thr)
+    rb = buckets["reduce_bucket_size"]
+    prefetch = buckets["prefetch_bucket_size"]
+    # Fetched (all-gathered) params stay alive while their reuse distance is below
+    # stage3_max_reuse_distance and their count below stage3_max_live_parameters (autotune
+    # writes 1e9 for both, like HF's "auto"): up to 1e9 params stay gathered through forward
+    # and backward. With one rank the gathered tensor is the partition itself.
+    off_par = s.offload_params != "none"
+    # ... except when the partitions live on the host (offload_param): then every block is
+    # fetched to the GPU, one rank or many
+    # (on DeepSpeed's CPU accelerator "fetching" a host partition to the device is no copy)
+    fetch_copies = dp > 1 or (off_par and device != "cpu")
+    live = p * min(psi - persist, _DS_MAX_LIVE + prefetch) if fetch_copies else 0.0
+    out.params = (0 if off_par else p * part) + p * persist
+    # the reduce bucket (ipg buffer) is allocated at init on the GPU (stage3.py
+    # _setup_for_real_optimizer: "bucket.buffer = torch.empty(self.reduce_bucket_size, ...)")
+    out.resident_buffers = p * min(rb, psi)
+    out.grads = 0
+    out.buffers_fwd = live
+    out.buffers_bwd = live
+    if off_opt:
+        # stage3.py: self.device = "cpu" when the optimizer is offloaded, and the gradient
+        # partitions (grad_partitions_flat_buffer, gradient_accumulation_dtype = model dtype)
+        # are allocated there, pinned: no gradient partition and no optimizer state on the GPU
+        out.grad_buffer = 0
+        out.optimizer = 0
+        out.buffers_step = 0
+        if s.offload_optimizer == "cpu":
+            host += (4 + k_opt + 4) * part + p * part  # master, moments, fp32 grads; grad partitions
+        else:
+            # ZeRO-Infinity: master, moments and fp32 gradients swap to NVMe; the host keeps the
+            # pinned gradient partitions and buffer_count (4) pinned fp32 swap buffers of one
+            # sub group (autotune writes sub_group_size 1e9)
+            out.nvme += (4 + k_opt + 4) * part
+            host += p * part + 4 * 4 * min(_DS_SUB_GROUP, part)
+    else:
+        # the 16-bit gradient partition is allocated once, at init, on the GPU (stage3.py
+        # grad_partitions_flat_buffer on self.device)
+        out.grad_buffer = p * part
+        out.optimizer = (4 + k_opt) * part
+        out.buffers_step = (4 * part if p < 4 else 0) + p * part
+    if s.offload_params == "cpu":
+        host += p * part  # the 16-bit parameter partitions, pinned
+    elif s.offload_params == "nvme":
+        # partitions swap to NVMe through buffer_count (5) x buffer_size (1e8) pinned buffers
+        # (autotune's offload_param config; AsyncPartitionedParameterSwapper)
+        out.nvme += p * part
+        host += 5 * 100_000_000 * p
+    out.cpu = host
+    return out
 
 
 def zero_model_states(num_parameters: float, dp: int, stage: int, precision: str = "fp16", *,
