@@ -73,10 +73,13 @@ def test_readme_commands_run_verbatim(tmp_path):
     runs = repo / "runs"
     # the files `autotune run` promises (quick start, simulate backend)
     llama = runs / "latest-llama2-7b"
-    for name in ("study.journal", "run.json", "trials.csv", "front.json", "ds_configs/0.json", "best.json",
-                 "best_ds_config.json", "summary.md", "report.html", "front.png"):
-        assert (llama / name).exists(), name
     front = json.loads((llama / "front.json").read_text())
+    # the engine's files: a DeepSpeed config, or an FSDP2 layout and snippet (default space: both engines)
+    fsdp2 = [p["strategy"]["engine"] == "fsdp2" for p in (front["front"][0], front["best"])]
+    for name in ("study.journal", "run.json", "trials.csv", "front.json", "best.json", "summary.md", "report.html",
+                 "front.png", "fsdp2_configs/0.py" if fsdp2[0] else "ds_configs/0.json",
+                 "best_fsdp2.py" if fsdp2[1] else "best_ds_config.json"):
+        assert (llama / name).exists(), name
     assert front["front"] and front["best"]["why"] and front["best"]["checkpointing"]
     # the nightly runs compared against their baseline (the README's `ls` checked the artefacts)
     nightly = sorted(runs.glob("llama2-7b-*/compare.json"))
