@@ -3,9 +3,11 @@ verdict, from the activations and model states."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from autotune.memory.activations import activation_breakdown
 from autotune.memory.common import MemoryEstimate, _partition
-from autotune.memory.states import _model_states
+from autotune.memory.states import _model_states, _States
 from autotune.memory.walk import LOOPS, Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size, default_buckets, gradient_accumulation_steps
@@ -123,6 +125,28 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     # its gradient hook: ZeRO-1/2 allocate the reduce buckets (the logits gradient is gone)
     add("backward", grads=p * head, activations=saved_blocks + other_saved, buffers=st.buffers_bwd,
         pending=pending_head)
+    _blocks_backward(add, m, s, st, act, other_saved, pending_head)
+    bucket = st.partition_after or 0
+    # backward end: all gradients, ZeRO-0's flat all-reduce bucket
+    add("backward", grads=st.grads, buffers=st.buffers_bwd + st.buffers_bwd_end)
+    if st.reduce_flat:  # the last bucket's reduce; the partition exists if an earlier reduce made it
+        add("backward", grads=st.grads if m.num_parameters > bucket else 0.0,
+            buffers=st.buffers_bwd + st.reduce_flat)
+    # optimizer step
+    add("optimizer", grads=st.grads, buffers=st.buffers_step)
+
+    return finish(cands, model, training, hardware, s, headroom, params=st.params, optimizer=st.optimizer,
+                  resident_grads=st.grad_buffer, resident_buffers=st.resident_buffers,
+                  cpu_per_gpu=st.cpu, nvme_per_gpu=st.nvme)
+
+
+def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _States, act: dict[str, float],
+                     other_saved: float, pending_head: float) -> None:
+    """The candidates through the blocks' backward, last block to first (``add`` as in
+    estimate_memory; ``st`` the model states)."""
+    p = BYTES_PER_ELEMENT[s.precision]
+    L = m.num_hidden_layers
+    head = m.vocab_size * m.hidden_size
     # the head's weight gradient stays alive through the blocks: ZeRO-0 keeps every gradient; a
     # tied one is pending (above), so no gradient hook fires for it before the embedding's backward
     head_grad = p * head if (s.zero_stage == 0 or m.tie_word_embeddings) else 0.0
@@ -149,14 +173,3 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         if pt.block in reduces:  # a bucket is all-reduced during this block's backward
             add("backward", grads=g if reduces[pt.block] else g_before, activations=pt.saved,
                 buffers=st.buffers_bwd + st.reduce_flat, pending=pending_head)
-    # backward end: all gradients, ZeRO-0's flat all-reduce bucket
-    add("backward", grads=st.grads, buffers=st.buffers_bwd + st.buffers_bwd_end)
-    if st.reduce_flat:  # the last bucket's reduce; the partition exists if an earlier reduce made it
-        add("backward", grads=st.grads if m.num_parameters > bucket else 0.0,
-            buffers=st.buffers_bwd + st.reduce_flat)
-    # optimizer step
-    add("optimizer", grads=st.grads, buffers=st.buffers_step)
-
-    return finish(cands, model, training, hardware, s, headroom, params=st.params, optimizer=st.optimizer,
-                  resident_grads=st.grad_buffer, resident_buffers=st.resident_buffers,
-                  cpu_per_gpu=st.cpu, nvme_per_gpu=st.nvme)

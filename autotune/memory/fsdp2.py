@@ -34,6 +34,8 @@ half precision): ``activation_breakdown``, with plain ``nn.Linear`` autograd.
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 from autotune.memory.activations import activation_breakdown
 from autotune.memory.common import MemoryEstimate
 from autotune.memory.walk import Candidate, Loop, backward_blocks, finish
@@ -41,45 +43,70 @@ from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSp
 from autotune.strategy import Strategy, gradient_accumulation_steps, shard_group_size
 
 
+class _Units(NamedTuple):
+    """The byte sizes of one FSDP2 layout on one GPU (``fully_shard`` units: each block, the root)."""
+
+    n: int
+    """GPUs a unit is sharded over."""
+    p: int
+    """Bytes of param_dtype (the unsharded parameters and their gradients)."""
+    r: int
+    """Bytes of reduce_dtype (the reduce-scatter input)."""
+    per_block: int
+    """Parameters of one block."""
+    root: int
+    """Parameters of the root unit: embeddings, final norm, untied head."""
+    on_gpu: float
+    """1, or 0 with CPUOffloadPolicy (the shards live on the host)."""
+    u_root: float
+    """The root's unsharded parameters."""
+    u_block: float
+    """One block's unsharded parameters."""
+    flat: float
+    """The flat all-gather buffer next to the current block (none with one GPU)."""
+    cast_in: float
+    """A shard cast to param_dtype as the all-gather input (none without mixed precision)."""
+    grad_block: float
+    """One block's fp32 gradient shard."""
+    all_grads: float
+    """Every unit's fp32 gradient shard."""
+    mlp_params: int
+    """Weights of one block's MLP."""
+
+
+def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
+    n = shard_group_size(s, hardware)
+    p = BYTES_PER_ELEMENT[s.precision]
+    per_block = m.block_params()
+    on_gpu = 0.0 if s.offload_params == "cpu" else 1.0
+    return _Units(n=n, p=p, r=BYTES_PER_ELEMENT[s.reduce_dtype], per_block=per_block,
+                  root=m.num_parameters - m.num_hidden_layers * per_block, on_gpu=on_gpu,
+                  u_root=p * (m.num_parameters - m.num_hidden_layers * per_block), u_block=p * per_block,
+                  flat=p * per_block if n > 1 else 0.0, cast_in=p * per_block / n if p < 4 else 0.0,
+                  grad_block=on_gpu * 4 * per_block / n, all_grads=on_gpu * 4 * m.num_parameters / n,
+                  mlp_params=(3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size)
+
+
 def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,
                    *, headroom: float = 0.0, device: str = "cuda", loop: Loop = "keep_outputs") -> MemoryEstimate:
     """``estimate_memory`` for an fsdp2 strategy (same arguments, same record)."""
     m, s = model, strategy
     L = m.num_hidden_layers
-    n = shard_group_size(s, hardware)
-    p = BYTES_PER_ELEMENT[s.precision]
-    r = BYTES_PER_ELEMENT[s.reduce_dtype]
+    u = _units(m, s, hardware)
     k_opt = 8 if training.optimizer in ("adam", "adamw") else 4
-    psi = m.num_parameters
-    per_block = m.block_params()
-    root = psi - L * per_block  # embeddings, final norm, untied head
-    offload = s.offload_params == "cpu"
-    on_gpu = 0.0 if offload else 1.0
-    shard = psi / n
-
-    params = on_gpu * 4 * shard
-    optimizer = on_gpu * k_opt * shard
-    grad_block = on_gpu * 4 * per_block / n  # one unit's sharded fp32 gradient
-    all_grads = on_gpu * 4 * shard
+    shard = m.num_parameters / u.n
+    params = u.on_gpu * 4 * shard
+    optimizer = u.on_gpu * k_opt * shard
 
     act = activation_breakdown(m, training, s, device)
     tokens = training.seq_len * s.micro_batch_size
     saved_blocks, nonblock, logits_saved = act["blocks"], act["nonblock"], act["logits_saved"]
     other_saved = nonblock - logits_saved
-    kept = p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0
-    gas = gradient_accumulation_steps(s, training, hardware)
+    kept = u.p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0
     # gradient accumulation reduce-scatters every micro-step and adds into the sharded gradients:
     # they exist through the later micro-steps
-    carry = all_grads if gas > 1 else 0.0
-
-    u_root = p * root
-    u_block = p * per_block
-    flat = u_block if n > 1 else 0.0  # the flat all-gather buffer next to the current block
-    cast_in = p * per_block / n if p < 4 else 0.0  # a shard cast to param_dtype for the all-gather
-    head = m.vocab_size * m.hidden_size
+    carry = u.all_grads if gradient_accumulation_steps(s, training, hardware) > 1 else 0.0
     reshard = s.reshard_after_forward
-    mlp_params = (3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size
-
     cands: list[Candidate] = []
 
     def add(phase: str, sharded: float = 0.0, unsharded: float = 0.0, activations: float = 0.0,
@@ -93,68 +120,71 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
         cands.append(Candidate(phase, params + optimizer + grads + activations + logits + buffers, grads,
                                activations, logits, buffers))
 
-    def unsharded_blocks(alive: int) -> float:
-        """Blocks whose unsharded parameters are alive, ``alive`` of them without resharding."""
-        return u_block * (alive if not reshard else 1)
-
     # forward, last block: its gather transient on top of every earlier block's saved activations
     last_saved = act["per_block_checkpointed"] if (L - 1) in s.checkpointed_blocks(L) else act["per_block_plain"]
     add("forward", activations=saved_blocks - last_saved + other_saved,
-        buffers=u_root + unsharded_blocks(L) + flat + cast_in)
+        buffers=u.u_root + u.u_block * (1 if reshard else L) + u.flat + u.cast_in)
     # forward end: the loss transients (inside the model's forward: the root is still gathered; the
     # last block's flat buffer waits for the root's post-forward)
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_forward_transient"],
-        buffers=u_root + (u_block * L if not reshard else 0.0) + flat)
+        buffers=u.u_root + (0.0 if reshard else u.u_block * L) + u.flat)
     # backward start: the root gathered again, and (resharded) the last block's all-gather issued
     # as the root's backward prefetch (its flat buffer; copied out by the block's own hook);
     # the forward's last flat buffer was released by the root's post-forward
-    at_start = u_root + (u_block * L if not reshard else flat)
+    at_start = u.u_root + (u.flat if reshard else u.u_block * L)
     add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_backward_transient"],
         buffers=at_start)
     # lm_head backward: its unsharded gradient stays until the root's post-backward
-    head_grad = p * head
-    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved, logits=p * m.vocab_size * tokens,
-        buffers=at_start)
-    rs_prev = 0.0  # the previous unit's reduce-scatter input
-    for pt in backward_blocks(act, s, L, other_saved):
-        done = on_gpu * pt.done * grad_block
-        rs_prev = r * per_block if pt.done else 0.0
-        # resharded: the next block's all-gather is prefetched during this one's backward
-        gathered = u_root + unsharded_blocks(pt.block + 1) + (flat if (reshard and pt.block > 0) else 0.0)
-        # MLP backward: its weight gradients appear (unsharded, param_dtype)
-        add("backward", sharded=done, unsharded=head_grad + p * mlp_params, activations=pt.mlp,
-            buffers=gathered + rs_prev)
-        if pt.attention is not None:
-            add("backward", sharded=done, unsharded=head_grad + u_block, activations=pt.attention,
-                buffers=gathered + rs_prev)
-        # post-backward (the block's activations gone, the previous reduce-scatter input released):
-        # its gradients copied into a new reduce-scatter input, then freed before the reduce output
-        # (the new shard) is allocated
-        after = pt.saved - act["per_block_plain"]
-        add("backward", sharded=done, unsharded=head_grad + u_block, activations=after,
-            buffers=gathered + r * per_block)
-        # (accumulating, the reduce output is added into the existing shard, then freed)
-        add("backward", sharded=(carry if carry else done) + grad_block, unsharded=head_grad, activations=after,
-            buffers=gathered + r * per_block)
+    head_grad = u.p * m.vocab_size * m.hidden_size
+    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved,
+        logits=u.p * m.vocab_size * tokens, buffers=at_start)
+    _blocks_backward(add, u, act, s, L, other_saved, head_grad, carry)
     # backward end: the root's post-backward (head and embedding gradients, unsharded, then its
     # reduce-scatter input), every block's sharded gradient
-    blocks_sharded = all_grads - on_gpu * 4 * root / n
-    root_grads = p * root
-    add("backward", sharded=blocks_sharded, unsharded=root_grads, activations=act["hidden_grad"],
-        buffers=u_root + r * per_block)
-    add("backward", sharded=blocks_sharded, unsharded=root_grads, buffers=u_root + r * root)
-    add("backward", sharded=all_grads, buffers=u_root + r * root)
+    blocks_sharded = u.all_grads - u.on_gpu * 4 * u.root / u.n
+    add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, activations=act["hidden_grad"],
+        buffers=u.u_root + u.r * u.per_block)
+    add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, buffers=u.u_root + u.r * u.root)
+    add("backward", sharded=u.all_grads, buffers=u.u_root + u.r * u.root)
     # optimizer step: AdamW foreach's fp32 temporary of the shard
-    add("optimizer", sharded=all_grads, buffers=on_gpu * 4 * shard)
+    add("optimizer", sharded=u.all_grads, buffers=u.on_gpu * 4 * shard)
 
-    host = (4 + 4 + k_opt + 4) * shard if offload else 0.0
+    host = (4 + 4 + k_opt + 4) * shard if s.offload_params == "cpu" else 0.0
     # CUDA: the flat all-gather buffers are allocated on FSDP2's all-gather stream
     # (_fsdp_collectives.py foreach_all_gather under ``all_gather_stream``), and the caching
     # allocator reuses a freed block only for the stream it was allocated on
     # (c10/cuda/CUDACachingAllocator.cpp, stream-ordered blocks): that stream's pool keeps the
     # largest buffers it held (the root's, and a block's next to the prefetched one) reserved,
     # outside what the peak's tensors can use
-    side_pool = u_root + 2 * u_block if (device == "cuda" and n > 1) else 0.0
+    side_pool = u.u_root + 2 * u.u_block if (device == "cuda" and u.n > 1) else 0.0
     return finish(cands, m, training, hardware, s, headroom, params=params, optimizer=optimizer,
                   resident_grads=0.0, resident_buffers=0.0, cpu_per_gpu=host, nvme_per_gpu=0.0,
                   reserved_elsewhere=side_pool)
+
+
+def _blocks_backward(add: Callable[..., None], u: _Units, act: dict[str, float], s: Strategy, L: int,
+                     other_saved: float, head_grad: float, carry: float) -> None:
+    """The candidates through the blocks' backward, last block to first (``add`` as in
+    estimate_fsdp2)."""
+    reshard = s.reshard_after_forward
+    for pt in backward_blocks(act, s, L, other_saved):
+        done = u.on_gpu * pt.done * u.grad_block
+        rs_prev = u.r * u.per_block if pt.done else 0.0  # the previous unit's reduce-scatter input
+        # gathered: the root, this block (all blocks up to it without resharding) and, resharded,
+        # the next block's all-gather prefetched during this one's backward
+        gathered = u.u_root + u.u_block * (1 if reshard else pt.block + 1) \
+            + (u.flat if (reshard and pt.block > 0) else 0.0)
+        # MLP backward: its weight gradients appear (unsharded, param_dtype)
+        add("backward", sharded=done, unsharded=head_grad + u.p * u.mlp_params, activations=pt.mlp,
+            buffers=gathered + rs_prev)
+        if pt.attention is not None:
+            add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=pt.attention,
+                buffers=gathered + rs_prev)
+        # post-backward (the block's activations gone, the previous reduce-scatter input released):
+        # its gradients copied into a new reduce-scatter input, then freed before the reduce output
+        # (the new shard) is allocated; accumulating, that output is added into the existing shard
+        after = pt.saved - act["per_block_plain"]
+        add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=after,
+            buffers=gathered + u.r * u.per_block)
+        add("backward", sharded=(carry if carry else done) + u.grad_block, unsharded=head_grad, activations=after,
+            buffers=gathered + u.r * u.per_block)
