@@ -65,10 +65,9 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     ground truth): dropout masks in the model dtype instead of 1-byte bool, and sdpa with
     attention dropout on PyTorch's math kernel.
 
-    ``loop``: ``keep_outputs`` (default, the larger) is the loop people write,
-    ``outputs = engine(**batch); engine.backward(outputs.loss); engine.step()``: ``outputs`` holds
-    the logits (model dtype) through backward, the step and the next forward, until the name is
-    rebound; ``drop_outputs`` keeps only the loss (the logits die inside the forward).
+    ``loop``: ``keep_outputs`` (default) is the usual ``outputs = engine(**batch);
+    engine.backward(outputs.loss); engine.step()``: ``outputs`` holds the logits (model dtype) until
+    the next forward rebinds it; ``drop_outputs`` keeps only the loss (the logits die in the forward).
     """
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
@@ -76,8 +75,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         from autotune.memory.fsdp2 import estimate_fsdp2
 
         return estimate_fsdp2(model, training, hardware, strategy, headroom=headroom, device=device, loop=loop)
-    m, s = model, strategy
-    p = BYTES_PER_ELEMENT[s.precision]
+    m, s, p = model, strategy, BYTES_PER_ELEMENT[strategy.precision]
     st = _model_states(m, training, hardware, s, device)
     act = activation_breakdown(m, training, s, device)
     L = m.num_hidden_layers
