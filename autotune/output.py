@@ -305,7 +305,7 @@ def checkpointing_call(cfg: Config, s: Strategy) -> str:
         return "none"
     if cfg.model.implementation == "hf" and s.checkpointing == "full" and n >= cfg.model.num_hidden_layers:
         return 'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
-    return f"autotune.apply_checkpointing(model, {s.checkpointing!r}, num_layers={n})"
+    return f"autotune.apply_checkpointing(model, {s.checkpointing!r}, num_layers={s.checkpoint_selection(cfg.model.num_hidden_layers)})"
 
 
 def _trial_records(cfg: Config, rows: list[TrialRow], on_front: set[int], predicted: bool) -> Iterator[TrialRecord]:

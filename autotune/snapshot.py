@@ -20,11 +20,12 @@ DEFAULT_MAX_ENTRIES = 200_000
 
 OOM_ADVICE = {
     "init": ("the model states do not fit (parameters, gradients, optimizer states)",
-             "shard them: ZeRO-3 / FSDP FULL_SHARD, or offload the optimizer/parameters"),
+             "shard them: ZeRO-3 / FSDP2, or offload the optimizer/parameters"),
     "forward": ("activations are too large", "activation checkpointing, or a smaller micro-batch"),
     "backward": ("gradients plus the activations still alive are too large",
-                 "a smaller micro-batch with more gradient accumulation, ZeRO-2 for the gradients"),
-    "optimizer": ("the optimizer step's states/temporaries do not fit", "ZeRO-1+ or optimizer offload"),
+                 "a smaller micro-batch with more gradient accumulation, sharded gradients (ZeRO-2+ / FSDP2)"),
+    "optimizer": ("the optimizer step's states/temporaries do not fit",
+                  "sharded optimizer states (ZeRO-1+ / FSDP2) or offload (optimizer offload / CPUOffloadPolicy)"),
 }
 """phase -> (cause, remedy): the seed's OOM table (init / forward / backward), plus the optimizer step."""
 
