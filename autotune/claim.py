@@ -43,6 +43,18 @@ def has_result(t: Any) -> bool:
     return t.state == TrialState.FAIL and "fail_reason" in t.user_attrs
 
 
+def fail_status(t: Any) -> str:
+    """How a FAIL trial's evaluation ended (a backend Status other than ok), from its ``fail_status``
+    attr; "" for other trials and when nothing was measured. Trials stored before that attr existed
+    have the same status in their ``measurement`` attr (and so does a trial lost after its
+    measurement; has_result tells whether it counts)."""
+    from optuna.trial import TrialState
+
+    if t.state != TrialState.FAIL:
+        return ""
+    return t.user_attrs.get("fail_status") or (t.user_attrs.get("measurement") or {}).get("status") or ""
+
+
 def claim(study: Any, trial: Any, strategy: Strategy, space: SearchSpace, cfg: Config,
           heartbeat: bool) -> Optional[Any]:
     """Decide whether this trial evaluates its strategy or repeats an earlier trial's.

@@ -45,6 +45,7 @@ class TrialRow:
 
 
 def collect_rows(study: Any, space: SearchSpace, cfg: Config) -> list[TrialRow]:
+    from autotune.claim import fail_status
     from autotune.search import trial_strategy
 
     rows = []
@@ -65,7 +66,7 @@ def collect_rows(study: Any, space: SearchSpace, cfg: Config) -> list[TrialRow]:
             step_time_s=meas.get("step_time_s"), mfu=meas.get("mfu"),
             prune_reason=t.user_attrs.get("prune_reason", ""), fail_reason=t.user_attrs.get("fail_reason", ""),
             duplicate_of=t.user_attrs.get("duplicate_of"),
-            fail_status=(meas.get("status") or "") if t.state.name == "FAIL" else "",
+            fail_status=fail_status(t),
             log_dir=(meas.get("extra") or {}).get("log_dir") or "",
         ))
     return rows
@@ -272,7 +273,7 @@ def failure_summary(rows: list[TrialRow]) -> dict[str, Any]:
     failed = [r for r in rows if r.state == "FAIL" and r.duplicate_of is None]
     by_status: dict[str, int] = {}
     for r in failed:
-        status = r.fail_status or r.fail_reason.split(":")[0] or "error"
+        status = r.fail_status or "error"  # "": lost before it had a result
         by_status[status] = by_status.get(status, 0) + 1
     first = min(failed, key=lambda r: r.number, default=None)
     return {"by_status": by_status,
@@ -319,7 +320,8 @@ def _trial_records(cfg: Config, rows: list[TrialRow], on_front: set[int], predic
             peak_memory_gib=r.peak_memory_gib,
             gpu_memory_gib=None if r.peak_memory_gib is None else gpu_memory_gib(cfg, r, predicted, mem),
             tokens_per_s_per_gpu=r.tokens_per_s_per_gpu, step_time_s=r.step_time_s, mfu=r.mfu,
-            on_front=r.number in on_front, prune_reason=r.prune_reason, fail_reason=r.fail_reason,
+            on_front=r.number in on_front, prune_reason=r.prune_reason, fail_status=r.fail_status,
+            fail_reason=r.fail_reason,
             duplicate_of=r.duplicate_of, strategy_text=r.strategy.describe(cfg.model.num_hidden_layers))
 
 

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from autotune.errors import ConfigError
 from autotune.memory import GPU_COMPONENTS
+from autotune.profile.backend import FAIL_STATUSES
 from autotune.strategy import KNOBS, Strategy, knob_choices
 
 RUN_FILE = "run.json"
@@ -29,8 +30,20 @@ STRATEGY_COLUMNS = list(KNOBS)
 CSV_COLUMNS = (["number", "state"] + STRATEGY_COLUMNS
                + [f"pred_{k}_gib" for k in (*GPU_COMPONENTS, "peak")]
                + ["pred_cpu_gib", "pred_fits", "peak_memory_gib", "gpu_memory_gib", "tokens_per_s_per_gpu", "step_time_s", "mfu",
-                  "on_front", "prune_reason", "fail_reason", "duplicate_of", "strategy"])
+                  "on_front", "prune_reason", "fail_status", "fail_reason", "duplicate_of", "strategy"])
 """trials.csv columns, in file order."""
+
+
+# ---------------------------------------------------------------- a failed trial's status
+
+def fail_status_of(row: Mapping[str, Any]) -> str:
+    """The ``fail_status`` cell of a trials.csv row ("" for a trial that did not fail)."""
+    if "fail_status" in row:
+        return row.get("fail_status") or ""
+    # Old format: trials.csv written before the fail_status column existed. There the status only
+    # shows as the prefix of the reason text (backend.fail_reason_text); this is the one place that reads it.
+    head = (row.get("fail_reason") or "").partition(":")[0].strip()
+    return head if row.get("state") == "FAIL" and head in FAIL_STATUSES else ""
 
 
 # ---------------------------------------------------------------- writing
@@ -83,7 +96,11 @@ class TrialRecord:
     mfu: Optional[float]
     on_front: bool
     prune_reason: str
+    fail_status: str
+    """How a failed evaluation ended (one of FAIL_STATUSES); "" unless FAIL (and for a trial lost
+    before it had a result)."""
     fail_reason: str
+    """For people: fail_reason_text of the status and the backend's reason."""
     duplicate_of: Optional[int]
     """The trial whose result this repeat reuses."""
     strategy_text: str
@@ -101,14 +118,15 @@ class TrialRecord:
         row.update(pred_cpu_gib=self.predicted_cpu_gib, pred_fits=self.predicted_fits,
                    peak_memory_gib=self.peak_memory_gib, gpu_memory_gib=self.gpu_memory_gib,
                    tokens_per_s_per_gpu=self.tokens_per_s_per_gpu, step_time_s=self.step_time_s, mfu=self.mfu,
-                   on_front=self.on_front, prune_reason=self.prune_reason, fail_reason=self.fail_reason,
-                   duplicate_of=self.duplicate_of, strategy=self.strategy_text)
+                   on_front=self.on_front, prune_reason=self.prune_reason, fail_status=self.fail_status,
+                   fail_reason=self.fail_reason, duplicate_of=self.duplicate_of, strategy=self.strategy_text)
         return row
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> "TrialRecord":
         """A record from a trials.csv row (strings); missing or unreadable cells read as None / "".
-        ``number`` and ``state`` must be there (load_run checks the columns)."""
+        ``number`` and ``state`` must be there (load_run checks the columns). Files written before
+        the ``fail_status`` column existed read too (fail_status_of)."""
         def number_or_none(key: str) -> Optional[int]:
             value = to_float(row.get(key))
             return None if value is None else int(value)
@@ -122,7 +140,8 @@ class TrialRecord:
             peak_memory_gib=to_float(row.get("peak_memory_gib")), gpu_memory_gib=to_float(row.get("gpu_memory_gib")),
             tokens_per_s_per_gpu=to_float(row.get("tokens_per_s_per_gpu")), step_time_s=to_float(row.get("step_time_s")),
             mfu=to_float(row.get("mfu")), on_front=row.get("on_front") == "True",
-            prune_reason=row.get("prune_reason") or "", fail_reason=row.get("fail_reason") or "",
+            prune_reason=row.get("prune_reason") or "", fail_status=fail_status_of(row),
+            fail_reason=row.get("fail_reason") or "",
             duplicate_of=number_or_none("duplicate_of"), strategy_text=row.get("strategy") or "",
         )
 

@@ -40,6 +40,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from optuna.samplers import BaseSampler
 
+from autotune.claim import fail_status, has_result
 from autotune.config import Config
 from autotune.space import SearchSpace
 from autotune.strategy import BUCKET_KNOBS, OFFLOADS, PRECISIONS, ZERO_STAGES
@@ -349,8 +350,8 @@ class FrontSampler(BaseSampler):
             if s is None:
                 continue
             idx = self.index.get(s.key())
-            reason = t.user_attrs.get("fail_reason", "")
-            if t.state == TrialState.FAIL and reason.startswith("oom"):
+            status = fail_status(t) if has_result(t) else ""  # a lost trial's measurement is no result
+            if status == "oom":
                 no_mbs = s.replace(micro_batch_size=0).key()
                 self.oom_at[no_mbs] = min(s.micro_batch_size, self.oom_at.get(no_mbs, s.micro_batch_size))
             if idx is None:
@@ -360,9 +361,9 @@ class FrontSampler(BaseSampler):
                 self.measured[idx] = (float(t.values[0]), float(t.values[1]))
                 meas = Measurement(status="ok", peak_memory_bytes=int(t.values[0] * GIB),
                                    tokens_per_s_per_gpu=float(t.values[1]), extra=m.get("extra") or {})
-            elif t.state == TrialState.FAIL and "fail_reason" in t.user_attrs:
+            elif t.state == TrialState.FAIL and has_result(t):
                 self.failed.add(idx)
-                meas = Measurement(status=m.get("status") or reason.partition(":")[0] or "error", reason=reason)
+                meas = Measurement(status=status or "error", reason=t.user_attrs["fail_reason"])
             else:  # pruned, or lost (re-run later)
                 if t.state == TrialState.PRUNED:
                     self.failed.add(idx)

@@ -14,11 +14,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from autotune.claim import KEY_ATTR, abandon, ask, claim, fail_stale, has_result, heartbeat_around, heartbeat_on, key_text
+from autotune.claim import (KEY_ATTR, abandon, ask, claim, fail_stale, fail_status, has_result, heartbeat_around,
+                            heartbeat_on, key_text)
 from autotune.config import Config
 from autotune.memory import estimate_memory
 from autotune.pareto import pareto_front
-from autotune.profile.backend import Backend, Measurement
+from autotune.profile.backend import Backend, Measurement, fail_reason_text
 from autotune.screen import Screened, predicted_front, screen, spread  # noqa: F401  (spread: public here too)
 from autotune.signals import StopFlag
 from autotune.simulate import simulate
@@ -315,7 +316,7 @@ def _record_oom(oom_at: dict, strategy: Strategy, number: int) -> None:
 
 
 def _note_oom(t: Any, strategy: Strategy, oom_at: dict) -> None:
-    if t.user_attrs.get("fail_reason", "").startswith("oom"):
+    if fail_status(t) == "oom":
         _record_oom(oom_at, strategy, t.number)
 
 
@@ -360,7 +361,7 @@ class _Outcome:
     @classmethod
     def of(cls, trial: Any) -> "_Outcome":
         return cls(trial.number, trial.state, trial.values,
-                   {k: v for k, v in trial.user_attrs.items() if k in ("prune_reason", "fail_reason")},
+                   {k: v for k, v in trial.user_attrs.items() if k in ("prune_reason", "fail_status", "fail_reason")},
                    trial.system_attrs.get("constraints:gpu_memory"))
 
 
@@ -400,7 +401,8 @@ def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, bac
     if not result.ok:
         if result.status == "oom":
             _record_oom(oom_at, strategy, trial.number)
-        return finish(TrialState.FAIL, measured=True, fail_reason=f"{result.status}: {result.reason}".rstrip(": "))
+        return finish(TrialState.FAIL, measured=True, fail_status=result.status,
+                      fail_reason=fail_reason_text(result.status, result.reason))
     return finish(TrialState.COMPLETE, [result.peak_memory_bytes / GIB, result.tokens_per_s_per_gpu], measured=True)
 
 

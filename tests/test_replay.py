@@ -83,6 +83,20 @@ def test_unknown_fail_reason_is_an_error(tmp_path):
     assert (m.status, m.reason) == ("error", "weird thing happened")
 
 
+def test_the_status_comes_from_the_fail_status_column(tmp_path):
+    """Tables with the fail_status column: the status is that cell, whatever the reason text says; the
+    reason is the text after the status (as search writes it) or all of it."""
+    path = write_table(tmp_path / "t.csv", [
+        row(0, "FAIL", A, fail_status="timeout", fail_reason="timeout: no step in 900 s"),
+        row(1, "FAIL", B, fail_status="crash", fail_reason="oom: the text is for people"),
+        row(2, "FAIL", C, fail_status="", fail_reason="oom: an empty status is an error"),
+    ], columns=[*COLUMNS, "fail_status"])
+    be = ReplayBackend(path)
+    assert (be.evaluate(A).status, be.evaluate(A).reason) == ("timeout", "no step in 900 s")
+    assert (be.evaluate(B).status, be.evaluate(B).reason) == ("crash", "oom: the text is for people")
+    assert (be.evaluate(C).status, be.evaluate(C).reason) == ("error", "oom: an empty status is an error")
+
+
 def test_bad_tables_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match="cannot read replay table"):
         ReplayBackend(str(tmp_path / "nope.csv"))
@@ -173,6 +187,9 @@ def test_replay_runs_the_profiling_loop(tmp_path):
     assert pruned and all(t.params["micro_batch_size"] > 2 and t.params["zero_stage"] == 1 for t in pruned)
     assert any(t.params["micro_batch_size"] == 8 for t in pruned)  # asked right after the OOM at 2
     assert out.evaluations + len({t.params["micro_batch_size"] for t in pruned}) == 8  # 4 and 8 never run
+    failed = [t for t in trials if t.state.name == "FAIL"]
+    assert failed and all(t.user_attrs["fail_status"] == "oom" for t in failed)
+    assert all(t.user_attrs["fail_reason"] == "oom: rank 0 in forward: out of memory" for t in failed)
 
 
 def test_replay_passes_the_spread_on(tmp_path):

@@ -3,7 +3,7 @@
 import csv
 
 from autotune.cli import main
-from autotune.runfiles import CSV_COLUMNS, TrialRecord, load_run, strategy_from_record, strategy_key
+from autotune.runfiles import CSV_COLUMNS, TrialRecord, fail_status_of, load_run, strategy_from_record, strategy_key
 from autotune.strategy import KNOBS, Strategy
 
 
@@ -35,3 +35,57 @@ def test_partial_rows_read_as_missing_values():
     assert (rec.number, rec.state, rec.prune_reason, rec.fail_reason) == (7, "PRUNED", "too big", "")
     assert rec.peak_memory_gib is None and rec.predicted_fits is None and not rec.is_repeat
     assert TrialRecord.from_row({"number": "3", "state": "COMPLETE", "duplicate_of": "0"}).is_repeat
+
+
+def test_fail_status_is_read_from_its_column():
+    rec = TrialRecord.from_row({"number": "2", "state": "FAIL", "fail_status": "nan", "fail_reason": "oom: words"})
+    assert (rec.fail_status, rec.fail_reason) == ("nan", "oom: words")  # the text is never parsed
+    blank = TrialRecord.from_row({"number": "3", "state": "FAIL", "fail_status": "", "fail_reason": "oom: x"})
+    assert blank.fail_status == ""
+    assert TrialRecord.to_row(rec)["fail_status"] == "nan"
+
+
+def test_files_without_the_fail_status_column_still_read():
+    """trials.csv written before the column existed: the status is the known prefix of the reason."""
+    assert fail_status_of({"state": "FAIL", "fail_reason": "oom: rank 0 in backward: CUDA out of memory"}) == "oom"
+    assert fail_status_of({"state": "FAIL", "fail_reason": "timeout"}) == "timeout"
+    assert fail_status_of({"state": "FAIL", "fail_reason": "weird: not a status"}) == ""
+    assert fail_status_of({"state": "FAIL"}) == ""  # lost before it had a result
+    assert fail_status_of({"state": "PRUNED", "prune_reason": "oom: not a failure"}) == ""
+
+
+def test_a_failed_trial_keeps_its_status_through_trials_csv(tmp_path):
+    """Failed evaluations (an OOM answered by a replay table written in the old format): the study
+    holds the status as data, trials.csv has it in its own column and the reason text unchanged, and
+    the file replays to the same answers."""
+    import dataclasses
+
+    from autotune.config import load_config
+    from autotune.output import collect_rows, failure_summary, write_outputs
+    from autotune.profile.replay import ReplayBackend
+    from autotune.search import run_study
+    from autotune.space import load_space
+
+    cfg = load_config("examples/tiny-cpu.yaml")
+    (tmp_path / "space.yaml").write_text("zero_stage: [0]\nmicro_batch_size: [1, 2]\ncheckpointing: [none]\n")
+    space = load_space(str(tmp_path / "space.yaml"), precision=cfg.training.precision)
+    ok, big = space.candidates(cfg.model)
+    columns = ["number", "state", *KNOBS, "peak_memory_gib", "tokens_per_s_per_gpu", "fail_reason"]
+    with open(tmp_path / "old.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerow({"number": 0, "state": "COMPLETE", **ok.as_dict(), "peak_memory_gib": 0.01,
+                    "tokens_per_s_per_gpu": 9.0})
+        w.writerow({"number": 1, "state": "FAIL", **big.as_dict(), "fail_reason": "oom: rank 1 in backward"})
+    cfg = dataclasses.replace(cfg, profile=dataclasses.replace(cfg.profile, replay_csv=str(tmp_path / "old.csv")))
+    out = run_study(cfg, space, ReplayBackend(str(tmp_path / "old.csv")), storage=None, study_name="f", n_trials=2,
+                    seed=0, sampler="nsga2", headroom=cfg.search.headroom, enqueue=[ok, big])
+    (failed,) = [t for t in out.study.get_trials() if t.state.name == "FAIL"]
+    assert (failed.user_attrs["fail_status"], failed.user_attrs["fail_reason"]) == ("oom", "oom: rank 1 in backward")
+    assert failure_summary(collect_rows(out.study, space, cfg))["by_status"] == {"oom": 1}
+    write_outputs(str(tmp_path / "run"), cfg, space, out.study, "replay")
+    run = load_run(str(tmp_path / "run"))
+    assert {(r.state, r.fail_status, r.fail_reason) for r in run.records} == {
+        ("COMPLETE", "", ""), ("FAIL", "oom", "oom: rank 1 in backward")}
+    again = ReplayBackend(str(tmp_path / "run" / "trials.csv")).evaluate(big)
+    assert (again.status, again.reason) == ("oom", "rank 1 in backward")

@@ -180,3 +180,22 @@ def test_simulate_path_does_not_import_torch(tmp_path):
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_failed_trial_status_is_read_as_data():
+    """claim.fail_status reads the fail_status attr, or a study written before that attr existed (the
+    measurement's status), never the reason text; a trial lost after its measurement has no result."""
+    from optuna.trial import TrialState, create_trial
+
+    from autotune.claim import fail_status, has_result
+
+    def trial(state, **attrs):
+        return create_trial(state=state, values=[1.0, 2.0] if state == TrialState.COMPLETE else None, user_attrs=attrs)
+
+    new = trial(TrialState.FAIL, fail_status="nan", fail_reason="oom: words are for people")
+    old = trial(TrialState.FAIL, fail_reason="timeout: no step", measurement={"status": "timeout"})
+    lost = trial(TrialState.FAIL, measurement={"status": "oom"})
+    assert [fail_status(t) for t in (new, old, lost)] == ["nan", "timeout", "oom"]
+    assert [has_result(t) for t in (new, old, lost)] == [True, True, False]
+    assert fail_status(trial(TrialState.FAIL, fail_reason="oom: a repeat of an old trial")) == ""
+    assert fail_status(trial(TrialState.COMPLETE, measurement={"status": "ok"})) == ""

@@ -7,17 +7,33 @@ measured (or, for ``simulate``, predicted). The search only talks to this interf
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Optional, Protocol
+from typing import Any, Literal, Optional, Protocol, get_args
 
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
 
 Status = Literal["ok", "oom", "nan", "timeout", "crash", "error"]
+FAIL_STATUSES: tuple[str, ...] = tuple(s for s in get_args(Status) if s != "ok")
+"""How a failed evaluation can end (Status without ``ok``)."""
 
 PREDICTED_PEAK_KEY = "predicted_peak_bytes"
 """Measurement.extra key: the memory model's peak for the measured strategy (measuring backends)."""
 PREDICTED_TPS_KEY = "predicted_tokens_per_s_per_gpu"
 """Measurement.extra key: the simulator's tokens/s per GPU for the measured strategy (measuring backends)."""
+
+
+def fail_reason_text(status: str, detail: str) -> str:
+    """A failed trial's ``fail_reason``, for people: its status, then the backend's reason
+    (``"oom: rank 0 in backward: CUDA out of memory"``; just the status when there is no reason).
+    Code reads the status from ``fail_status``, never from this text."""
+    return f"{status}: {detail}".rstrip(": ")
+
+
+def fail_detail(status: str, text: str) -> str:
+    """The backend's reason in a ``fail_reason`` text (fail_reason_text's inverse): the text after
+    ``"<status>:"``, or all of it when it does not start with the status."""
+    head, _, rest = text.partition(":")
+    return rest.strip() if head.strip() == status else text
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 Rows are matched on the strategy columns: every Strategy field present in the header (trials.csv
 has all of them but ``param_persistence_threshold``); the core knobs in REQUIRED_COLUMNS must be
 there. A COMPLETE row answers
-``ok`` with its peak memory, tokens/s, step time and MFU; a FAIL row answers with the status and
-reason in its ``fail_reason`` (``"oom: ..."``); PRUNED rows and rows marked ``duplicate_of`` were
+``ok`` with its peak memory, tokens/s, step time and MFU; a FAIL row answers with its ``fail_status``
+(tables written before that column existed: see runfiles.fail_status_of) and the backend's reason
+from its ``fail_reason``; PRUNED rows and rows marked ``duplicate_of`` were
 never measured and are skipped. A strategy with no measured row answers
 ``Measurement(status="error", reason="not in replay table")``. The first measured row of a strategy
 wins, so the answers are deterministic. An optional ``tokens_per_s_spread`` column (relative
@@ -25,12 +26,12 @@ from typing import Any, Optional
 
 from autotune.config import Config
 from autotune.errors import ConfigError
-from autotune.profile.backend import Measurement
+from autotune.profile.backend import FAIL_STATUSES, Measurement, fail_detail
+from autotune.runfiles import fail_status_of
 from autotune.spec import GIB
 from autotune.runfiles import ADDED_KNOBS, knob_value
 from autotune.strategy import Strategy, knob_choices
 
-_STATUSES = ("oom", "nan", "timeout", "crash", "error")
 _FIELDS = dataclasses.fields(Strategy)
 STRATEGY_FIELDS = tuple(f.name for f in _FIELDS)
 REQUIRED_COLUMNS = tuple(f.name for f in _FIELDS if f.default is not None and f.name not in ADDED_KNOBS)
@@ -110,12 +111,11 @@ class ReplayBackend:
             return Measurement(status="ok", peak_memory_bytes=int(round(mem * GIB)), tokens_per_s_per_gpu=tps,
                                step_time_s=_float(row.get("step_time_s")), mfu=_float(row.get("mfu")),
                                extra=extra)
-        text = (row.get("fail_reason") or "").strip()
-        status, _, reason = text.partition(":")
-        status = status.strip()
-        if status not in _STATUSES:
-            status, reason = "error", text
-        return Measurement(status=status, reason=reason.strip(), extra={"replayed": True})  # type: ignore[arg-type]
+        status = fail_status_of(row).strip()
+        if status not in FAIL_STATUSES:
+            status = "error"
+        reason = fail_detail(status, (row.get("fail_reason") or "").strip())
+        return Measurement(status=status, reason=reason, extra={"replayed": True})  # type: ignore[arg-type]
 
     def key_of(self, strategy: Strategy) -> tuple:
         return strategy_key({c: getattr(strategy, c) for c in self.columns}, self.columns)
