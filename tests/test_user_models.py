@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from autotune.config import load_config  # noqa: E402
 from autotune.profile.user_models import (  # noqa: E402
-    UserModelError, build_factory_model, build_for_job, load_factory, loss_of, set_checkpointing)
+    UserModelError, build_factory_model, build_for_job, is_oom, load_factory, loss_of, set_checkpointing)
 from autotune.spec import ModelSpec, TrainingSpec  # noqa: E402
 from autotune.strategy import Strategy  # noqa: E402
 
@@ -90,6 +90,43 @@ def test_batch_fn_and_loss_contract(tmp_path):
         loss = torch.tensor([3.0])
 
     assert loss_of(Out()).shape == ()
+
+
+def test_is_oom_is_the_one_out_of_memory_test():
+    """The worker's status (oom or error) and the builders' pass-through both ask is_oom."""
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(MemoryError())
+    for text in ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB",
+                 "[enforce fail at alloc_cpu.cpp] not enough memory", "HIP out of memory"):
+        assert is_oom(RuntimeError(text)), text
+    assert not is_oom(RuntimeError("shape mismatch"))
+    assert not is_oom(ValueError("out of memory"))  # only a RuntimeError's words count
+    assert is_oom(UserModelError("model factory raised RuntimeError: not enough memory"))
+
+
+def test_an_oom_in_the_factory_is_not_wrapped(tmp_path):
+    path = factory_module(tmp_path, """
+        def build_model(spec, training):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    """, name="oomfac")
+    with pytest.raises(RuntimeError, match="can't allocate memory") as err:
+        build_factory_model("oomfac:build_model", SPEC, TRAIN, python_path=[path])
+    assert type(err.value) is RuntimeError
+
+
+def test_loss_of_reads_every_form_of_the_contract():
+    """A scalar tensor, a dict or an object with ``loss`` (an HF ModelOutput is both): the one loss
+    extraction of the profiler and the traced memory tier."""
+    CausalLMOutput = pytest.importorskip("transformers.modeling_outputs").CausalLMOutput
+
+    loss = torch.tensor(1.5)
+    for out in (loss, {"loss": loss, "logits": torch.zeros(2)}, CausalLMOutput(loss=loss, logits=torch.zeros(2))):
+        got = loss_of(out)
+        assert got.shape == () and float(got) == 1.5
+    with pytest.raises(UserModelError, match="model forward must return a scalar loss"):
+        loss_of((loss, torch.zeros(2)))
+    with pytest.raises(UserModelError, match="got dict"):
+        loss_of({"logits": torch.zeros(2)})
 
 
 def test_checkpointing_without_support_is_an_error(tmp_path):

@@ -88,7 +88,7 @@ def build_factory_model(path: str, spec: Any, training: Any, python_path: Option
     except UserModelError:
         raise
     except Exception as err:
-        if _is_oom_like(err):
+        if is_oom(err):
             raise
         raise UserModelError(f"model factory {path!r} raised {type(err).__name__}: {_first_line(err)}") from err
     if not isinstance(out, (tuple, list)) or len(out) != 2:
@@ -107,7 +107,7 @@ def _checked_batch_fn(batch_fn: Callable[..., Any], path: str) -> Callable[[int,
         try:
             batch = batch_fn(micro_batch_size, seq_len, device)
         except Exception as err:
-            if _is_oom_like(err):
+            if is_oom(err):
                 raise
             raise UserModelError(f"batch_fn of {path!r} raised {type(err).__name__}: {_first_line(err)}") from err
         if not isinstance(batch, dict) or not all(isinstance(k, str) for k in batch):
@@ -116,6 +116,20 @@ def _checked_batch_fn(batch_fn: Callable[..., Any], path: str) -> Callable[[int,
         return batch
 
     return call
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether an error is an out-of-memory error: the worker reports it as status ``oom`` (not
+    ``error``), and the builders here let it through unwrapped. torch's OutOfMemoryError, Python's
+    MemoryError, or a RuntimeError saying so (the CPU allocator and DeepSpeed's own messages)."""
+    import torch
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in msg or "can't allocate memory" in msg or "not enough memory" in msg
+    )
 
 
 def loss_of(out: Any, source: str = "model") -> Any:
@@ -174,7 +188,7 @@ def build_hf_model(hf_config: str, seed: int = 0) -> BuiltModel:
     try:
         module = hf_model_from_config(hf_config)
     except Exception as err:
-        if _is_oom_like(err):
+        if is_oom(err):
             raise
         raise UserModelError(f"cannot build the Hugging Face model from {hf_config}: {type(err).__name__}: "
                              f"{_first_line(err)}") from err
@@ -264,9 +278,3 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
-def _is_oom_like(err: BaseException) -> bool:
-    """Out-of-memory errors pass through untouched (the worker reports them as oom, not error)."""
-    if isinstance(err, MemoryError):
-        return True
-    msg = str(err).lower()
-    return type(err).__name__ == "OutOfMemoryError" or "out of memory" in msg or "can't allocate memory" in msg

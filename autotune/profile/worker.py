@@ -118,6 +118,7 @@ from typing import Any, Optional
 
 from autotune.profile.protocol import WorkerJob
 from autotune.profile.cpu_memory import PHASES, MEASURED_MARK, CpuMemoryProbe, record_phase
+from autotune.profile.user_models import is_oom
 
 
 def result_path_for_rank(result_path: str | Path, rank: int) -> Path:
@@ -130,17 +131,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    msg = str(exc).lower()
-    return isinstance(exc, RuntimeError) and (
-        "out of memory" in msg or "can't allocate memory" in msg or "not enough memory" in msg
-    )
 
 
 def _process_groups(engine: Any) -> list:
@@ -245,7 +235,7 @@ def run_job(job: WorkerJob, job_dir: Path, write_early: Optional[Any] = None) ->
     except BaseException as exc:  # failure is data
         if isinstance(exc, KeyboardInterrupt):
             raise
-        result["status"] = "oom" if _is_oom(exc) else "error"
+        result["status"] = "oom" if is_oom(exc) else "error"
         first = (str(exc).strip().splitlines() or [""])[0]
         result["reason"] = f"{type(exc).__name__}: {first[:300]}"
         if result["status"] == "oom":

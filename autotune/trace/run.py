@@ -68,8 +68,11 @@ def _set_checkpointing(model: Any, source: str, granularity: str, n: Any, num_la
         raise TraceError(f"{source} model: {err}") from None
 
 
-def _loss(model: Any, ids: Any, labels: Any) -> Any:
-    """Forward that returns only the loss, so logits die as early as in a training loop."""
+def _loss(model: Any, ids: Any, labels: Any, source: str) -> Any:
+    """Forward on token ids and labels that returns only the loss (profile.user_models.loss_of, as
+    the profiler reads it), so logits die as early as in a training loop."""
+    from autotune.profile.user_models import loss_of
+
     try:
         names = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -81,13 +84,7 @@ def _loss(model: Any, ids: Any, labels: Any) -> Any:
         out = model(**kwargs)
     else:
         out = model(ids, labels)
-    if hasattr(out, "loss"):
-        return out.loss
-    if isinstance(out, dict):
-        return out["loss"]
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out
+    return loss_of(out, f"{source} model")
 
 
 def _dtype(precision: str) -> Any:
@@ -159,7 +156,7 @@ def trace_memory(
 
                     loss = loss_of(model(**batch), f"model factory {model_factory!r}")
                 else:
-                    loss = _loss(model, *inputs)
+                    loss = _loss(model, *inputs, source)
                 flops_fwd = flop_mode.get_total_flops()
                 saved = sum(v for k, v in tracker.categories().items() if k in ACT_CATEGORIES)
                 tracker.phase = "backward"
