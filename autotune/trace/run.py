@@ -8,7 +8,7 @@ import inspect
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from autotune.spec import ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -68,11 +68,15 @@ def _set_checkpointing(model: Any, source: str, granularity: str, n: Any, num_la
         raise TraceError(f"{source} model: {err}") from None
 
 
-def _loss(model: Any, ids: Any, labels: Any, source: str) -> Any:
-    """Forward on token ids and labels that returns only the loss (profile.user_models.loss_of, as
-    the profiler reads it), so logits die as early as in a training loop."""
+def _loss(model: Any, batch: Optional[dict], inputs: list[Any], source: str, model_factory: Optional[str]) -> Any:
+    """The forward, returning only the loss (profile.user_models.loss_of, as the profiler reads it) so
+    the logits die as early as in a training loop. Fed the factory's batch as keywords, else the
+    token ids and labels (as HF-style keywords when the forward takes them)."""
     from autotune.profile.user_models import loss_of
 
+    if batch is not None:
+        return loss_of(model(**batch), f"model factory {model_factory!r}")
+    ids, labels = inputs
     try:
         names = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -117,29 +121,20 @@ def trace_memory(
     the batch comes from ``batch_fn``) if given, else an HF model from `hf_config` when transformers
     is installed, else the reference decoder of ``autotune.profile.models``.
     """
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     t0 = time.perf_counter()
     dtype = _dtype(strategy.precision)
     b, s = strategy.micro_batch_size, training.seq_len
-    L = model_spec.num_hidden_layers
-    granularity, n_ckpt = _checkpoint_key(strategy, L)
+    granularity, n_ckpt = _checkpoint_key(strategy, model_spec.num_hidden_layers)
     source, notes = _model_source(hf_config, model_factory)
     fake = FakeTensorMode(allow_non_fake_inputs=False)
     tracker = make_tracker()
     flop_mode = FlopCounterMode(display=False, custom_mapping=flash_ops()["flop_mapping"])
     with fake:
         model, batch_fn = _build_module(source, model_spec, training, dtype, hf_config, model_factory, python_path)
-        model.train()
-        notes += _set_checkpointing(model, source, granularity, n_ckpt, L)
-        if granularity != "none" and n_ckpt:
-            collect_after_each_module(model)
-        params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-        wrong = {str(p.dtype) for p in params if p.dtype != dtype}
-        if wrong:
-            notes.append(f"parameters not in {dtype}: {sorted(wrong)} (kept as built)")
+        params = _prepare_module(model, source, granularity, n_ckpt, model_spec.num_hidden_layers, dtype, notes)
         batch, inputs = _inputs(model, model_spec, batch_fn, b, s)
         tracker.track_external(model, *inputs)
         # Cyclic garbage (autograd/checkpoint frames under fake mode) is freed whenever Python's
@@ -147,31 +142,11 @@ def trace_memory(
         # the same points whatever ran before in this process) and collect_after_each_module runs it
         # where real autograd would free the tensors (a deterministic, real-lifetime peak).
         with frozen_heap(), tracker, sdpa_to_flash(), unpacked_positions(source):
-            # fp32 master weights, as a mixed-precision optimizer keeps them (not for fp32 training)
-            masters = _master_weights(tracker, params) if dtype != torch.float32 and optimizer_step else []
-            tracker.phase = "forward"
-            with flop_mode:
-                if batch is not None:
-                    from autotune.profile.user_models import loss_of
-
-                    loss = loss_of(model(**batch), f"model factory {model_factory!r}")
-                else:
-                    loss = _loss(model, *inputs, source)
-                flops_fwd = flop_mode.get_total_flops()
-                saved = sum(v for k, v in tracker.categories().items() if k in ACT_CATEGORIES)
-                tracker.phase = "backward"
-                loss.backward()
-                del loss
-            flops_total = flop_mode.get_total_flops()
-            tracker.phase = "optimizer"
-            states_before_step = tracker.categories()
-            opt = _optimizer_step(tracker, training, params, masters) if optimizer_step else None  # noqa: F841
-            final = tracker.categories()  # ``opt`` keeps its states alive until the trace returns
+            step = _train_step(tracker, flop_mode, model, params, batch, inputs, source=source,
+                               model_factory=model_factory, training=training, dtype=dtype,
+                               optimizer_step=optimizer_step)
         tracker.reset_mod_stats()
 
-    state_keys = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads", "Optstate": "optimizer",
-                  MASTER: "master_weights", GRAD32: "grads_fp32"}
-    states = {name: int(max(final.get(k, 0), states_before_step.get(k, 0))) for k, name in state_keys.items()}
     phase_peaks = {k: dict(v) for k, v in tracker.phase_peaks.items() if k != "setup"}
     peak = max((v["total"] for v in tracker.phase_peaks.values()), default=0)
     at_peak = dict(tracker.act_peak_snap)
@@ -179,10 +154,72 @@ def trace_memory(
     return TraceResult(
         model_name=model_spec.name, source=source, micro_batch_size=b, seq_len=s, precision=strategy.precision,
         checkpointing=granularity, checkpoint_layers=n_ckpt, activation_peak=int(tracker.act_peak),
-        saved_activations=int(saved), peak=int(peak), phase_peaks=phase_peaks, states=states,
-        at_activation_peak=at_peak, flops=_flop_summary(flop_mode, flops_fwd, flops_total),
+        saved_activations=int(step.saved_activations), peak=int(peak), phase_peaks=phase_peaks,
+        states=step.states, at_activation_peak=at_peak,
+        flops=_flop_summary(flop_mode, step.flops_forward, step.flops_total),
         parameters=sum(p.numel() for p in params), wall_s=time.perf_counter() - t0, notes=tuple(notes),
     )
+
+
+def _prepare_module(model: Any, source: str, granularity: str, n_ckpt: int, num_layers: int, dtype: Any,
+                    notes: list[str]) -> list[Any]:
+    """Put the built module in training mode with the strategy's checkpointing (and the collector
+    run after each checkpointed module's backward); returns its trainable parameters (shared ones
+    once). Notes how checkpointing was applied and parameters not in ``dtype``."""
+    model.train()
+    notes += _set_checkpointing(model, source, granularity, n_ckpt, num_layers)
+    if granularity != "none" and n_ckpt:
+        collect_after_each_module(model)
+    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    wrong = {str(p.dtype) for p in params if p.dtype != dtype}
+    if wrong:
+        notes.append(f"parameters not in {dtype}: {sorted(wrong)} (kept as built)")
+    return params
+
+
+_STATE_NAMES = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads", "Optstate": "optimizer",
+                MASTER: "master_weights", GRAD32: "grads_fp32"}
+"""Tracker category -> TraceResult.states key."""
+
+
+class _Step(NamedTuple):
+    """What one traced training step measured besides the tracker's own peaks."""
+
+    flops_forward: int
+    flops_total: int
+    """Forward + backward (recompute included)."""
+    saved_activations: int
+    """Activations alive at the end of the forward."""
+    states: dict
+    """Model-state bytes per TraceResult.states key (the larger of before and after the optimizer step)."""
+    alive: tuple
+    """The optimizer and the fp32 master weights: the caller holds them until the trace returns."""
+
+
+def _train_step(tracker: Any, flop_mode: Any, model: Any, params: list[Any], batch: Optional[dict],
+                inputs: list[Any], *, source: str, model_factory: Optional[str], training: TrainingSpec,
+                dtype: Any, optimizer_step: bool) -> _Step:
+    """One micro-batch under the tracker, phase by phase: fp32 master weights (setup), forward,
+    backward (FLOPs counted for both) and the optimizer step."""
+    import torch
+
+    # fp32 master weights, as a mixed-precision optimizer keeps them (not for fp32 training)
+    masters = _master_weights(tracker, params) if dtype != torch.float32 and optimizer_step else []
+    tracker.phase = "forward"
+    with flop_mode:
+        loss = _loss(model, batch, inputs, source, model_factory)
+        flops_fwd = flop_mode.get_total_flops()
+        saved = sum(v for k, v in tracker.categories().items() if k in ACT_CATEGORIES)
+        tracker.phase = "backward"
+        loss.backward()
+        del loss
+    flops_total = flop_mode.get_total_flops()
+    tracker.phase = "optimizer"
+    before = tracker.categories()
+    opt = _optimizer_step(tracker, training, params, masters) if optimizer_step else None
+    after = tracker.categories()
+    states = {name: int(max(after.get(k, 0), before.get(k, 0))) for k, name in _STATE_NAMES.items()}
+    return _Step(flops_fwd, flops_total, saved, states, (opt, masters))
 
 
 def _inputs(model: Any, model_spec: ModelSpec, batch_fn: Optional[Callable[..., dict]], b: int,
