@@ -27,9 +27,8 @@ from typing import Any, Optional
 from autotune.config import Config
 from autotune.errors import ConfigError
 from autotune.profile.backend import FAIL_STATUSES, Measurement, fail_detail
-from autotune.runfiles import fail_status_of
+from autotune.runfiles import ADDED_KNOBS, fail_status_of, knob_value
 from autotune.spec import GIB
-from autotune.runfiles import ADDED_KNOBS, knob_value
 from autotune.strategy import Strategy, knob_choices
 
 _FIELDS = dataclasses.fields(Strategy)
