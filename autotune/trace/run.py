@@ -161,11 +161,12 @@ def trace_memory(
     )
 
 
-def _prepare_module(model: Any, source: str, granularity: str, n_ckpt: int, num_layers: int, dtype: Any,
+def _prepare_module(model: Any, source: str, granularity: str, n_ckpt: Any, num_layers: int, dtype: Any,
                     notes: list[str]) -> list[Any]:
-    """Put the built module in training mode with the strategy's checkpointing (and the collector
-    run after each checkpointed module's backward); returns its trainable parameters (shared ones
-    once). Notes how checkpointing was applied and parameters not in ``dtype``."""
+    """Put the built module in training mode with the strategy's checkpointing (``n_ckpt``: the number
+    of first blocks or the block indices, as _checkpoint_key gives them) and the collector run after
+    each checkpointed module's backward; returns its trainable parameters (shared ones once). Notes
+    how checkpointing was applied and parameters not in ``dtype``."""
     model.train()
     notes += _set_checkpointing(model, source, granularity, n_ckpt, num_layers)
     if granularity != "none" and n_ckpt:
