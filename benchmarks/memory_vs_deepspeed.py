@@ -20,7 +20,7 @@ passed to ``deepspeed.initialize``, the usual loop (``outputs = engine(**batch);
 engine.backward(outputs.loss); engine.step()``), 2 warm-up and 2 measured optimizer steps.
 
 Measured: the peak tensor bytes from torch.profiler's allocation events (c10's tally made to count
-every thread, ``autotune.profile.worker._track_all_threads``), the max over the measured optimizer
+every thread, ``autotune.profile.cpu_memory.track_all_threads``), the max over the measured optimizer
 steps (all their micro-steps) and over ranks: what a job runs out of memory at. Predicted:
 ``estimate_memory(..., device="cpu").gpu["peak"]`` for the same model, strategy and data-parallel
 size. Prints every row, then the rows again worst (most under-predicted) first, then the signed

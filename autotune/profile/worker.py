@@ -108,16 +108,15 @@ import gc
 import json
 import math
 import os
-import socket
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from autotune.profile.protocol import WorkerJob
 from autotune.profile.cpu_memory import PHASES, MEASURED_MARK, CpuMemoryProbe, record_phase
+from autotune.profile.engines import Context, DeepSpeedEngine, Fsdp2Engine, flush_gloo, set_dist_env
 from autotune.profile.user_models import is_oom
 
 
@@ -125,69 +124,6 @@ def result_path_for_rank(result_path: str | Path, rank: int) -> Path:
     """Where rank ``rank`` writes its result (rank 0: ``result_path`` itself)."""
     p = Path(result_path)
     return p if rank == 0 else p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _process_groups(engine: Any) -> list:
-    """The distinct process groups DeepSpeed uses (None = the default group)."""
-    out: list = [None]
-    for owner, attr in ((engine, "data_parallel_group"), (engine, "seq_data_parallel_group"),
-                        (engine.optimizer, "dp_process_group"), (engine.optimizer, "real_dp_process_group")):
-        g = getattr(owner, attr, None)
-        for grp in (g if isinstance(g, (list, tuple)) else [g]):
-            if grp is not None and all(grp is not o for o in out):
-                out.append(grp)
-    return out
-
-
-def _flush_gloo(groups: list) -> None:
-    """Release the tensors gloo's worker threads keep from their last collective.
-
-    ProcessGroupGloo holds each worker thread's last work (and so its tensors) until that thread
-    runs the next one: on the CPU a flat gradient bucket of DeepSpeed's all-reduce outlives the
-    step by a random number of steps (0-3 buckets seen). NCCL on a GPU has no such retention, so
-    the worker pushes a few 1-element all-reduces through every group to measure the clean state.
-    """
-    import torch
-    import torch.distributed as dist
-
-    for grp in groups:
-        for _ in range(4):
-            dist.all_reduce(torch.zeros(1), group=grp)
-
-
-def _ds_config_for_job(job: WorkerJob, world_size: int) -> tuple[dict, Any, Any, Any]:
-    from autotune.presets import gpu_from_name
-    from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
-    from autotune.strategy import Strategy, to_deepspeed_config
-
-    model = ModelSpec(**job.model)
-    training = TrainingSpec(**job.training)
-    strategy = Strategy(**job.strategy)
-    cfg = job.deepspeed_config
-    if cfg is None:
-        hw = HardwareSpec(gpu=gpu_from_name(job.setting("gpu")), gpus_per_node=world_size, num_nodes=1)
-        cfg = to_deepspeed_config(strategy, model, training, hw)
-    return json.loads(json.dumps(cfg)), model, training, strategy
-
-
-def _fsdp2_config_for_job(job: WorkerJob, world_size: int) -> dict:
-    """The strategy's FSDP2 layout (autotune.strategy.to_fsdp2_config) over this process group:
-    WORLD_SIZE ranks, LOCAL_WORLD_SIZE (torchrun) of them per node."""
-    from autotune.presets import gpu_from_name
-    from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
-    from autotune.strategy import Strategy, to_fsdp2_config
-
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if per_node < 1 or world_size % per_node:
-        per_node = world_size
-    hw = HardwareSpec(gpu=gpu_from_name(job.setting("gpu")), gpus_per_node=per_node, num_nodes=world_size // per_node)
-    return to_fsdp2_config(Strategy(**job.strategy), ModelSpec(**job.model), TrainingSpec(**job.training), hw)
 
 
 def run_job(job: WorkerJob, job_dir: Path, write_early: Optional[Any] = None) -> dict[str, Any]:
@@ -310,191 +246,6 @@ def _maybe_fault(job: WorkerJob, rank: int, phase: str) -> None:
     raise RuntimeError(f"injected fault on rank {rank} at {phase}")
 
 
-@dataclass(frozen=True)
-class _Context:
-    """What one rank's run knows about its place and its measurement."""
-
-    job: WorkerJob
-    result: dict
-    """The rank's result dict, filled in place."""
-    probe: Optional[CpuMemoryProbe]
-    """The CPU memory probe (memory "profiler"), else None."""
-    rank: int
-    world: int
-    local_rank: int
-    use_cuda: bool
-    memory_mode: str
-    """cuda | profiler | none (resolved from "auto")."""
-
-
-def _set_dist_env(ctx: _Context) -> Any:
-    """torchrun's variables for a plain ``python`` launch (a 1-process group on a free port); the device."""
-    import torch
-
-    os.environ.setdefault("RANK", str(ctx.rank))
-    os.environ.setdefault("WORLD_SIZE", str(ctx.world))
-    os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
-    if ctx.use_cuda:
-        torch.cuda.set_device(ctx.local_rank)
-        return torch.device("cuda", ctx.local_rank)
-    return torch.device("cpu")
-
-
-class _DeepSpeedEngine:
-    """The deepspeed engine's half of the step loop: ``deepspeed.initialize`` with the job's DeepSpeed
-    config; forward / ``engine.backward`` / ``engine.step`` every micro-step (DeepSpeed applies the
-    optimizer at the accumulation boundary)."""
-
-    @staticmethod
-    def init_distributed(ctx: _Context) -> None:
-        import deepspeed
-
-        if not ctx.use_cuda:
-            try:  # skip the JIT build of the shared-memory allreduce (a private DeepSpeed switch: deepspeed.ops.__compatible_ops__)
-                deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-            except Exception:
-                pass
-        deepspeed.init_distributed(dist_backend="nccl" if ctx.use_cuda else "gloo", verbose=False)
-
-    def __init__(self, ctx: _Context, built: Any, model_spec: Any, strategy: Any, device: Any) -> None:
-        import deepspeed
-        import torch
-
-        from autotune.profile.user_models import set_checkpointing
-
-        ds_config, *_ = _ds_config_for_job(ctx.job, ctx.world)
-        model = built.module
-        n_ckpt = strategy.num_checkpointed(model_spec.num_hidden_layers)
-        set_checkpointing(built, strategy.checkpointing if n_ckpt else "none",
-                          strategy.checkpoint_selection(model_spec.num_hidden_layers), model_spec.num_hidden_layers)
-        impl = ctx.job.setting("optimizer_impl")
-        if impl == "auto":
-            impl = "deepspeed" if ctx.use_cuda else "torch"
-        optimizer = None
-        if impl == "torch":
-            opt_cfg = ds_config.pop("optimizer", None) or {}
-            params = dict(opt_cfg.get("params", {}))
-            params.setdefault("lr", 1e-4)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"],
-                                          betas=tuple(params.get("betas", (0.9, 0.999))), eps=params.get("eps", 1e-8),
-                                          weight_decay=params.get("weight_decay", 0.01),
-                                          fused=True)  # like FusedAdam: no full-size temporaries
-            ds_config["zero_allow_untested_optimizer"] = True
-            ds_config["zero_force_ds_cpu_optimizer"] = False
-        ds_config.pop("activation_checkpointing", None)  # applied by the model (non-reentrant torch checkpoint)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                               model_parameters=None if optimizer is not None else model.parameters())
-        self.optimizer_name = type(self.engine.optimizer).__name__
-        self.gas = self.engine.gradient_accumulation_steps()
-        self.mbs = self.engine.train_micro_batch_size_per_gpu()
-
-    def forward(self, batch: dict) -> Any:
-        return self.engine(**batch)
-
-    def backward(self, loss: Any, last_micro: bool) -> None:
-        self.engine.backward(loss)
-
-    def step(self, last_micro: bool) -> None:
-        self.engine.step()
-
-    def process_groups(self) -> list:
-        return _process_groups(self.engine)
-
-
-class _Fsdp2Engine:
-    """The fsdp2 engine's half of the step loop: ``autotune.fsdp2.apply`` (checkpointing, fully_shard
-    per block and the root) with the strategy's layout (``to_fsdp2_config``, data-parallel size =
-    WORLD_SIZE), ``torch.optim.AdamW(foreach=True)`` with its hyper-parameters; every micro-step
-    ``(loss / GAS).backward()``, which reduce-scatters the gradients (as torchtitan's train_step does:
-    no ``set_requires_gradient_sync(False)``, so no unsharded gradients accumulate); on the last
-    micro-step clipping (``clip_grad_norm_`` over the sharded DTensor gradients), ``optimizer.step()``
-    and ``zero_grad(set_to_none=True)``. fp16: ``ShardedGradScaler`` (dynamic loss scaling)."""
-
-    @staticmethod
-    def init_distributed(ctx: _Context) -> None:
-        import torch.distributed as dist
-
-        # gloo for CPU tensors next to NCCL on CUDA: CPUOffloadPolicy keeps sharded state on the host
-        if ctx.use_cuda:
-            dist.init_process_group(backend="cpu:gloo,cuda:nccl")
-            return
-        # one gloo worker thread: each thread keeps its last work's tensors alive until it runs the
-        # next one, so with gloo's default two a unit's flat all-gather buffer can outlive its
-        # copy-out at random (never so with NCCL); with one, the next collective releases it
-        options = dist.ProcessGroupGloo._Options()
-        options._threads = 1
-        dist.init_process_group(backend="gloo", pg_options=options)
-
-    def __init__(self, ctx: _Context, built: Any, model_spec: Any, strategy: Any, device: Any) -> None:
-        import torch
-
-        from autotune import fsdp2
-
-        config = _fsdp2_config_for_job(ctx.job, ctx.world)
-        self.model = built.module
-        ctx.result["notes"].extend(fsdp2.apply(self.model, config))
-        params = config["optimizer"]["params"]
-        opt_cls = torch.optim.AdamW if config["optimizer"]["type"] == "AdamW" else torch.optim.Adam
-        self.optimizer = opt_cls(self.model.parameters(), lr=params["lr"], betas=tuple(params["betas"]),
-                                 eps=params["eps"], weight_decay=params["weight_decay"], foreach=True)
-        self.scaler = None
-        if config["loss_scaling"]:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.scaler = ShardedGradScaler(device=device.type)
-        self.clip = float(config["gradient_clipping"])
-        self.optimizer_name = type(self.optimizer).__name__
-        self.gas = int(config["gradient_accumulation_steps"])
-        self.mbs = int(config["micro_batch_size"])
-
-    def forward(self, batch: dict) -> Any:
-        return self.model(**batch)
-
-    def backward(self, loss: Any, last_micro: bool) -> None:
-        scaled = loss / self.gas
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-
-    def step(self, last_micro: bool) -> None:
-        import torch
-
-        if not last_micro:
-            return
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def process_groups(self) -> list:
-        import torch.distributed as dist
-
-        out: list = [None]
-        for grp in ([] if dist.get_world_size() == 1 else _mesh_groups(self.model)):
-            if all(grp is not o for o in out):
-                out.append(grp)
-        return out
-
-
-def _mesh_groups(model: Any) -> list:
-    """The process groups of the device meshes FSDP2 shards over (gloo flushes them)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    groups: list = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()._fsdp_param_group
-            if state is not None:
-                groups.extend(state.mesh_info.mesh.get_all_groups())
-    return groups
-
-
 def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: int, world: int, local_rank: int,
          use_cuda: bool, memory_mode: str) -> None:
     import torch
@@ -504,12 +255,12 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     from autotune.spec import ModelSpec, TrainingSpec
     from autotune.strategy import Strategy
 
-    ctx = _Context(job, result, probe, rank, world, local_rank, use_cuda, memory_mode)
+    ctx = Context(job, result, probe, rank, world, local_rank, use_cuda, memory_mode)
     model_spec, training, strategy = ModelSpec(**job.model), TrainingSpec(**job.training), Strategy(**job.strategy)
     seed = int(job.setting("seed"))
     torch.manual_seed(seed + rank)
-    device = _set_dist_env(ctx)
-    engine_cls = _Fsdp2Engine if strategy.engine == "fsdp2" else _DeepSpeedEngine
+    device = set_dist_env(ctx)
+    engine_cls = Fsdp2Engine if strategy.engine == "fsdp2" else DeepSpeedEngine
     engine_cls.init_distributed(ctx)
     if world > 1:
         _make_exchange_group(float(job.setting("exchange_timeout_s")))
@@ -545,7 +296,7 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     result["reason"] = None
 
 
-def _step_loop(ctx: _Context, engine: Any, built: Any, batches: list) -> bool:
+def _step_loop(ctx: Context, engine: Any, built: Any, batches: list) -> bool:
     """Warm-up and measured optimizer steps (each GAS micro-steps of forward, backward, optimizer),
     one engine-neutral loop; False when a loss went non-finite (status nan already set).
 
@@ -595,7 +346,7 @@ def _step_loop(ctx: _Context, engine: Any, built: Any, batches: list) -> bool:
                 if collect and phase != "forward":
                     gc.collect()  # see the "gc_collect" note in the module docstring
                     if not use_cuda:
-                        _flush_gloo(groups)
+                        flush_gloo(groups)
                 if use_cuda and measured and ctx.memory_mode == "cuda":
                     torch.cuda.synchronize()
                     phase_peaks[phase] = max(phase_peaks[phase], torch.cuda.max_memory_allocated())
