@@ -120,32 +120,16 @@ def apply(model: Any, strategy_or_config: StrategyOrConfig, mesh: Any = None) ->
 
 # ------------------------------------------------------------------------------------ snippet
 
-_OP_SAC = '''
+def _op_sac_source() -> str:
+    """The snippet's ``op_sac_context``: the source of autotune.checkpointing.op_sac_context itself
+    (torchtitan's op-level policy, as the profiler applied it), so the two cannot drift."""
+    import inspect
+    import textwrap
 
-def op_sac_context():
-    """torchtitan's op-level selective activation checkpointing policy
-    (torchtitan/distributed/activation_checkpoint.py _apply_op_sac; same as
-    autotune.checkpointing.op_sac_context): keep attention outputs and every other matmul output,
-    recompute the rest."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from autotune.checkpointing import op_sac_context
 
-    aten = torch.ops.aten
-    save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_flash_attention.default}
-    for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
-        if hasattr(aten, name):
-            save.add(getattr(aten, name).default)
-    counts = {"forward": 0, "recompute": 0}
+    return "\n\n" + textwrap.dedent(inspect.getsource(op_sac_context))
 
-    def policy(ctx, func, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if func == aten.mm.default:
-            counts[mode] += 1
-        keep = func in save and not (func == aten.mm.default and counts[mode] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-'''
 
 _WRAP = '''
 
@@ -166,7 +150,7 @@ def _checkpoint_lines(granularity: str, blocks: list[int]) -> tuple[str, list[st
     if granularity == "full":
         return _WRAP, lines + ["            checkpoint_forward(block)"]
     if granularity == "op":
-        return _WRAP + _OP_SAC, lines + ["            checkpoint_forward(block, context_fn=op_sac_context)"]
+        return _WRAP + _op_sac_source(), lines + ["            checkpoint_forward(block, context_fn=op_sac_context)"]
     if granularity in _SUBMODULES:
         names = _SUBMODULES[granularity]
         return _WRAP, lines + [f"            sub = next(getattr(block, n) for n in {names!r} if hasattr(block, n))",
@@ -198,6 +182,7 @@ def snippet(config: Mapping[str, Any]) -> str:
 Layout (autotune.strategy.to_fsdp2_config): {json.dumps(dict(config), sort_keys=True)}
 """
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
