@@ -79,9 +79,9 @@ def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
     p = BYTES_PER_ELEMENT[s.precision]
     per_block = m.block_params()
     on_gpu = 0.0 if s.offload_params == "cpu" else 1.0
-    return _Units(n=n, p=p, r=BYTES_PER_ELEMENT[s.reduce_dtype], per_block=per_block,
-                  root=m.num_parameters - m.num_hidden_layers * per_block, on_gpu=on_gpu,
-                  u_root=p * (m.num_parameters - m.num_hidden_layers * per_block), u_block=p * per_block,
+    root = m.num_parameters - m.num_hidden_layers * per_block
+    return _Units(n=n, p=p, r=BYTES_PER_ELEMENT[s.reduce_dtype], per_block=per_block, root=root, on_gpu=on_gpu,
+                  u_root=p * root, u_block=p * per_block,
                   flat=p * per_block if n > 1 else 0.0, cast_in=p * per_block / n if p < 4 else 0.0,
                   grad_block=on_gpu * 4 * per_block / n, all_grads=on_gpu * 4 * m.num_parameters / n,
                   mlp_params=(3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size)
