@@ -21,7 +21,7 @@ from autotune.hf_config import check_exact_count, map_hf_config, read_hf_config
 from autotune.spec import GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, TrainingSpec
 from autotune.strategy import PRECISIONS, Strategy, knob_choices, validation_errors
 
-SAMPLERS = ("auto", "nsga2", "tpe", "gp", "random", "ehvi")
+SAMPLERS = ("auto", "nsga2", "tpe", "gp", "random", "ehvi", "sweep")
 BACKENDS = ("simulate", "profile", "deepspeed", "replay")
 """profile runs real measurements of either engine (deepspeed or fsdp2 strategies); deepspeed is its
 old name, still accepted."""
@@ -36,9 +36,10 @@ class SearchSection:
     """Search space: a name under search_spaces/ (default, no-offload, single-gpu) or a YAML path."""
     trials: int = 200
     """Number of Optuna trials (evaluated candidates, repeats excluded)."""
-    sampler: Literal["auto", "nsga2", "tpe", "gp", "random", "ehvi"] = "auto"
+    sampler: Literal["auto", "nsga2", "tpe", "gp", "random", "ehvi", "sweep"] = "auto"
     """Optuna sampler; auto: ehvi (autotune.sampler) for the profiling backends (deepspeed, replay),
-    nsga2 for simulate."""
+    nsga2 for simulate; sweep: every candidate of the space once (Optuna's BruteForceSampler), as
+    for a measured table."""
     headroom: float = 0.05
     """Fraction of GPU memory kept free when deciding whether a candidate fits."""
     seed: int = 0
