@@ -11,10 +11,21 @@ point reproduces exactly as it was measured::
 How it reaches the blocks, in order:
 
 1. a model with ``set_checkpointing(granularity, num_layers)`` (autotune's reference decoders, or a
-   user's model following them) does it itself; this is the only way to ``selective`` (attention
-   core recomputed, Korthikanti et al. 2022 sec. 5), which needs to know where the core is;
-2. a Hugging Face model: ``gradient_checkpointing_enable`` with ``use_reentrant=False``, and for the
-   first N of L layers the per-layer ``gradient_checkpointing`` flags turned off from layer N on;
+   user's model following them) does it itself;
+2. ``selective`` (attention core softmax(QK^T)V recomputed, Korthikanti et al. 2022 sec. 5) on a
+   Hugging Face model: ``checkpoint_attention_core`` registers a function with transformers'
+   ``AttentionInterface`` (and the base's mask function with ``AttentionMaskInterface``) under
+   ``autotune_selective_<base>``, where ``<base>`` is the model's attention implementation (sdpa,
+   eager: the model file's own ``eager_attention_forward``, ...), and selects it with
+   ``model.set_attn_implementation``. The function runs ``<base>`` inside non-reentrant
+   ``torch.utils.checkpoint`` for the attention modules of the chosen blocks (marked
+   ``_autotune_recompute_core``) and plainly for the others: the checkpoint keeps its inputs (q and k
+   after rotary / qk-norm, v, the mask), the projections, rotary, norms and MLP are not recomputed.
+   transformers' registered functions (``ALL_ATTENTION_FUNCTIONS["sdpa"]`` ...) are not modified;
+   a model that does not dispatch through ``AttentionInterface`` is refused (ValueError);
+   ``full`` on a Hugging Face model: ``gradient_checkpointing_enable`` with ``use_reentrant=False``,
+   and for the first N of L layers the per-layer ``gradient_checkpointing`` flags turned off from
+   layer N on;
 3. any other module: the blocks are the longest ``nn.ModuleList`` in it; each of the first N gets
    its ``forward`` wrapped in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``;
 4. ``attention`` / ``mlp`` on a model without ``set_checkpointing`` (HF or any other): the block's
@@ -68,7 +79,8 @@ def apply_checkpointing(model: Any, granularity: str, num_layers: Blocks = None)
     was applied.
 
     Raises ValueError when the granularity is unknown, the layer count is out of range, or the
-    model offers no way to apply it (``selective`` without ``set_checkpointing``)."""
+    model offers no way to apply it (``selective`` on a model that has neither ``set_checkpointing``
+    nor transformers' ``set_attn_implementation``)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, but got {granularity!r}")
     if isinstance(num_layers, int) and num_layers < 0:
@@ -80,9 +92,14 @@ def apply_checkpointing(model: Any, granularity: str, num_layers: Blocks = None)
     if granularity == "none" or empty:
         return []
     if granularity == "selective":
-        raise ValueError("selective checkpointing (attention core recomputed) needs the model's own "
-                         "set_checkpointing(granularity, num_layers), which knows where the attention core is; "
-                         "use 'full' for this model")
+        if not (hasattr(model, "set_attn_implementation") and hasattr(getattr(model, "config", None), "_attn_implementation")):
+            raise ValueError("selective checkpointing (attention core recomputed) needs the model's own "
+                             "set_checkpointing(granularity, num_layers), or a Hugging Face model (its attention "
+                             "function is wrapped through AttentionInterface); use 'full' for this model")
+        cores, total = _block_submodules(model, "attention", num_layers)
+        name = checkpoint_attention_core(model, cores)
+        return [f"attention core of the {describe_blocks(num_layers, total)} blocks recomputed: transformers "
+                f"AttentionInterface function {name!r} (non-reentrant torch.utils.checkpoint)"]
     if granularity in ("attention", "mlp", "op"):
         notes = _no_kv_cache(model)
         if granularity == "op":
@@ -210,16 +227,66 @@ SUBMODULE_NAMES = {"attention": ("self_attn", "attn", "attention", "self_attenti
 GPT-2 ``attn`` / ``mlp``, GPT-NeoX ``attention`` / ``mlp``, autotune's decoders ``attn`` / ``mlp``)."""
 
 
-def _wrap_submodules(model: Any, granularity: str, n: Blocks) -> list[str]:
-    """``attention`` / ``mlp``: that module of each chosen block recomputed (its ``forward``
-    wrapped in non-reentrant checkpoint; the norms around it are not recomputed)."""
+def _block_submodules(model: Any, granularity: str, n: Blocks) -> tuple[list[Any], int]:
+    """The ``attention`` / ``mlp`` module (``SUBMODULE_NAMES``) of each chosen block, and the block count."""
     blocks, idx = _selected_blocks(model, n)
     names = SUBMODULE_NAMES[granularity]
+    subs = []
     for i in idx:
         block = blocks[i]
         sub = next((getattr(block, k) for k in names if hasattr(block, k)), None)
         if sub is None:
             raise ValueError(f"block {i} ({type(block).__name__}) has no {granularity} module (looked for "
                              f"{', '.join(names)}); use full checkpointing for this model")
+        subs.append(sub)
+    return subs, len(blocks)
+
+
+def _wrap_submodules(model: Any, granularity: str, n: Blocks) -> list[str]:
+    """``attention`` / ``mlp``: that module of each chosen block recomputed (its ``forward``
+    wrapped in non-reentrant checkpoint; the norms around it are not recomputed)."""
+    subs, total = _block_submodules(model, granularity, n)
+    for sub in subs:
         _checkpoint_forward(sub)
-    return [f"{granularity} module of the {describe_blocks(n, len(blocks))} blocks wrapped in torch.utils.checkpoint"]
+    return [f"{granularity} module of the {describe_blocks(n, total)} blocks wrapped in torch.utils.checkpoint"]
+
+
+def checkpoint_attention_core(model: Any, attention_modules: Any) -> str:
+    """Selective checkpointing of a Hugging Face model (Korthikanti et al. 2022 sec. 5): the attention
+    core softmax(QK^T)V of ``attention_modules`` (the chosen decoder layers' attention modules) is
+    recomputed in backward; its inputs q, k, v and the mask are kept, the projections, rotary, norms
+    and MLP are not recomputed. Registers ``autotune_selective_<base>`` with transformers'
+    AttentionInterface (``<base>``: the model's attention implementation, whose mask function is
+    registered under the same name) and selects it with ``model.set_attn_implementation``; the
+    function runs ``<base>`` in non-reentrant ``torch.utils.checkpoint`` for the marked modules and
+    plainly for the others. transformers' own functions are not modified. Returns the name."""
+    import sys
+
+    from torch.utils.checkpoint import checkpoint
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    prefix = "autotune_selective_"
+    current = model.config._attn_implementation or "sdpa"
+    base = current[len(prefix):] if current.startswith(prefix) else current
+    name = prefix + base
+
+    def attention(module: Any, *args: Any, **kwargs: Any) -> Any:
+        # eager is no AttentionInterface entry: each model file has its own eager_attention_forward
+        inner = (sys.modules[type(module).__module__].eager_attention_forward if base == "eager"
+                 else ALL_ATTENTION_FUNCTIONS[base])
+        if getattr(module, "_autotune_recompute_core", False):
+            return checkpoint(inner, module, *args, use_reentrant=False, **kwargs)
+        return inner(module, *args, **kwargs)
+
+    AttentionInterface.register(name, attention)
+    if base in ALL_MASK_ATTENTION_FUNCTIONS:  # the masks the base expects (else transformers makes none)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    for module in attention_modules:
+        module._autotune_recompute_core = True
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise ValueError(f"{type(model).__name__} does not dispatch its attention through transformers' "
+                         "AttentionInterface, so its attention core cannot be recomputed alone; use full checkpointing")
+    return name

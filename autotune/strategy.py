@@ -282,9 +282,6 @@ def validation_errors(
     if s.checkpoint_layers is not None and not 0 <= s.checkpoint_layers <= model.num_hidden_layers:
         errors.append(("checkpoint_layers",
                        f"checkpoint_layers must be in 0..{model.num_hidden_layers}, but got {s.checkpoint_layers}"))
-    if s.checkpointing == "selective" and model.implementation == "hf" and s.num_checkpointed(model.num_hidden_layers):
-        errors.append(("checkpointing", "checkpointing=selective (attention core recomputed) is not available for "
-                       "Hugging Face models, which checkpoint whole layers; use full or none"))
     if s.checkpoint_every is not None and s.checkpoint_layers is not None:
         errors.append(("checkpoint_every", f"checkpoint_every and checkpoint_layers exclude each other, but got "
                        f"checkpoint_every={s.checkpoint_every}, checkpoint_layers={s.checkpoint_layers}"))

@@ -96,8 +96,84 @@ def test_hf_model_prefix_of_layers():
     notes = apply_checkpointing(model, "full", 2)
     assert notes == ["HF per-layer gradient_checkpointing flags: first 2 of 3 layers"]
     assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, True, False]
-    with pytest.raises(ValueError, match="set_checkpointing"):
-        apply_checkpointing(model, "selective", 2)
+
+
+def _tiny_llama(transformers, **kw):
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, **kw)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).train()
+
+
+@pytest.mark.parametrize("layers, recomputed", [(2, [0, 1]), ([0, 2], [0, 2])])
+def test_hf_selective_recomputes_the_attention_core_of_the_chosen_layers_only(layers, recomputed):
+    """selective on a Hugging Face model: the attention function (here a counting one registered
+    with transformers' AttentionInterface, wrapping sdpa) runs once more, in backward, for exactly
+    the chosen layers; loss and gradients are the uncheckpointed model's; transformers' own
+    functions stay as they were."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    calls = []
+
+    def counting(module, *args, **kwargs):
+        calls.append((phase[0], module.layer_idx))
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register("autotune_test_counting", counting)
+    phase = ["forward"]
+    ids = torch.randint(0, 128, (2, 16))
+    results = []
+    for g in ("none", "selective"):
+        model = _tiny_llama(transformers, attn_implementation="autotune_test_counting")
+        notes = apply_checkpointing(model, g, layers)
+        calls.clear()
+        phase[0] = "forward"
+        loss = model(input_ids=ids, labels=ids).loss
+        phase[0] = "backward"
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()], sorted(calls)))
+    (base_loss, base_grads, base_calls), (loss, grads, sel_calls) = results
+    assert base_calls == [("forward", i) for i in range(3)]
+    assert sel_calls == sorted([("forward", i) for i in range(3)] + [("backward", i) for i in recomputed])
+    assert model.config._attn_implementation == "autotune_selective_autotune_test_counting"
+    assert "AttentionInterface function 'autotune_selective_autotune_test_counting'" in notes[0]
+    assert loss == pytest.approx(base_loss)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(base_grads, grads))
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    assert ALL_ATTENTION_FUNCTIONS["autotune_test_counting"] is counting
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_hf_selective_keeps_gradients_and_saves_less(attn):
+    """sdpa and eager (the model file's own eager_attention_forward, with its mask): the checkpointed
+    attention core no longer saves its internals (the s x s probabilities for eager)."""
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 128, (2, 32))
+    results = []
+    for g in ("none", "selective"):
+        model = _tiny_llama(transformers, attn_implementation=attn)
+        apply_checkpointing(model, g)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((sum(saved), loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (base_saved, base_loss, base_grads), (saved, loss, grads) = results
+    assert model.config._attn_implementation == f"autotune_selective_{attn}"
+    assert saved < base_saved and loss == pytest.approx(base_loss)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(base_grads, grads))
+
+
+def test_hf_selective_refuses_a_model_without_the_attention_interface():
+    transformers = pytest.importorskip("transformers")
+    model = _tiny_llama(transformers)
+    model.set_attn_implementation = lambda name: None  # as transformers does for such models: a warning, no change
+    with pytest.raises(ValueError, match="does not dispatch its attention through transformers' AttentionInterface"):
+        apply_checkpointing(model, "selective", 1)
 
 
 @pytest.mark.parametrize("granularity", ["attention", "mlp", "op"])

@@ -164,8 +164,17 @@ def test_hf_source_from_config_with_partial_checkpointing(tmp_path):
     loss = loss_of(built.module(**built.batch_fn(2, 16, "cpu")), built.source)
     loss.backward()
     assert torch.isfinite(loss)
-    with pytest.raises(UserModelError, match="selective"):
-        set_checkpointing(build_for_job({"hf_config": str(path)}, SPEC, TRAIN), "selective", 3, 3)
+    # selective: the attention function checkpointed through transformers' AttentionInterface
+    built = build_for_job({"hf_config": str(path)}, SPEC, TRAIN)
+    set_checkpointing(built, "selective", [0, 2], 3)
+    assert built.module.config._attn_implementation == "autotune_selective_sdpa"
+    assert [getattr(layer.self_attn, "_autotune_recompute_core", False) for layer in built.module.model.layers] == [
+        True, False, True]
+    assert any("attention core of the blocks 0, 2 of 3" in n for n in built.notes)
+    built.module.train()
+    loss = loss_of(built.module(**built.batch_fn(2, 16, "cpu")), built.source)
+    loss.backward()
+    assert torch.isfinite(loss)
 
 
 # ---------------------------------------------------------------- slow: through the deepspeed backend

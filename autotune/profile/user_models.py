@@ -16,14 +16,15 @@ Three sources, chosen from the job (autotune.profile.worker's JSON, filled by De
   ``set_checkpointing(granularity, num_layers)`` if it has one; otherwise HF-style
   ``gradient_checkpointing_enable`` for ``full``; otherwise the first N blocks of its longest
   ``nn.ModuleList`` are wrapped in non-reentrant ``torch.utils.checkpoint``. ``selective`` needs
-  ``set_checkpointing``; without it the trial fails with status ``error``.
+  ``set_checkpointing`` (or a Hugging Face model); without it the trial fails with status ``error``.
   The factory's module directory must be importable: the worker prepends ``python_path`` (the
   directory of the config file and the directory ``autotune run`` was started in) to ``sys.path``.
 * ``hf_config: path`` (and transformers importable): ``AutoModelForCausalLM.from_config`` with
   ``attn_implementation="sdpa"``, nothing downloaded (``HF_HUB_OFFLINE=1``); batches
   ``{input_ids, labels=input_ids, use_cache=False}`` (HF shifts the labels itself).
   Checkpointing: ``full`` = non-reentrant ``gradient_checkpointing_enable``, on the first N layers
-  through the per-layer ``gradient_checkpointing`` flags; ``selective`` is an error.
+  through the per-layer ``gradient_checkpointing`` flags; ``selective`` = the attention function
+  wrapped in a checkpoint through transformers' AttentionInterface (autotune.checkpointing).
   Without transformers the reference decoder built from the same ModelSpec is used (with a note).
 * otherwise the reference decoder of autotune.profile.models.
 
