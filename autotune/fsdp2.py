@@ -120,15 +120,16 @@ def apply(model: Any, strategy_or_config: StrategyOrConfig, mesh: Any = None) ->
 
 # ------------------------------------------------------------------------------------ snippet
 
-def _op_sac_source() -> str:
-    """The snippet's ``op_sac_context``: the source of autotune.checkpointing.op_sac_context itself
-    (torchtitan's op-level policy, as the profiler applied it), so the two cannot drift."""
+def _checkpointing_source(name: str) -> str:
+    """The source of a function of autotune.checkpointing (``op_sac_context``: torchtitan's op-level
+    policy; ``checkpoint_attention_core``: HF selective), as the profiler applied it, for the
+    snippet, so the two cannot drift."""
     import inspect
     import textwrap
 
-    from autotune.checkpointing import op_sac_context
+    from autotune import checkpointing
 
-    return "\n\n" + textwrap.dedent(inspect.getsource(op_sac_context))
+    return "\n\n" + textwrap.dedent(inspect.getsource(getattr(checkpointing, name)))
 
 
 _WRAP = '''
@@ -150,13 +151,14 @@ def _checkpoint_lines(granularity: str, blocks: list[int]) -> tuple[str, list[st
     if granularity == "full":
         return _WRAP, lines + ["            checkpoint_forward(block)"]
     if granularity == "op":
-        return _WRAP + _op_sac_source(), lines + ["            checkpoint_forward(block, context_fn=op_sac_context)"]
+        return _WRAP + _checkpointing_source("op_sac_context"), lines + ["            checkpoint_forward(block, context_fn=op_sac_context)"]
     if granularity in _SUBMODULES:
         names = _SUBMODULES[granularity]
         return _WRAP, lines + [f"            sub = next(getattr(block, n) for n in {names!r} if hasattr(block, n))",
                                "            checkpoint_forward(sub)"]
-    # selective (attention core only) needs the model to know where its attention core is
-    return "", ["        pass  # selective: see model.set_checkpointing below"]
+    # selective (attention core only): before the loop, the model's set_checkpointing or, for a
+    # Hugging Face model, its attention function checkpointed through AttentionInterface
+    return _checkpointing_source("checkpoint_attention_core"), []
 
 
 def snippet(config: Mapping[str, Any]) -> str:
@@ -164,8 +166,8 @@ def snippet(config: Mapping[str, Any]) -> str:
     ``config`` (a ``to_fsdp2_config`` dict): device mesh, activation checkpointing (``op``: torchtitan's
     policy inlined), ``fully_shard`` per block and on the root, the optimizer (``AdamW(foreach=True)``)
     and one training step with gradient accumulation, clipping and (fp16) a ShardedGradScaler.
-    ``selective`` (attention core) is the one granularity it cannot inline: the snippet calls the
-    model's own ``set_checkpointing`` (autotune's reference decoders have one)."""
+    ``selective`` (attention core): the model's own ``set_checkpointing`` (autotune's reference
+    decoders have one), otherwise (a Hugging Face model) ``checkpoint_attention_core`` inlined."""
     lay = _layout(config, 0)
     opt = config["optimizer"]
     p = opt["params"]
@@ -209,7 +211,13 @@ def shard(model, blocks=None):
         blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
 '''
     if selective:
-        text += "    model.set_checkpointing(\"selective\", CHECKPOINTED)  # attention core recomputed\n"
+        text += f'''    if hasattr(model, "set_checkpointing"):  # attention core recomputed (autotune's reference decoders)
+        model.set_checkpointing("selective", CHECKPOINTED)
+    else:  # a Hugging Face model: its attention function checkpointed through AttentionInterface
+        names = {_SUBMODULES["attention"]!r}
+        checkpoint_attention_core(model, [next(getattr(blocks[i], n) for n in names if hasattr(blocks[i], n))
+                                          for i in CHECKPOINTED])
+'''
     text += f'''    mp = MixedPrecisionPolicy(param_dtype=torch.{lay["param_dtype"]}, reduce_dtype=torch.{lay["reduce_dtype"]})
     for i, block in enumerate(blocks):
 {chr(10).join(ckpt) if ckpt else "        pass"}

@@ -140,3 +140,44 @@ def test_snippet_runs(group, knobs):
         ns["train_step"](model, optimizer, batches[:1])
     after = float(model(**batches[0])["loss"].detach())
     assert math.isfinite(after) and after < before
+
+
+def _hf_model():
+    """A tiny Hugging Face Llama (sdpa) and two batches of its own kind."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+    batches = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(0, 128, (2, 16)) for _ in range(2))]
+    return model, batches
+
+
+@pytest.mark.parametrize("through", ["apply", "snippet"])
+def test_hf_selective_through_apply_and_the_snippet(group, through):
+    """selective on a Hugging Face model under fsdp2: the attention function of every 2nd block
+    checkpointed through AttentionInterface (autotune.apply, or the snippet's inlined copy), then
+    sharded and trained."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model, batches = _hf_model()
+    hw = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=1)
+    spec = ModelSpec(name="tiny-hf", num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, vocab_size=128, max_position_embeddings=128, implementation="hf")
+    cfg = to_fsdp2_config(Strategy(engine="fsdp2", micro_batch_size=2, checkpointing="selective", checkpoint_every=2),
+                          spec, TRAINING, hw)
+    if through == "apply":
+        notes = fsdp2.apply(model, cfg)
+        assert "AttentionInterface function 'autotune_selective_sdpa'" in notes[0]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    else:
+        text = fsdp2.snippet(cfg)
+        assert "def checkpoint_attention_core" in text and "import autotune" not in text
+        ns: dict = {}
+        exec(compile(text, "fsdp2_snippet.py", "exec"), ns)
+        optimizer = ns["shard"](model)
+    assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.model.layers)
+    assert model.config._attn_implementation == "autotune_selective_sdpa"
+    assert [getattr(b.self_attn, "_autotune_recompute_core", False) for b in model.model.layers] == [False, True, False]
+    losses = _train(model, optimizer, batches)
+    assert all(math.isfinite(v) for v in losses) and losses[2] < losses[0]
