@@ -1,6 +1,6 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 123 configs
+    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 132 configs
     python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
     python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
@@ -11,7 +11,8 @@ qwen2, qwen3, gemma, gemma2, phi3, olmo2, gpt2 with its default dropout 0.1, gpt
 with the family's own switches kept, each under 8 strategies (ZeRO 0-3, 1 and 2 gloo ranks,
 gradient accumulation 1/2/4, checkpointing none/full, bf16/fp32); plus 8 rows of autotune's
 reference decoders (selective checkpointing, eager attention), 8 rows of module-level
-checkpointing (attention / mlp), 6 of op-level checkpointing (op), 3 of every-k-th-block
+checkpointing (attention / mlp), 6 of op-level checkpointing (op), 9 of selective checkpointing of
+HF models (8 families, ZeRO 0/2/3 and fsdp2, one every 2nd block), 3 of every-k-th-block
 checkpointing and 18 of the fsdp2 engine (1 and 2 ranks; resharding after forward or not, reduce
 in fp32 or bf16; none/full/op/attention/mlp checkpointing). Every config runs
 ``autotune.profile.worker`` in fresh processes (``python`` for 1 rank, ``torchrun
@@ -158,6 +159,14 @@ GRANULARITY_ROWS = [("hf-llama", 2, 2, 2, 2, 256, "attention", "bf16"), ("hf-gpt
                     ("hf-gemma2", 2, 1, 2, 2, 256, "op", "bf16"), ("llama-s", 1, 1, 4, 2, 256, "op", "bf16")]
 
 
+# selective checkpointing of HF models (the attention core recomputed: the attention function wrapped
+# through transformers' AttentionInterface, autotune.checkpointing.checkpoint_attention_core)
+SELECTIVE_ROWS = [("hf-llama", 0, 1, 2, 2, 256, "selective", "bf16"), ("hf-qwen3", 2, 2, 1, 4, 128, "selective", "fp32"),
+                  ("hf-phi3", 2, 1, 2, 2, 256, "selective", "bf16"), ("hf-gemma2", 0, 2, 1, 2, 256, "selective", "bf16"),
+                  ("hf-gpt2", 0, 1, 1, 2, 256, "selective", "fp32"), ("hf-olmo2", 3, 2, 1, 2, 256, "selective", "bf16"),
+                  ("hf-llama", "fsdp2", 2, 1, 2, 256, "selective", "bf16"), ("hf-neox", "fsdp2", 1, 2, 4, 128, "selective", "fp32"),
+                  ("hf-mistral", "fsdp2-keep", 2, 1, 2, 256, "selective/2", "fp32")]
+
 # every k-th block checkpointed ("<granularity>/<k>"), both engines
 EVERY_K_ROWS = [("hf-llama", 2, 2, 1, 2, 256, "full/2", "bf16"), ("llama-m", 0, 1, 2, 2, 128, "op/2", "fp32"),
                 ("hf-qwen3", "fsdp2", 2, 1, 2, 256, "attention/2", "bf16")]
@@ -184,7 +193,7 @@ def grid(quick: bool) -> list[dict]:
     if quick:
         return rows[::3]
     have_hf = importlib.util.find_spec("transformers") is not None
-    return rows + [dict(zip(ROW_KEYS, r)) for r in GRANULARITY_ROWS + EVERY_K_ROWS + FSDP2_ROWS
+    return rows + [dict(zip(ROW_KEYS, r)) for r in GRANULARITY_ROWS + SELECTIVE_ROWS + EVERY_K_ROWS + FSDP2_ROWS
                    if have_hf or r[0] not in HF_FAMILIES]
 
 

@@ -192,6 +192,26 @@ def test_hf_llama_gqa_trace_matches_the_analytic_saved_activations(tmp_path):
     assert abs(ab["blocks"] + ab["nonblock"] - r.saved_activations) / r.saved_activations < 0.02
 
 
+def test_hf_selective_trace_recomputes_the_attention_core_and_matches_the_analytic(tmp_path):
+    """selective on an HF model in the traced tier (autotune.checkpointing.checkpoint_attention_core):
+    the checkpointed layer's attention core runs again in backward, the others do not, and the
+    saved activations agree with the analytic model."""
+    pytest.importorskip("transformers")
+    from autotune.memory import activation_breakdown
+
+    spec, path = _hf_spec(tmp_path, {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128,
+                                     "num_attention_heads": 8, "num_key_value_heads": 2,
+                                     "intermediate_size": 256, "vocab_size": 512})
+    training = TrainingSpec(seq_len=128, global_batch_size=2)
+    strategy = Strategy(micro_batch_size=2, checkpointing="selective", checkpoint_layers=1)
+    r = trace_memory(spec, training, strategy, hf_config=path)
+    assert any("autotune_selective_sdpa" in n for n in r.notes)
+    # three attention forwards: both layers, then layer 0's recompute
+    assert r.flops["attention_fwd"] == 3 * 4 * 2 * spec.q_size * 128 * 128
+    ab = activation_breakdown(spec, training, strategy)
+    assert abs(ab["blocks"] + ab["nonblock"] - r.saved_activations) / r.saved_activations < 0.02
+
+
 def test_traced_estimate_on_the_real_memory_model():
     from autotune import presets
     from autotune.config import Config

@@ -82,9 +82,10 @@ def _attention_sublayer_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, dev
         width = m.q_size + m.kv_size
         vectors = (m.num_attention_heads + m.num_key_value_heads) if m.qk_norm == "head" else 2
         n += (8 if m.norm == "rmsnorm_fp32" else 4 + p) * width + 4 * vectors
-    if m.fused_qkv and m.position_embedding == "rope" and core != "selective":
-        # rotary makes new q and k, v stays a view of the fused projection's output: attention
-        # keeps that whole output (q + 2 kv) where separate projections keep v alone
+    if m.fused_qkv and m.position_embedding == "rope" and (core != "selective" or m.implementation == "hf"):
+        # rotary makes new q and k, v stays a view of the fused projection's output: attention (or
+        # the checkpoint of HF's selective, autotune.checkpointing.checkpoint_attention_core, which
+        # keeps its inputs) keeps that whole output (q + 2 kv) where separate projections keep v alone
         n += p * (m.q_size + m.kv_size)
     if m.hidden_dropout > 0:
         n += mask_bytes * m.hidden_size  # its residual-branch dropout mask
@@ -252,11 +253,15 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     # Gemma2's final_logit_softcapping, cap * tanh(logits / cap): tanh keeps its output (model dtype)
     softcap = p * V * tokens if m.final_logit_softcapping else 0.0
     nonblock += softcap
-    if m.implementation == "hf" and m.attn_implementation == "eager" and n_ck and gran in ("full", "op", "attention"):
-        # HF's 4-D additive masks (model dtype): the checkpoints keep them as inputs of the block or
-        # attention module (transformers masking_utils.py eager_mask; without checkpointing they die
-        # with the forward)
+    if m.implementation == "hf" and m.attn_implementation == "eager" and n_ck and gran in ("full", "op", "attention", "selective"):
+        # HF's 4-D additive masks (model dtype): the checkpoints keep them as inputs of the block,
+        # attention module or attention function (transformers masking_utils.py eager_mask; without
+        # checkpointing they die with the forward)
         nonblock += m.num_attention_masks * b * s * s * p
+    if m.implementation == "hf" and n_ck:
+        # the position ids (1 x s, int64) HF hands every layer: a checkpoint keeps them as an input
+        # (measured: tests/test_memory_hf_blocks.py; without checkpointing they die with the forward)
+        nonblock += 8 * s
     # forward end: logits (model dtype), their fp32 copy and log_softmax's output coexist
     loss_fwd = (p + 4) * V * tokens if p < 4 else 4 * V * tokens
     # backward start: nll grad + log_softmax grad (fp32) next to the saved log_softmax output,
