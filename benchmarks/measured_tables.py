@@ -3,8 +3,13 @@
 The table itself comes from the ordinary profiling path, every candidate of the job's space measured
 for real (DeepSpeed on whatever accelerator the machine has; here the CPU one, gloo):
 
-    DS_ACCELERATOR=cpu nice -n 10 autotune run data/measured/<name>/config.yaml --backend deepspeed \\
-        --trials <number of candidates> --out /tmp/measure --name <name>
+    OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu nice -n -10 autotune run data/measured/<name>/config.yaml \\
+        --backend profile --trials <number of candidates> --out /tmp/measure --name <name>
+
+(the job files say ``search.sampler: sweep``: every candidate once. One intra-op thread per rank and a
+raised priority keep other jobs on a shared machine from stretching the steps: with torch's default
+two threads on 2 busy cores, a step of tiny-llama's ZeRO-1 mbs 2 fp32 job took 0.1 s alone and 0.8-4.3 s
+beside a test run)
 
 then ``python benchmarks/measured_tables.py /tmp/measure/<name> data/measured/<name>`` copies the run's
 trials.csv (only measured rows: COMPLETE and FAIL, no repeats or pruned rows) and adds
@@ -58,9 +63,9 @@ def main(argv: list[str]) -> int:
             versions[mod] = None
     name = os.path.basename(os.path.normpath(dest))
     prov = {
-        "command": f"DS_ACCELERATOR=cpu nice -n 10 autotune run data/measured/{name}/config.yaml --backend deepspeed "
-                   f"--trials 64 --out /tmp/measure --name {name}; python benchmarks/measured_tables.py "
-                   f"/tmp/measure/{name} data/measured/{name}",
+        "command": f"OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu nice -n -10 autotune run data/measured/{name}/config.yaml "
+                   f"--backend profile --trials {len(rows)} --out /tmp/measure --name {name}; python "
+                   f"benchmarks/measured_tables.py /tmp/measure/{name} data/measured/{name}",
         "started": opts.get("--started"), "written": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": opts.get("--commit"), "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "versions": versions,

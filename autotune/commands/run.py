@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from autotune.compare import DEFAULT_MAX_REGRESSION
-from autotune.config import BACKENDS
+from autotune.config import BACKENDS, SAMPLERS
 from autotune.errors import ConfigError
 
 
@@ -34,6 +34,8 @@ def add_parser(sub: Any) -> None:
                      "(default: runs/<name>/study.journal for simulate/replay, runs/<name>/study.db (SQLite, "
                      "with a trial heartbeat) for profile / deepspeed)")
     p.add_argument("--seed", type=int, metavar="N", help="sampler seed (default: search.seed)")
+    p.add_argument("--sampler", choices=SAMPLERS,
+                     help="Optuna sampler (default: search.sampler); sweep evaluates every candidate once")
     p.add_argument("--calibration", metavar="RUN_DIR",
                      help="start from the simulator parameters fitted by an earlier profiled run on the same "
                      "hardware (its calibration.json)")
@@ -57,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
     from autotune.rundir import open_run
 
     cfg = load_config(args.config)
+    if args.sampler:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, search=dataclasses.replace(cfg.search, sampler=args.sampler))
     compare.parse_threshold(args.max_regression)  # a bad --max-regression fails before running
     baseline = compare.resolve_baseline(args.out, args.config, args.baseline)
     run = open_run(cfg, out=args.out, name=args.name, resume=args.resume, storage=args.storage,
