@@ -86,8 +86,6 @@ def main() -> int:
                 print(f"{src:6} {spec.name[:14]:14} skipped: transformers not installed")
                 continue
             for ck in args.checkpointing.split(","):
-                if src == "hf" and ck == "selective":
-                    continue
                 training = TrainingSpec(seq_len=seq, global_batch_size=mbs)
                 strategy = Strategy(zero_stage=0, micro_batch_size=mbs, checkpointing=ck)
                 t0 = time.perf_counter()
