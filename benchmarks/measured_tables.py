@@ -4,9 +4,9 @@ The table itself comes from the ordinary profiling path, every candidate of the 
 for real (DeepSpeed on whatever accelerator the machine has; here the CPU one, gloo):
 
     OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu nice -n -10 autotune run data/measured/<name>/config.yaml \\
-        --backend profile --trials <number of candidates> --out /tmp/measure --name <name>
+        --backend profile --sampler sweep --trials <number of candidates> --out /tmp/measure --name <name>
 
-(the job files say ``search.sampler: sweep``: every candidate once. One intra-op thread per rank and a
+(with ``hardware.gpu.memory_gib: 4`` while measuring; ``--sampler sweep``: every candidate once. One intra-op thread per rank and a
 raised priority keep other jobs on a shared machine from stretching the steps: with torch's default
 two threads on 2 busy cores, a step of tiny-llama's ZeRO-1 mbs 2 fp32 job took 0.1 s alone and 0.8-4.3 s
 beside a test run)
@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
     name = os.path.basename(os.path.normpath(dest))
     prov = {
         "command": f"OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu nice -n -10 autotune run data/measured/{name}/config.yaml "
-                   f"--backend profile --trials {len(rows)} --out /tmp/measure --name {name}; python "
+                   f"--backend profile --sampler sweep --trials {len(rows)} --out /tmp/measure --name {name} (with "
+                   f"hardware.gpu.memory_gib: 4); python "
                    f"benchmarks/measured_tables.py /tmp/measure/{name} data/measured/{name}",
         "started": opts.get("--started"), "written": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": opts.get("--commit"), "python": platform.python_version(), "machine": platform.machine(),
