@@ -283,6 +283,9 @@ def checkpoint_attention_core(model: Any, attention_modules: Any) -> str:
     AttentionInterface.register(name, attention)
     if base in ALL_MASK_ATTENTION_FUNCTIONS:  # the masks the base expects (else transformers makes none)
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    for module in model.modules():  # an earlier call's choice is replaced, not added to
+        if getattr(module, "_autotune_recompute_core", False):
+            module._autotune_recompute_core = False
     for module in attention_modules:
         module._autotune_recompute_core = True
     model.set_attn_implementation(name)

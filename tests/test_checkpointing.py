@@ -144,6 +144,10 @@ def test_hf_selective_recomputes_the_attention_core_of_the_chosen_layers_only(la
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(base_grads, grads))
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
     assert ALL_ATTENTION_FUNCTIONS["autotune_test_counting"] is counting
+    apply_checkpointing(model, "selective", [1])  # applied again: that choice replaces the first
+    assert [getattr(layer.self_attn, "_autotune_recompute_core", False) for layer in model.model.layers] == [
+        False, True, False]
+    assert model.config._attn_implementation == "autotune_selective_autotune_test_counting"
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
