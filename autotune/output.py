@@ -204,6 +204,12 @@ def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str], equivalents: 
     }
 
 
+def config_dirs(front: dict[str, Any]) -> list[str]:
+    """The engine config folders a front.json's points use (``ds_configs``, ``fsdp2_configs``), in that order."""
+    return [d for d, key in (("ds_configs", "ds_config"), ("fsdp2_configs", "fsdp2_config"))
+            if any(p.get(key) for p in front["front"])]
+
+
 def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, backend: str,
                   extra_summary: Optional[dict[str, Any]] = None, confidence: Optional[str] = None) -> dict[str, Any]:
     """Write every output file; returns the front.json object. ``confidence``: how sure the sampler
@@ -213,8 +219,6 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
     front = front_rows(rows)
     collapsed = collapse_front(front)
     on_front = {r.number for rep, equivalents in collapsed for r in (rep, *equivalents)}
-    ds_dir = os.path.join(run_dir, "ds_configs")
-    os.makedirs(ds_dir, exist_ok=True)
     points = []
     for k, (row, equivalents) in enumerate(collapsed):
         if row.strategy.engine == "fsdp2":
@@ -224,6 +228,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
             points.append(point)
             continue
         rel = f"ds_configs/{k}.json"
+        os.makedirs(os.path.join(run_dir, "ds_configs"), exist_ok=True)  # only when a DeepSpeed point needs it
         write_json(os.path.join(run_dir, rel), to_deepspeed_config(row.strategy, cfg.model, cfg.training,
                                                                      cfg.hardware))
         points.append(point_dict(cfg, row, rel, equivalents, predicted))

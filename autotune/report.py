@@ -19,7 +19,7 @@ import re
 from typing import Any, Optional
 
 from autotune.config import Config
-from autotune.output import empty_front_reason, format_gib, point_memory_gib
+from autotune.output import config_dirs, empty_front_reason, format_gib, point_memory_gib
 from autotune.profile.backend import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY
 from autotune.runfiles import RunData, TrialRecord, load_run, to_float
 from autotune.spec import GIB
@@ -402,7 +402,8 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
             parts.append(_table(["trials", "reason (first clause; example)", "trial numbers"],
                                 [[n, reason, ", ".join(map(str, nums[:8])) + (" ..." if len(nums) > 8 else "")]
                                  for reason, n, nums in summary]))
-    parts.append(f'<p class="muted">Files: front.json, trials.csv, best.json, ds_configs/, summary.md, front.png. '
+    configs = "".join(f"{d}/, " for d in config_dirs(f))
+    parts.append(f'<p class="muted">Files: front.json, trials.csv, best.json, {configs}summary.md, front.png. '
                  f"plotly {esc(plotly.__version__)} embedded.</p>")
     data = {"trials": len(run.trials), "front": len(f["front"]), "pareto_div": PARETO_DIV}
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

@@ -218,3 +218,13 @@ def test_sweep_sampler_evaluates_every_fitting_candidate_once(tmp_path):
                  "--out", str(tmp_path), "--name", "sw", "--json"]) == 0
     rows = [r for r in csv.DictReader(open(tmp_path / "sw" / "trials.csv")) if r["state"] == "COMPLETE"]
     assert len(rows) == len({r["strategy"] for r in rows}) == len(fits)
+
+
+def test_an_fsdp2_only_front_writes_no_deepspeed_folder(tmp_path, capsys):
+    """The run's config folders are those its front uses: an FSDP2-only space leaves no empty ds_configs/."""
+    example = os.path.join(EXAMPLES, "tiny-cpu-fsdp2.yaml")
+    assert main(["run", example, "--backend", "simulate", "--out", str(tmp_path), "--name", "f"]) == 0
+    files = [line for line in capsys.readouterr().out.splitlines() if line.startswith("files:")]
+    assert files and "fsdp2_configs/" in files[0] and "ds_configs/" not in files[0]
+    assert (tmp_path / "f" / "fsdp2_configs").is_dir() and not (tmp_path / "f" / "ds_configs").exists()
+    assert "fsdp2_configs/," in (tmp_path / "f" / "report.html").read_text()

@@ -54,7 +54,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from autotune import compare
     from autotune.config import load_config
-    from autotune.output import recommendation_lines
+    from autotune.output import config_dirs, recommendation_lines
     from autotune.report import write_report
     from autotune.rundir import open_run
 
@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + "\n".join(recommendation_lines(front["best"], run.run_dir)))
         if front.get("front_confidence"):
             print(front["front_confidence"])
-        fsdp2 = "fsdp2_configs/, " if any(p.get("fsdp2_config") for p in front["front"]) else ""
-        print(f"\nfiles: {run.run_dir}/ (front.json, trials.csv, ds_configs/, {fsdp2}best.json, summary.md, "
+        configs = "".join(f"{d}/, " for d in config_dirs(front))
+        print(f"\nfiles: {run.run_dir}/ (front.json, trials.csv, {configs}best.json, summary.md, "
               f"{'report.html, front.png, ' if report else ''}"
               f"{os.path.basename(run.storage_path) if run.storage_path else 'study in ' + run.storage_url})")
     if run.interrupted:
