@@ -26,7 +26,8 @@ over the more recent half of the measurements (a model fitted on a handful of po
 beyond its track record), both for the choice and for the stopping rule. The candidate with the
 largest EHVI is profiled next. ``assess(study)`` gives the stopping statistic: the expected
 hypervolume improvement of profiling *every* remaining candidate (Monte Carlo over the same
-predictive distributions, draws lowered by the noise), as a fraction of the current hypervolume; the
+predictive distributions, widened by ``sd_scale`` where the model's recent errors exceeded the sd it
+stated, draws lowered by the noise), as a fraction of the current hypervolume; the
 search stops when it falls below ``stop_gain`` (``--trials`` stays the hard budget) and states it
 ("front stable: expected remaining hypervolume gain 0.8% ...").
 """
@@ -265,6 +266,8 @@ class FrontSampler(BaseSampler):
         self._chosen: dict[int, int] = {}
         self._predicted: dict[int, float] = {}
         """Candidate -> mean log tokens/s predicted when it was chosen (out_of_sample_error), in order."""
+        self._predicted_sd: dict[int, float] = {}
+        """Candidate -> sd of log tokens/s predicted when it was chosen (sd_scale)."""
         self._last_mu: Optional[np.ndarray] = None
         self._last_pred: Optional[tuple] = None
         """predict()'s answer behind the cached score (_score keeps one entry)."""
@@ -411,6 +414,18 @@ class FrontSampler(BaseSampler):
         errs = errs[len(errs) // 2:]
         return math.sqrt(sum(e * e for e in errs) / len(errs)) if errs else _PRIOR_AMPLITUDE
 
+    def sd_scale(self) -> float:
+        """How much wider the predictive distribution must be to match its track record: the RMS of the
+        standardised out-of-sample errors (measured - predicted mean) / predicted sd over the more
+        recent half of the chosen candidates, at least 1 (calibrated regression: Kuleshov et al. 2018,
+        sec. 3; a model whose errors exceeded its stated sd is widened, never narrowed)."""
+        z = [(math.log(self.measured[i][1]) - mu) / self._predicted_sd[i] for i, mu in self._predicted.items()
+             if i in self.measured and self.measured[i][1] > 0 and self._predicted_sd.get(i, 0.0) > 0]
+        z = z[len(z) // 2:]
+        if len(z) < MIN_PROFILED:
+            return 1.0
+        return max(1.0, math.sqrt(sum(v * v for v in z) / len(z)))
+
     def predict(self, honest: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, np.ndarray]:
         """(memory GiB, mean log tokens/s, sd of log tokens/s, noise, sd of log memory) of every
         feasible candidate. ``honest``: the residual model's amplitude is at least the out-of-sample
@@ -461,8 +476,9 @@ class FrontSampler(BaseSampler):
         eligible, ehvi, _, _ = self._score(running, honest=True)
         if eligible.any() and ehvi.max() > 0:
             idx = int(np.argmax(np.where(eligible, ehvi, -1.0)))
-            if self._last_mu is not None:
+            if self._last_mu is not None and self._last_pred is not None:
                 self._predicted[idx] = float(self._last_mu[idx])
+                self._predicted_sd[idx] = float(self._last_pred[2][idx])
             return idx
         rest = [i for i in range(len(self.strategies)) if i not in self.measured and i not in self.failed]
         return int(self._rng.choice(rest)) if rest else -1
@@ -476,8 +492,9 @@ class FrontSampler(BaseSampler):
         if hv > 0 and eligible.any():
             mem, mu, sd, noise, mem_sd = self._last_pred if self._last_pred is not None else self.predict(True)
             idx = np.flatnonzero(eligible)
-            gain = expected_remaining_gain(mem[idx], mu[idx], sd[idx], list(self.measured.values()), self.ref_x,
-                                           noise, mem_sd[idx]) / hv
+            # the stopping rule trusts the predictive sd only as far as its track record (sd_scale)
+            gain = expected_remaining_gain(mem[idx], mu[idx], sd[idx] * self.sd_scale(), list(self.measured.values()),
+                                           self.ref_x, noise, mem_sd[idx]) / hv
         profiled = len(self.measured) + len(self.failed)
         return Assessment(gain=gain, hypervolume=hv, profiled=profiled, feasible=len(self.strategies),
                           remaining=int(eligible.sum()), noise=noise, best=best)

@@ -125,6 +125,22 @@ def test_trust_in_the_model_is_its_recent_out_of_sample_record(job):
     assert sampler.out_of_sample_error() > 0.15
 
 
+def test_the_stopping_rule_widens_a_model_that_was_overconfident(job):
+    """sd_scale: the RMS of the recent standardised errors, at least 1; it widens the stopping rule's
+    predictive distributions, so an overconfident model does not declare the front stable early."""
+    cfg, space = job
+    screened = screen(cfg, space, cfg.search.headroom)
+    sampler = FrontSampler(cfg, space, screened, headroom=cfg.search.headroom)
+    assert sampler.sd_scale() == 1.0  # nothing predicted yet
+    for i, err in enumerate([0.3, -0.3, 0.3, 0.1, -0.1, 0.1]):  # stated sd 0.05; recent errors 2 sd
+        sampler._predicted[i], sampler._predicted_sd[i] = np.log(1000.0), 0.05
+        sampler.measured[i] = (10.0, 1000.0 * np.exp(err))
+    assert sampler.sd_scale() == pytest.approx(2.0)
+    for i in range(3, 6):  # errors within the stated sd: never narrowed below it
+        sampler.measured[i] = (10.0, 1000.0 * np.exp(0.01))
+    assert sampler.sd_scale() == 1.0
+
+
 def test_resume_keeps_the_measurements_and_never_reprofiles(job, tmp_path):
     cfg, space = job
     storage = str(tmp_path / "study.journal")
