@@ -218,6 +218,38 @@ def test_gradient_accumulation_carry(stage, dp, copies):
     assert ga2.phases["optimizer"] == ga1.phases["optimizer"]
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_zero12_reduce_at_the_end_of_backward(precision):
+    """One bucket (the whole model), 2 ranks, small activations: the peak is the reduce that ends a
+    backward, two ipg buffers plus the bucket's flat all-reduced copy (allreduce_bucket), freed before
+    copy_grads_in_partition allocates the partition. ZeRO-2 adds the partition carried from earlier
+    micro-steps; ZeRO-1's carried full-size gradients were moved into the buckets by their hooks at
+    the boundary (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads), so they never
+    sit next to the buckets and the flat copy."""
+    p = 2 if precision == "bf16" else 4
+    psi = SMALL.num_parameters
+    part = -(-psi // 2)
+
+    def est(stage, ga):
+        train = TrainingSpec(seq_len=64, global_batch_size=2 * ga, precision=precision)
+        return estimate_memory(SMALL, train, HardwareSpec(gpu=A100, gpus_per_node=2),
+                               Strategy(zero_stage=stage, micro_batch_size=1, checkpointing="full",
+                                        precision=precision), device="cpu")
+
+    def states(e):
+        return e.gpu["parameters"] + e.gpu["optimizer_states"] + e.gpu["logits"]
+
+    z2, z2_ga4 = est(2, 1), est(2, 4)
+    assert z2.gpu["buffers"] == 3 * p * psi and z2.gpu["gradients"] == 0 and z2.gpu["activations"] == 0
+    assert z2.gpu["peak"] == states(z2) + 3 * p * psi
+    assert z2_ga4.gpu["peak"] - z2.gpu["peak"] == p * part and z2_ga4.gpu["gradients"] == p * part
+    z1, z1_ga4 = est(1, 1), est(1, 4)
+    assert z1.gpu["peak"] == z2.gpu["peak"]  # GA 1: the same path
+    # later micro-steps: the carried gradients with the two buckets, plus the block's backward;
+    # never the carried gradients next to the flat copy (+ p psi)
+    assert states(z1) + 3 * p * psi < z1_ga4.gpu["peak"] < states(z1) + 3 * p * psi + p * part
+
+
 def test_zero3_optimizer_offload_puts_gradient_partitions_on_the_host():
     """DeepSpeed stage3.py: self.device = cpu with offload_optimizer; grad_partitions_flat_buffer there."""
     m = model_from_name("llama2-70b")

@@ -124,11 +124,16 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     add("backward", grads=p * head, activations=saved_blocks + other_saved, buffers=st.buffers_bwd,
         pending=pending_head)
     _blocks_backward(add, m, s, st, act, other_saved, pending_head)
+    # ZeRO-1 at the accumulation boundary: each carried full-size gradient is copied into the
+    # reduce bucket and rebound to it (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads:
+    # ``grad_reduc.data = new_grad_tensor.data``), so after the last hook only the buckets and the
+    # partition hold gradients
+    moved = carry - carry_ipg if s.zero_stage == 1 else 0.0
     bucket = st.partition_after or 0
     # backward end: all gradients, ZeRO-0's flat all-reduce bucket
-    add("backward", grads=st.grads, buffers=st.buffers_bwd + st.buffers_bwd_end)
+    add("backward", grads=st.grads - moved, buffers=st.buffers_bwd + st.buffers_bwd_end)
     if st.reduce_flat:  # the last bucket's reduce; the partition exists if an earlier reduce made it
-        add("backward", grads=st.grads if m.num_parameters > bucket else 0.0,
+        add("backward", grads=(st.grads if m.num_parameters > bucket else 0.0) - moved,
             buffers=st.buffers_bwd + st.reduce_flat)
     # optimizer step
     add("optimizer", grads=st.grads, buffers=st.buffers_step)
