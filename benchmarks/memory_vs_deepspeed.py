@@ -1,6 +1,6 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 132 configs
+    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 148 configs
     python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
     python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
@@ -13,8 +13,9 @@ gradient accumulation 1/2/4, checkpointing none/full, bf16/fp32); plus 8 rows of
 reference decoders (selective checkpointing, eager attention), 8 rows of module-level
 checkpointing (attention / mlp), 6 of op-level checkpointing (op), 9 of selective checkpointing of
 HF models (8 families, ZeRO 0/2/3 and fsdp2, one every 2nd block), 3 of every-k-th-block
-checkpointing and 18 of the fsdp2 engine (1 and 2 ranks; resharding after forward or not, reduce
-in fp32 or bf16; none/full/op/attention/mlp checkpointing). Every config runs
+checkpointing, 18 of the fsdp2 engine (1 and 2 ranks; resharding after forward or not, reduce
+in fp32 or bf16; none/full/op/attention/mlp checkpointing) and 16 of ZeRO-1/2 on 2 ranks under
+gradient accumulation 1/2/4/8, fp32 and bf16 (8 measured steps each). Every config runs
 ``autotune.profile.worker`` in fresh processes (``python`` for 1 rank, ``torchrun
 --nproc_per_node 2`` with gloo for 2) with a torch AdamW (fused, like DeepSpeed's FusedAdam)
 passed to ``deepspeed.initialize``, the usual loop (``outputs = engine(**batch);
@@ -186,6 +187,17 @@ FSDP2_ROWS = [("llama-s", "fsdp2", 1, 1, 1, 256, "none", "bf16"), ("llama-s", "f
               ("llama-sv", "fsdp2", 1, 1, 2, 256, "op", "fp32"), ("llama-sv", "fsdp2", 1, 1, 1, 32, "full", "fp32")]
 
 
+# ZeRO-1/2 on 2 ranks under gradient accumulation 1/2/4/8, fp32 and bf16, small activations: the peak
+# at the reduce that ends a backward (ZeRO-2: every micro-step; ZeRO-1: the boundary, where the carried
+# gradients have moved into the reduce buckets), or in a later micro-step's backward. 8 measured
+# optimizer steps, not 2: the CPU measurement once let gloo's worker thread hold the flat all-reduced
+# copy past the partition's allocation in about 1 reduce in 4 to 1 in 30 (now the worker yields to it,
+# autotune.profile.engines._yield_after_collectives); more steps show that no such step is left
+GA_ROWS = [("llama-s", stage, 2, ga, 1, 128, "full" if ga in (1, 4) else "none", prec)
+           for stage in (1, 2) for prec in ("fp32", "bf16") for ga in (1, 2, 4, 8)]
+GA_ROWS_STEPS = 8
+
+
 def grid(quick: bool) -> list[dict]:
     """Reference-decoder rows, the checkpointing-granularity rows and the fsdp2 rows (the HF
     families, hf_grid, carry most of the accuracy claim)."""
@@ -193,8 +205,9 @@ def grid(quick: bool) -> list[dict]:
     if quick:
         return rows[::3]
     have_hf = importlib.util.find_spec("transformers") is not None
-    return rows + [dict(zip(ROW_KEYS, r)) for r in GRANULARITY_ROWS + SELECTIVE_ROWS + EVERY_K_ROWS + FSDP2_ROWS
-                   if have_hf or r[0] not in HF_FAMILIES]
+    return (rows + [dict(zip(ROW_KEYS, r)) for r in GRANULARITY_ROWS + SELECTIVE_ROWS + EVERY_K_ROWS + FSDP2_ROWS
+                    if have_hf or r[0] not in HF_FAMILIES]
+            + [dict(zip(ROW_KEYS, r), measure_steps=GA_ROWS_STEPS) for r in GA_ROWS])
 
 
 def row_strategy(row: dict) -> Strategy:
@@ -229,7 +242,7 @@ def run_row(row: dict, workdir: Path, timeout: float = 300) -> dict:
     job = {"model": dataclasses.asdict(model), "training": {"seq_len": training.seq_len,
                                                        "global_batch_size": training.global_batch_size,
                                                        "precision": training.precision},
-           "strategy": strategy.as_dict(), "warmup_steps": 2, "measure_steps": 2, "device": "cpu",
+           "strategy": strategy.as_dict(), "warmup_steps": 2, "measure_steps": row.get("measure_steps", 2), "device": "cpu",
            "result_path": str(d / "result.json")}
     if row["model"] in HF_FAMILIES:
         job["hf_config"] = _hf_path(row["model"], workdir)
@@ -308,7 +321,7 @@ def summarize(results: list[dict]) -> list[str]:
         **{f"ZeRO-{z}": [r for r in ok if r["stage"] == z] for z in range(4)},
         "fsdp2": [r for r in ok if isinstance(r["stage"], str)],
         "every k-th block": [r for r in ok if "/" in str(r["ckpt"])],
-        **{f"GA {g}": [r for r in ok if r.get("ga", 1) == g] for g in (1, 2, 4)},
+        **{f"GA {g}": [r for r in ok if r.get("ga", 1) == g] for g in (1, 2, 4, 8)},
         "dropout on": [r for r in ok if r.get("dropout")],
     }
     for gname, rs in groups.items():

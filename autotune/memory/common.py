@@ -55,7 +55,7 @@ class MemoryEstimate:
 
 PREDICTION_MARGIN = 0.01
 """The memory model's worst measured under-prediction of a job's peak, rounded up, as a fraction of
-the peak: ``python benchmarks/memory_vs_deepspeed.py --json out.json`` (132 configs, both engines, the max over
+the peak: ``python benchmarks/memory_vs_deepspeed.py --json out.json`` (148 configs, both engines, the max over
 measured optimizer steps and ranks; worst -0.87%, see the README's Accuracy section).
 ``estimate_memory`` adds this fraction of the predicted peak to ``gpu["overhead"]``, so ``fits`` and
 the recommended point keep that much headroom beyond ``search.headroom``."""

@@ -127,6 +127,10 @@ class DeepSpeedEngine:
             except Exception:
                 pass
         deepspeed.init_distributed(dist_backend="nccl" if ctx.use_cuda else "gloo", verbose=False)
+        if not ctx.use_cuda:  # ZeRO-1/2's bucket all-reduce: its flat copy (allreduce_bucket)
+            import torch.distributed as dist
+
+            _yield_after_collectives(dist, ("all_reduce",))
 
     def __init__(self, ctx: Context, built: Any, model_spec: Any, strategy: Any, device: Any) -> None:
         import deepspeed
@@ -265,8 +269,9 @@ def mesh_groups(model: Any) -> list:
     return groups
 
 
-def _yield_after_collectives(dist: Any) -> None:
-    """CPU measurement only: after each of FSDP2's all-gathers and reduce-scatters, give gloo's
+def _yield_after_collectives(dist: Any, names: tuple = ("all_gather_single", "reduce_scatter_single")) -> None:
+    """CPU measurement only: after each of FSDP2's all-gathers and reduce-scatters (DeepSpeed: its
+    all-reduces, ``names``), give gloo's
     worker thread a moment to drop its reference to the collective's buffers. gloo wakes the
     waiting thread before its worker releases the finished work, so with more runnable threads
     than cores (2 ranks x 2 threads on 2 cores) a buffer the main thread has already dropped can
@@ -274,7 +279,7 @@ def _yield_after_collectives(dist: Any) -> None:
     backward). NCCL has no such thread; this keeps the measured peak what a GPU job holds."""
     import time
 
-    for name in ("all_gather_single", "reduce_scatter_single"):
+    for name in names:
         inner = getattr(dist, name, None)
         if inner is None or getattr(inner, "_autotune_yield", False):
             continue
