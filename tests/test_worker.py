@@ -281,3 +281,25 @@ def test_offloaded_engine_total_matches_gpu_plus_host(tmp_path, stage, offload_p
     total = est.gpu["peak"] + est.cpu_bytes_per_node
     assert est.gpu["gradients"] == 0 and est.gpu["optimizer_states"] == 0
     assert abs(total - res["peak_allocated_bytes"]) / res["peak_allocated_bytes"] < 0.02
+
+
+def test_cpu_collectives_give_gloos_thread_a_moment_once_and_only_when_blocking(monkeypatch):
+    """engines._yield_after_collectives wraps the named collectives of a torch.distributed-like
+    namespace once (a second call does not stack sleeps), passes arguments and results through, and
+    sleeps 1 ms only after a blocking call (an async one returns its work at once)."""
+    import time
+    import types
+
+    from autotune.profile.engines import _yield_after_collectives
+
+    calls, sleeps = [], []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    ns = types.SimpleNamespace(all_reduce=lambda *a, **k: calls.append((a, k)) or "done", broadcast=print)
+    _yield_after_collectives(ns, ("all_reduce", "missing_op"))
+    wrapped = ns.all_reduce
+    _yield_after_collectives(ns, ("all_reduce",))
+    assert ns.all_reduce is wrapped and ns.broadcast is print and not hasattr(ns, "missing_op")
+    assert ns.all_reduce(1, op="sum") == "done"
+    assert calls == [((1,), {"op": "sum"})] and sleeps == [0.001]
+    ns.all_reduce(2, async_op=True)
+    assert len(calls) == 2 and sleeps == [0.001]
