@@ -27,9 +27,8 @@ beyond its track record), both for the choice and for the stopping rule. The can
 largest EHVI is profiled next. ``assess(study)`` gives the stopping statistic: the expected
 hypervolume improvement of profiling *every* remaining candidate (Monte Carlo over the same
 predictive distributions, widened by ``sd_scale`` where the model's recent errors exceeded the sd it
-stated, draws lowered by the noise), as a fraction of the current hypervolume; the
-search stops when it falls below ``stop_gain`` (``--trials`` stays the hard budget) and states it
-("front stable: expected remaining hypervolume gain 0.8% ...").
+stated, draws lowered by the noise), as a fraction of the current hypervolume; the search stops when
+it falls below ``stop_gain`` (``--trials`` stays the hard budget) and states it ("front stable: ...").
 """
 
 from __future__ import annotations
@@ -266,8 +265,7 @@ class FrontSampler(BaseSampler):
         self._chosen: dict[int, int] = {}
         self._predicted: dict[int, float] = {}
         """Candidate -> mean log tokens/s predicted when it was chosen (out_of_sample_error), in order."""
-        self._predicted_sd: dict[int, float] = {}
-        """Candidate -> sd of log tokens/s predicted when it was chosen (sd_scale)."""
+        self._predicted_sd: dict[int, float] = {}  # candidate -> sd of that prediction (sd_scale)
         self._last_mu: Optional[np.ndarray] = None
         self._last_pred: Optional[tuple] = None
         """predict()'s answer behind the cached score (_score keeps one entry)."""
@@ -415,16 +413,13 @@ class FrontSampler(BaseSampler):
         return math.sqrt(sum(e * e for e in errs) / len(errs)) if errs else _PRIOR_AMPLITUDE
 
     def sd_scale(self) -> float:
-        """How much wider the predictive distribution must be to match its track record: the RMS of the
-        standardised out-of-sample errors (measured - predicted mean) / predicted sd over the more
-        recent half of the chosen candidates, at least 1 (calibrated regression: Kuleshov et al. 2018,
-        sec. 3; a model whose errors exceeded its stated sd is widened, never narrowed)."""
+        """RMS of the standardised out-of-sample errors (measured - predicted mean) / predicted sd over
+        the recent half of the chosen candidates, at least 1: how much wider the stopping rule's
+        predictive distributions must be to match their record (Kuleshov et al. 2018, sec. 3)."""
         z = [(math.log(self.measured[i][1]) - mu) / self._predicted_sd[i] for i, mu in self._predicted.items()
              if i in self.measured and self.measured[i][1] > 0 and self._predicted_sd.get(i, 0.0) > 0]
         z = z[len(z) // 2:]
-        if len(z) < MIN_PROFILED:
-            return 1.0
-        return max(1.0, math.sqrt(sum(v * v for v in z) / len(z)))
+        return 1.0 if len(z) < MIN_PROFILED else max(1.0, math.sqrt(sum(v * v for v in z) / len(z)))
 
     def predict(self, honest: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, np.ndarray]:
         """(memory GiB, mean log tokens/s, sd of log tokens/s, noise, sd of log memory) of every
