@@ -266,7 +266,6 @@ class FrontSampler(BaseSampler):
         self._predicted: dict[int, float] = {}
         """Candidate -> mean log tokens/s predicted when it was chosen (out_of_sample_error), in order."""
         self._predicted_sd: dict[int, float] = {}  # candidate -> sd of that prediction (sd_scale)
-        self._last_mu: Optional[np.ndarray] = None
         self._last_pred: Optional[tuple] = None
         """predict()'s answer behind the cached score (_score keeps one entry)."""
         self._folded: set[int] = set()
@@ -456,7 +455,6 @@ class FrontSampler(BaseSampler):
         if not eligible.any():
             return eligible, np.zeros(len(eligible)), hypervolume(front, self.ref_x), 0.0
         mem, mu, sd, noise, mem_sd = self.predict(honest)
-        self._last_mu = mu
         self._last_pred = (mem, mu, sd, noise, mem_sd)
         ehvi = np.zeros(len(eligible))
         idx = np.flatnonzero(eligible)
@@ -471,8 +469,8 @@ class FrontSampler(BaseSampler):
         eligible, ehvi, _, _ = self._score(running, honest=True)
         if eligible.any() and ehvi.max() > 0:
             idx = int(np.argmax(np.where(eligible, ehvi, -1.0)))
-            if self._last_mu is not None and self._last_pred is not None:
-                self._predicted[idx] = float(self._last_mu[idx])
+            if self._last_pred is not None:  # (mem, mu, sd, ...) behind this choice
+                self._predicted[idx] = float(self._last_pred[1][idx])
                 self._predicted_sd[idx] = float(self._last_pred[2][idx])
             return idx
         rest = [i for i in range(len(self.strategies)) if i not in self.measured and i not in self.failed]
