@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from autotune.memory import estimate_memory
+from autotune.profile.launch import free_port
 from autotune.presets import gpu_from_name
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -30,7 +31,7 @@ def _run(tmp_path: Path, job: dict, nproc: int = 1, timeout: float = 120) -> lis
         cmd = [sys.executable, "-m", "autotune.profile.worker", str(tmp_path / "job.json")]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(29700 + os.getpid() % 500), "-m", "autotune.profile.worker", str(tmp_path / "job.json")]
+               str(free_port()), "-m", "autotune.profile.worker", str(tmp_path / "job.json")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     from autotune.profile.worker import result_path_for_rank
 
@@ -200,16 +201,25 @@ def test_fsdp2_hybrid_over_two_nodes_replicates_the_states(tmp_path):
                device="cpu")
     (tmp_path / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    port = str(29200 + os.getpid() % 500)
+    # A port the OS reports free (a pid-derived one can meet a lingering store), each agent's output in a
+    # file (no pipe to fill while the other is waited on), and both agents killed if either hangs.
+    port = str(free_port())
+    logs = [tmp_path / f"agent{n}.log" for n in (0, 1)]
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
                                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
                                "-m", "autotune.profile.worker", str(tmp_path / "job.json")],
-                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for n in (0, 1)]
-    errs = [p.communicate(timeout=120)[1] for p in procs]
+                              cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+             for n, log in zip((0, 1), logs)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, 9)
+        codes = [p.wait() for p in procs]
+    errs = [f"exit {c}: " + log.read_text()[-1500:] for c, log in zip(codes, logs)]
     from autotune.profile.worker import result_path_for_rank
 
-    assert all(result_path_for_rank(tmp_path / "result.json", r).exists() for r in (0, 1)), errs[0][-3000:]
+    assert all(result_path_for_rank(tmp_path / "result.json", r).exists() for r in (0, 1)), errs
     hybrid = json.loads((tmp_path / "result.json").read_text())
     assert hybrid["all_ranks"]["status"] == ["ok", "ok"], hybrid
     assert any("mesh (2, 1)" in n for n in hybrid["notes"])
