@@ -22,6 +22,7 @@ import json
 import os
 from typing import Any, Mapping, Optional, Union
 
+from autotune.checkpointing import SUBMODULE_NAMES
 from autotune.strategy import TORCH_DTYPES, Strategy
 
 StrategyOrConfig = Union[Strategy, Mapping[str, Any]]
@@ -140,9 +141,6 @@ def checkpoint_forward(module, **extra):
     module.forward = lambda *a, **kw: checkpoint(inner, *a, use_reentrant=False, **extra, **kw)
 '''
 
-_SUBMODULES = {"attention": ("self_attn", "attn", "attention", "self_attention"), "mlp": ("mlp", "feed_forward", "ffn")}
-
-
 def _checkpoint_lines(granularity: str, blocks: list[int]) -> tuple[str, list[str]]:
     """Helper definitions and the per-block lines (inside ``for i, block in enumerate(blocks):``)."""
     if granularity == "none" or not blocks:
@@ -152,8 +150,8 @@ def _checkpoint_lines(granularity: str, blocks: list[int]) -> tuple[str, list[st
         return _WRAP, lines + ["            checkpoint_forward(block)"]
     if granularity == "op":
         return _WRAP + _checkpointing_source("op_sac_context"), lines + ["            checkpoint_forward(block, context_fn=op_sac_context)"]
-    if granularity in _SUBMODULES:
-        names = _SUBMODULES[granularity]
+    if granularity in SUBMODULE_NAMES:
+        names = SUBMODULE_NAMES[granularity]
         return _WRAP, lines + [f"            sub = next(getattr(block, n) for n in {names!r} if hasattr(block, n))",
                                "            checkpoint_forward(sub)"]
     # selective (attention core only): before the loop, the model's set_checkpointing or, for a
@@ -214,7 +212,7 @@ def shard(model, blocks=None):
         text += f'''    if hasattr(model, "set_checkpointing"):  # attention core recomputed (autotune's reference decoders)
         model.set_checkpointing("selective", CHECKPOINTED)
     else:  # a Hugging Face model: its attention function checkpointed through AttentionInterface
-        names = {_SUBMODULES["attention"]!r}
+        names = {SUBMODULE_NAMES["attention"]!r}
         checkpoint_attention_core(model, [next(getattr(blocks[i], n) for n in names if hasattr(blocks[i], n))
                                           for i in CHECKPOINTED])
 '''
