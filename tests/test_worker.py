@@ -4,12 +4,14 @@ import json
 import os
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from autotune.memory import estimate_memory
-from autotune.profile.launch import free_port
+from autotune.profile.launch import free_port, kill_launch
 from autotune.presets import gpu_from_name
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -202,24 +204,32 @@ def test_fsdp2_hybrid_over_two_nodes_replicates_the_states(tmp_path):
     (tmp_path / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # A port the OS reports free (a pid-derived one can meet a lingering store), each agent's output in a
-    # file (no pipe to fill while the other is waited on), and both agents killed if either hangs.
-    port = str(free_port())
+    # file (no pipe to fill while the other is waited on). The measurement is done once both ranks have
+    # written their result: as for a profiled trial (launch.py), a hang after that (gloo teardown,
+    # torchrun's exit barrier between the agents) is not waited for; every process is killed after it.
+    port, launch_id = str(free_port()), uuid.uuid4().hex
+    env["AUTOTUNE_LAUNCH_ID"] = launch_id
     logs = [tmp_path / f"agent{n}.log" for n in (0, 1)]
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
                                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
                                "-m", "autotune.profile.worker", str(tmp_path / "job.json")],
                               cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
              for n, log in zip((0, 1), logs)]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            os.killpg(p.pid, 9)
-        codes = [p.wait() for p in procs]
-    errs = [f"exit {c}: " + log.read_text()[-1500:] for c, log in zip(codes, logs)]
     from autotune.profile.worker import result_path_for_rank
 
-    assert all(result_path_for_rank(tmp_path / "result.json", r).exists() for r in (0, 1)), errs
+    results = [result_path_for_rank(tmp_path / "result.json", r) for r in (0, 1)]
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not all(r.exists() for r in results) \
+            and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    codes = [p.poll() for p in procs]
+    for p in procs:
+        kill_launch(p, launch_id, grace_s=2.0)
+    errs = [f"exit {c}: " + log.read_text()[-1500:] for c, log in zip(codes, logs)]
+    assert all(r.exists() for r in results), errs
     hybrid = json.loads((tmp_path / "result.json").read_text())
     assert hybrid["all_ranks"]["status"] == ["ok", "ok"], hybrid
     assert any("mesh (2, 1)" in n for n in hybrid["notes"])
