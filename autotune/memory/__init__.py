@@ -19,13 +19,15 @@ allocation traces of real steps (torch.profiler, see benchmarks/memory_vs_deepsp
 * ZeRO-1/2 (``DeepSpeedZeroOptimizer``): full 16-bit (or fp32) params, fp32 master + moments
   partitioned by the data-parallel size N (a separate fp32 master copy even in fp32 training),
   two ``reduce_bucket_size`` gradient buffers (``overlap_comm`` double buffering) during backward,
-  the gradient partition (``grads_in_partition``, model dtype, Psi/N), and at the step a
+  the gradient partition (``grads_in_partition``, model dtype: every parameter overlapping the
+  rank's Psi/N slice, whole; the worst rank's, ``states.grad_partition_elements``), and at the step a
   flattened copy of that partition plus its fp32 conversion. Stage 1 in DeepSpeed 0.19 uses the
   same contiguous partitioned gradient path as stage 2 (same bytes).
 * ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): 16-bit param partitions (Psi/N) plus persistent
   small params (numel <= param_persistence_threshold, kept whole), fetched (all-gathered) params
   of the blocks in flight, the fp16/bf16 gradient partition buffer, reduce buckets, fp32 master +
-  moments partitions; at the step the fp32 gradient of the sub group.
+  moments partitions; at the step the fp32 gradient of the sub group. On the CPU accelerator (``device="cpu"``)
+  gloo's reduce-scatter clones each gradient it reduces alone (NCCL does not).
 * Offload (``_model_states``), as DeepSpeed 0.19 places it: ZeRO-1/2 ``offload_optimizer`` (cpu
   or nvme: stages 1/2 have no NVMe swapper) moves master weights, moments and the fp32 gradient
   partition to pinned host RAM, with a largest-parameter staging buffer on each side; ZeRO-3

@@ -7,7 +7,7 @@ from typing import Callable
 
 from autotune.memory.activations import activation_breakdown
 from autotune.memory.common import MemoryEstimate, _partition
-from autotune.memory.states import _model_states, _States
+from autotune.memory.states import _model_states, _States, grad_partition_elements
 from autotune.memory.walk import LOOPS, Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size, default_buckets, gradient_accumulation_steps
@@ -52,8 +52,8 @@ def _accumulation_carry(m: ModelSpec, hardware: HardwareSpec, s: Strategy, gas: 
     if s.zero_stage == 1:
         bucket = min(default_buckets(m, s)["reduce_bucket_size"], psi)
         return float(p * psi + 2 * p * bucket), True
-    if s.zero_stage == 2:
-        return float(p * part), True
+    if s.zero_stage == 2:  # grads_in_partition, whole straddling parameters included (states.py)
+        return float(p * grad_partition_elements(m, data_parallel_size(hardware))), True
     return 0.0, True
 
 
@@ -173,6 +173,12 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
         add("backward", grads=g, activations=pt.mlp, buffers=st.buffers_bwd, pending=pending_head)
         if pt.attention is not None:  # its attention backward: MLP tensors freed, the core's gradients appear
             add("backward", grads=g, activations=pt.attention, buffers=st.buffers_bwd, pending=pending_head)
+        if st.reduce_clone:  # ZeRO-3 on CPU: the down projection's weight gradient reduce-scattered by
+            # its hook, the linear's saved input released, its input gradient (as wide) alive; gloo's
+            # copy of the gradient (states.py)
+            add("backward", grads=g, activations=pt.mlp - act["mlp_backward_transient"],
+                buffers=st.buffers_bwd + p * m.intermediate_size * m.hidden_size + st.reduce_clone,
+                pending=pending_head)
         if pt.block in reduces:  # a bucket is all-reduced during this block's backward
             add("backward", grads=g if reduces[pt.block] else g_before, activations=pt.saved,
                 buffers=st.buffers_bwd + st.reduce_flat, pending=pending_head)

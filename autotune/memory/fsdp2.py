@@ -132,6 +132,13 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     # as the root's backward prefetch (its flat buffer; copied out by the block's own hook);
     # the forward's last flat buffer was released by the root's post-forward
     at_start = u.u_root + (u.flat if reshard else u.u_block * L)
+    if u.n > 1:
+        # first the root's own pre-backward all-gather: its unsharded parameters are allocated by the
+        # copy-out while the flat all-gather output still exists (_fsdp_collectives.py
+        # foreach_all_gather_copy_out: alloc_all_gather_outputs, then copies from all_gather_output),
+        # before the logits gradient
+        add("backward", activations=saved_blocks + other_saved, logits=logits_saved,
+            buffers=2 * u.u_root + (0.0 if reshard else u.u_block * L))
     add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_backward_transient"],
         buffers=at_start)
     # lm_head backward: its unsharded gradient stays until the root's post-backward

@@ -44,6 +44,75 @@ def _persistent_params(m: ModelSpec, threshold: int) -> int:
     return sum(n for n in sizes if n <= threshold)
 
 
+def parameter_order(m: ModelSpec) -> list[int]:
+    """Elements of each parameter tensor in ``model.parameters()`` order, the order ZeRO-1/2 flatten
+    and partition them in (stage_1_and_2.py: ``bit16_groups`` from the param group, no
+    round_robin_gradients): autotune's reference decoders (autotune/profile/models.py ``Block``:
+    norm, q, k, v, o, norm, gate, up, down) and the HF classes (modeling_llama.py and kin: attention,
+    MLP, then the norms; modeling_phi3.py: o_proj before the fused qkv_proj, fused gate_up_proj;
+    modeling_gpt2.py: ln_1, fused c_attn, c_proj, ln_2, c_fc, c_proj; modeling_gpt_neox.py: both
+    norms, then query_key_value, dense, dense_h_to_4h, dense_4h_to_h). Sums to num_parameters."""
+    d, f, q, kv = m.hidden_size, m.intermediate_size, m.q_size, m.kv_size
+    qkv_b, out_b = m.bias or m.qkv_bias, m.bias
+
+    def lin(n_in: int, n_out: int, bias: bool) -> list[int]:
+        return [n_in * n_out] + ([n_out] if bias else [])
+
+    norm = [d, d] if (m.norm == "layernorm" and m.bias) else [d]
+    qk_norm = {"head": [m.head_size] * 2, "full": [q, kv]}.get(m.qk_norm, [])
+    if m.fused_qkv or m.linear_addmm:  # GPT-2's Conv1D c_attn is fused too
+        qkv = lin(d, q + 2 * kv, qkv_b)
+    else:
+        qkv = lin(d, q, qkv_b) + lin(d, kv, qkv_b) + lin(d, kv, qkv_b)
+    o = lin(q, d, out_b)
+    if m.gated_mlp:
+        mlp_in = lin(d, 2 * f, out_b) if m.fused_qkv else lin(d, f, out_b) + lin(d, f, out_b)
+    else:
+        mlp_in = lin(d, f, out_b)
+    mlp = mlp_in + lin(f, d, out_b)
+    norms = norm * m.norms_per_block
+    if m.implementation == "reference":
+        block = norm + qkv + o + norm + mlp
+    elif m.linear_addmm or m.parallel_residual:  # GPT-2: ln_1 attn ln_2 mlp; GPT-NeoX: norms first
+        block = (norms + qkv + o + mlp) if m.parallel_residual else (norm + qkv + o + norm + mlp)
+    elif m.fused_qkv:  # Phi-3: o_proj is registered before qkv_proj
+        block = o + qkv + mlp + norms
+    else:
+        block = qkv + o + qk_norm + mlp + norms
+    if m.implementation == "reference":
+        block = block + qk_norm
+    out = [m.vocab_size * d] + ([m.max_position_embeddings * d] if m.position_embedding == "learned" else [])
+    out += block * m.num_hidden_layers + norm
+    if not m.tie_word_embeddings:
+        out.append(m.vocab_size * d)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def grad_partition_elements(m: ModelSpec, dp: int) -> int:
+    """Elements of ZeRO-1/2's ``grads_in_partition`` on the rank where it is largest: every parameter
+    that overlaps the rank's partition counts whole (stage_1_and_2.py ``copy_grads_in_partition``:
+    ``total_size += param_in_partition.numel()`` over ``params_in_partition``, from
+    ``get_partition_info``), so a parameter straddling a partition boundary is counted on both
+    sides. Partitions: the flat group padded to a multiple of 2 x dp (``nccl_start_alignment_factor``)."""
+    sizes = parameter_order(m)
+    total = sum(sizes)
+    if dp <= 1:
+        return total
+    align = 2 * dp
+    part = -(-total // align) * align // dp
+    best = 0
+    for r in range(dp):
+        lo, hi = r * part, (r + 1) * part
+        n, start = 0, 0
+        for size in sizes:
+            if start < hi and start + size > lo:
+                n += size
+            start += size
+        best = max(best, n)
+    return best
+
+
 @dataclass
 class _States:
     params: float = 0.0
@@ -58,6 +127,7 @@ class _States:
     resident_buffers: float = 0.0  # other always-allocated buffers (ZeRO-3 reduce bucket)
     partition_after: float = 0.0  # ZeRO-1/2: grads (elements) after which the partition buffer exists
     reduce_flat: float = 0.0      # ZeRO-1/2, several ranks: flat copy of a bucket while it is all-reduced
+    reduce_clone: float = 0.0     # ZeRO-3 on CPU, several ranks: gloo's copy of a gradient it reduce-scatters
     cpu: float = 0.0              # host bytes per GPU (offload)
     nvme: float = 0.0             # NVMe bytes per GPU
 
@@ -100,7 +170,9 @@ def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     off_opt = s.offload_optimizer != "none"
     out.params = p * psi
     bucket = min(default_buckets(m, s)["reduce_bucket_size"], psi)
-    out.grads = p * part  # grads_in_partition (allocated when the first bucket is reduced)
+    # grads_in_partition (allocated when the first bucket is reduced): the whole parameters that
+    # overlap the rank's partition, the worst rank's (grad_partition_elements)
+    out.grads = p * grad_partition_elements(m, dp)
     out.partition_after = bucket
     if off_opt:
         # ZeRO-Offload (stage_1_and_2.py: any offload_optimizer device, nvme included, sets
@@ -165,6 +237,14 @@ def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, k_opt: int,
     out.grads = 0
     out.buffers_fwd = live
     out.buffers_bwd = live
+    if device == "cpu" and dp > 1 and m.intermediate_size * m.hidden_size > rb:
+        # an MLP weight's gradient (larger than the reduce bucket) is reduce-scattered on its own
+        # right after its linear's backward (stage3.py __reduce_and_partition_ipg_grads ->
+        # coalesced_collectives.py reduce_scatter_coalesced -> dist.reduce_scatter_tensor), and
+        # gloo's reduce-scatter clones its input (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp
+        # _reduce_scatter_base: ``inputTensor.clone()``, seen as aten::clone under
+        # c10d::_reduce_scatter_base_ in the allocation trace); NCCL writes from the input directly
+        out.reduce_clone = p * m.intermediate_size * m.hidden_size
     if off_opt:
         # stage3.py: self.device = "cpu" when the optimizer is offloaded, and the gradient
         # partitions (grad_partitions_flat_buffer, gradient_accumulation_dtype = model dtype)
