@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from autotune.config import Config
 from autotune.memory import GPU_COMPONENTS, MemoryEstimate, estimate_memory, overhead_bytes
@@ -72,10 +72,22 @@ def collect_rows(study: Any, space: SearchSpace, cfg: Config) -> list[TrialRow]:
     return rows
 
 
-def front_rows(rows: list[TrialRow]) -> list[TrialRow]:
-    """The Pareto front of the completed, distinct trials, memory ascending."""
+Memory = Callable[[TrialRow], float]
+"""A completed row's memory figure, GiB: the one its front is drawn on."""
+
+
+def allocated_gib(row: TrialRow) -> float:
+    """The row's allocated peak (its objective value)."""
+    return row.peak_memory_gib
+
+
+def front_rows(rows: list[TrialRow], memory: Memory = allocated_gib) -> list[TrialRow]:
+    """The Pareto front of the completed, distinct trials on (``memory``, tokens/s), memory ascending.
+    write_outputs draws it on what the GPU must hold (``gpu_memory_gib``), the figure users read and
+    ``fits`` checks: engines differ in what they hold outside the allocated peak (FSDP2's side-stream
+    pool), so a front on the allocated peak can list a point that needs more memory than a faster one."""
     done = [r for r in rows if r.state == "COMPLETE" and r.duplicate_of is None]
-    return [done[i] for i in pareto_front([(r.peak_memory_gib, r.tokens_per_s_per_gpu) for r in done])]
+    return [done[i] for i in pareto_front([(memory(r), r.tokens_per_s_per_gpu) for r in done])]
 
 
 EQUIVALENCE_TOLERANCE = 0.01
@@ -93,7 +105,8 @@ class _Group:
     """The least memory of any point the group stands for (its own or one it displaced)."""
 
 
-def collapse_front(front: list[TrialRow], tol: float = EQUIVALENCE_TOLERANCE) -> list[tuple[TrialRow, list[TrialRow]]]:
+def collapse_front(front: list[TrialRow], tol: float = EQUIVALENCE_TOLERANCE,
+                   memory: Memory = allocated_gib) -> list[tuple[TrialRow, list[TrialRow]]]:
     """The front at measurement resolution, as ``(representative, equivalents)`` pairs, memory ascending.
 
     One sweep, memory ascending (a front's speed then ascends too). A point that is not more than
@@ -104,29 +117,29 @@ def collapse_front(front: list[TrialRow], tol: float = EQUIVALENCE_TOLERANCE) ->
     so displacement never chains beyond ``tol``. Every dropped point thus has a listed point within
     ``tol`` of it (or better) in both objectives."""
     groups: list[_Group] = []
-    for r in sorted(front, key=lambda r: (r.peak_memory_gib, -r.tokens_per_s_per_gpu)):
+    for r in sorted(front, key=lambda r: (memory(r), -r.tokens_per_s_per_gpu)):
         last = groups[-1] if groups else None
         if last and r.tokens_per_s_per_gpu <= last.rep.tokens_per_s_per_gpu * (1 + tol):
-            if r.peak_memory_gib <= last.anchor_gib * (1 + tol):
+            if memory(r) <= last.anchor_gib * (1 + tol):
                 if r.tokens_per_s_per_gpu > last.rep.tokens_per_s_per_gpu:
                     last.members.append(last.rep)
                     last.rep = r
                 else:
                     last.members.append(r)
             continue
-        anchor = r.peak_memory_gib
-        while groups and groups[-1].anchor_gib * (1 + tol) >= r.peak_memory_gib:
+        anchor = memory(r)
+        while groups and groups[-1].anchor_gib * (1 + tol) >= memory(r):
             anchor = min(anchor, groups.pop().anchor_gib)
         groups.append(_Group(r, [], anchor))
-    return [(g.rep, sorted(g.members, key=lambda m: m.peak_memory_gib)) for g in groups]
+    return [(g.rep, sorted(g.members, key=memory)) for g in groups]
 
 
-def pick_best(front: list[TrialRow]) -> Optional[TrialRow]:
+def pick_best(front: list[TrialRow], memory: Memory = allocated_gib) -> Optional[TrialRow]:
     """The recommended point: the fastest that fits with the headroom (every front point does),
     lower memory on ties."""
     if not front:
         return None
-    return max(front, key=lambda r: (r.tokens_per_s_per_gpu, -r.peak_memory_gib))
+    return max(front, key=lambda r: (r.tokens_per_s_per_gpu, -memory(r)))
 
 
 def launch_command(cfg: Config, ds_config_file: str) -> str:
@@ -216,8 +229,14 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
     is of the front, in words (front.json ``front_confidence``), when it says."""
     rows = collect_rows(study, space, cfg)
     predicted = backend == "simulate"  # the objective values are the models' predictions, not measurements
-    front = front_rows(rows)
-    collapsed = collapse_front(front)
+    needed = {r.number: gpu_memory_gib(cfg, r, predicted) for r in rows
+              if r.state == "COMPLETE" and r.peak_memory_gib is not None}
+
+    def needed_gib(r: TrialRow) -> float:  # what the GPU must hold: the figure the front is drawn on
+        return needed[r.number]
+
+    front = front_rows(rows, needed_gib)
+    collapsed = collapse_front(front, memory=needed_gib)
     on_front = {r.number for rep, equivalents in collapsed for r in (rep, *equivalents)}
     points = []
     for k, (row, equivalents) in enumerate(collapsed):
@@ -232,7 +251,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
         write_json(os.path.join(run_dir, rel), to_deepspeed_config(row.strategy, cfg.model, cfg.training,
                                                                      cfg.hardware))
         points.append(point_dict(cfg, row, rel, equivalents, predicted))
-    best = pick_best([rep for rep, _ in collapsed])
+    best = pick_best([rep for rep, _ in collapsed], memory=needed_gib)
     front_obj = {
         "config": os.path.abspath(cfg.path),
         "model": cfg.model.name,

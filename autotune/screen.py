@@ -65,8 +65,10 @@ def _tracer(cfg: Config, headroom: float) -> Optional[Callable[[Strategy], Memor
 
 
 def predicted_front(screened: list[Screened]) -> list[Screened]:
+    """The predicted Pareto front of the feasible candidates on (what the GPU must hold, tokens/s),
+    the figures the run's front is drawn on (output.front_rows), memory ascending."""
     feasible = [s for s in screened if s.memory.fits]
-    idx = pareto_front([(s.memory.gpu["peak"], s.tokens_per_s_per_gpu) for s in feasible])
+    idx = pareto_front([(s.memory.total_gpu_bytes, s.tokens_per_s_per_gpu) for s in feasible])
     return [feasible[i] for i in idx]
 
 
