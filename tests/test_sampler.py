@@ -210,3 +210,27 @@ def test_the_trial_profiles_exactly_the_chosen_candidate_auto_bucket_sizes_inclu
     chosen = [sampler.strategies[sampler._chosen[t.number]] for t in trials]
     assert [trial_strategy(t, space, cfg).key() for t in trials] == [s.key() for s in chosen]
     assert any(s.reduce_bucket_size is None and s.zero_stage >= 1 for s in chosen)
+
+
+def test_search_trajectory_reports_the_replayed_path():
+    """benchmarks/search_trajectory.py: one row per profiled trial, the measured value is the table's,
+    the error is measured vs the prediction made before it, and the hypervolume never falls."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import math
+
+    from search_cost import load_measured
+    from search_trajectory import trajectory
+
+    folder = os.path.join(ROOT, "data", "measured", "tiny-llama-1rank")
+    rows = trajectory(folder, 5)
+    assert [r["trial"] for r in rows] == [1, 2, 3, 4, 5]
+    cfg, _, _, measured = load_measured(folder)
+    table = {s.describe(cfg.model.num_hidden_layers): t for s, _, t, _ in measured}
+    for r in rows:
+        assert r["measured"] == table[r["strategy"]]
+        assert r["error"] == pytest.approx(math.log(r["measured"] / r["predicted"]))
+    hv = [r["hv"] for r in rows]
+    assert hv == sorted(hv) and 0 < hv[-1] <= 1
+    assert len({r["strategy"] for r in rows}) == 5  # no candidate profiled twice
