@@ -1,6 +1,6 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 148 configs
+    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 156 configs
     python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
     python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
@@ -15,7 +15,9 @@ checkpointing (attention / mlp), 6 of op-level checkpointing (op), 9 of selectiv
 HF models (8 families, ZeRO 0/2/3 and fsdp2, one every 2nd block), 3 of every-k-th-block
 checkpointing, 18 of the fsdp2 engine (1 and 2 ranks; resharding after forward or not, reduce
 in fp32 or bf16; none/full/op/attention/mlp checkpointing) and 16 of ZeRO-1/2 on 2 ranks under
-gradient accumulation 1/2/4/8, fp32 and bf16 (8 measured steps each). Every config runs
+gradient accumulation 1/2/4/8, fp32 and bf16 (8 measured steps each), and 8 of the measured tables'
+shapes (data/measured/tiny-gpt2-2rank-quiet, tiny-llama-engines-2rank-quiet: ZeRO-2/3 and FSDP2, 2
+ranks, fp32/bf16, GA 4/8). Every config runs
 ``autotune.profile.worker`` in fresh processes (``python`` for 1 rank, ``torchrun
 --nproc_per_node 2`` with gloo for 2) with a torch AdamW (fused, like DeepSpeed's FusedAdam)
 passed to ``deepspeed.initialize``, the usual loop (``outputs = engine(**batch);
@@ -65,6 +67,13 @@ MODELS = {
     # step instead of the loss
     "llama-sv": dict(name="llama-sv", num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
                      num_key_value_heads=4, intermediate_size=688, vocab_size=256, max_position_embeddings=1024),
+    # the measured tables' models (data/measured/tiny-gpt2-2rank-quiet, tiny-llama-engines-2rank-quiet)
+    "tiny-gpt2": dict(name="tiny-gpt2", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                      num_key_value_heads=4, intermediate_size=512, vocab_size=1024, hidden_act="gelu_new",
+                      tie_word_embeddings=True, norm="layernorm", bias=True, position_embedding="learned",
+                      max_position_embeddings=256),
+    "tiny-llama": dict(name="tiny-llama", num_hidden_layers=4, hidden_size=192, num_attention_heads=6,
+                       num_key_value_heads=2, intermediate_size=512, vocab_size=2048, max_position_embeddings=256),
     # GPT-2-style: LayerNorm with bias, GELU, learned positions, tied head, residual dropout
     "gpt2-s": dict(name="gpt2-s", num_hidden_layers=3, hidden_size=192, num_attention_heads=6,
                    num_key_value_heads=6, intermediate_size=768, vocab_size=4096, hidden_act="gelu_new",
@@ -198,6 +207,15 @@ GA_ROWS = [("llama-s", stage, 2, ga, 1, 128, "full" if ga in (1, 4) else "none",
 GA_ROWS_STEPS = 8
 
 
+# the measured tables' shapes where the model was off (fp32, 2 ranks, GA 8 or 4 as the tables ran them):
+# ZeRO-2's gradient partition holding a straddling parameter whole, ZeRO-3's reduce-scatter copy on
+# gloo, FSDP2's root all-gather copy-out at the start of backward, and FSDP2 with full checkpointing
+TABLE_ROWS = [("tiny-gpt2", 2, 2, 8, 1, 64, "none", "fp32"), ("tiny-gpt2", 2, 2, 4, 2, 64, "full", "bf16"),
+              ("tiny-gpt2", 3, 2, 8, 1, 64, "full", "fp32"), ("tiny-gpt2", 3, 2, 8, 1, 64, "none", "fp32"),
+              ("tiny-llama", "fsdp2-keep", 2, 8, 1, 96, "none", "fp32"), ("tiny-llama", "fsdp2", 2, 8, 1, 96, "full", "fp32"),
+              ("tiny-llama", "fsdp2-keep", 2, 4, 2, 96, "full", "fp32"), ("tiny-llama", "fsdp2", 2, 4, 2, 96, "full", "fp32")]
+
+
 def grid(quick: bool) -> list[dict]:
     """Reference-decoder rows, the checkpointing-granularity rows and the fsdp2 rows (the HF
     families, hf_grid, carry most of the accuracy claim)."""
@@ -207,7 +225,8 @@ def grid(quick: bool) -> list[dict]:
     have_hf = importlib.util.find_spec("transformers") is not None
     return (rows + [dict(zip(ROW_KEYS, r)) for r in GRANULARITY_ROWS + SELECTIVE_ROWS + EVERY_K_ROWS + FSDP2_ROWS
                     if have_hf or r[0] not in HF_FAMILIES]
-            + [dict(zip(ROW_KEYS, r), measure_steps=GA_ROWS_STEPS) for r in GA_ROWS])
+            + [dict(zip(ROW_KEYS, r), measure_steps=GA_ROWS_STEPS) for r in GA_ROWS]
+            + [dict(zip(ROW_KEYS, r)) for r in TABLE_ROWS])
 
 
 def row_strategy(row: dict) -> Strategy:

@@ -282,6 +282,10 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
         "attention_backward_transient": _attention_backward_transient(m, p, s, device) * tokens,
         "final_norm_saved": _norm_saved(m, p) * tokens,
         "hidden_grad": p * m.hidden_size * tokens,
+        # the final RMSNorm's backward (x.float(); pow(2).mean(-1); x * rsqrt(...)): at PowBackward0
+        # four fp32 h-wide tensors (the x * rsqrt gradient, MeanBackward's expansion, pow's 2x and its
+        # product), the incoming gradient released; measured on allocation traces (torch 2.13 CPU)
+        "final_norm_backward_transient": 16.0 * m.hidden_size * tokens if m.norm == "rmsnorm" else 0.0,
         "mlp_backward_transient": max(_mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
                                       _composite_gelu_backward_transient(m, p) * tokens),
     }

@@ -145,6 +145,9 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     head_grad = u.p * m.vocab_size * m.hidden_size
     add("backward", unsharded=head_grad, activations=saved_blocks + other_saved,
         logits=u.p * m.vocab_size * tokens, buffers=at_start)
+    # the final norm's backward: its fp32 transients next to everything saved (the logits gradient gone)
+    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved + act["final_norm_backward_transient"],
+        buffers=at_start)
     _blocks_backward(add, u, act, s, L, other_saved, head_grad, carry)
     # backward end: the root's post-backward (head and embedding gradients, unsharded, then its
     # reduce-scatter input), every block's sharded gradient
@@ -174,16 +177,22 @@ def _blocks_backward(add: Callable[..., None], u: _Units, act: dict[str, float],
     """The candidates through the blocks' backward, last block to first (``add`` as in
     estimate_fsdp2)."""
     reshard = s.reshard_after_forward
-    for pt in backward_blocks(act, s, L, other_saved):
+    # the previous unit's reduce-scatter input (from the second block on) and the prefetched next block
+    # (up to the second-last) break the linearity in the block index: both ends of that run too
+    for pt in backward_blocks(act, s, L, other_saved, (1, L - 2)):
         done = u.on_gpu * pt.done * u.grad_block
         rs_prev = u.r * u.per_block if pt.done else 0.0  # the previous unit's reduce-scatter input
         # gathered: the root, this block (all blocks up to it without resharding) and, resharded,
         # the next block's all-gather prefetched during this one's backward
         gathered = u.u_root + u.u_block * (1 if reshard else pt.block + 1) \
             + (u.flat if (reshard and pt.block > 0) else 0.0)
-        # MLP backward: its weight gradients appear (unsharded, param_dtype)
-        add("backward", sharded=done, unsharded=head_grad + u.p * u.mlp_params, activations=pt.mlp,
-            buffers=gathered + rs_prev)
+        # MLP backward at its peak: the down projection's weight gradient (unsharded, param_dtype) is
+        # part of the MLP's transient (activations.py _mlp_backward_transient); the other weight
+        # gradients come after the multiply's backward has released its f-wide gradients
+        add("backward", sharded=done, unsharded=head_grad, activations=pt.mlp, buffers=gathered + rs_prev)
+        # the MLP done: all its weight gradients, its saved tensors released
+        add("backward", sharded=done, unsharded=head_grad + u.p * u.mlp_params,
+            activations=pt.saved - act["mlp_saved_per_block"], buffers=gathered + rs_prev)
         if pt.attention is not None:
             add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=pt.attention,
                 buffers=gathered + rs_prev)
