@@ -214,6 +214,33 @@ keeps per checkpointed region to replay dropout (torch/utils/checkpoint.py ``pre
 host memory on GPUs, where the device generator's state is a few bytes."""
 
 
+def _checkpoint_frame_kept(m: ModelSpec, p: int, checkpointing: str, zero3_linear: bool = False) -> float:
+    """Per token, what a ``full`` / ``op`` checkpoint keeps through its block's backward beyond the
+    recomputed block's own saved tensors (the checkpoint frame lives until the block's last node ran):
+    * the block input (``_CheckpointFrame.save_inputs``, torch/utils/checkpoint.py) when the first
+      op copies it: RMSNorm's ``x.to(torch.float32)`` in bf16/fp16 (in fp32 a no-op, so the
+      recomputed norm saves that very tensor; LayerNorm saves its input itself);
+    * op-level: the cached output of the block's last kept ``aten.mm`` (the down projection, when
+      it is an odd-numbered mm), which early-stopped recomputation never reaches
+      (``_recomputation_hook.pack_hook`` raises ``_StopRecomputationError`` at the last saved
+      tensor, its input), so ``_CachedTorchDispatchMode`` never consumes that storage entry; not
+      when something after it saves a tensor (residual dropout, post-norms)."""
+    n = 0.0
+    h = m.hidden_size
+    if checkpointing in ("full", "op") and m.norm in ("rmsnorm", "rmsnorm_fp32") and p < 4:
+        n += p * h
+    if checkpointing == "op" and m.hidden_dropout == 0 and m.norms_per_block == 2:
+        biased_mm = zero3_linear and not m.linear_addmm  # as _op_sac_saved
+        qkv_mm = biased_mm or not (m.bias or m.qkv_bias or m.linear_addmm)
+        rest_mm = biased_mm or not (m.bias or m.linear_addmm)
+        n_qkv = 1 if m.fused_qkv else 3
+        n_mlp_in = 1 if (m.fused_qkv or not m.gated_mlp) else 2
+        n_mm_before = n_qkv * qkv_mm + rest_mm + n_mlp_in * rest_mm  # mm before the down projection
+        if rest_mm and n_mm_before % 2 == 0:  # the down projection is mm number n_mm_before + 1: odd, kept
+            n += p * h
+    return n
+
+
 def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str, device: str = "cuda") -> float:
     """Per-block bytes independent of the micro-batch (eager attention's s x s causal mask; the RNG
     state a checkpointed region keeps, on the CPU)."""
@@ -267,6 +294,7 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     # backward start: nll grad + log_softmax grad (fp32) next to the saved log_softmax output,
     # then the cast to the model dtype
     loss_bwd = 8 * V * tokens
+    zero3 = strategy.engine == "deepspeed" and strategy.zero_stage == 3  # ZeRO-3 linears: as _op_sac_saved
     return {
         "blocks": blocks,
         "per_block_plain": per_plain,
@@ -282,6 +310,10 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
         "attention_backward_transient": _attention_backward_transient(m, p, s, device) * tokens,
         "final_norm_saved": _norm_saved(m, p) * tokens,
         "hidden_grad": p * m.hidden_size * tokens,
+        # a checkpointed block's frame during its backward: the RNG state and what
+        # _checkpoint_frame_kept names (not part of the recomputed set)
+        "checkpoint_frame_kept": (_checkpoint_frame_kept(m, p, gran, zero3_linear=zero3) * tokens
+                                  + (CPU_RNG_STATE_BYTES if device == "cpu" else 0.0)) if n_ck else 0.0,
         # the final RMSNorm's backward (x.float(); pow(2).mean(-1); x * rsqrt(...)): at PowBackward0
         # four fp32 h-wide tensors (the x * rsqrt gradient, MeanBackward's expansion, pow's 2x and its
         # product), the incoming gradient released; measured on allocation traces (torch 2.13 CPU)

@@ -199,7 +199,7 @@ def _blocks_backward(add: Callable[..., None], u: _Units, act: dict[str, float],
         # post-backward (the block's activations gone, the previous reduce-scatter input released):
         # its gradients copied into a new reduce-scatter input, then freed before the reduce output
         # (the new shard) is allocated; accumulating, that output is added into the existing shard
-        after = pt.saved - act["per_block_plain"]
+        after = pt.saved - act["per_block_plain"] - pt.frame
         add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=after,
             buffers=gathered + u.r * u.per_block)
         add("backward", sharded=(carry if carry else done) + u.grad_block, unsharded=head_grad, activations=after,

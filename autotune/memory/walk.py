@@ -27,6 +27,8 @@ class BlockPoint(NamedTuple):
     """During the block's MLP backward (its transients included)."""
     attention: Optional[float]
     """During its attention backward (None when that is never larger than ``mlp``)."""
+    frame: float = 0.0
+    """Part of ``saved`` its checkpoint frame keeps beyond the recomputed set (released with the block)."""
 
 
 def backward_blocks(act: dict[str, float], strategy: Strategy, num_layers: int, other_saved: float,
@@ -57,10 +59,11 @@ def backward_blocks(act: dict[str, float], strategy: Strategy, num_layers: int, 
     for i in sorted((i for i in points if 0 <= i < L), reverse=True):
         ck = is_ck(i)
         remaining = count_ck(i) * per_ck + (i + 1 - count_ck(i)) * per_plain
-        a = remaining + (per_plain - per_ck if ck else 0.0) + block_other
+        frame = act.get("checkpoint_frame_kept", 0.0) if ck else 0.0
+        a = remaining + (per_plain - per_ck if ck else 0.0) + block_other + frame
         # a checkpointed attention module is recomputed only after the MLP's backward
-        a_mlp = a - (per_plain - per_ck) if (ck and act["granularity"] == "attention") else a
-        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None))
+        a_mlp = a - (per_plain - per_ck) - frame if (ck and act["granularity"] == "attention") else a
+        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None, frame))
     return out
 
 
