@@ -106,15 +106,12 @@ def _mlp_sublayer_saved(m: ModelSpec, p: int, mask_bytes: int) -> float:
     return n
 
 
-def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False) -> float:
-    """Per token, what op-level selective checkpointing keeps of a block (``autotune.checkpointing
-    .op_sac_context``, torchtitan's policy): the block input, the attention kernel's outputs (out
-    and the fp32 log-sum-exp of sdpa's flash kernels; eager and the CPU math path are recomputed)
-    and the output of every other ``aten.mm`` in the block's order (1st, 3rd, ...). Biased linears
-    run ``addmm``, which is recomputed and not counted, except under ZeRO-3 (``zero3_linear``):
-    DeepSpeed's memory-efficient linear computes a batched input as ``matmul`` plus the bias
-    (deepspeed/runtime/zero/linear.py ``LinearFunctionForZeroStage3``), unless the model calls
-    ``torch.addmm`` itself (``linear_addmm``, HF GPT-2's Conv1D)."""
+def _block_linears(m: ModelSpec, zero3_linear: bool = False) -> list[tuple[int, bool]]:
+    """A block's linears in call order (q, k, v or the fused qkv; o; the MLP's input projection(s);
+    the down projection last) as (output width, runs ``aten.mm``). Biased linears run ``addmm``,
+    except under ZeRO-3 (``zero3_linear``), whose memory-efficient linear computes a batched input
+    as ``matmul`` plus the bias (deepspeed/runtime/zero/linear.py ``LinearFunctionForZeroStage3``),
+    unless the model calls ``torch.addmm`` itself (``linear_addmm``, HF GPT-2's Conv1D)."""
     h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
     biased_mm = zero3_linear and not m.linear_addmm
     qkv_mm = biased_mm or not (m.bias or m.qkv_bias or m.linear_addmm)
@@ -125,8 +122,17 @@ def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False)
     else:
         linears = [(q, qkv_mm), (kv, qkv_mm), (kv, qkv_mm), (h, rest_mm)]
         linears += [(f, rest_mm), (f, rest_mm)] if m.gated_mlp else [(f, rest_mm)]
-    linears.append((h, rest_mm))
-    mm_widths = [width for width, is_mm in linears if is_mm]
+    return linears + [(h, rest_mm)]
+
+
+def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False) -> float:
+    """Per token, what op-level selective checkpointing keeps of a block (``autotune.checkpointing
+    .op_sac_context``, torchtitan's policy): the block input, the attention kernel's outputs (out
+    and the fp32 log-sum-exp of sdpa's flash kernels; eager and the CPU math path are recomputed)
+    and the output of every other ``aten.mm`` in the block's order (1st, 3rd, ...; ``_block_linears``:
+    an ``addmm`` is recomputed and not counted)."""
+    h, q = m.hidden_size, m.q_size
+    mm_widths = [width for width, is_mm in _block_linears(m, zero3_linear) if is_mm]
     n = p * h + p * sum(mm_widths[0::2])
     if m.attn_implementation == "sdpa" and not _sdpa_math(m, device):
         n += p * q + 4 * m.num_attention_heads
@@ -230,13 +236,9 @@ def _checkpoint_frame_kept(m: ModelSpec, p: int, checkpointing: str, zero3_linea
     if checkpointing in ("full", "op") and m.norm in ("rmsnorm", "rmsnorm_fp32") and p < 4:
         n += p * h
     if checkpointing == "op" and m.hidden_dropout == 0 and m.norms_per_block == 2:
-        biased_mm = zero3_linear and not m.linear_addmm  # as _op_sac_saved
-        qkv_mm = biased_mm or not (m.bias or m.qkv_bias or m.linear_addmm)
-        rest_mm = biased_mm or not (m.bias or m.linear_addmm)
-        n_qkv = 1 if m.fused_qkv else 3
-        n_mlp_in = 1 if (m.fused_qkv or not m.gated_mlp) else 2
-        n_mm_before = n_qkv * qkv_mm + rest_mm + n_mlp_in * rest_mm  # mm before the down projection
-        if rest_mm and n_mm_before % 2 == 0:  # the down projection is mm number n_mm_before + 1: odd, kept
+        *before, (_, down_mm) = _block_linears(m, zero3_linear)
+        n_mm_before = sum(is_mm for _, is_mm in before)
+        if down_mm and n_mm_before % 2 == 0:  # the down projection is mm number n_mm_before + 1: odd, kept
             n += p * h
     return n
 
@@ -271,7 +273,8 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     n_ck = min(strategy.num_checkpointed(L), L)
     gran = strategy.checkpointing if n_ck else "none"
     per_plain = block_activation_bytes_per_token(m, p, s, "none", mb, device) * tokens + _block_fixed_bytes(m, s, "none")
-    per_ck = (block_activation_bytes_per_token(m, p, s, gran, mb, device, zero3_linear=strategy.engine == "deepspeed" and strategy.zero_stage == 3) * tokens
+    zero3 = strategy.engine == "deepspeed" and strategy.zero_stage == 3  # ZeRO-3 linears (_block_linears)
+    per_ck = (block_activation_bytes_per_token(m, p, s, gran, mb, device, zero3_linear=zero3) * tokens
               + _block_fixed_bytes(m, s, gran, device))
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
     rope = 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
@@ -294,7 +297,6 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     # backward start: nll grad + log_softmax grad (fp32) next to the saved log_softmax output,
     # then the cast to the model dtype
     loss_bwd = 8 * V * tokens
-    zero3 = strategy.engine == "deepspeed" and strategy.zero_stage == 3  # ZeRO-3 linears: as _op_sac_saved
     return {
         "blocks": blocks,
         "per_block_plain": per_plain,

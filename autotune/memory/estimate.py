@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from autotune.memory.activations import activation_breakdown
-from autotune.memory.common import MemoryEstimate, _partition
+from autotune.memory.common import MemoryEstimate
 from autotune.memory.states import _model_states, _States, grad_partition_elements
 from autotune.memory.walk import LOOPS, Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
@@ -46,7 +46,6 @@ def _accumulation_carry(m: ModelSpec, hardware: HardwareSpec, s: Strategy, gas: 
         return 0.0, True
     p = BYTES_PER_ELEMENT[s.precision]
     psi = m.num_parameters
-    part = _partition(psi, data_parallel_size(hardware))
     if s.zero_stage == 0:
         return float(p * psi), False
     if s.zero_stage == 1:
