@@ -59,7 +59,7 @@ def backward_blocks(act: dict[str, float], strategy: Strategy, num_layers: int, 
     for i in sorted((i for i in points if 0 <= i < L), reverse=True):
         ck = is_ck(i)
         remaining = count_ck(i) * per_ck + (i + 1 - count_ck(i)) * per_plain
-        frame = act.get("checkpoint_frame_kept", 0.0) if ck else 0.0
+        frame = act["checkpoint_frame_kept"] if ck else 0.0
         a = remaining + (per_plain - per_ck if ck else 0.0) + block_other + frame
         # a checkpointed attention module is recomputed only after the MLP's backward
         a_mlp = a - (per_plain - per_ck) - frame if (ck and act["granularity"] == "attention") else a
