@@ -39,25 +39,16 @@ def trajectory(folder: str, trials: int) -> list[dict[str, Any]]:
     ref = (cfg.hardware.gpu.memory_bytes * (1 - cfg.search.headroom) / sc.GIB, 0.0)
     targets = sc.Targets(rows, ref)
     front = {rows[i][0].key() for i in sc.pareto_front([(m, t) for _, m, t, _ in rows])}
-    chosen: list[tuple[Any, Any]] = []  # (sampler, candidate index) per trial
-    real_choose, stop_gain = sampler_mod.FrontSampler._choose, sampler_mod.DEFAULT_STOP_GAIN
-
-    def choose(self: Any, study: Any, number: int) -> int:
-        idx = real_choose(self, study, number)
-        chosen.append((self, idx))
-        return idx
-
-    sampler_mod.FrontSampler._choose = choose  # type: ignore[method-assign]
+    stop_gain = sampler_mod.DEFAULT_STOP_GAIN
     sampler_mod.DEFAULT_STOP_GAIN = -1.0  # run the whole budget; the stopping statistic is reported
     try:
         rec = sc.Recording(ReplayBackend(table, cfg, calibrator=Calibrator(cfg, None, autosave=False)))
-        sc._study(cfg, space, rec, 0, "ehvi", min(trials, len(rows)), False)
+        smp = sc._study(cfg, space, rec, 0, "ehvi", min(trials, len(rows)), False).study.sampler
     finally:
-        sampler_mod.FrontSampler._choose = real_choose  # type: ignore[method-assign]
         sampler_mod.DEFAULT_STOP_GAIN = stop_gain
+    chosen = [smp._chosen[n] for n in sorted(smp._chosen)]  # candidate index per trial, in order
     out, points = [], []
-    history = chosen[-1][0].history if chosen else []
-    for k, ((smp, idx), p) in enumerate(zip(chosen, rec.points), start=1):
+    for k, (idx, p) in enumerate(zip(chosen, rec.points), start=1):
         points.append(p)
         _, frac, _, nfrac = targets.of(points)
         s = smp.strategies[idx] if idx >= 0 else None
@@ -69,7 +60,8 @@ def trajectory(folder: str, trials: int) -> list[dict[str, Any]]:
                     "measured": None if p is None else p[1], "gib": None if p is None else p[0],
                     "spread": None if p is None else p[2], "error": err,
                     "z": err / sd if (err is not None and sd) else None,
-                    "hv": frac, "hv_noise": nfrac, "gain": history[k - 1].gain if k <= len(history) else None})
+                    "hv": frac, "hv_noise": nfrac,
+                    "gain": smp.history[k - 1].gain if k <= len(smp.history) else None})
     return out
 
 
