@@ -20,8 +20,8 @@ from autotune.pareto import pareto_front
 from autotune.runfiles import FRONT_FILE, TRIALS_FILE, RunData, TrialRecord, write_json, write_trials_csv
 from autotune.space import SearchSpace
 from autotune.spec import GIB
-from autotune.strategy import (Strategy, fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config,
-                               to_fsdp2_config)
+from autotune.strategy import (Strategy, fsdp_equivalent, fsdp_equivalent_text, gradient_accumulation_steps,
+                               to_deepspeed_config, to_fsdp2_config)
 
 
 @dataclass(frozen=True)
@@ -408,7 +408,7 @@ def _write_summary(path: str, cfg: Config, space: SearchSpace, front_obj: dict[s
         lines += ["## Recommended", "", f"{best['strategy_text']}: {format_gib(point_memory_gib(best))}, "
                   f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU. Why: {best['why']}", "", "```",
                   f"{best['launch']}", "```", f"Checkpointing in the model: `{best['checkpointing']}`",
-                  f"FSDP: {best['fsdp']['sharding_strategy']}", ""]
+                  f"FSDP: {fsdp_equivalent_text(best['fsdp'])}", ""]
         if best.get("equivalents"):
             lines += ["Equivalent within 1% in memory and speed: "
                       + "; ".join(e["strategy_text"] for e in best["equivalents"]), ""]

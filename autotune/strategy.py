@@ -29,8 +29,12 @@ PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
 REDUCE_DTYPES: tuple[ReduceDtype, ...] = get_args(ReduceDtype)
 
-FSDP_SHARDING = {0: "NO_SHARD", 1: "SHARD_GRAD_OP", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
-"""ZeRO stage -> closest FSDP ShardingStrategy (the seed's table; FSDP has no optimizer-only mode)."""
+FSDP_SHARDING: dict[int, Optional[str]] = {0: "NO_SHARD", 1: None, 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
+"""ZeRO stage -> the FSDP ShardingStrategy that shards the same states (torch/distributed/fsdp/api.py
+ShardingStrategy). ZeRO-1 has none: FSDP cannot shard optimizer states alone (SHARD_GRAD_OP also shards
+gradients, as ZeRO-2 does; NO_SHARD shards nothing)."""
+FSDP_NO_EQUIVALENT = "none: FSDP has no optimizer-state-only sharding (ZeRO-1)"
+"""What ``fsdp_equivalent`` says where FSDP_SHARDING has no equivalent."""
 
 
 def _knob(default: Any, *, search_order: Optional[int], flag: bool,
@@ -443,13 +447,22 @@ def engine_config(strategy: Strategy, model: ModelSpec, training: TrainingSpec, 
 
 def fsdp_equivalent(strategy: Strategy, hardware: HardwareSpec) -> dict[str, Any]:
     """The same strategy in PyTorch FSDP terms, for users who train with FSDP."""
+    sharding = FSDP_SHARDING[strategy.zero_stage]
     out: dict[str, Any] = {
-        "sharding_strategy": FSDP_SHARDING[strategy.zero_stage],
+        "sharding_strategy": sharding,
         "cpu_offload": strategy.offload_params == "cpu" or strategy.offload_optimizer == "cpu",
         "activation_checkpointing": strategy.checkpointing,
     }
+    notes = [FSDP_NO_EQUIVALENT] if sharding is None else []
     if strategy.zero_stage == 3 and hardware.num_nodes > 1:
         out["alternative"] = "HYBRID_SHARD (shard within a node, replicate across nodes)"
     if "nvme" in (strategy.offload_params, strategy.offload_optimizer):
-        out["note"] = "FSDP has no NVMe offload; use DeepSpeed ZeRO-Infinity for this point"
+        notes.append("FSDP has no NVMe offload; use DeepSpeed ZeRO-Infinity for this point")
+    if notes:
+        out["note"] = "; ".join(notes)
     return out
+
+
+def fsdp_equivalent_text(fsdp: dict[str, Any]) -> str:
+    """One line for ``fsdp_equivalent``'s result: the sharding strategy, or why there is none."""
+    return fsdp["sharding_strategy"] or FSDP_NO_EQUIVALENT

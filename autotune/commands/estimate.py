@@ -9,7 +9,7 @@ from typing import Any
 from autotune.config import Config, check_strategy, load_config
 from autotune.errors import ConfigError
 from autotune.spec import GIB
-from autotune.strategy import FLAG_KNOBS, Strategy, knob_choices
+from autotune.strategy import FLAG_KNOBS, Strategy, fsdp_equivalent_text, knob_choices
 
 
 def add_parser(sub: Any) -> None:
@@ -134,7 +134,7 @@ def format_estimate(r: dict[str, Any]) -> str:
     lines = [
         f"{r['model']} ({r['num_parameters']:,} parameters) on {r['num_gpus']} x {r['gpu']}",
         f"strategy: {r['strategy_text']} (gradient accumulation {r['gradient_accumulation_steps']})",
-        f"FSDP equivalent: {r['fsdp']['sharding_strategy']}" if "fsdp" in r else
+        f"FSDP equivalent: {fsdp_equivalent_text(r['fsdp'])}" if "fsdp" in r else
         f"FSDP2: fully_shard per decoder layer + root, mesh {r['fsdp2_config']['mesh']['shape']}",
         "",
         f"{'component (at the peak)':<30}{unit:>10}{'share':>9}",
