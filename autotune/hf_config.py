@@ -1,5 +1,6 @@
 """A Hugging Face ``config.json`` as ModelSpec fields: reading it, mapping each model family's keys,
-and (with torch + transformers) checking the parameter count against the real model."""
+and checking the parameter count: against the real model with torch + transformers, else by
+accepting only the families whose description is proven exact (EXACT_FAMILIES)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,22 @@ from typing import Any, Callable
 from autotune.checks import show
 from autotune.errors import ConfigError
 from autotune.spec import ModelSpec
+
+
+EXACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "gpt2", "gpt_neox")
+"""The model_type values whose analytic description (map_hf_config) is proven to have exactly the
+parameters of the transformers model: tests/test_hf_count.py builds a published config.json of each
+(tests/data/hf) on the meta device and compares. Without torch + transformers only these are
+accepted; any other model_type is refused (a MoE, MLA or other unmapped structure would be sized
+as the Llama-shaped decoder it is not)."""
+
+HF_EXTRA = "pip install 'autotune[hf]'"
+"""The install command of the optional dependencies that build a config.json's model (pyproject.toml)."""
+
+
+def model_type(cfg: dict) -> str:
+    """A config.json's model_type (transformers' default family, llama, when absent)."""
+    return str(cfg.get("model_type") or "llama")
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -28,16 +45,23 @@ def read_hf_config(path: str) -> dict[str, Any]:
 def check_exact_count(cfg: dict, fields_: dict, path: str) -> None:
     """With torch + transformers: the analytic description must reproduce the parameter count of
     the transformers model built from the file on the meta device (autotune.hf_count), or the file
-    is refused in one line naming the difference; never silently mis-sized."""
+    is refused in one line naming the difference. Without them: a model_type outside
+    EXACT_FAMILIES is refused in one line naming the hf extra. Never silently mis-sized."""
     from autotune.hf_count import HFCountError, describe_difference, hf_parameter_count
 
     spec = ModelSpec(**{"name": "hf", **fields_})
+    kind = model_type(cfg)
     try:
         exact = hf_parameter_count(cfg, spec.num_hidden_layers)
     except HFCountError as err:
         raise ConfigError(f"{path}: {err}", path="model.hf_config") from None
-    if exact is not None and exact != spec.num_parameters:
-        kind = cfg.get("model_type", "llama")
+    if exact is None:
+        if kind not in EXACT_FAMILIES:
+            raise ConfigError(
+                f"{path}: model_type {show(kind)} is not among the families described exactly without "
+                f"transformers ({', '.join(EXACT_FAMILIES)}); its size cannot be checked: install the hf extra "
+                f"({HF_EXTRA}) to build it and compare", path="model.hf_config")
+    elif exact != spec.num_parameters:
         raise ConfigError(f"{path}: model_type {show(kind)}: {describe_difference(spec, exact)}",
                           path="model.hf_config")
 
@@ -50,7 +74,7 @@ when None: a one-line error names the file and the keys)."""
 def map_hf_config(cfg: dict, path: str) -> dict[str, Any]:
     """ModelSpec fields of a Hugging Face config.json object (unchecked values; autotune.config
     checks them like explicit fields)."""
-    kind = str(cfg.get("model_type", "llama"))
+    kind = model_type(cfg)
 
     def get(*keys: str, default: Any = None) -> Any:
         for k in keys:

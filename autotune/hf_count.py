@@ -1,12 +1,14 @@
 """Exact parameter count of a Hugging Face config.json, without allocating (torch + transformers).
 
 ``hf_parameter_count(cfg)`` builds ``AutoModelForCausalLM.from_config`` under
-``torch.device("meta")`` (no storage, milliseconds per layer) with 1 and with 2 hidden layers and
-extrapolates linearly to ``num_hidden_layers``: every decoder family here repeats one block, so
-``count(L) = count(1) + (L - 1) * (count(2) - count(1))`` is exact and a 10,000-layer config costs
-no more than a 2-layer one. Returns None when torch or transformers is not importable (presets and
-explicit fields do not need it). Imported lazily by autotune.config: the simulate path stays
-torch-free for presets and explicit fields.
+``torch.device("meta")`` (no storage, a few milliseconds per layer) with all its layers, so layers
+that differ (DeepSeek-V3's ``first_k_dense_replace`` dense layers before the MoE ones, Qwen3-MoE's
+``mlp_only_layers``, ``decoder_sparse_step``...) are counted as built. Beyond ``FULL_BUILD_LAYERS``
+layers it extrapolates ``count(L) = count(1) + (L - 1) * (count(2) - count(1))``, only after the
+build at ``FULL_BUILD_LAYERS`` layers shows every layer alike (the same affine law); otherwise it
+builds them all. Returns None when torch or transformers is not importable (presets and explicit
+fields do not need it). Imported lazily by autotune.config: the simulate path stays torch-free for
+presets and explicit fields.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from typing import Any, Optional
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 _PER_LAYER_LISTS = ("layer_types",)
+FULL_BUILD_LAYERS = 256
+"""Configs up to this many layers are built whole on the meta device (a few milliseconds per layer);
+deeper ones are extrapolated when their layers are alike."""
 _DROP = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map")
 
 
@@ -40,7 +45,7 @@ def _count(raw: dict, layers: int) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(raw)
-    kind = cfg.pop("model_type", "llama")
+    kind = cfg.pop("model_type", None) or "llama"
     for key in _DROP:
         cfg.pop(key, None)
     for key in _LAYER_KEYS:
@@ -74,10 +79,11 @@ def hf_parameter_count(raw: dict, num_layers: int) -> Optional[int]:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), \
                 contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            one = _count(raw, 1)
-            if num_layers == 1:
-                return one
-            two = _count(raw, 2)
+            if num_layers <= FULL_BUILD_LAYERS:
+                return _count(raw, num_layers)
+            one, two, probe = _count(raw, 1), _count(raw, 2), _count(raw, FULL_BUILD_LAYERS)
+            if probe != one + (FULL_BUILD_LAYERS - 1) * (two - one):  # layers not all alike
+                return _count(raw, num_layers)
     except Exception as err:  # any failure of transformers on this config is the user's input
         first = (str(err).strip().splitlines() or [""])[0][:200]
         raise HFCountError(f"transformers cannot build model_type {raw.get('model_type', 'llama')!r} from it "
