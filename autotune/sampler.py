@@ -40,6 +40,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from optuna.samplers import BaseSampler
 
+from autotune import _levels
+from autotune._ehvi import _staircase_area, expected_hvi, expected_remaining_gain, hypervolume  # noqa: F401
 from autotune.claim import fail_status, has_result
 from autotune.config import Config
 from autotune.space import SearchSpace
@@ -83,10 +85,21 @@ class Assessment:
     """Relative throughput noise used (median measured spread)."""
     best: float = 0.0
     """Largest expected hypervolume improvement of one unprofiled candidate / current hypervolume."""
+    unmeasured: tuple[str, ...] = ()
+    """Levels ("precision=fp32") no candidate was measured at, that could reach the front under the
+    level prior (autotune._levels): while there is one, the front is not stable."""
+
+    def stable(self, stop_gain: float) -> bool:
+        """Nothing left to profile, or the remaining gain below ``stop_gain`` with no level unmeasured
+        that could reach the front."""
+        return self.remaining == 0 or (self.gain < stop_gain and not self.unmeasured)
 
     def statement(self, stop_gain: float) -> str:
-        word = "front stable" if self.gain < stop_gain or self.remaining == 0 else "front not yet stable"
-        return (f"{word}: expected remaining hypervolume gain {100 * self.gain:.1f}% "
+        word = ("front stable" if self.stable(stop_gain) else "front not yet stable") + ":"
+        if self.remaining and self.unmeasured:
+            more = f" and {len(self.unmeasured) - 3} more levels" if len(self.unmeasured) > 3 else ""
+            word = f"front not stable: {', '.join(self.unmeasured[:3])}{more} never measured, could reach the front;"
+        return (f"{word} expected remaining hypervolume gain {100 * self.gain:.1f}% "
                 f"(best single candidate {100 * self.best:.1f}%); "
                 f"{self.profiled} of {self.feasible} feasible candidates profiled")
 
@@ -123,22 +136,29 @@ def _matern52(a: np.ndarray, b: np.ndarray, length: float) -> np.ndarray:
 
 
 def gp_posterior(x: np.ndarray, y: np.ndarray, xs: np.ndarray, noise_floor: float = 0.0,
-                 amplitude_floor: float = 0.0) -> tuple[np.ndarray, np.ndarray, float]:
+                 amplitude_floor: float = 0.0, g: Optional[np.ndarray] = None, gs: Optional[np.ndarray] = None,
+                 level_sd: float = 0.0) -> tuple[np.ndarray, np.ndarray, float]:
     """Posterior mean and variance of the *observed* residual at ``xs`` (noise included), and the
     chosen noise sd. Hyper-parameters maximise the log marginal likelihood over the grid above
-    (amplitudes below ``amplitude_floor`` are replaced by it)."""
+    (amplitudes below ``amplitude_floor`` are replaced by it). ``g`` / ``gs``: level membership of
+    ``x`` / ``xs`` (autotune._levels.level_matrix); each level adds an independent offset of sd
+    ``level_sd`` (kernel term level_sd^2 * shared levels, an additive kernel: R&W 2006 sec. 4.2.4),
+    so a level without data keeps its whole prior variance."""
+    lev = level_sd * level_sd
+    prior_lev = lev * gs.sum(1) if gs is not None else 0.0
     if len(y) == 0:
         noise = max(noise_floor, _NOISES[0])
-        return np.zeros(len(xs)), np.full(len(xs), _PRIOR_AMPLITUDE ** 2 + noise ** 2), noise
+        return np.zeros(len(xs)), _PRIOR_AMPLITUDE ** 2 + noise ** 2 + prior_lev + np.zeros(len(xs)), noise
     best = None
     d2 = ((x[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+    shared = lev * (g @ g.T) if g is not None else 0.0
     for length in _LENGTHS:
         s = math.sqrt(5.0) * np.sqrt(d2) / length
         corr = (1.0 + s + s * s / 3.0) * np.exp(-s)
         for amp in sorted({max(a, amplitude_floor) for a in _AMPLITUDES}):
             for noise in _NOISES:
                 noise = max(noise, noise_floor)
-                k = amp * amp * corr + _BIAS_SD ** 2 + (noise * noise + 1e-10) * np.eye(len(y))
+                k = amp * amp * corr + _BIAS_SD ** 2 + shared + (noise * noise + 1e-10) * np.eye(len(y))
                 try:
                     chol = np.linalg.cholesky(k)
                 except np.linalg.LinAlgError:
@@ -149,90 +169,11 @@ def gp_posterior(x: np.ndarray, y: np.ndarray, xs: np.ndarray, noise_floor: floa
                     best = (lml, length, amp, noise, chol, alpha)
     assert best is not None
     _, length, amp, noise, chol, alpha = best
-    ks = amp * amp * _matern52(xs, x, length) + _BIAS_SD ** 2
+    ks = amp * amp * _matern52(xs, x, length) + _BIAS_SD ** 2 + (lev * (gs @ g.T) if gs is not None else 0.0)
     mean = ks @ alpha
     v = np.linalg.solve(chol, ks.T)
-    var = amp * amp + _BIAS_SD ** 2 - (v * v).sum(0) + noise * noise
+    var = amp * amp + _BIAS_SD ** 2 + prior_lev - (v * v).sum(0) + noise * noise
     return mean, np.maximum(var, 1e-12), noise
-
-
-def _norm_cdf(z: np.ndarray) -> np.ndarray:
-    """Standard normal CDF through erf's rational approximation (Abramowitz & Stegun 7.1.26, |error|
-    < 1.5e-7), vectorised: scipy is not a core dependency."""
-    x = np.abs(z) / math.sqrt(2.0)
-    t = 1.0 / (1.0 + 0.3275911 * x)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    erf = 1.0 - poly * np.exp(-x * x)
-    return 0.5 * (1.0 + np.sign(z) * erf)
-
-
-def expected_hvi(x: np.ndarray, mu: np.ndarray, sd: np.ndarray, front: Sequence[tuple[float, float]],
-                 ref_x: float, noise: float = 0.0) -> np.ndarray:
-    """Expected hypervolume improvement of points (x_i, Y_i), log Y_i ~ N(mu_i, sd_i^2), over ``front``
-    (memory minimised, throughput maximised; reference point (ref_x, 0)); heights are raised by
-    ``noise`` (relative) so that improvements within the noise count for nothing."""
-    pts = sorted((m, t) for m, t in front if m < ref_x and t > 0)
-    edges = [p[0] for p in pts] + [ref_x]
-    heights, run = [], 0.0
-    for m, t in pts:
-        run = max(run, t)
-        heights.append(run)
-    lo = np.array([-np.inf] + edges[:-1])  # segment j spans [lo_j, hi_j) at height h_j (0 before the first point)
-    hi = np.array(edges)
-    h = np.array([0.0] + heights) * (1.0 + noise)
-    length = np.clip(hi[None, :] - np.maximum(x[:, None], lo[None, :]), 0.0, None)
-    mean = np.exp(mu + 0.5 * sd * sd)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        d2 = (mu[:, None] - np.log(np.where(h > 0, h, 1.0))[None, :]) / sd[:, None]
-    d1 = d2 + sd[:, None]
-    call = np.where(h[None, :] > 0, mean[:, None] * _norm_cdf(d1) - h[None, :] * _norm_cdf(d2), mean[:, None])
-    return (length * np.maximum(call, 0.0)).sum(1)
-
-
-def _staircase_area(m: np.ndarray, t: np.ndarray, ref_x: float) -> np.ndarray:
-    """Area dominated by 2-D point sets, one set per row of ``m`` / ``t`` (memory minimised,
-    throughput maximised, reference (ref_x, 0)): the integral over memory x < ref_x of the best
-    throughput at memory <= x, i.e. sum_k (m_(k+1) - m_k) * max_(j<=k) t_j over the sorted points
-    (the 2-D hypervolume; Optuna's compute_hypervolume gives the same per set, one set per call)."""
-    t = np.where(m < ref_x, np.maximum(t, 0.0), 0.0)
-    m = np.minimum(m, ref_x)
-    order = np.argsort(m, axis=1)
-    ms = np.take_along_axis(m, order, 1)
-    best = np.maximum.accumulate(np.take_along_axis(t, order, 1), axis=1)
-    widths = np.diff(np.concatenate([ms, np.full((len(m), 1), ref_x)], axis=1), axis=1)
-    return (widths * best).sum(1)
-
-
-def expected_remaining_gain(x: np.ndarray, mu: np.ndarray, sd: np.ndarray, front: Sequence[tuple[float, float]],
-                            ref_x: float, noise: float = 0.0, mem_sd: Optional[np.ndarray] = None,
-                            samples: int = 256, seed: int = 0) -> float:
-    """Expected hypervolume improvement of profiling *every* remaining candidate (x_i, Y_i), log Y_i ~
-    N(mu_i, sd_i^2) independently, memory log-normal with sd ``mem_sd``, over ``front``; each draw is
-    lowered by the relative ``noise`` (gains within noise count for nothing, as in expected_hvi).
-    Monte Carlo over ``samples`` draws (common random numbers: ``seed``)."""
-    if len(x) == 0:
-        return 0.0
-    rng = np.random.default_rng(seed)
-    fm = np.array([p[0] for p in front] or [ref_x], dtype=float)
-    ft = np.array([p[1] for p in front] or [0.0], dtype=float)
-    ys = np.exp(mu[None, :] + sd[None, :] * rng.standard_normal((samples, len(x)))) / (1.0 + noise)
-    xs = np.broadcast_to(x, ys.shape)
-    if mem_sd is not None:
-        xs = x[None, :] * np.exp(mem_sd[None, :] * rng.standard_normal((samples, len(x))))
-    base = float(_staircase_area(fm[None, :], ft[None, :], ref_x)[0])
-    m = np.concatenate([np.broadcast_to(fm, (samples, len(fm))), xs], axis=1)
-    t = np.concatenate([np.broadcast_to(ft, (samples, len(ft))), ys], axis=1)
-    return float(np.mean(_staircase_area(m, t, ref_x)) - base)
-
-
-def hypervolume(points: Sequence[tuple[float, float]], ref_x: float) -> float:
-    """Optuna's hypervolume of (memory, tokens/s) points, both as minimised objectives."""
-    from autotune._optuna_compat import compute_hypervolume
-
-    pts = [(m, -t) for m, t in points if m < ref_x and t > 0]
-    if not pts:
-        return 0.0
-    return float(compute_hypervolume(np.array(pts, dtype=float), np.array([ref_x, 0.0]), assume_pareto=False))
 
 
 class FrontSampler(BaseSampler):
@@ -277,6 +218,9 @@ class FrontSampler(BaseSampler):
         self.oom_at: dict[tuple, int] = {}
         self._scored: Optional[tuple] = None
         self.history: list[Assessment] = []
+        self.levels, self.g = _levels.level_matrix(self.strategies)
+        """Levels of the categorical knobs, and which candidate has which (autotune._levels)."""
+        self._broken: set[int] = set()  # failed for a reason other than memory: its levels count as tried
         """The assessment after each measurement of this process (benchmarks/search_cost.py)."""
 
     # ------------------------------------------------------------------ Optuna interface
@@ -363,6 +307,8 @@ class FrontSampler(BaseSampler):
                                    tokens_per_s_per_gpu=float(t.values[1]), extra=m.get("extra") or {})
             elif t.state == TrialState.FAIL and has_result(t):
                 self.failed.add(idx)
+                if status != "oom":
+                    self._broken.add(idx)
                 meas = Measurement(status=status or "error", reason=t.user_attrs["fail_reason"])
             else:  # pruned, or lost (re-run later)
                 if t.state == TrialState.PRUNED:
@@ -430,7 +376,8 @@ class FrontSampler(BaseSampler):
         done = [i for i, (_, t) in self.measured.items() if t > 0]
         y = np.array([math.log(self.measured[i][1]) - log_sim[i] for i in done])
         floor = self.out_of_sample_error() if honest else 0.0
-        mean, var, _ = gp_posterior(self.x[done], y, self.x, noise_floor=noise, amplitude_floor=floor)
+        mean, var, _ = gp_posterior(self.x[done], y, self.x, noise_floor=noise, amplitude_floor=floor,
+                                    g=self.g[done], gs=self.g, level_sd=_levels.LEVEL_PRIOR_SD)
         factors: dict[tuple, tuple[float, float]] = {}
         mem = self.pred_mem.copy()
         mem_sd = np.zeros(len(mem))
@@ -464,14 +411,34 @@ class FrontSampler(BaseSampler):
                                           noise)
         return eligible, ehvi, hypervolume(front, self.ref_x), noise
 
+    def _open(self, eligible: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """(levels never measured that an eligible candidate which could reach the front has, those
+        eligible candidates): the last prediction, its sd widened by the track record (sd_scale)."""
+        if not self.levels or not eligible.any() or self._last_pred is None:
+            return [], np.zeros(len(eligible), dtype=bool)
+        mem, mu, sd, noise, mem_sd = self._last_pred
+        reach = eligible & _levels.reachable(mem, mu, sd * self.sd_scale(), mem_sd, list(self.measured.values()),
+                                             self.ref_x, noise)
+        resolved = np.zeros(len(eligible), dtype=bool)
+        resolved[list(self.measured) + list(self._broken)] = True
+        return _levels.unmeasured(self.levels, self.g, resolved, eligible, reach), reach
+
     def _choose(self, study: Any, number: int) -> int:
         running = self.observe(study)
         eligible, ehvi, _, _ = self._score(running, honest=True)
-        if eligible.any() and ehvi.max() > 0:
-            idx = int(np.argmax(np.where(eligible, ehvi, -1.0)))
-            if self._last_pred is not None:  # (mem, mu, sd, ...) behind this choice
-                self._predicted[idx] = float(self._last_pred[1][idx])
-                self._predicted_sd[idx] = float(self._last_pred[2][idx])
+        # levels never measured that could reach the front are measured first: a candidate that could
+        # reach it and carries as many of them as any, the most promising of those
+        levels, reach = self._open(eligible)
+        pick = eligible
+        if levels:
+            carried = np.where(reach, self.g[:, levels].sum(1), 0.0)
+            pick = carried == carried.max()
+        if pick.any() and (ehvi[pick].max() > 0 or levels):
+            mem, mu, sd, _, _ = self._last_pred
+            score = ehvi if ehvi[pick].max() > 0 else mu + _levels.REACH_Z * sd
+            idx = int(np.argmax(np.where(pick, score, -np.inf)))
+            self._predicted[idx] = float(mu[idx])
+            self._predicted_sd[idx] = float(sd[idx])
             return idx
         rest = [i for i in range(len(self.strategies)) if i not in self.measured and i not in self.failed]
         return int(self._rng.choice(rest)) if rest else -1
@@ -489,10 +456,11 @@ class FrontSampler(BaseSampler):
             gain = expected_remaining_gain(mem[idx], mu[idx], sd[idx] * self.sd_scale(), list(self.measured.values()),
                                            self.ref_x, noise, mem_sd[idx]) / hv
         profiled = len(self.measured) + len(self.failed)
+        unmeasured = tuple(_levels.label(self.levels[j]) for j in self._open(eligible)[0])
         return Assessment(gain=gain, hypervolume=hv, profiled=profiled, feasible=len(self.strategies),
-                          remaining=int(eligible.sum()), noise=noise, best=best)
+                          remaining=int(eligible.sum()), noise=noise, best=best, unmeasured=unmeasured)
 
     def should_stop(self, study: Any) -> tuple[bool, Assessment]:
         a = self.assess(study)
         self.history.append(a)
-        return (len(self.measured) >= MIN_PROFILED and a.gain < self.stop_gain) or a.remaining == 0, a
+        return (len(self.measured) >= MIN_PROFILED and a.stable(self.stop_gain)) or a.remaining == 0, a
