@@ -316,10 +316,15 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
         # _checkpoint_frame_kept names (not part of the recomputed set)
         "checkpoint_frame_kept": (_checkpoint_frame_kept(m, p, gran, zero3_linear=zero3) * tokens
                                   + (CPU_RNG_STATE_BYTES if device == "cpu" else 0.0)) if n_ck else 0.0,
-        # the final RMSNorm's backward (x.float(); pow(2).mean(-1); x * rsqrt(...)): at PowBackward0
-        # four fp32 h-wide tensors (the x * rsqrt gradient, MeanBackward's expansion, pow's 2x and its
-        # product), the incoming gradient released; measured on allocation traces (torch 2.13 CPU)
-        "final_norm_backward_transient": 16.0 * m.hidden_size * tokens if m.norm == "rmsnorm" else 0.0,
+        # the final RMSNorm's backward (x.float(); pow(2).mean(-1); x * rsqrt(...)) at its peak, the
+        # last multiply of PowBackward0 (torch/csrc/autograd/FunctionsManual.cpp pow_backward:
+        # grad * (exponent * self.pow(exponent - 1))): of the norm's saved tensors only the fp32 input
+        # (the pow's) is left, next to five fp32 h-wide tensors: the x * rsqrt branch's gradient
+        # waiting for the sum, MeanBackward's expansion (pow's incoming gradient), self.pow(1), 2x and
+        # the product; the gradient from the head and the bf16/fp32 copies are released. Replaces
+        # final_norm_saved at that instant (allocation traces, torch 2.13 CPU: docs/accuracy.md)
+        "final_norm_backward_live": (24.0 * m.hidden_size * tokens if m.norm in ("rmsnorm", "rmsnorm_fp32")
+                                     else _norm_saved(m, p) * tokens),
         "mlp_backward_transient": max(_mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
                                       _composite_gelu_backward_transient(m, p) * tokens),
     }

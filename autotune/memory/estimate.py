@@ -122,7 +122,15 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     # its gradient hook: ZeRO-1/2 allocate the reduce buckets (the logits gradient is gone)
     add("backward", grads=p * head, activations=saved_blocks + other_saved, buffers=st.buffers_bwd,
         pending=pending_head)
-    _blocks_backward(add, m, s, st, act, other_saved, pending_head)
+    # from the hook on, the head's weight gradient stays alive only in ZeRO-0's param.grad or, tied,
+    # pending; ZeRO-1/2/3 copied it into the reduce bucket and rebound param.grad to that copy
+    # (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads, stage3.py
+    # __add_grad_to_ipg_bucket)
+    head_grad = p * head if (s.zero_stage == 0 or m.tie_word_embeddings) else 0.0
+    # the final norm's backward at its peak (activations.py final_norm_backward_live)
+    add("backward", grads=head_grad, activations=saved_blocks + other_saved - act["final_norm_saved"]
+        + act["final_norm_backward_live"], buffers=st.buffers_bwd, pending=pending_head)
+    _blocks_backward(add, m, s, st, act, other_saved, head_grad, pending_head)
     # ZeRO-1 at the accumulation boundary: each carried full-size gradient is copied into the
     # reduce bucket and rebound to it (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads:
     # ``grad_reduc.data = new_grad_tensor.data``), so after the last hook only the buckets and the
@@ -143,15 +151,14 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
 
 
 def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _States, act: dict[str, float],
-                     other_saved: float, pending_head: float) -> None:
+                     other_saved: float, head_grad: float, pending_head: float) -> None:
     """The candidates through the blocks' backward, last block to first (``add`` as in
-    estimate_memory; ``st`` the model states)."""
+    estimate_memory; ``st`` the model states; ``head_grad`` the head's weight gradient still
+    alive beside the buckets: ZeRO-0 keeps every gradient; a tied one is pending, so no gradient
+    hook fires for it before the embedding's backward)."""
     p = BYTES_PER_ELEMENT[s.precision]
     L = m.num_hidden_layers
     head = m.vocab_size * m.hidden_size
-    # the head's weight gradient stays alive through the blocks: ZeRO-0 keeps every gradient; a
-    # tied one is pending (above), so no gradient hook fires for it before the embedding's backward
-    head_grad = p * head if (s.zero_stage == 0 or m.tie_word_embeddings) else 0.0
     # through the blocks (last to first): saved activations shrink while gradients accumulate;
     # a checkpointed block is recomputed (its full activations) before its backward
     bucket = st.partition_after or 0

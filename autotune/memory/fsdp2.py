@@ -93,7 +93,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     m, s = model, strategy
     L = m.num_hidden_layers
     u = _units(m, s, hardware)
-    k_opt = 8 if training.optimizer in ("adam", "adamw") else 4
+    k_opt = training.optimizer.state_bytes_per_parameter
     shard = m.num_parameters / u.n
     params = u.on_gpu * 4 * shard
     optimizer = u.on_gpu * k_opt * shard
@@ -146,7 +146,8 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     add("backward", unsharded=head_grad, activations=saved_blocks + other_saved,
         logits=u.p * m.vocab_size * tokens, buffers=at_start)
     # the final norm's backward: its fp32 transients next to everything saved (the logits gradient gone)
-    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved + act["final_norm_backward_transient"],
+    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved - act["final_norm_saved"]
+        + act["final_norm_backward_live"],
         buffers=at_start)
     _blocks_backward(add, u, act, s, L, other_saved, head_grad, carry)
     # backward end: the root's post-backward (head and embedding gradients, unsharded, then its
