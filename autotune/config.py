@@ -8,8 +8,9 @@ Sections: ``model``, ``training``, ``hardware``, optional ``strategy`` (the defa
 
 from __future__ import annotations
 
-import os
 import dataclasses
+import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional
 
@@ -18,7 +19,7 @@ from autotune.checks import (Checker, bool_, check_section, choice, float_, int_
                              read_yaml, show, str_)
 from autotune.errors import ConfigError
 from autotune.hf_config import check_exact_count, map_hf_config, read_hf_config
-from autotune.spec import GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, TrainingSpec
+from autotune.spec import OPTIMIZER_TYPES, GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, OptimizerSpec, TrainingSpec
 from autotune.strategy import PRECISIONS, Strategy, knob_choices, validation_errors
 
 SAMPLERS = ("auto", "nsga2", "tpe", "gp", "random", "ehvi", "sweep")
@@ -128,11 +129,66 @@ MODEL_SCHEMA: dict[str, Checker] = {"preset": choice(*presets.model_names()), "h
                                     **MODEL_FIELDS}
 REQUIRED_MODEL = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
+_YAML11_MISSED_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+"""Numbers like 3e-4 that YAML 1.1 (yaml.safe_load) reads as strings (it wants 3.0e-4)."""
+
+
+def _number(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Checker:
+    """A number in the range, also when YAML 1.1 left an exponent form like ``3e-4`` a string."""
+    check = float_(low, high, low_open=low_open)
+
+    def number(value: Any, path: str) -> float:
+        if isinstance(value, str) and _YAML11_MISSED_FLOAT.fullmatch(value.strip()):
+            value = float(value)
+        out = check(value, path)
+        if high_open and out == high:
+            raise ConfigError(f"expected a number in {'(' if low_open else '['}{low:g}, {high:g}), but got {out:g}",
+                              path=path)
+        return out
+
+    return number
+
+
+_UNIT = _number(0.0, 1.0, high_open=True)
+
+
+def _betas(value: Any, path: str) -> tuple[float, float]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ConfigError(f"expected a list of two numbers in [0, 1), but got {show(value)}"[:200], path=path)
+    return (_UNIT(value[0], f"{path}[0]"), _UNIT(value[1], f"{path}[1]"))
+
+
+OPTIMIZER_SCHEMA: dict[str, Checker] = {
+    "type": choice(*OPTIMIZER_TYPES),
+    "lr": _number(0.0, 1e3, low_open=True),
+    "betas": _betas,
+    "eps": _number(0.0, 1.0),
+    "weight_decay": _number(0.0, 1e3),
+    "momentum": _UNIT,
+    "gradient_clipping": _number(0.0, 1e9),
+}
+"""``training.optimizer`` as a mapping: OptimizerSpec's fields (their docstrings say what each is)."""
+_SETTINGS_OF = {"betas": ("adam", "adamw"), "eps": ("adam", "adamw"), "momentum": ("sgd",)}
+"""OptimizerSpec fields that only some optimizer types have."""
+
+
+def _optimizer(value: Any, path: str) -> OptimizerSpec:
+    """``training.optimizer``: a type name (its defaults) or a mapping of OptimizerSpec fields."""
+    if not isinstance(value, dict):
+        return OptimizerSpec(type=choice(*OPTIMIZER_TYPES)(value, path))
+    section = check_section(value, path, OPTIMIZER_SCHEMA)
+    kind = section.get("type", OptimizerSpec.type)
+    for key, types in _SETTINGS_OF.items():
+        if key in section and kind not in types:
+            raise ConfigError(f"{key} is a setting of {' and '.join(types)}, not of {kind}", path=f"{path}.{key}")
+    return OptimizerSpec(**section)
+
+
 TRAINING_SCHEMA: dict[str, Checker] = {
     "seq_len": int_(1, 1 << 24),
     "global_batch_size": int_(1, 1 << 30),
     "precision": choice(*PRECISIONS),
-    "optimizer": choice("adamw", "adam", "sgd"),
+    "optimizer": _optimizer,
 }
 
 GPU_FIELDS: dict[str, Checker] = {

@@ -1,11 +1,13 @@
 """An fsdp2 strategy applied to a model: ``apply(model, strategy)`` and a ready-to-paste ``snippet``.
 
-``apply`` is what the profiling worker runs for an fsdp2 trial and what a front point ships, so a
-point reproduces exactly as it was measured::
+``apply`` and ``make_optimizer`` are what the profiling worker runs for an fsdp2 trial and what a
+front point ships, so a point reproduces exactly as it was measured::
 
     import autotune
-    notes = autotune.apply(model, strategy)       # or the dict of autotune.strategy.to_fsdp2_config
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    from autotune.fsdp2 import make_optimizer
+    layout = autotune.strategy.to_fsdp2_config(strategy, model_spec, training, hardware)
+    notes = autotune.apply(model, layout)          # or a Strategy (then no optimizer settings)
+    optimizer = make_optimizer(model, layout)      # the job's optimizer (training.optimizer), foreach
 
 The layout follows torchtitan (torchtitan/models/llama3/infra/parallelize.py ``apply_fsdp``): the
 activation checkpointing first, then ``fully_shard`` on every decoder block, then on the root
@@ -159,22 +161,50 @@ def _checkpoint_lines(granularity: str, blocks: list[int]) -> tuple[str, list[st
     return _checkpointing_source("checkpoint_attention_core"), []
 
 
+_OPTIMIZER_CLASSES = ("AdamW", "Adam", "SGD")
+"""The torch.optim classes a layout's optimizer may name (autotune.spec.OptimizerSpec.torch_class)."""
+
+
+def _optimizer_block(config: Mapping[str, Any]) -> tuple[str, dict[str, Any], bool]:
+    """(torch.optim class name, its keyword arguments, foreach) of a layout's ``optimizer`` entry,
+    checked: the snippet writes them out as code."""
+    opt = config["optimizer"]
+    name, params = opt["type"], dict(opt["params"])
+    if name not in _OPTIMIZER_CLASSES:
+        raise ValueError(f"layout optimizer type must be one of {', '.join(_OPTIMIZER_CLASSES)}, but got {name!r}")
+    for key, value in params.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not key.isidentifier() or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"layout optimizer parameter {key!r} must be a number or a list of numbers")
+        params[key] = tuple(value) if isinstance(value, (list, tuple)) else value
+    return name, params, bool(opt.get("foreach", True))
+
+
+def make_optimizer(model: Any, config: Mapping[str, Any]) -> Any:
+    """The optimizer of a ``to_fsdp2_config`` layout (the job's ``training.optimizer``: class and
+    hyper-parameters, ``foreach=True``) over ``model``'s (sharded) parameters."""
+    import torch
+
+    name, params, foreach = _optimizer_block(config)
+    return getattr(torch.optim, name)(model.parameters(), **params, foreach=foreach)
+
+
 def snippet(config: Mapping[str, Any]) -> str:
     """A self-contained Python snippet (plain torch; no autotune import) that builds the layout of
     ``config`` (a ``to_fsdp2_config`` dict): device mesh, activation checkpointing (``op``: torchtitan's
-    policy inlined), ``fully_shard`` per block and on the root, the optimizer (``AdamW(foreach=True)``)
-    and one training step with gradient accumulation, clipping and (fp16) a ShardedGradScaler.
+    policy inlined), ``fully_shard`` per block and on the root, the job's optimizer (``foreach=True``)
+    and one training step with gradient accumulation, clipping (unless 0) and (fp16) a ShardedGradScaler.
     ``selective`` (attention core): the model's own ``set_checkpointing`` (autotune's reference
     decoders have one), otherwise (a Hugging Face model) ``checkpoint_attention_core`` inlined."""
     lay = _layout(config, 0)
-    opt = config["optimizer"]
-    p = opt["params"]
+    opt_cls, opt_params, foreach = _optimizer_block(config)
+    args = [f"{k}={v!r}" for k, v in opt_params.items()] + [f"foreach={foreach!r}"]
+    opt_args = ", ".join(args[:3]) + "".join(f",\n{' ' * 31}" + ", ".join(args[3:]) if args[3:] else "")
     gas = int(config["gradient_accumulation_steps"])
     helpers, ckpt = _checkpoint_lines(lay["granularity"], lay["blocks"])
     shape = tuple(int(x) for x in config["mesh"]["shape"])
     names = tuple(config["mesh"]["dim_names"])
     offload = ", offload_policy=CPUOffloadPolicy(pin_memory=device_type == \"cuda\")" if lay["offload"] else ""
-    opt_cls = "AdamW" if opt["type"] == "AdamW" else "Adam"
     selective = lay["granularity"] == "selective"
     text = f'''"""FSDP2 layout found by autotune. Launch: torchrun --nnodes {shape[0] if len(shape) == 2 else 1} \\
     --nproc_per_node {shape[-1]} train.py ...; call shard(model) after building the model (fp32
@@ -221,15 +251,17 @@ def shard(model, blocks=None):
 {chr(10).join(ckpt) if ckpt else "        pass"}
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=RESHARD_AFTER_FORWARD{offload})
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True{offload})
-    return torch.optim.{opt_cls}(model.parameters(), lr={p["lr"]!r}, betas={tuple(p["betas"])!r}, eps={p["eps"]!r},
-                               weight_decay={p["weight_decay"]!r}, foreach=True)
+    return torch.optim.{opt_cls}(model.parameters(), {opt_args})
 
 '''
-    return text + _train_step_text(bool(config.get("loss_scaling")), config["gradient_clipping"])
+    return text + _train_step_text(bool(config.get("loss_scaling")), float(config["gradient_clipping"]))
 
 
 def _train_step_text(scaler: bool, clip: float) -> str:
-    """The snippet's ``train_step``: gradient accumulation, clipping, the step (fp16: a ShardedGradScaler)."""
+    """The snippet's ``train_step``: gradient accumulation, clipping (``clip`` 0: none), the step
+    (fp16: a ShardedGradScaler)."""
+    clip_line = (f"    torch.nn.utils.clip_grad_norm_(model.parameters(), {clip!r})\n" if clip > 0
+                 else "    # no gradient clipping (gradient_clipping 0)\n")
     text = ""
     if scaler:
         text += ("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n\n"
@@ -245,12 +277,10 @@ def train_step(model, optimizer, micro_batches):
 '''
     if scaler:
         return text + f'''    scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), {clip!r})
-    scaler.step(optimizer)
+{clip_line}    scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 '''
-    return text + f'''    torch.nn.utils.clip_grad_norm_(model.parameters(), {clip!r})
-    optimizer.step()
+    return text + f'''{clip_line}    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 '''

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Norm = Literal["rmsnorm", "layernorm", "rmsnorm_fp32"]
@@ -262,6 +262,73 @@ class HardwareSpec:
         return self.gpus_per_node * self.num_nodes
 
 
+OptimizerType = Literal["adamw", "adam", "sgd"]
+OPTIMIZER_TYPES: tuple[OptimizerType, ...] = get_args(OptimizerType)
+_TORCH_OPTIMIZER = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+"""OptimizerSpec.type -> its torch.optim class (DeepSpeed's config ``type`` names the same classes)."""
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer and its hyper-parameters (job file ``training.optimizer``), the one object the
+    memory model (its state), every DeepSpeed config, every FSDP2 layout and snippet, the profiling
+    worker and the tracer read, so what is sized is what is configured and measured. The defaults
+    are what autotune configured before they could be set."""
+
+    type: OptimizerType = "adamw"
+    """adamw (decoupled weight decay, Loshchilov & Hutter 2019), adam (weight decay as an L2 term
+    of the gradient) or sgd (torch.optim.SGD)."""
+    lr: float = 1e-4
+    """Learning rate (constant: autotune measures steps, it schedules nothing)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """adam/adamw: decay rates of the first and second moment estimates."""
+    eps: float = 1e-8
+    """adam/adamw: term added to the denominator."""
+    weight_decay: float = 0.1
+    """Weight decay (adamw: decoupled; adam and sgd: added to the gradient, as torch.optim does)."""
+    momentum: float = 0.0
+    """sgd: momentum factor; 0 is plain SGD (no state), above 0 one momentum buffer per parameter."""
+    gradient_clipping: float = 1.0
+    """Largest global gradient norm (torch.nn.utils.clip_grad_norm_, DeepSpeed ``gradient_clipping``);
+    0: no clipping."""
+
+    def __post_init__(self) -> None:
+        # JSON (the worker's job, front.json) gives betas as a list
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        assert self.type in OPTIMIZER_TYPES and len(self.betas) == 2
+
+    @property
+    def state_bytes_per_parameter(self) -> int:
+        """Optimizer-state bytes per trained parameter, fp32 master weights excluded: adam/adamw keep
+        exp_avg and exp_avg_sq (torch/optim/adamw.py ``_init_group``; DeepSpeed's FusedAdam and
+        DeepSpeedCPUAdam the same), sgd with momentum its ``momentum_buffer``, plain sgd nothing
+        (torch/optim/sgd.py ``_init_group``), all in the fp32 of the master weights."""
+        if self.type in ("adam", "adamw"):
+            return 8
+        return 4 if self.momentum > 0 else 0
+
+    @property
+    def torch_class(self) -> str:
+        """The torch.optim class name (AdamW, Adam, SGD)."""
+        return _TORCH_OPTIMIZER[self.type]
+
+    def torch_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``torch.optim.<torch_class>`` (JSON-ready: betas as a list)."""
+        if self.type == "sgd":
+            return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+        return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+
+    def deepspeed_section(self) -> dict[str, Any]:
+        """The DeepSpeed config's ``optimizer`` section. DeepSpeed builds FusedAdam / DeepSpeedCPUAdam
+        for AdamW and Adam, whose ``adam_w_mode`` defaults to true even for Adam (runtime/engine.py
+        ``_configure_basic_optimizer``), so Adam says false; SGD is torch.optim.SGD (the same file:
+        any torch.optim name)."""
+        params = self.torch_kwargs()
+        if self.type == "adam":
+            params["adam_w_mode"] = False
+        return {"type": self.torch_class, "params": params}
+
+
 @dataclass(frozen=True)
 class TrainingSpec:
     """What one optimizer step looks like."""
@@ -272,5 +339,13 @@ class TrainingSpec:
     """Sequences per optimizer step, across all data-parallel ranks."""
     precision: Precision = "bf16"
     """bf16 (no loss scaling), fp16 (dynamic loss scaling) or fp32."""
-    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
-    """Optimizer; adam/adamw keep two fp32 moments per parameter."""
+    optimizer: OptimizerSpec = OptimizerSpec()
+    """The optimizer and its hyper-parameters (an OptimizerSpec; an optimizer type or a mapping of
+    OptimizerSpec fields, as JSON gives them, is converted)."""
+
+    def __post_init__(self) -> None:
+        opt: Any = self.optimizer
+        if isinstance(opt, str):
+            object.__setattr__(self, "optimizer", OptimizerSpec(type=opt))  # type: ignore[arg-type]
+        elif isinstance(opt, dict):
+            object.__setattr__(self, "optimizer", OptimizerSpec(**opt))

@@ -309,6 +309,35 @@ def validate(strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardw
     return [message for _, message in validation_errors(strategy, model, training, hardware)]
 
 
+@dataclass(frozen=True)
+class DeepSpeedBuffers:
+    """The DeepSpeed buffer settings that do not depend on the model: what to_deepspeed_config writes
+    into every config and autotune.memory.states sizes (the model-dependent bucket sizes are
+    default_buckets'; the optimizer is the job's, TrainingSpec.optimizer)."""
+
+    sub_group_size: int = 1_000_000_000
+    """ZeRO-3 ``sub_group_size`` (elements per optimizer-step sub group; NVMe swap buffers hold one)."""
+    max_live_parameters: int = 1_000_000_000
+    """ZeRO-3 ``stage3_max_live_parameters`` (gathered parameters kept alive), like HF's "auto"."""
+    max_reuse_distance: int = 1_000_000_000
+    """ZeRO-3 ``stage3_max_reuse_distance`` (a gathered parameter reused within it stays gathered)."""
+    optimizer_nvme_buffer_count: int = 4
+    """``offload_optimizer.buffer_count`` for NVMe: pinned fp32 swap buffers of one sub group each."""
+    param_nvme_buffer_count: int = 5
+    """``offload_param.buffer_count`` for NVMe: pinned buffers of ``param_nvme_buffer_size`` each."""
+    param_nvme_buffer_size: int = 100_000_000
+    """``offload_param.buffer_size`` for NVMe (elements)."""
+    param_max_in_cpu: int = 1_000_000_000
+    """``offload_param.max_in_cpu`` for NVMe (elements kept in host memory)."""
+    allreduce_bucket_size: int = 500_000_000
+    """DeepSpeed's default ``allreduce_bucket_size`` (elements; not written): ZeRO-0's gradient
+    all-reduce flattens this many at a time."""
+
+
+DEEPSPEED_BUFFERS = DeepSpeedBuffers()
+"""The settings every DeepSpeed config autotune writes carries."""
+
+
 def default_buckets(model: ModelSpec, strategy: Strategy) -> dict[str, int]:
     """Bucket sizes autotune writes into the DeepSpeed config (elements).
 
@@ -341,18 +370,21 @@ def to_deepspeed_config(
     if strategy.engine != "deepspeed":
         raise ValueError(f"to_deepspeed_config needs engine deepspeed, but got engine {strategy.engine}")
     s = strategy
+    buf = DEEPSPEED_BUFFERS
+    opt = training.optimizer
     gas = gradient_accumulation_steps(s, training, hardware)
     cfg: dict[str, Any] = {
         "train_batch_size": s.micro_batch_size * gas * data_parallel_size(hardware),
         "train_micro_batch_size_per_gpu": s.micro_batch_size,
         "gradient_accumulation_steps": gas,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": opt.gradient_clipping,
         "steps_per_print": 1_000_000,
-        "optimizer": {
-            "type": "AdamW" if training.optimizer == "adamw" else "Adam",
-            "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
-        },
+        "optimizer": opt.deepspeed_section(),
     }
+    if opt.type == "sgd" and s.zero_stage >= 1:
+        # torch.optim.SGD is outside ZeRO's tested optimizers (runtime/zero/utils.py
+        # ZERO_SUPPORTED_OPTIMIZERS; runtime/engine.py _do_optimizer_sanity_check asserts this flag)
+        cfg["zero_allow_untested_optimizer"] = True
     if s.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif s.precision == "fp16":
@@ -367,23 +399,24 @@ def to_deepspeed_config(
         )
     elif s.zero_stage == 3:
         zero.update(
-            overlap_comm=True, contiguous_gradients=True, sub_group_size=int(1e9),
+            overlap_comm=True, contiguous_gradients=True, sub_group_size=buf.sub_group_size,
             reduce_bucket_size=buckets["reduce_bucket_size"],
             stage3_prefetch_bucket_size=buckets["prefetch_bucket_size"],
             stage3_param_persistence_threshold=buckets["param_persistence_threshold"],
-            stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9),
+            stage3_max_live_parameters=buf.max_live_parameters, stage3_max_reuse_distance=buf.max_reuse_distance,
             stage3_gather_16bit_weights_on_model_save=True,
         )
     nvme_path = hardware.nvme.path if hardware.nvme else "/local_nvme"
     if s.offload_optimizer != "none":
         off: dict[str, Any] = {"device": s.offload_optimizer, "pin_memory": True}
         if s.offload_optimizer == "nvme":
-            off.update(nvme_path=nvme_path, buffer_count=4, fast_init=False)
+            off.update(nvme_path=nvme_path, buffer_count=buf.optimizer_nvme_buffer_count, fast_init=False)
         zero["offload_optimizer"] = off
     if s.offload_params != "none":
         offp: dict[str, Any] = {"device": s.offload_params, "pin_memory": True}
         if s.offload_params == "nvme":
-            offp.update(nvme_path=nvme_path, buffer_count=5, buffer_size=int(1e8), max_in_cpu=int(1e9))
+            offp.update(nvme_path=nvme_path, buffer_count=buf.param_nvme_buffer_count,
+                        buffer_size=buf.param_nvme_buffer_size, max_in_cpu=buf.param_max_in_cpu)
         zero["offload_param"] = offp
     cfg["zero_optimization"] = zero
     if "nvme" in (s.offload_optimizer, s.offload_params):
@@ -430,9 +463,9 @@ def to_fsdp2_config(
         "micro_batch_size": s.micro_batch_size,
         "gradient_accumulation_steps": gradient_accumulation_steps(s, training, hardware),
         "loss_scaling": s.precision == "fp16",
-        "optimizer": {"type": "AdamW" if training.optimizer == "adamw" else "Adam", "foreach": True,
-                      "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
-        "gradient_clipping": 1.0,
+        "optimizer": {"type": training.optimizer.torch_class, "foreach": True,
+                      "params": training.optimizer.torch_kwargs()},
+        "gradient_clipping": training.optimizer.gradient_clipping,
     }
 
 

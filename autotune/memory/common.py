@@ -8,16 +8,7 @@ from typing import Any
 from autotune.spec import GIB, HardwareSpec
 
 
-_DS_SUB_GROUP = 1_000_000_000
-"""ZeRO-3 sub_group_size autotune writes (elements)."""
-_DS_MAX_LIVE = 1_000_000_000
-"""stage3_max_live_parameters / stage3_max_reuse_distance autotune writes (elements)."""
-
 GPU_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
-
-
-_DS_ALLREDUCE_BUCKET = 500_000_000
-"""DeepSpeed's default ``allreduce_bucket_size`` (elements), used by ZeRO-0 gradient all-reduce."""
 
 
 @dataclass(frozen=True)

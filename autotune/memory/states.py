@@ -6,9 +6,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from autotune.memory.common import _DS_ALLREDUCE_BUCKET, _DS_MAX_LIVE, _DS_SUB_GROUP, _partition
+from autotune.memory.common import _partition
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import Strategy, data_parallel_size, default_buckets, gradient_accumulation_steps
+from autotune.strategy import (DEEPSPEED_BUFFERS, Strategy, data_parallel_size, default_buckets,
+                               gradient_accumulation_steps)
 
 
 def _largest_param(m: ModelSpec) -> int:
@@ -135,7 +136,7 @@ class _States:
 def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy,
                   device: str = "cuda") -> _States:
     """Model states and DeepSpeed's buffers of one GPU for the strategy's ZeRO stage."""
-    k_opt = 8 if training.optimizer in ("adam", "adamw") else 4  # moments (sgd: momentum)
+    k_opt = training.optimizer.state_bytes_per_parameter  # adam: two moments; sgd: momentum or none
     if s.zero_stage == 0:
         return _zero0_states(m, s, k_opt)
     if s.zero_stage in (1, 2):
@@ -152,7 +153,7 @@ def _zero0_states(m: ModelSpec, s: Strategy, k_opt: int) -> _States:
     out.grads = p * psi
     master = 4 * psi if p < 4 else 0
     out.optimizer = (k_opt * psi) + master
-    bucket = min(_DS_ALLREDUCE_BUCKET, psi)
+    bucket = min(DEEPSPEED_BUFFERS.allreduce_bucket_size, psi)
     out.buffers_bwd_end = p * bucket  # allreduce_bucket flattens the grads (even on one rank)
     out.buffers_step = 4 * psi if p < 4 else 0  # flattened fp32 grads
     out.grad_per_block = p * m.block_params()
@@ -229,7 +230,7 @@ def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, k_opt: int,
     # fetched to the GPU, one rank or many
     # (on DeepSpeed's CPU accelerator "fetching" a host partition to the device is no copy)
     fetch_copies = dp > 1 or (off_par and device != "cpu")
-    live = p * min(psi - persist, _DS_MAX_LIVE + prefetch) if fetch_copies else 0.0
+    live = p * min(psi - persist, DEEPSPEED_BUFFERS.max_live_parameters + prefetch) if fetch_copies else 0.0
     out.params = (0 if off_par else p * part) + p * persist
     # the reduce bucket (ipg buffer) is allocated at init on the GPU (stage3.py
     # _setup_for_real_optimizer: "bucket.buffer = torch.empty(self.reduce_bucket_size, ...)")
@@ -259,7 +260,8 @@ def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, k_opt: int,
             # pinned gradient partitions and buffer_count (4) pinned fp32 swap buffers of one
             # sub group (autotune writes sub_group_size 1e9)
             out.nvme += (4 + k_opt + 4) * part
-            host += p * part + 4 * 4 * min(_DS_SUB_GROUP, part)
+            buf = DEEPSPEED_BUFFERS
+            host += p * part + buf.optimizer_nvme_buffer_count * 4 * min(buf.sub_group_size, part)
     else:
         # the 16-bit gradient partition is allocated once, at init, on the GPU (stage3.py
         # grad_partitions_flat_buffer on self.device)
@@ -272,7 +274,7 @@ def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, k_opt: int,
         # partitions swap to NVMe through buffer_count (5) x buffer_size (1e8) pinned buffers
         # (autotune's offload_param config; AsyncPartitionedParameterSwapper)
         out.nvme += p * part
-        host += 5 * 100_000_000 * p
+        host += DEEPSPEED_BUFFERS.param_nvme_buffer_count * DEEPSPEED_BUFFERS.param_nvme_buffer_size * p
     out.cpu = host
     return out
 

@@ -138,7 +138,7 @@ class DeepSpeedEngine:
 
         from autotune.profile.user_models import set_checkpointing
 
-        ds_config, *_ = ds_config_for_job(ctx.job, ctx.world)
+        ds_config, _, training, _ = ds_config_for_job(ctx.job, ctx.world)
         model = built.module
         n_ckpt = strategy.num_checkpointed(model_spec.num_hidden_layers)
         set_checkpointing(built, strategy.checkpointing if n_ckpt else "none",
@@ -148,19 +148,18 @@ class DeepSpeedEngine:
             impl = "deepspeed" if ctx.use_cuda else "torch"
         optimizer = None
         if impl == "torch":
-            opt_cfg = ds_config.pop("optimizer", None) or {}
-            params = dict(opt_cfg.get("params", {}))
-            params.setdefault("lr", 1e-4)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"],
-                                          betas=tuple(params.get("betas", (0.9, 0.999))), eps=params.get("eps", 1e-8),
-                                          weight_decay=params.get("weight_decay", 0.01),
-                                          fused=True)  # like FusedAdam: no full-size temporaries
+            # the job's optimizer (training.optimizer), the one the config's optimizer section names
+            ds_config.pop("optimizer", None)
+            opt = training.optimizer
+            fused = {"fused": True} if opt.type != "sgd" else {}  # like FusedAdam: no full-size temporaries
+            optimizer = getattr(torch.optim, opt.torch_class)(model.parameters(), **opt.torch_kwargs(), **fused)
             ds_config["zero_allow_untested_optimizer"] = True
             ds_config["zero_force_ds_cpu_optimizer"] = False
         ds_config.pop("activation_checkpointing", None)  # applied by the model (non-reentrant torch checkpoint)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                                model_parameters=None if optimizer is not None else model.parameters())
         self.optimizer_name = type(self.engine.optimizer).__name__
+        self.optimizer_settings = optimizer_settings(self.engine.basic_optimizer, self.engine.gradient_clipping())
         self.gas = self.engine.gradient_accumulation_steps()
         self.mbs = self.engine.train_micro_batch_size_per_gpu()
 
@@ -180,10 +179,11 @@ class DeepSpeedEngine:
 class Fsdp2Engine:
     """The fsdp2 engine's half of the step loop: ``autotune.fsdp2.apply`` (checkpointing, fully_shard
     per block and the root) with the strategy's layout (``to_fsdp2_config``, data-parallel size =
-    WORLD_SIZE), ``torch.optim.AdamW(foreach=True)`` with its hyper-parameters; every micro-step
+    WORLD_SIZE), the job's optimizer (``autotune.fsdp2.make_optimizer``: training.optimizer's class and
+    hyper-parameters, ``foreach=True``); every micro-step
     ``(loss / GAS).backward()``, which reduce-scatters the gradients (as torchtitan's train_step does:
     no ``set_requires_gradient_sync(False)``, so no unsharded gradients accumulate); on the last
-    micro-step clipping (``clip_grad_norm_`` over the sharded DTensor gradients), ``optimizer.step()``
+    micro-step clipping (``clip_grad_norm_`` over the sharded DTensor gradients, unless 0), ``optimizer.step()``
     and ``zero_grad(set_to_none=True)``. fp16: ``ShardedGradScaler`` (dynamic loss scaling)."""
 
     @staticmethod
@@ -203,17 +203,12 @@ class Fsdp2Engine:
         _yield_after_collectives(dist)
 
     def __init__(self, ctx: Context, built: Any, model_spec: Any, strategy: Any, device: Any) -> None:
-        import torch
-
         from autotune import fsdp2
 
         config = fsdp2_config_for_job(ctx.job, ctx.world)
         self.model = built.module
         ctx.result["notes"].extend(fsdp2.apply(self.model, config))
-        params = config["optimizer"]["params"]
-        opt_cls = torch.optim.AdamW if config["optimizer"]["type"] == "AdamW" else torch.optim.Adam
-        self.optimizer = opt_cls(self.model.parameters(), lr=params["lr"], betas=tuple(params["betas"]),
-                                 eps=params["eps"], weight_decay=params["weight_decay"], foreach=True)
+        self.optimizer = fsdp2.make_optimizer(self.model, config)
         self.scaler = None
         if config["loss_scaling"]:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -221,6 +216,7 @@ class Fsdp2Engine:
             self.scaler = ShardedGradScaler(device=device.type)
         self.clip = float(config["gradient_clipping"])
         self.optimizer_name = type(self.optimizer).__name__
+        self.optimizer_settings = optimizer_settings(self.optimizer, self.clip)
         self.gas = int(config["gradient_accumulation_steps"])
         self.mbs = int(config["micro_batch_size"])
 
@@ -238,7 +234,8 @@ class Fsdp2Engine:
             return
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -254,6 +251,19 @@ class Fsdp2Engine:
             if all(grp is not o for o in out):
                 out.append(grp)
         return out
+
+
+def optimizer_settings(optimizer: Any, gradient_clipping: float) -> dict:
+    """What the engine trains with, read back from the optimizer it built: its class and its first
+    parameter group's hyper-parameters (the result's ``optimizer_settings``)."""
+    group = optimizer.param_groups[0]
+    out: dict[str, Any] = {"class": type(optimizer).__name__}
+    for key in ("lr", "betas", "eps", "weight_decay", "momentum"):
+        if key in group:
+            value = group[key]
+            out[key] = [float(v) for v in value] if isinstance(value, (list, tuple)) else float(value)
+    out["gradient_clipping"] = float(gradient_clipping or 0.0)
+    return out
 
 
 def mesh_groups(model: Any) -> list:

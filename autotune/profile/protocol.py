@@ -115,6 +115,9 @@ class WorkerResult:
     num_parameters: Optional[int] = None
     optimizer: Optional[str] = None
     """DeepSpeed's final optimizer wrapper class."""
+    optimizer_settings: Optional[dict[str, Any]] = None
+    """The optimizer the engine built, read back: class, lr, betas, eps, weight_decay (sgd: momentum),
+    gradient_clipping."""
     gradient_accumulation_steps: Optional[int] = None
     all_ranks: Optional[dict[str, list[Any]]] = None
     """Rank 0, after the cross-rank exchange: per-rank status, phase, peaks."""

@@ -2,7 +2,8 @@
 
 The strategy's ``engine`` picks the engine adapter: deepspeed (``deepspeed.init_distributed`` and
 ``deepspeed.initialize``) or fsdp2 (``torch.distributed.init_process_group``, gloo on CPU, NCCL
-plus gloo on CUDA; ``autotune.fsdp2.apply``; ``torch.optim.AdamW(foreach=True)``). Both run the
+plus gloo on CUDA; ``autotune.fsdp2.apply``; ``autotune.fsdp2.make_optimizer``). Both train with the
+job's optimizer (``training.optimizer``, autotune.spec.OptimizerSpec) and run the
 same step loop (``_step_loop``), memory probe, result keys and failure handling.
 
 Launched by ``torchrun --nproc_per_node N`` (or the ``deepspeed`` launcher) or by plain
@@ -18,6 +19,7 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
     {
       "model":    {ModelSpec fields},           # autotune.spec.ModelSpec(**model)
       "training": {TrainingSpec fields},        # seq_len, global_batch_size, precision, optimizer
+                                                #   (OptimizerSpec fields: type, lr, betas, eps, ...)
       "strategy": {Strategy fields},            # autotune.strategy.Strategy(**strategy)
       "deepspeed_config": {...},                # deepspeed only; default: strategy.to_deepspeed_config(...)
                                                 #   with data-parallel size = WORLD_SIZE (fsdp2: the
@@ -33,7 +35,8 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   it); "drop_outputs": only the loss is kept
       "optimizer_impl": "auto",                 # deepspeed only; "deepspeed": the config's optimizer section
                                                 #   (FusedAdam / DeepSpeedCPUAdam, JIT-built ops);
-                                                # "torch": torch.optim.AdamW passed to initialize
+                                                # "torch": the job's torch.optim optimizer (AdamW,
+                                                #   Adam or SGD, fused Adam) passed to initialize
                                                 #   (no JIT builds); "auto": torch on CPU, deepspeed on CUDA
       "memory": "auto",                         # "cuda" (max_memory_allocated), "profiler" (CPU: peak
                                                 #   tensor bytes from torch.profiler allocation events),
@@ -86,6 +89,9 @@ Result JSON (one per rank)::
       "losses": [float, ...],               # every step (warm-up included)
       "num_parameters": int,
       "optimizer": "BF16_Optimizer" | ...,  # DeepSpeed's final optimizer wrapper class (fsdp2: "AdamW")
+      "optimizer_settings": {"class": str, "lr": float, ...},  # read back from the optimizer the
+                                            #   engine built: class, lr, betas, eps, weight_decay
+                                            #   (sgd: momentum instead of betas, eps), gradient_clipping
       "gradient_accumulation_steps": int,
       "all_ranks": {"status": [per rank], "phase": [...], "peak_allocated_bytes": [...],
                     "min_step_peak_bytes": [...], "max_step_peak_bytes": [...], "peak_phase": [...],
@@ -272,6 +278,7 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     engine = engine_cls(ctx, built, model_spec, strategy, device)
     result["notes"].extend(built.notes)
     result["optimizer"] = engine.optimizer_name
+    result["optimizer_settings"] = engine.optimizer_settings
     result["gradient_accumulation_steps"] = engine.gas
     if probe is not None:
         probe.gas = engine.gas

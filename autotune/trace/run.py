@@ -315,13 +315,9 @@ def _optimizer_step(tracker: Any, training: TrainingSpec, params: list[Any], mas
         opt_params = masters
     else:
         opt_params = params
-    fused = {"fused": True} if training.optimizer != "sgd" else {}
-    if training.optimizer == "sgd":
-        opt = torch.optim.SGD(opt_params, lr=1e-4, momentum=0.9)
-    elif training.optimizer == "adam":
-        opt = torch.optim.Adam(opt_params, lr=1e-4, **fused)
-    else:
-        opt = torch.optim.AdamW(opt_params, lr=1e-4, weight_decay=0.1, **fused)
+    spec = training.optimizer  # the job's optimizer, as the configs and the worker build it
+    fused = {"fused": True} if spec.type != "sgd" else {}
+    opt = getattr(torch.optim, spec.torch_class)(opt_params, **spec.torch_kwargs(), **fused)
     opt.step()
     if masters:
         with torch.no_grad():
