@@ -97,8 +97,9 @@ class Assessment:
     def statement(self, stop_gain: float) -> str:
         word = ("front stable" if self.stable(stop_gain) else "front not yet stable") + ":"
         if self.remaining and self.unmeasured:
-            more = f" and {len(self.unmeasured) - 3} more levels" if len(self.unmeasured) > 3 else ""
-            word = f"front not stable: {', '.join(self.unmeasured[:3])}{more} never measured, could reach the front;"
+            n = len(self.unmeasured) - 6
+            more = f" and {n} more level{'s' * (n > 1)}" if n > 0 else ""
+            word = f"front not stable: {', '.join(self.unmeasured[:6])}{more} never measured, could reach the front;"
         return (f"{word} expected remaining hypervolume gain {100 * self.gain:.1f}% "
                 f"(best single candidate {100 * self.best:.1f}%); "
                 f"{self.profiled} of {self.feasible} feasible candidates profiled")
@@ -411,9 +412,10 @@ class FrontSampler(BaseSampler):
                                           noise)
         return eligible, ehvi, hypervolume(front, self.ref_x), noise
 
-    def _open(self, eligible: np.ndarray) -> tuple[list[int], np.ndarray]:
+    def _open(self, eligible: np.ndarray, ehvi: Optional[np.ndarray] = None) -> tuple[list[int], np.ndarray]:
         """(levels never measured that an eligible candidate which could reach the front has, those
-        eligible candidates): the last prediction, its sd widened by the track record (sd_scale)."""
+        eligible candidates): the last prediction, its sd widened by the track record (sd_scale).
+        With ``ehvi``: the levels by their best candidate's EHVI, largest first."""
         if not self.levels or not eligible.any() or self._last_pred is None:
             return [], np.zeros(len(eligible), dtype=bool)
         mem, mu, sd, noise, mem_sd = self._last_pred
@@ -421,7 +423,10 @@ class FrontSampler(BaseSampler):
                                              self.ref_x, noise)
         resolved = np.zeros(len(eligible), dtype=bool)
         resolved[list(self.measured) + list(self._broken)] = True
-        return _levels.unmeasured(self.levels, self.g, resolved, eligible, reach), reach
+        levels = _levels.unmeasured(self.levels, self.g, resolved, eligible, reach)
+        if ehvi is not None:
+            levels.sort(key=lambda j: -float(np.max(np.where(reach & (self.g[:, j] > 0), ehvi, -1.0))))
+        return levels, reach
 
     def _choose(self, study: Any, number: int) -> int:
         running = self.observe(study)
@@ -456,7 +461,7 @@ class FrontSampler(BaseSampler):
             gain = expected_remaining_gain(mem[idx], mu[idx], sd[idx] * self.sd_scale(), list(self.measured.values()),
                                            self.ref_x, noise, mem_sd[idx]) / hv
         profiled = len(self.measured) + len(self.failed)
-        unmeasured = tuple(_levels.label(self.levels[j]) for j in self._open(eligible)[0])
+        unmeasured = tuple(_levels.label(self.levels[j]) for j in self._open(eligible, ehvi)[0])
         return Assessment(gain=gain, hypervolume=hv, profiled=profiled, feasible=len(self.strategies),
                           remaining=int(eligible.sum()), noise=noise, best=best, unmeasured=unmeasured)
 
