@@ -12,7 +12,8 @@ dashboard work unchanged). Before each trial it rebuilds its state from the stud
   calibrated simulator's prediction + the posterior mean of a Gaussian process on the residuals
   log(measured / predicted) over strategy features, and s^2 its posterior variance plus the
   residual noise (Rasmussen & Williams 2006, eq. 2.22-2.24; hyper-parameters by marginal likelihood
-  over a small grid, eq. 2.30);
+  over a small grid, eq. 2.30); each level of each categorical knob adds its own offset, prior sd
+  autotune._levels.LEVEL_PRIOR_SD (docs/search.md), so one level's residuals do not shrink another's;
 * memory of each unprofiled candidate: the memory model's peak times its family's measured ratio;
 * EHVI: with the memory coordinate known, the hypervolume improvement of a new point (x, Y) over the
   current measured front is sum_j len_j(x) * max(0, Y - h_j) over the front's staircase segments j
@@ -29,6 +30,9 @@ hypervolume improvement of profiling *every* remaining candidate (Monte Carlo ov
 predictive distributions, widened by ``sd_scale`` where the model's recent errors exceeded the sd it
 stated, draws lowered by the noise), as a fraction of the current hypervolume; the search stops when
 it falls below ``stop_gain`` (``--trials`` stays the hard budget) and states it ("front stable: ...").
+A level never measured whose candidates could reach the front (autotune._levels.reachable) is
+measured first, and until it is the front is not stable ("front not stable: precision=fp32 never
+measured, could reach the front; ...").
 """
 
 from __future__ import annotations
@@ -219,10 +223,10 @@ class FrontSampler(BaseSampler):
         self.oom_at: dict[tuple, int] = {}
         self._scored: Optional[tuple] = None
         self.history: list[Assessment] = []
+        """The assessment after each measurement of this process (benchmarks/search_cost.py)."""
         self.levels, self.g = _levels.level_matrix(self.strategies)
         """Levels of the categorical knobs, and which candidate has which (autotune._levels)."""
         self._broken: set[int] = set()  # failed for a reason other than memory: its levels count as tried
-        """The assessment after each measurement of this process (benchmarks/search_cost.py)."""
 
     # ------------------------------------------------------------------ Optuna interface
 
