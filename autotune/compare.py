@@ -34,7 +34,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Optional
 
 from autotune.errors import ConfigError
-from autotune.runfiles import RunData, TrialRecord, load_run, strategy_key
+from autotune.runfiles import RunData, TrialRecord, load_run, point_memory_gib, strategy_key
 from autotune.strategy import Strategy, strategy_from_dict
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ def _front_by_key(front_obj: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
 
 def _brief(p: dict[str, Any]) -> dict[str, Any]:
     """A front point as the comparison lists it."""
-    return {"strategy_text": p["strategy_text"], "peak_memory_gib": p["peak_memory_gib"],
+    return {"strategy_text": p["strategy_text"], "gpu_memory_gib": point_memory_gib(p),
             "tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"]}
 
 
@@ -103,7 +103,8 @@ def _outcome_now(records: list[TrialRecord]) -> dict[str, Any]:
         by_state[r.state] = r  # the first row of each state
     if "COMPLETE" in by_state:
         r = by_state["COMPLETE"]
-        return {"state": "COMPLETE (dominated)", "peak_memory_gib": r.peak_memory_gib,
+        gib = r.peak_memory_gib if r.gpu_memory_gib is None else r.gpu_memory_gib
+        return {"state": "COMPLETE (dominated)", "gpu_memory_gib": gib,
                 "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu}
     if "FAIL" in by_state:
         return {"state": "FAIL", "reason": by_state["FAIL"].fail_reason}
@@ -134,7 +135,7 @@ def compare_runs(old: RunData, new: RunData, max_regression: float) -> dict[str,
     for key, p in new_front.items():
         if key in old_front:
             o = old_front[key]
-            stayed.append({**_brief(p), "memory_change": _pct(p["peak_memory_gib"], o["peak_memory_gib"]),
+            stayed.append({**_brief(p), "memory_change": _pct(point_memory_gib(p), point_memory_gib(o)),
                            "throughput_change": _pct(p["tokens_per_s_per_gpu"], o["tokens_per_s_per_gpu"])})
 
     ob, nb = old.best, new.best
@@ -144,13 +145,13 @@ def compare_runs(old: RunData, new: RunData, max_regression: float) -> dict[str,
     if ob and nb:
         best["same_strategy"] = strategy_key(ob["strategy"]) == strategy_key(nb["strategy"])
         best["throughput_change"] = _pct(nb["tokens_per_s_per_gpu"], ob["tokens_per_s_per_gpu"])
-        best["memory_change"] = _pct(nb["peak_memory_gib"], ob["peak_memory_gib"])
+        best["memory_change"] = _pct(point_memory_gib(nb), point_memory_gib(ob))
         if best["throughput_change"] is not None and best["throughput_change"] < -max_regression:
             regressions.append(f"recommended throughput {_fmt_pct(best['throughput_change'])} "
                                f"({ob['tokens_per_s_per_gpu']:,.0f} -> {nb['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU)")
         if best["same_strategy"] and best["memory_change"] is not None and best["memory_change"] > max_regression:
             regressions.append(f"recommended strategy needs {_fmt_pct(best['memory_change'])} memory "
-                               f"({_gib(ob['peak_memory_gib'])} -> {_gib(nb['peak_memory_gib'])})")
+                               f"({_gib(point_memory_gib(ob))} -> {_gib(point_memory_gib(nb))})")
     elif ob and not nb:
         regressions.append("no candidate fits any more (the old run recommended "
                            f"{ob['strategy_text']})")
@@ -195,9 +196,9 @@ def format_compare(c: dict[str, Any]) -> str:
         same = "same strategy" if b["same_strategy"] else "strategy changed"
         lines.append(f"recommended ({same}): throughput {_fmt_pct(b['throughput_change'])}, "
                      f"memory {_fmt_pct(b['memory_change'])}")
-        lines.append(f"  old: {b['old']['strategy_text']}: {_gib(b['old']['peak_memory_gib'])}, "
+        lines.append(f"  old: {b['old']['strategy_text']}: {_gib(b['old']['gpu_memory_gib'])}, "
                      f"{b['old']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
-        lines.append(f"  new: {b['new']['strategy_text']}: {_gib(b['new']['peak_memory_gib'])}, "
+        lines.append(f"  new: {b['new']['strategy_text']}: {_gib(b['new']['gpu_memory_gib'])}, "
                      f"{b['new']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
     else:
         lines.append(f"recommended: old {b['old'] and b['old']['strategy_text'] or 'none'}, "
@@ -211,7 +212,7 @@ def format_compare(c: dict[str, Any]) -> str:
                 tail = ""
                 if now:
                     tail = f"  -> now {now['state']}" + (f": {now['reason']}" if now.get("reason") else "")
-                lines.append(f"  {_gib(e['peak_memory_gib']):>12} {e['tokens_per_s_per_gpu']:>12,.0f} tok/s  "
+                lines.append(f"  {_gib(e['gpu_memory_gib']):>12} {e['tokens_per_s_per_gpu']:>12,.0f} tok/s  "
                              f"{e['strategy_text']}{tail}")
             lines += tail_lines
     moved = [e for e in c["stayed_on_front"]
@@ -236,6 +237,9 @@ def run_compare(old_dir: str, new_dir: str, max_regression: Any = DEFAULT_MAX_RE
     """Compare two run directories, print the result, return the exit status (0 or 1)."""
     threshold = parse_threshold(max_regression)
     old, new = load_run(old_dir), load_run(new_dir)
+    if os.path.realpath(old.run_dir) == os.path.realpath(new.run_dir):  # e.g. a latest link moved to NEW_RUN
+        raise ConfigError(f"{old_dir} and {new_dir} are the same run ({os.path.realpath(new.run_dir)}); compare "
+                          "needs two different runs", path="NEW_RUN")
     c = compare_runs(old, new, threshold)
     print(json.dumps(c, indent=2) if as_json else format_compare(c))
     return c["exit_status"]

@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from autotune.config import Config
 from autotune.memory import GPU_COMPONENTS, MemoryEstimate, estimate_memory, overhead_bytes
 from autotune.pareto import pareto_front
-from autotune.runfiles import FRONT_FILE, TRIALS_FILE, RunData, TrialRecord, write_json, write_trials_csv
+from autotune.runfiles import (FRONT_FILE, TRIALS_FILE, RunData, TrialRecord, point_memory_gib, write_json,
+                               write_trials_csv)
 from autotune.space import SearchSpace
 from autotune.spec import GIB
 from autotune.strategy import (Strategy, fsdp_equivalent, fsdp_equivalent_text, gradient_accumulation_steps,
@@ -347,11 +348,6 @@ def _trial_records(cfg: Config, rows: list[TrialRow], on_front: set[int], predic
             on_front=r.number in on_front, prune_reason=r.prune_reason, fail_status=r.fail_status,
             fail_reason=r.fail_reason,
             duplicate_of=r.duplicate_of, strategy_text=r.strategy.describe(cfg.model.num_hidden_layers))
-
-
-def point_memory_gib(p: dict[str, Any]) -> float:
-    """A front point's GPU memory as ``fits`` counts it (older front.json files: the allocated peak)."""
-    return p.get("gpu_memory_gib", p["peak_memory_gib"])
 
 
 def format_front(front_obj: dict[str, Any]) -> str:

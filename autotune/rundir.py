@@ -34,6 +34,8 @@ class Run:
     backend: str
     seed: int
     trials: int
+    """The run's budget: backend evaluations in its study, all processes together (run.json keeps it;
+    a resumed run evaluates what is left of it)."""
     resume: bool
     calibration: Optional[str] = None
     """A run directory (or calibration.json) whose fitted simulator parameters to start from."""
@@ -82,14 +84,20 @@ class Run:
         storage = open_storage(self.storage_url, heartbeat=not fast)
         if self.resume and not fast:
             wait_for_stale_trials(storage, self.name)
+        n_trials = self.trials
+        if self.resume:
+            done = evaluations_done(self.storage_url, self.name)
+            n_trials = max(0, self.trials - done)
+            print(f"autotune: resuming {self.name}: {done} of its {self.trials} evaluations done, {n_trials} to go"
+                  + ("" if n_trials else " (pass --trials N to raise the budget to N)"), file=sys.stderr)
         bar = None
         if progress:
-            backend = bar = ProgressBackend(backend, self.trials, self.cfg.model.num_hidden_layers, slow=not fast)
+            backend = bar = ProgressBackend(backend, n_trials, self.cfg.model.num_hidden_layers, slow=not fast)
         start = time.perf_counter()
         try:
             outcome = run_study(
                 self.cfg, space, backend, storage=storage, study_name=self.name,
-                n_trials=self.trials, seed=self.seed, sampler=self.cfg.search.sampler,
+                n_trials=n_trials, seed=self.seed, sampler=self.cfg.search.sampler,
                 headroom=self.cfg.search.headroom, resume=self.resume,
                 enqueue=enqueue, params=params, write_through=not fast,
             )
@@ -215,10 +223,23 @@ def default_name(config_path: str) -> str:
     return f"{stem}-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
 
 
+def _make_out(out: str) -> None:
+    """Create the parent folder ``--out`` (and its parents); one line naming it when that fails."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"{out!r} is a file, not a folder for run directories", path="--out")
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".autotune-write-check-{os.getpid()}")
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError as err:
+        raise ConfigError(f"cannot create run directories in {out!r} ({err.strerror or type(err).__name__})",
+                          path="--out") from None
+
+
 def _make_unique_dir(out: str, name: str) -> str:
     """Create ``out/name`` atomically, or ``out/name-2``, ``-3``... when taken (two runs of one
     config within a second, possibly in parallel); returns the name that was created."""
-    os.makedirs(out, exist_ok=True)
     for k in range(1, 10_000):
         candidate = name if k == 1 else f"{name}-{k}"
         try:
@@ -227,6 +248,69 @@ def _make_unique_dir(out: str, name: str) -> str:
         except FileExistsError:
             continue
     raise ConfigError(f"no free run name like {name!r} in {out}", path="--name")
+
+
+RESUMABLE_KEYS = ("search.trials",)
+"""Job keys a resumed run may change (the budget, also given by ``--trials``); any other change
+would mix two jobs in one study, so ``--resume`` refuses it."""
+
+
+def job_record(cfg: Config) -> dict[str, Any]:
+    """What a study's results depend on, flattened to ``section.key`` -> JSON value: the job file's
+    model, training, hardware, search and profile sections as loaded (an ``hf_config`` contributes the
+    model fields it gives) and the search space's values (``space.<knob>``). Stored in run.json;
+    ``--resume`` compares it with the job it is given."""
+    import dataclasses
+
+    from autotune.space import space_for
+
+    sections = {name: getattr(cfg, name) for name in ("model", "training", "hardware", "search", "profile")}
+    sections["space"] = {k: v for k, v in dataclasses.asdict(space_for(cfg)).items() if k not in ("name", "path")}
+    sections["model_factory"] = cfg.model_factory
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = json.loads(json.dumps(value, default=str))
+
+    walk("", sections)
+    return {k: v for k, v in flat.items() if k not in RESUMABLE_KEYS}
+
+
+def _check_same_job(cfg: Config, meta: dict[str, Any], run_dir: str) -> None:
+    """--resume: refuse a job that differs from the one the run started with, naming the keys."""
+    before = meta.get("job")
+    if before is None:  # a run.json written before jobs were recorded: nothing to compare
+        return
+    now = job_record(cfg)
+    changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)]
+    if not changed:
+        return
+    shown = ", ".join(f"{k} {json.dumps(before.get(k))} -> {json.dumps(now.get(k))}" for k in changed[:4])
+    more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+    raise ConfigError(f"the job differs from the one {run_dir} started with: {shown}{more}; resume with that job, "
+                      "or start a new run (--trials alone may change on resume)", path="--resume")
+
+
+def evaluations_done(storage_url: str, study_name: str) -> int:
+    """Backend evaluations a study holds (every process's): trials with a result of their own, neither
+    pruned nor a repeat of an earlier trial (autotune.claim.has_result)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from autotune.claim import has_result
+
+    try:
+        study = optuna.load_study(study_name=study_name, storage=open_storage(storage_url))
+    except KeyError:
+        return 0
+    return sum(1 for t in study.get_trials(deepcopy=False)
+               if has_result(t) and t.state != TrialState.PRUNED and "duplicate_of" not in t.user_attrs)
 
 
 def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storage: Optional[str],
@@ -240,6 +324,7 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
     if name is not None and (not name or "/" in name or name in (".", "..")):
         raise ConfigError(f"--name must be a plain folder name, but got {name!r}", path="--name")
     _check_before_creating(cfg, backend or cfg.profile.backend)
+    _make_out(out)
     created = False
     if name is None:
         name, created = _make_unique_dir(out, default_name(cfg.path)), True
@@ -251,9 +336,11 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
             raise ConfigError(f"no run to resume at {run_dir} (missing {RUN_FILE})", path="--name")
         with open(meta_path) as fh:
             meta = json.load(fh)
+        _check_same_job(cfg, meta, run_dir)
         storage = storage or meta["storage"]
         backend = backend or meta.get("backend")
         seed = meta.get("seed", 0) if seed is None else seed
+        trials = trials or meta.get("trials")
     elif os.path.exists(run_dir) and os.listdir(run_dir):
         raise ConfigError(f"{run_dir} already exists; pass --resume to continue it or choose another --name",
                           path="--name")
@@ -270,7 +357,8 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
     )
     meta.update(name=name, config=os.path.abspath(cfg.path), storage=run.storage_url, backend=run.backend,
                 calibration=run.calibration and os.path.abspath(run.calibration),
-                seed=run.seed, space=cfg.search.space, created=meta.get("created") or
+                seed=run.seed, trials=run.trials, space=cfg.search.space, job=job_record(cfg),
+                created=meta.get("created") or
                 datetime.now(timezone.utc).isoformat(timespec="seconds"))
     with open(meta_path, "w") as fh:
         json.dump(meta, fh, indent=2)
@@ -286,6 +374,23 @@ def _check_before_creating(cfg: Config, backend: str) -> None:
         raise ConfigError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}", path="--backend")
     if backend == "replay" and not cfg.profile.replay_csv:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
+    if backend in ("profile", "deepspeed"):
+        _check_profiling_installed(cfg, space_for(cfg).engine)
+
+
+def _check_profiling_installed(cfg: Config, engines: tuple[str, ...]) -> None:
+    """A profiled run needs torch (and DeepSpeed for its DeepSpeed candidates, transformers for an
+    ``hf_config`` model) in this interpreter, which the launched workers run: refuse before starting
+    instead of failing every trial with the ImportError in its log."""
+    import importlib.util
+
+    needed = ["torch"] + (["deepspeed"] if "deepspeed" in engines else [])
+    needed += ["transformers"] if cfg.hf_config else []
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        extras = "profile,hf" if "transformers" in missing else "profile"
+        raise ConfigError(f"backend profile needs {' and '.join(missing)}, not installed in {sys.executable}: "
+                          f"pip install torch==2.13.0 -e '.[{extras}]'", path="--backend")
 
 
 class ProgressBackend:

@@ -266,3 +266,9 @@ def strategy_from_record(record: Mapping[str, Any]) -> Strategy:
 def strategy_key(record: Mapping[str, Any]) -> tuple:
     """Identity of a recorded strategy across runs: Strategy.key of strategy_from_record."""
     return strategy_from_record(record).key()
+
+
+def point_memory_gib(p: dict[str, Any]) -> float:
+    """A front point's GPU memory as ``fits`` counts it, the one memory figure run, show, compare and
+    the report print (older front.json files: the allocated peak)."""
+    return p.get("gpu_memory_gib", p["peak_memory_gib"])

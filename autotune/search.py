@@ -97,6 +97,8 @@ class StudyOutcome:
     704 feasible candidates profiled"; also the study user attr ``front_confidence``."""
     stopped_early: bool = False
     """The sampler's stopping rule ended the run before ``n_trials`` evaluations."""
+    stop_reason: str = ""
+    """Why the trial loop ended, one clause (``autotune worker`` and resumed runs print it)."""
 
 
 MAX_ASKS_PER_EVALUATION = 20
@@ -236,17 +238,26 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
     # ask/tell with a heartbeat storage: Optuna warns that heartbeats are meant for optimize(); here
     # the heartbeat thread is started around each evaluation (claim.heartbeat_around), as optimize does.
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+    outcome.stop_reason = f"the budget of {n_trials} evaluations is spent"
     with StopFlag() as flag:
-        while evaluations < n_trials and asks < MAX_ASKS_PER_EVALUATION * n_trials:
+        while evaluations < n_trials:
+            if asks >= MAX_ASKS_PER_EVALUATION * n_trials:
+                outcome.stop_reason = (f"{asks} trials asked gave only {evaluations} new evaluations (the sampler "
+                                       "keeps proposing evaluated or pruned candidates)")
+                break
             if flag.stop:
                 outcome.interrupted = True
+                outcome.stop_reason = "interrupted"
                 break
             if shared:
                 if heartbeat:
                     fail_stale(study)
                 _sync(study, space, cfg, seen, cache, oom_at)
             if feasible <= cache.keys() and (feasible or by_key.keys() <= cache.keys()):
-                break  # everything that fits has been evaluated (or, when nothing fits, seen)
+                # everything that fits has been evaluated (or, when nothing fits, seen)
+                outcome.stop_reason = (f"every one of the {len(feasible)} candidates that fit has been evaluated"
+                                       if feasible else "no candidate fits")
+                break
             trial = ask(study)
             asks += 1
             done = _one_trial(study, trial, space, cfg, backend, headroom, by_key, cache, oom_at, shared, heartbeat)
@@ -266,6 +277,7 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
                     outcome.confidence = assessment.statement(study.sampler.stop_gain)
                     if stop and evaluations < n_trials:
                         outcome.stopped_early = True
+                        outcome.stop_reason = f"the stopping rule ended it ({outcome.confidence})"
                         break
                 elif calibrator is not None and calibrator.fitted:
                     _enqueue_recalibrated(study, space, cfg, screened, calibrator.current_params(), cache)

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                    backend=args.backend, seed=args.seed, trials=args.trials, calibration=args.calibration,
                    snapshot=args.snapshot)
     seeds = compare.baseline_seeds(baseline, cfg) if baseline and not args.resume else None
-    resume_hint = f"autotune run {args.config} --name {run.name} --out {args.out} --resume"
+    resume_hint = f"autotune run {args.config} --name {run.name} --out {args.out} --resume --trials {run.trials}"
     try:
         front = run.execute(progress=not args.json, enqueue=seeds)
     except ConfigError:

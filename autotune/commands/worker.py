@@ -94,13 +94,16 @@ def run(args: argparse.Namespace) -> int:
                         n_trials=trials, seed=seed, sampler=cfg.search.sampler,
                         headroom=cfg.search.headroom, join=True, write_through=True)
     summary = {"study": args.study, "storage": args.storage, "worker": os.path.basename(log_dir),
-               "evaluations": outcome.evaluations, "interrupted": outcome.interrupted,
+               "evaluations": outcome.evaluations, "stopped": outcome.stop_reason,
+               "interrupted": outcome.interrupted,
                "trials_in_study": len(outcome.study.get_trials(deepcopy=False)),
                "wall_s": round(time.perf_counter() - start, 2)}
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"worker {summary['worker']}: {summary['evaluations']} evaluations, study {args.study} has "
-              f"{summary['trials_in_study']} trials ({summary['wall_s']} s)")
+        n = summary["evaluations"]
+        print(f"worker {summary['worker']}: {n} evaluation{'' if n == 1 else 's'}, stopped because "
+              f"{summary['stopped']}; study {args.study} has {summary['trials_in_study']} trials "
+              f"({summary['wall_s']} s)")
     return 130 if outcome.interrupted else 0
 

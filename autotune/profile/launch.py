@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -122,11 +123,13 @@ def failure_of(res: LaunchResult) -> Optional[tuple[str, str]]:
 
     dead = [r for r in missing if r in res.exits and res.exits[r].get("returncode") not in (0, None)
             and not ((res.timed_out or res.aborted) and res.exits[r].get("signal") in ours)]
+    cause = last_error_line(res.log_dir)
+    cause = f" ({cause})" if cause else ""
     for rank in sorted(dead, key=lambda r: (rank_order(r), r)):
         ex = res.exits[rank]
         if ex.get("signal"):
-            return "crash", f"rank {rank} killed by {ex['signal']} before writing a result"
-        return "crash", f"rank {rank} exited with status {ex['returncode']} without a result"
+            return "crash", f"rank {rank} killed by {ex['signal']} before writing a result{cause}"[:400]
+        return "crash", f"rank {rank} exited with status {ex['returncode']} without a result{cause}"[:400]
     if res.timed_out:
         return "timeout", f"no result after {res.elapsed_s:.0f} s; process group killed"
     if res.aborted:
@@ -134,12 +137,33 @@ def failure_of(res: LaunchResult) -> Optional[tuple[str, str]]:
     if missing:
         rc = res.returncode
         how = f"killed by {signal_name(-rc)}" if rc is not None and rc < 0 else f"exit status {rc}"
-        return "crash", f"launcher {how}; no result from rank(s) {', '.join(map(str, missing))}"
+        return "crash", f"launcher {how}; no result from rank(s) {', '.join(map(str, missing))}{cause}"[:400]
     bad = [rank for rank, r in res.results.items() if r.get("status") != "ok"]
     if bad:
         r = res.results[bad[0]]
         return "error", f"rank {bad[0]}: unexpected status {r.get('status')!r}"
     return None
+
+
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b:? ?.*$")
+"""The last line of a Python traceback: ``ModuleNotFoundError: No module named 'torch'``."""
+
+
+def last_error_line(log_dir: str, tail_bytes: int = 65536) -> str:
+    """The last exception line in the launch's stderr.log (the cause of a rank that died without a
+    result, e.g. a missing package), or ""."""
+    try:
+        with open(os.path.join(log_dir, "stderr.log"), "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - tail_bytes))
+            lines = fh.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        line = re.sub(r"^\[[^\]]*\]:?\s*", "", line.strip())  # torchrun's "[rank0]: " prefix
+        if _ERROR_LINE.match(line):
+            return line[:200]
+    return ""
 
 
 # ---------------------------------------------------------------- commands

@@ -1,0 +1,162 @@
+"""The faults a new user hits around `run`, `--resume`, `compare` and `worker`: each one line and exit 2,
+or a statement of why, never a traceback or a silent mix-up."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from autotune.cli import main
+from autotune.errors import ConfigError
+from conftest import EXAMPLES
+
+TINY = os.path.join(EXAMPLES, "tiny-cpu.yaml")
+LLAMA = os.path.join(EXAMPLES, "llama2-7b.yaml")
+
+
+def _job(tmp_path, name="job.yaml", **changes):
+    """tiny-cpu.yaml copied into tmp_path with top-level ``section.key`` values replaced."""
+    import yaml
+
+    with open(TINY) as fh:
+        job = yaml.safe_load(fh)
+    for dotted, value in changes.items():
+        section, key = dotted.split(".")
+        job[section][key] = value
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(job))
+    return str(path)
+
+
+def _one_line_error(capsys, needle):
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert needle in err, err
+    return err
+
+
+@pytest.mark.parametrize("out", ["a-file", "/proc/autotune-x"])
+def test_bad_out_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, out):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a folder")
+    assert main(["run", TINY, "--backend", "simulate", "--trials", "1", "--out", out]) == 2
+    _one_line_error(capsys, "--out")
+    assert (tmp_path / "a-file").read_text() == "not a folder"
+
+
+def test_resume_refuses_a_changed_job_and_names_the_keys(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job = _job(tmp_path)
+    assert main(["run", job, "--backend", "simulate", "--trials", "2", "--name", "r"]) == 0
+    capsys.readouterr()
+    _job(tmp_path, **{"training.global_batch_size": 16})  # the same file, edited
+    assert main(["run", job, "--name", "r", "--resume"]) == 2
+    err = _one_line_error(capsys, "training.global_batch_size 8 -> 16")
+    assert "--resume" in err
+    _job(tmp_path, **{"search.space": "default"})  # another search space (the ValueError before)
+    assert main(["run", job, "--name", "r", "--resume"]) == 2
+    _one_line_error(capsys, "search.space")
+    _job(tmp_path, **{"search.trials": 50})  # the budget alone may change
+    assert main(["run", job, "--name", "r", "--resume"]) == 0
+
+
+def _evaluations(run_dir):
+    from autotune.rundir import evaluations_done
+
+    meta = json.loads((run_dir / "run.json").read_text())
+    return evaluations_done(meta["storage"], meta["name"])
+
+
+def test_resume_continues_the_runs_budget_and_the_hint_reproduces_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job = _job(tmp_path, **{"search.space": "default"})
+    assert main(["run", job, "--backend", "simulate", "--trials", "3", "--name", "r"]) == 0
+    run_dir = tmp_path / "runs" / "r"
+    assert _evaluations(run_dir) == 3
+    assert json.loads((run_dir / "run.json").read_text())["trials"] == 3
+    capsys.readouterr()
+    assert main(["run", job, "--name", "r", "--resume"]) == 0  # budget spent: outputs only
+    assert "3 of its 3 evaluations done, 0 to go" in capsys.readouterr().err
+    assert _evaluations(run_dir) == 3
+    assert main(["run", job, "--name", "r", "--resume", "--trials", "5"]) == 0  # a new total, not 5 more
+    assert _evaluations(run_dir) == 5
+    assert json.loads((run_dir / "run.json").read_text())["trials"] == 5
+
+
+def test_interrupted_runs_resume_hint_carries_the_budget(tmp_path, capsys, monkeypatch):
+    import autotune.rundir as rundir
+
+    monkeypatch.chdir(tmp_path)
+
+    def interrupted(self, progress=True, enqueue=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rundir.Run, "execute", interrupted)
+    assert main(["run", TINY, "--backend", "simulate", "--trials", "7", "--name", "r"]) == 130
+    assert "--name r --out runs --resume --trials 7" in capsys.readouterr().err
+
+
+def test_profile_backend_without_torch_names_it(monkeypatch):
+    import importlib.util
+
+    from autotune.config import load_config
+    from autotune.rundir import _check_before_creating
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(ConfigError) as err:
+        _check_before_creating(load_config(TINY), "profile")
+    assert "needs torch" in str(err.value) and "pip install" in str(err.value) and err.value.path == "--backend"
+
+
+def test_a_crash_names_the_exception_from_the_log(tmp_path):
+    from autotune.profile.launch import LaunchResult, failure_of
+
+    (tmp_path / "stderr.log").write_text(
+        "Traceback (most recent call last):\n  File \"<frozen runpy>\", line 189, in _run_module_as_main\n"
+        "[rank0]: ModuleNotFoundError: No module named 'torch'\n")
+    res = LaunchResult(nproc=1, returncode=1, timed_out=False, elapsed_s=1.0, log_dir=str(tmp_path))
+    status, reason = failure_of(res)
+    assert status == "crash" and "ModuleNotFoundError: No module named 'torch'" in reason
+    (tmp_path / "stderr.log").write_text("nothing useful\n")
+    assert "No module" not in failure_of(res)[1]
+
+
+def test_compare_refuses_a_run_with_itself_and_shows_one_memory_figure(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", LLAMA, "--name", "a"]) == 0
+    assert main(["run", LLAMA, "--name", "b"]) == 0
+    capsys.readouterr()
+    os.symlink("b", "runs/latest-b-link")
+    assert main(["compare", "runs/latest-b-link", "runs/b"]) == 2
+    _one_line_error(capsys, "same run")
+    assert main(["compare", "runs/a", "runs/b", "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    best = json.loads((tmp_path / "runs" / "b" / "front.json").read_text())["best"]
+    assert c["recommended"]["new"]["gpu_memory_gib"] == best["gpu_memory_gib"]
+    assert best["gpu_memory_gib"] > best["peak_memory_gib"]  # the two figures differ: compare shows the first
+    assert main(["compare", "runs/a", "runs/b"]) == 0
+    text = capsys.readouterr().out
+    gib = f"{best['gpu_memory_gib']:.2f} GiB"
+    assert gib in text
+    assert main(["show", "runs/b"]) == 0
+    assert gib in capsys.readouterr().out
+
+
+def test_worker_says_why_it_stopped(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    space = tmp_path / "four.yaml"
+    space.write_text("zero_stage: [0]\nmicro_batch_size: [1, 2]\ncheckpointing: [none, full]\n")
+    job = _job(tmp_path, **{"search.space": str(space)})  # 4 candidates
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    assert main(["worker", "--storage", url, "--study", "s", "--config", job, "--create", "--trials", "500",
+                 "--backend", "simulate", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["evaluations"] < 500
+    assert summary["stopped"].startswith("every one of the") and "candidates that fit" in summary["stopped"]
+    assert main(["worker", "--storage", url, "--study", "s", "--config", job, "--trials", "3",
+                 "--backend", "simulate"]) == 0
+    line = capsys.readouterr().out
+    assert "0 evaluations, stopped because every one of the" in line
+    shutil.rmtree(tmp_path / "runs", ignore_errors=True)
