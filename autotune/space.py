@@ -20,8 +20,9 @@ from autotune.spec import ModelSpec
 from autotune.strategy import (BUCKET_KNOBS, CHECKPOINTINGS, ENGINES, KNOBS, OFFLOADS, PRECISIONS, REDUCE_DTYPES,
                                SHARDINGS, ZERO_STAGES, Strategy, knob_applies)
 
-SPACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "search_spaces")
-"""Shipped spaces (default, no-offload, single-gpu), at the repository root."""
+SPACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "search_spaces")
+"""Shipped spaces (default, no-offload, single-gpu, ...): search_spaces/ at the repository root, which
+autotune/search_spaces links to and the wheel carries as package data."""
 
 _MAX_VALUES = 4096
 
