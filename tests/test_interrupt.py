@@ -72,7 +72,7 @@ def test_signal_stops_consistent_and_resumable(tmp_path, sig, code):
     if sig == signal.SIGTERM:  # aborted mid-trial: recorded as interrupted and queued again
         lost = [t for t in trials if t.state.name == "FAIL"]
         assert all(t.user_attrs.get("interrupted") for t in lost)
-    proc = start([config, "--out", str(tmp_path), "--name", "r", "--trials", "3", "--resume", "--json"],
+    proc = start([config, "--out", str(tmp_path), "--name", "r", "--resume", "--json"],  # finishes the budget of 8
                  {**SLOW, "AUTOTUNE_SLOW_BACKEND_S": "0.01"})
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
@@ -82,6 +82,7 @@ def test_signal_stops_consistent_and_resumable(tmp_path, sig, code):
     keys = collections.Counter(t.user_attrs["strategy_key"] for t in after
                                if t.state.name == "COMPLETE" and "duplicate_of" not in t.user_attrs)
     assert all(v == 1 for v in keys.values())
+    assert sum(keys.values()) == 8  # the run's budget, kept in run.json
 
 
 def test_fast_in_memory_study_persists_on_interrupt(tmp_path):

@@ -149,7 +149,7 @@ def test_same_name_is_never_overwritten_and_resume_continues(tmp_path, capsys):
     assert main(["run", LLAMA, "--out", out, "--name", "r", "--trials", "5"]) == 2
     assert "--resume" in capsys.readouterr().err
     assert (tmp_path / "r" / "study.journal").stat().st_size == before
-    assert main(["run", LLAMA, "--out", out, "--name", "r", "--trials", "10", "--resume", "--json"]) == 0
+    assert main(["run", LLAMA, "--out", out, "--name", "r", "--trials", "25", "--resume", "--json"]) == 0  # the new total
     study = optuna.load_study(study_name="r", storage=make_storage(str(tmp_path / "r" / "study.journal")))
     evaluated = [t for t in study.trials if t.state.name == "COMPLETE" and "duplicate_of" not in t.user_attrs]
     assert len(evaluated) == 25
