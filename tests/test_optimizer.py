@@ -228,6 +228,18 @@ def test_worker_engines_train_with_the_jobs_optimizer(tmp_path, strategy, optimi
             assert got[key] == pytest.approx(value), key
 
 
+@pytest.mark.parametrize("optimizer", [CUSTOM, SGD, {"type": "adam"}], ids=["adamw", "sgd", "adam"])
+def test_the_deepspeed_workers_torch_optimizer_reads_the_configs_section(optimizer):
+    """On CPU the DeepSpeed engine gets a torch optimizer built from the config's optimizer section
+    (which a profile's ds_config_overrides may change): the job's, as DeepSpeed itself reads it."""
+    from autotune.profile.engines import torch_optimizer_of
+
+    spec = OptimizerSpec(**optimizer)
+    ds = to_deepspeed_config(Strategy(zero_stage=1), MODEL, _training(optimizer), HW8)
+    assert torch_optimizer_of(ds["optimizer"]) == (spec.torch_class, spec.torch_kwargs())
+    assert torch_optimizer_of({"type": "Adam", "params": {"lr": 1.0}}) == ("AdamW", {"lr": 1.0})  # DeepSpeed's rule
+
+
 # ---------------------------------------------------------------- bad values
 
 @pytest.mark.parametrize("optimizer,path", [

@@ -138,7 +138,7 @@ class DeepSpeedEngine:
 
         from autotune.profile.user_models import set_checkpointing
 
-        ds_config, _, training, _ = ds_config_for_job(ctx.job, ctx.world)
+        ds_config, *_ = ds_config_for_job(ctx.job, ctx.world)
         model = built.module
         n_ckpt = strategy.num_checkpointed(model_spec.num_hidden_layers)
         set_checkpointing(built, strategy.checkpointing if n_ckpt else "none",
@@ -148,11 +148,10 @@ class DeepSpeedEngine:
             impl = "deepspeed" if ctx.use_cuda else "torch"
         optimizer = None
         if impl == "torch":
-            # the job's optimizer (training.optimizer), the one the config's optimizer section names
-            ds_config.pop("optimizer", None)
-            opt = training.optimizer
-            fused = {"fused": True} if opt.type != "sgd" else {}  # like FusedAdam: no full-size temporaries
-            optimizer = getattr(torch.optim, opt.torch_class)(model.parameters(), **opt.torch_kwargs(), **fused)
+            # the config's optimizer section (the job's training.optimizer, as every config writes it)
+            name, kwargs = torch_optimizer_of(ds_config.pop("optimizer", None) or {})
+            fused = {"fused": True} if name != "SGD" else {}  # like FusedAdam: no full-size temporaries
+            optimizer = getattr(torch.optim, name)(model.parameters(), **kwargs, **fused)
             ds_config["zero_allow_untested_optimizer"] = True
             ds_config["zero_force_ds_cpu_optimizer"] = False
         ds_config.pop("activation_checkpointing", None)  # applied by the model (non-reentrant torch checkpoint)
@@ -251,6 +250,18 @@ class Fsdp2Engine:
             if all(grp is not o for o in out):
                 out.append(grp)
         return out
+
+
+def torch_optimizer_of(section: dict) -> tuple[str, dict]:
+    """(torch.optim class name, keyword arguments) of a DeepSpeed config's ``optimizer`` section, as
+    DeepSpeed reads it (runtime/engine.py ``_configure_basic_optimizer``): adam and adamw by any
+    case, Adam being AdamW unless ``adam_w_mode`` is false; another name is a torch.optim class."""
+    name = str(section.get("type", "AdamW"))
+    kwargs = dict(section.get("params") or {})
+    adam_w_mode = kwargs.pop("adam_w_mode", True)
+    if name.lower() in ("adam", "adamw"):
+        name = "AdamW" if name.lower() == "adamw" or adam_w_mode else "Adam"
+    return name, kwargs
 
 
 def optimizer_settings(optimizer: Any, gradient_clipping: float) -> dict:
