@@ -35,8 +35,8 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   it); "drop_outputs": only the loss is kept
       "optimizer_impl": "auto",                 # deepspeed only; "deepspeed": the config's optimizer section
                                                 #   (FusedAdam / DeepSpeedCPUAdam, JIT-built ops);
-                                                # "torch": the job's torch.optim optimizer (AdamW,
-                                                #   Adam or SGD, fused Adam) passed to initialize
+                                                # "torch": the config's optimizer section as a
+                                                #   torch.optim AdamW / Adam (fused) or SGD, passed to initialize
                                                 #   (no JIT builds); "auto": torch on CPU, deepspeed on CUDA
       "memory": "auto",                         # "cuda" (max_memory_allocated), "profiler" (CPU: peak
                                                 #   tensor bytes from torch.profiler allocation events),
