@@ -122,6 +122,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "rotary_concat": bool_,
     "linear_addmm": bool_,
     "num_attention_masks": int_(1, 16),
+    "sliding_window": optional(int_(1, 1 << 24)),
     "attn_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
     "final_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
 }

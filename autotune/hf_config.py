@@ -156,6 +156,8 @@ def _llama_like(cfg: dict, get: _Getter, name: str, kind: str) -> dict[str, Any]
                hidden_dropout=float(max(cfg.get("resid_pdrop") or 0.0, cfg.get("embd_pdrop") or 0.0)))
     if kind in ("gemma", "gemma2", "olmo2"):
         out["norm"] = "rmsnorm_fp32"  # GemmaRMSNorm / Olmo2RMSNorm: weight applied in fp32
+    if kind == "mistral" and cfg.get("sliding_window", 4096):  # MistralConfig's default: 4096
+        out["sliding_window"] = int(cfg.get("sliding_window", 4096))
     if kind == "phi3":
         out["fused_qkv"] = True  # qkv_proj, sliced
         out["rotary_concat"] = True  # apply_rotary_pos_emb: torch.cat([rotated, q_pass])

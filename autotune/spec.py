@@ -96,6 +96,10 @@ class ModelSpec:
     """Distinct attention masks the model builds per forward (Gemma2: 2, its sliding-window and full
     layers alternate). Under HF eager attention each is a (batch, 1, s, s) additive mask in the
     model dtype; checkpointed blocks keep them (their inputs) until their backward."""
+    sliding_window: Optional[int] = None
+    """Sliding-window attention span of every layer (HF Mistral's ``sliding_window``). Under HF sdpa
+    a sequence at least this long makes transformers build the attention mask (s x s) instead of
+    relying on ``is_causal``, and every layer's attention keeps an additive copy of it."""
     attn_logit_softcapping: Optional[float] = None
     """``cap * tanh(scores / cap)`` on the attention scores before the softmax (Gemma2, eager
     attention): tanh keeps its s x s output for backward."""

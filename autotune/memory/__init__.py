@@ -51,9 +51,9 @@ the fp32 upcast and log-softmax of the loss, which dominate small models with la
 vocabularies.
 
 The peak is the maximum over three phases: forward end (all saved activations plus the loss
-transients), backward (start: logits gradient; then per block, saved activations still alive
-plus gradients/buckets produced so far plus the recomputation of a checkpointed block), and the
-optimizer step (states plus the step's gradient copies).
+transients), backward (start: logits gradient; the final norm's backward; then per block, saved
+activations still alive plus gradients/buckets produced so far plus the recomputation of a
+checkpointed block), and the optimizer step (states plus the step's gradient copies).
 
 Validation: ``benchmarks/memory_vs_deepspeed.py`` runs real DeepSpeed 0.19 steps on the CPU
 accelerator (1 and 2 gloo ranks, ZeRO 0-3, checkpointing none/selective/full, bf16/fp32, sdpa

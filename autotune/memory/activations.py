@@ -30,6 +30,15 @@ def _sdpa_math(m: ModelSpec, device: str) -> bool:
     return m.attn_implementation == "sdpa" and m.attention_dropout > 0 and device == "cpu"
 
 
+def _sliding_mask_built(m: ModelSpec, s: int) -> bool:
+    """HF sdpa with a sliding window no longer than the sequence: transformers builds the mask
+    instead of passing ``is_causal`` (masking_utils.py ``_ignore_causal_mask_sdpa``: ``if
+    local_attention_size is not None and kv_length >= local_attention_size: return False``), a
+    (1, 1, s, s) bool mask expanded over the batch (``sdpa_mask``)."""
+    return (m.implementation == "hf" and m.attn_implementation == "sdpa" and m.sliding_window is not None
+            and s >= m.sliding_window)
+
+
 def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device: str = "cuda") -> float:
     """Bytes per token the attention core (softmax(QK^T)V) keeps, q/k/v inputs included."""
     q, kv, a = m.q_size, m.kv_size, m.num_attention_heads
@@ -45,6 +54,12 @@ def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device:
         # allocates out like q (aten/src/ATen/native/transformers/attention.cpp, empty_like): q made
         # by torch.cat (rotary_concat) gives a per-head contiguous out, and o_proj saves its copy
         n = p * (q + 2 * kv) + p * q + 4 * a
+        if _sliding_mask_built(m, s):
+            # a bool mask becomes an additive (b, 1, s, s) one in the query dtype, which the kernel
+            # saves (aten/src/ATen/native/transformers/attention.cpp convert_boolean_attn_mask); with
+            # a mask transformers repeats k and v for GQA instead of enable_gqa
+            # (integrations/sdpa_attention.py use_gqa_in_sdpa), so the kernel saves those copies
+            n += p * s + (2 * p * (q - kv) if m.num_key_value_heads < a else 0)
         return n + p * q if m.rotary_concat else n
     rep = a // m.num_key_value_heads
     kv_eff = q if rep > 1 else kv  # repeat_kv copies are what the matmuls save
@@ -180,6 +195,8 @@ def _attention_backward_transient(m: ModelSpec, p: int, s: int, device: str = "c
         return 4 * m.num_attention_heads * s
     if m.attn_implementation == "eager":
         return (4 + p) * m.num_attention_heads * s
+    if _sliding_mask_built(m, s) and m.num_key_value_heads < m.num_attention_heads:
+        return 3 * p * m.q_size  # dk, dv of the repeated k, v (_attention_core_saved)
     return p * (m.q_size + 2 * m.kv_size)
 
 
@@ -254,6 +271,16 @@ def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str, device: str = "
     return n
 
 
+def _final_norm_forward_extra(m: ModelSpec, p: int, tokens: int, s: int, checkpointed: bool) -> float:
+    """Bytes alive at the end of the final norm's forward beyond what it saves (activation_breakdown)."""
+    n = 0.0
+    if m.norm in ("rmsnorm", "rmsnorm_fp32") and p < 4:
+        n += ((4 + p) * m.hidden_size + 4) * tokens
+    if m.implementation == "hf":
+        n += (p * m.hidden_size * tokens if p < 4 else 0.0) + (0.0 if checkpointed else 8 * s)
+    return n
+
+
 def _nonblock_saved_per_token(m: ModelSpec, p: int, mask_bytes: int = 1) -> float:
     """Final norm, embedding dropout mask and the loss's fp32 log-softmax output (per token)."""
     n = _norm_saved(m, p) + 4 * m.vocab_size
@@ -288,6 +315,12 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
         # attention module or attention function (transformers masking_utils.py eager_mask; without
         # checkpointing they die with the forward)
         nonblock += m.num_attention_masks * b * s * s * p
+    # the bool sliding-window mask: an input of a checkpointed block / attention module / attention
+    # function, it lives to that checkpoint's backward; otherwise it dies with the decoder's forward
+    mask_kept = n_ck and gran in ("full", "op", "attention", "selective")
+    forward_mask = s * s if _sliding_mask_built(m, s) and not mask_kept else 0.0
+    if _sliding_mask_built(m, s) and mask_kept:
+        nonblock += s * s
     if m.implementation == "hf" and n_ck:
         # the position ids (1 x s, int64) HF hands every layer: a checkpoint keeps them as an input
         # (measured: tests/test_memory_hf_blocks.py; without checkpointing they die with the forward)
@@ -311,6 +344,14 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
         "mlp_saved_per_block": (4 if m.gated_mlp else 2) * p * m.intermediate_size * tokens,
         "attention_backward_transient": _attention_backward_transient(m, p, s, device) * tokens,
         "final_norm_saved": _norm_saved(m, p) * tokens,
+        # masks alive during the decoder's forward only (not part of nonblock)
+        "forward_only_masks": forward_mask,
+        # the final norm's forward at its end (the weight multiply), beyond its saved tensors: in
+        # 16-bit training the fp32 normalised value (x * rsqrt, or Gemma's fp32 output) and the
+        # variance still bound to locals, and the norm's input, bound by the caller; HF's decoder
+        # forward also keeps the embedding output (``inputs_embeds``, 16-bit: in fp32 the first norm
+        # saves it) and the position ids bound (allocation traces, torch 2.13 CPU)
+        "final_norm_forward_extra": _final_norm_forward_extra(m, p, tokens, s, bool(n_ck)),
         "hidden_grad": p * m.hidden_size * tokens,
         # a checkpointed block's frame during its backward: the RNG state and what
         # _checkpoint_frame_kept names (not part of the recomputed set)

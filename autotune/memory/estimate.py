@@ -109,6 +109,9 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         cands.append(Candidate(phase, fixed + grads + activations + logits + buffers, grads, activations, logits,
                                 buffers))
 
+    # the final norm's forward, inside the decoder's: its masks still alive (activations.py)
+    add("forward", activations=saved_blocks + other_saved + act["final_norm_forward_extra"] + act["forward_only_masks"],
+        buffers=st.buffers_fwd)
     # forward end: everything saved plus the loss transient (logits, their fp32 copy, log_softmax)
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_forward_transient"],
         buffers=st.buffers_fwd)

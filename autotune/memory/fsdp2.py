@@ -122,8 +122,11 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
 
     # forward, last block: its gather transient on top of every earlier block's saved activations
     last_saved = act["per_block_checkpointed"] if (L - 1) in s.checkpointed_blocks(L) else act["per_block_plain"]
-    add("forward", activations=saved_blocks - last_saved + other_saved,
+    add("forward", activations=saved_blocks - last_saved + other_saved + act["forward_only_masks"],
         buffers=u.u_root + u.u_block * (1 if reshard else L) + u.flat + u.cast_in)
+    # the final norm's forward, inside the decoder's (activations.py final_norm_forward_extra)
+    add("forward", activations=saved_blocks + other_saved + act["final_norm_forward_extra"] + act["forward_only_masks"],
+        buffers=u.u_root + (0.0 if reshard else u.u_block * L) + u.flat)
     # forward end: the loss transients (inside the model's forward: the root is still gathered; the
     # last block's flat buffer waits for the root's post-forward)
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_forward_transient"],
