@@ -2,6 +2,7 @@
 backward, family by family (published config.json in tests/data/hf, shrunk to CPU size with the
 family's own switches kept), and the composite GELU's backward peak against an allocation trace."""
 
+import dataclasses
 import gc
 import glob
 import json
@@ -186,3 +187,88 @@ def test_module_checkpointing_saves_what_the_model_says(name, granularity, tmp_p
     # selective on sdpa's flash kernel frees only the log-sum-exp and keeps an RNG state per layer
     assert predicted > 0 or (granularity == "selective" and spec.attn_implementation == "sdpa")
     assert kept["none"] - kept[granularity] == pytest.approx(predicted, rel=0.02), (kept, predicted)
+
+
+def _live_at_peak(prof) -> tuple[int, str]:
+    """Bytes allocated inside the profile and still alive at its peak (per storage, so frees of
+    blocks allocated before profiling do not count), and the op whose allocation made the peak."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], [(e, None) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        e, parent = stack.pop()
+        if e.typed[0] == _EventType.Allocation:
+            events.append((e.start_time_ns, e.typed[1].ptr, e.typed[1].alloc_size, parent))
+        stack.extend((c, e) for c in e.children)
+    live: dict[int, int] = {}
+    peak, where = 0, ""
+    for _, ptr, size, parent in sorted(events, key=lambda ev: ev[0]):
+        if size > 0:
+            live[ptr] = size
+        else:
+            live.pop(ptr, None)
+        total = sum(live.values())
+        if total > peak:
+            names, q = [], parent
+            while q is not None:
+                names.append(q.name)
+                q = q.parent
+            peak, where = total, " < ".join(names)
+    return peak, where
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("norm", ["rmsnorm", "rmsnorm_fp32"])
+def test_final_norm_backward_peak_matches_an_allocation_trace(norm, precision):
+    """transformers' LlamaRMSNorm / GemmaRMSNorm feeding a head, backward: at the peak (the last
+    multiply of PowBackward0) what is alive beyond the logits is the model's final_norm_backward_live
+    (the norm's fp32 input and five fp32 h-wide tensors), in bf16 and fp32."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    tokens, h, vocab = 512, 128, 64
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    layer = (LlamaRMSNorm if norm == "rmsnorm" else GemmaRMSNorm)(h).to(dtype)
+    x0 = torch.randn(tokens, h, dtype=dtype, requires_grad=True)
+    head = torch.randn(vocab, h, dtype=dtype)  # no gradient: the head saves nothing of the norm's output
+    grad = torch.randn(tokens, vocab, dtype=dtype)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        x = x0 * 1.0  # the residual stream entering the final norm, made inside the profile
+        y = layer(x)
+        del x
+        logits = y @ head.t()
+        del y
+        logits.backward(grad)
+    peak, where = _live_at_peak(prof)
+    spec = ModelSpec(name="n", num_hidden_layers=1, hidden_size=h, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=256, vocab_size=vocab, norm=norm, implementation="hf")
+    act = activation_breakdown(spec, TrainingSpec(seq_len=tokens, global_batch_size=1, precision=precision),
+                               Strategy(micro_batch_size=1, precision=precision), device="cpu")
+    assert "PowBackward0" in where
+    assert peak - logits.numel() * logits.element_size() == pytest.approx(act["final_norm_backward_live"], rel=0.002)
+
+
+@pytest.mark.parametrize("window", [64, 128])
+def test_sliding_window_mask_saved_per_block(window, tmp_path):
+    """HF Mistral under sdpa: with the sequence at least as long as the sliding window, transformers
+    builds the mask and each block's attention keeps an additive (b, 1, s, s) copy plus k/v repeated
+    for GQA; below the window it relies on is_causal. What block 1 saves, within 0.5%, both ways."""
+    cfg = json.load(open(os.path.join(HF_DIR, "mistral-7b-v0.1.json")))
+    cfg.update(SMALL, sliding_window=window)
+    path = tmp_path / "mistral.json"
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    spec = ModelSpec(**hf_config_fields(str(path)))
+    assert spec.sliding_window == window
+    hf = transformers.AutoConfig.from_pretrained(str(path))
+    hf._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16).train()
+    batch, seq = 2, 64
+    measured = _saved_bytes_of_block(model, model.model.layers, 1, batch, seq, hf.vocab_size)
+    predicted = block_activation_bytes_per_token(spec, 2, seq, "none", mask_bytes=2, device="cpu") * batch * seq
+    assert predicted == pytest.approx(measured, rel=0.005), (window, predicted, measured)
+    unmasked = block_activation_bytes_per_token(dataclasses.replace(spec, sliding_window=None), 2, seq, "none",
+                                                mask_bytes=2, device="cpu") * batch * seq
+    mask_and_repeats = (2 * seq + 2 * 2 * (spec.q_size - spec.kv_size)) * batch * seq
+    assert predicted - unmasked == (mask_and_repeats if window <= seq else 0)
