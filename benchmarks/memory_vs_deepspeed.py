@@ -1,6 +1,6 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 159 configs
+    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 208 configs
     python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
     python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
@@ -17,7 +17,11 @@ checkpointing, 18 of the fsdp2 engine (1 and 2 ranks; resharding after forward o
 in fp32 or bf16; none/full/op/attention/mlp checkpointing) and 16 of ZeRO-1/2 on 2 ranks under
 gradient accumulation 1/2/4/8, fp32 and bf16 (8 measured steps each), and 8 of the measured tables'
 shapes (data/measured/tiny-gpt2-2rank-quiet, tiny-llama-engines-2rank-quiet: ZeRO-2/3 and FSDP2, 2
-ranks, fp32/bf16, GA 4/8). Every config runs
+ranks, fp32/bf16, GA 4/8), 3 of DeepSpeed ZeRO-0 on the llama-sv shape (the checkpoint frame, the final
+norm's backward), and 49 at long sequences (``LONG_ROWS``: seq 1024-4096 on three families shrunk to
+h = 64, every ZeRO stage x none/full/op, 1 and 2 ranks, mbs 1-2, bf16/fp32; a 64-token vocabulary, where
+the final norm's backward is the peak; Mistral's sliding window at and below the sequence; two rows at
+seq 512/256). Every config runs
 ``autotune.profile.worker`` in fresh processes (``python`` for 1 rank, ``torchrun
 --nproc_per_node 2`` with gloo for 2) with a torch AdamW (fused, like DeepSpeed's FusedAdam)
 passed to ``deepspeed.initialize``, the usual loop (``outputs = engine(**batch);
@@ -112,6 +116,19 @@ HF_FAMILIES = {
     "hf-neox": ("pythia-160m", {"num_key_value_heads": None, "intermediate_size": 512, "bos_token_id": 0,
                                 "eos_token_id": 0}),
 }
+# long sequences (1024-4096 tokens) on tiny widths, so a real step takes seconds: three of the families
+# above shrunk further, with small vocabularies so the peak can fall inside the blocks' backward
+_LONG = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "intermediate_size": 172, "max_position_embeddings": 4096}
+LONG_FAMILIES = {
+    "hf-llama-long": ("llama-3.2-1b", {**_LONG, "vocab_size": 512}),
+    "hf-qwen2-long": ("qwen2-0.5b", {**_LONG, "vocab_size": 1024}),
+    "hf-gemma-long": ("gemma-7b", {**_LONG, "vocab_size": 256}),
+    # Mistral's sliding window (4096): at seq >= 4096 transformers builds the attention mask
+    "hf-mistral-long": ("mistral-7b-v0.1", {**_LONG, "vocab_size": 256, "sliding_window": 4096}),
+    # a 64-token vocabulary: the loss is small, so unchecked the final norm's backward is the peak
+    "hf-llama-v64": ("llama-3.2-1b", {**_LONG, "vocab_size": 64}),
+}
 # strategies each HF family is measured with: (ZeRO stage, ranks, grad. accumulation, ckpt, precision)
 HF_STRATEGIES = [(0, 1, 1, "none", "bf16"), (1, 2, 2, "none", "bf16"), (2, 1, 4, "full", "bf16"),
                  (3, 2, 1, "full", "bf16"), (0, 2, 2, "full", "fp32"), (2, 2, 1, "none", "fp32"),
@@ -119,9 +136,9 @@ HF_STRATEGIES = [(0, 1, 1, "none", "bf16"), (1, 2, 2, "none", "bf16"), (2, 1, 4,
 
 
 def hf_config(name: str) -> dict:
-    base, over = HF_FAMILIES[name]
+    base, over = HF_FAMILIES.get(name) or LONG_FAMILIES[name]
     cfg = json.loads((HF_DIR / f"{base}.json").read_text())
-    if cfg["model_type"] != "gpt2":
+    if cfg["model_type"] != "gpt2" and name in HF_FAMILIES:
         cfg.update(_SMALL)
     cfg.update(over)
     return {k: v for k, v in cfg.items() if v is not None}
@@ -222,6 +239,35 @@ FRAME_ROWS = [("llama-sv", 0, 1, 1, 2, 256, "op", "fp32"), ("llama-sv", 0, 1, 1,
               ("llama-sv", 0, 1, 1, 4, 256, "none", "bf16")]
 
 
+def long_rows() -> list[tuple]:
+    """Long sequences with and without checkpointing: every (ZeRO stage, checkpointing) pair on each
+    long family, seq 1024/2048/4096, mbs 1/2, 1 and 2 ranks and bf16/fp32 rotating so each family sees
+    each value (a partial run stays balanced)."""
+    rows = []
+    pairs = [(z, ck) for ck in ("none", "full", "op") for z in range(4)]
+    for j, (stage, ck) in enumerate(pairs):
+        for i, model in enumerate(("hf-llama-long", "hf-qwen2-long", "hf-gemma-long")):
+            k = i + j
+            seq = (1024, 2048, 4096)[k % 3]
+            mbs = (1, 2)[(k // 3) % 2] if seq < 4096 else 1
+            nproc = (1, 2)[(i + j // 2) % 2]
+            prec = "fp32" if (k % 4 == 3) else "bf16"
+            rows.append((model, stage, nproc, 1, mbs, seq, ck, prec))
+    # and the settings of two held-out shorter-sequence checks (ZeRO-2 full seq 512 mbs 2, ZeRO-3
+    # unchecked seq 256, bf16, 1 rank) on the tiny Llama
+    rows += [("hf-llama-long", 2, 1, 1, 2, 512, "full", "bf16"), ("hf-llama-long", 3, 1, 1, 2, 256, "none", "bf16")]
+    return rows + [("hf-llama-v64", 0, 1, 1, 1, 4096, "none", "bf16"), ("hf-llama-v64", 1, 2, 1, 1, 2048, "none", "bf16"),
+                   ("hf-llama-v64", 2, 1, 1, 2, 1024, "none", "bf16"), ("hf-llama-v64", 3, 2, 1, 1, 2048, "none", "bf16"),
+                   ("hf-llama-v64", 2, 2, 1, 1, 4096, "full", "bf16"), ("hf-llama-v64", 0, 1, 1, 1, 2048, "op", "fp32"),
+                   # the sliding window at and below the sequence
+                   ("hf-mistral-long", 0, 1, 1, 1, 4096, "none", "bf16"), ("hf-mistral-long", 2, 2, 1, 1, 4096, "full", "bf16"),
+                   ("hf-mistral-long", 1, 1, 1, 1, 4096, "op", "fp32"), ("hf-mistral-long", 3, 2, 1, 2, 4096, "none", "bf16"),
+                   ("hf-mistral-long", 0, 2, 1, 2, 2048, "full", "bf16")]
+
+
+LONG_ROWS = long_rows()
+
+
 def grid(quick: bool) -> list[dict]:
     """Reference-decoder rows, the checkpointing-granularity rows and the fsdp2 rows (the HF
     families, hf_grid, carry most of the accuracy claim)."""
@@ -232,7 +278,8 @@ def grid(quick: bool) -> list[dict]:
     return (rows + [dict(zip(ROW_KEYS, r)) for r in GRANULARITY_ROWS + SELECTIVE_ROWS + EVERY_K_ROWS + FSDP2_ROWS
                     if have_hf or r[0] not in HF_FAMILIES]
             + [dict(zip(ROW_KEYS, r), measure_steps=GA_ROWS_STEPS) for r in GA_ROWS]
-            + [dict(zip(ROW_KEYS, r)) for r in TABLE_ROWS + FRAME_ROWS])
+            + [dict(zip(ROW_KEYS, r)) for r in TABLE_ROWS + FRAME_ROWS]
+            + [dict(zip(ROW_KEYS, r)) for r in LONG_ROWS if have_hf])
 
 
 def row_strategy(row: dict) -> Strategy:
@@ -249,7 +296,7 @@ def row_strategy(row: dict) -> Strategy:
 
 
 def specs(row: dict, workdir: Path | None = None) -> tuple[ModelSpec, TrainingSpec, HardwareSpec, Strategy]:
-    if row["model"] in HF_FAMILIES:
+    if row["model"] in HF_FAMILIES or row["model"] in LONG_FAMILIES:
         from autotune.config import hf_config_fields
 
         model = ModelSpec(**hf_config_fields(_hf_path(row["model"], workdir or Path(tempfile.gettempdir()))))
@@ -261,7 +308,7 @@ def specs(row: dict, workdir: Path | None = None) -> tuple[ModelSpec, TrainingSp
     return model, training, hardware, row_strategy(row)
 
 
-def run_row(row: dict, workdir: Path, timeout: float = 300) -> dict:
+def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
     model, training, hardware, strategy = specs(row, workdir)
     d = Path(tempfile.mkdtemp(prefix="mem_", dir=workdir))
     job = {"model": dataclasses.asdict(model), "training": {"seq_len": training.seq_len,
@@ -269,7 +316,7 @@ def run_row(row: dict, workdir: Path, timeout: float = 300) -> dict:
                                                        "precision": training.precision},
            "strategy": strategy.as_dict(), "warmup_steps": 2, "measure_steps": row.get("measure_steps", 2), "device": "cpu",
            "result_path": str(d / "result.json")}
-    if row["model"] in HF_FAMILIES:
+    if row["model"] in HF_FAMILIES or row["model"] in LONG_FAMILIES:
         job["hf_config"] = _hf_path(row["model"], workdir)
     (d / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -279,8 +326,12 @@ def run_row(row: dict, workdir: Path, timeout: float = 300) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(row["nproc"]),
                "--master_port", str(29500 + (hash(str(d)) % 2000)), "-m", "autotune.profile.worker", str(d / "job.json")]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = dict(row)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # one stuck config does not end the run (the others are kept)
+        out.update(status="timeout", reason=f"no result after {timeout:.0f} s")
+        return out
     out["wall_s"] = round(time.time() - t0, 1)
     try:
         res = json.loads((d / "result.json").read_text())
@@ -331,7 +382,7 @@ def summarize(results: list[dict]) -> list[str]:
         return (f"{r['model']} {engine} {r['nproc']} rank(s) GA {r.get('ga', 1)} mbs {r['mbs']} seq {r['seq']} "
                 f"{r['ckpt']} {r['precision']}")
 
-    lines = [f"configs: {len(results)} run, {len(ok)} ok, {len({r['model'] for r in ok if r['model'] in HF_FAMILIES})} "
+    lines = [f"configs: {len(results)} run, {len(ok)} ok, {len({r['model'] for r in ok if r['model'] in HF_FAMILIES or r['model'] in LONG_FAMILIES})} "
              f"HF families",
              f"worst under-prediction: {100 * worst_under['error']:+.2f}% ({name(worst_under)})",
              f"worst |error|: {100 * worst_abs['error']:+.2f}% ({name(worst_abs)})",
@@ -339,8 +390,9 @@ def summarize(results: list[dict]) -> list[str]:
              f"  signed min {100 * min(errs):+.2f}% max {100 * max(errs):+.2f}%  under-predicted by > 2%: "
              f"{sum(e < -0.02 for e in errs)}  (targets: median <= 1%, max <= 3%, none under -2%)"]
     groups = {
-        "HF families": [r for r in ok if r["model"] in HF_FAMILIES],
-        "reference decoders": [r for r in ok if r["model"] not in HF_FAMILIES],
+        "HF families": [r for r in ok if r["model"] in HF_FAMILIES or r["model"] in LONG_FAMILIES],
+        "reference decoders": [r for r in ok if r["model"] not in HF_FAMILIES and r["model"] not in LONG_FAMILIES],
+        "seq >= 1024": [r for r in ok if r["seq"] >= 1024],
         "1 rank": [r for r in ok if r["nproc"] == 1],
         "2 ranks": [r for r in ok if r["nproc"] > 1],
         **{f"ZeRO-{z}": [r for r in ok if r["stage"] == z] for z in range(4)},

@@ -167,3 +167,30 @@ def test_quiet_tables_recomputed(table):
     assert len(errors) >= 64
     assert min(errors)[0] > -0.006, min(errors)
     assert max(errors)[0] < 0.015, max(errors)
+
+
+def test_stored_benchmark_within_the_prediction_margin(tmp_path):
+    """Every row of the memory benchmark (benchmarks/memory_vs_deepspeed.py, real DeepSpeed and FSDP2
+    steps, the worst step and rank) re-predicted from its stored measurement: none is under-predicted
+    by more than PREDICTION_MARGIN, the long-sequence checkpointed rows (the final norm's backward)
+    included."""
+    pytest.importorskip("transformers")
+    from autotune.memory import PREDICTION_MARGIN
+
+    sys.path.insert(0, str(Path(ROOT) / "benchmarks"))
+    try:
+        import memory_vs_deepspeed as bench
+    finally:
+        sys.path.pop(0)
+    stored = {tuple(r.get(k, 1 if k == "ga" else None) for k in bench.ROW_KEYS): r
+              for r in json.loads((Path(ROOT) / "benchmarks" / "data" / "memory_vs_deepspeed.json").read_text())
+              if r.get("status") == "ok"}
+    rows = bench.grid(False) + bench.hf_grid()
+    keys = [tuple(r[k] for k in bench.ROW_KEYS) for r in rows]
+    assert not [k for k in keys if k not in stored], "grid rows without a stored measurement"
+    long_rows = [r for r in rows if r["seq"] >= 1024]
+    assert {r["ckpt"] for r in long_rows} >= {"none", "full", "op"} and {r["stage"] for r in long_rows} >= {0, 1, 2, 3}
+    assert {r["nproc"] for r in long_rows} == {1, 2} and len({r["model"] for r in long_rows}) >= 3
+    errors = {k: bench.predict(dict(stored[k]), tmp_path)["error"] for k in keys}
+    worst = min(errors, key=errors.get)
+    assert errors[worst] >= -PREDICTION_MARGIN, (worst, errors[worst])

@@ -44,12 +44,10 @@ class MemoryEstimate:
         return d
 
 
-PREDICTION_MARGIN = 0.02
-"""The memory model's worst measured under-prediction of a job's peak, rounded up, as a fraction of
-the peak: ``python benchmarks/memory_vs_deepspeed.py --json out.json`` (159 configs, both engines, the max over
-measured optimizer steps and ranks; worst -1.27%, DeepSpeed ZeRO-0 llama-sv without checkpointing in
-bf16, whose peak is the final RMSNorm's backward, not yet visited by the DeepSpeed walk; then
--0.16%: docs/accuracy.md).
+PREDICTION_MARGIN = 0.01
+"""The memory model's worst measured under-prediction of a job's peak, rounded up to a whole percent,
+as a fraction of the peak: the worst row of ``python benchmarks/memory_vs_deepspeed.py`` (real steps
+of both engines, the max over measured optimizer steps and ranks; its figures: docs/accuracy.md).
 ``estimate_memory`` adds this fraction of the predicted peak to ``gpu["overhead"]``, so ``fits`` and
 the recommended point keep that much headroom beyond ``search.headroom``."""
 
