@@ -19,6 +19,7 @@ def autotune(*args, cwd, env=None):
                           env={**os.environ, **(env or {})}, timeout=600)
 
 
+@pytest.mark.slow  # launches autotune processes
 def test_everything_pruned_exits_1_with_its_own_message_and_keeps_latest(tmp_path, write, capsys):
     ok = write(BASE, "job.yaml")
     assert main(["run", ok, "--out", str(tmp_path / "runs"), "--name", "good"]) == 0
@@ -49,6 +50,7 @@ def test_all_evaluations_failing_exits_1_counting_failures_by_status(tmp_path):
     assert not (tmp_path / "runs" / "latest").exists() and not (tmp_path / "runs" / "latest-tiny").exists()
 
 
+@pytest.mark.slow  # launches autotune processes
 def test_refused_run_leaves_nothing_behind_and_the_fixed_command_works(tmp_path, write):
     bad = write(BASE + "search: {space: no-such-space}\n", "job.yaml")
     out = tmp_path / "runs"
@@ -66,6 +68,7 @@ def test_refused_run_leaves_nothing_behind_and_the_fixed_command_works(tmp_path,
     assert autotune("run", good, "--out", str(out), "--name", "n", cwd=tmp_path).returncode == 0
 
 
+@pytest.mark.slow  # launches autotune processes
 def test_default_names_never_collide(tmp_path, write):
     job = write(BASE, "job.yaml")
     procs = [subprocess.Popen([sys.executable, "-m", "autotune", "run", job, "--json"], cwd=tmp_path,
@@ -76,6 +79,7 @@ def test_default_names_never_collide(tmp_path, write):
     assert all((tmp_path / "runs" / d / "front.json").is_file() for d in runs)
 
 
+@pytest.mark.slow  # launches autotune processes
 def test_hf_selective_checkpointing_is_searched_and_says_how_to_apply_it(tmp_path, write):
     hf = tmp_path / "config.json"
     hf.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
@@ -136,6 +140,7 @@ def test_front_points_say_how_to_reproduce_them(tmp_path):
     assert best["tokens_per_s_per_gpu"] == max(p["tokens_per_s_per_gpu"] for p in front["front"])
 
 
+@pytest.mark.slow  # launches autotune processes
 def test_progress_line_per_profiled_trial_when_not_a_terminal(tmp_path):
     """A nightly log gets one line per evaluation: trial k of N, strategy, status, elapsed, ETA."""
     env = {"AUTOTUNE_SLOW_BACKEND_S": "0.01"}  # a slow (profiled-like) backend without a GPU
@@ -159,7 +164,10 @@ def test_no_user_visible_text_speaks_project_jargon():
 
     texts += [cause + remedy for cause, remedy in snapshot.OOM_ADVICE.values()]
     assert not any("the seed" in t.lower() for t in texts)
-    assert "the seed" not in open(os.path.join(ROOT, "README.md")).read().lower()
+    import glob
+
+    for page in [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "*.md")):
+        assert "the seed" not in open(page).read().lower(), page
 
 
 def test_version_matches_the_package_metadata():

@@ -119,6 +119,10 @@ def test_a_crash_names_the_exception_from_the_log(tmp_path):
     res = LaunchResult(nproc=1, returncode=1, timed_out=False, elapsed_s=1.0, log_dir=str(tmp_path))
     status, reason = failure_of(res)
     assert status == "crash" and "ModuleNotFoundError: No module named 'torch'" in reason
+    (tmp_path / "stderr.log").write_text(
+        "ModuleNotFoundError: No module named 'torch'\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")  # torchrun's summary comes last
+    assert failure_of(res)[1].endswith("(ModuleNotFoundError: No module named 'torch')")
     (tmp_path / "stderr.log").write_text("nothing useful\n")
     assert "No module" not in failure_of(res)[1]
 

@@ -128,7 +128,7 @@ def failure_of(res: LaunchResult) -> Optional[tuple[str, str]]:
     for rank in sorted(dead, key=lambda r: (rank_order(r), r)):
         ex = res.exits[rank]
         if ex.get("signal"):
-            return "crash", f"rank {rank} killed by {ex['signal']} before writing a result{cause}"[:400]
+            return "crash", f"rank {rank} killed by {ex['signal']} before writing a result"
         return "crash", f"rank {rank} exited with status {ex['returncode']} without a result{cause}"[:400]
     if res.timed_out:
         return "timeout", f"no result after {res.elapsed_s:.0f} s; process group killed"
@@ -161,7 +161,7 @@ def last_error_line(log_dir: str, tail_bytes: int = 65536) -> str:
         return ""
     for line in reversed(lines):
         line = re.sub(r"^\[[^\]]*\]:?\s*", "", line.strip())  # torchrun's "[rank0]: " prefix
-        if _ERROR_LINE.match(line):
+        if _ERROR_LINE.match(line) and "ChildFailedError" not in line:  # not the launcher's own summary
             return line[:200]
     return ""
 
