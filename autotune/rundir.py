@@ -390,7 +390,7 @@ def _check_profiling_installed(cfg: Config, engines: tuple[str, ...]) -> None:
     if missing:
         extras = "profile,hf" if "transformers" in missing else "profile"
         raise ConfigError(f"backend profile needs {' and '.join(missing)}, not installed in {sys.executable}: "
-                          f"pip install torch==2.13.0 -e '.[{extras}]'", path="--backend")
+                          f"install the extra, pip install 'autotune[{extras}]'", path="--backend")
 
 
 class ProgressBackend:
