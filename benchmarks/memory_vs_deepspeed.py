@@ -382,7 +382,7 @@ def summarize(results: list[dict]) -> list[str]:
         return (f"{r['model']} {engine} {r['nproc']} rank(s) GA {r.get('ga', 1)} mbs {r['mbs']} seq {r['seq']} "
                 f"{r['ckpt']} {r['precision']}")
 
-    lines = [f"configs: {len(results)} run, {len(ok)} ok, {len({r['model'] for r in ok if r['model'] in HF_FAMILIES or r['model'] in LONG_FAMILIES})} "
+    lines = [f"configs: {len(results)} run, {len(ok)} ok, {len({(HF_FAMILIES.get(r['model']) or LONG_FAMILIES[r['model']])[0] for r in ok if r['model'] in HF_FAMILIES or r['model'] in LONG_FAMILIES})} "
              f"HF families",
              f"worst under-prediction: {100 * worst_under['error']:+.2f}% ({name(worst_under)})",
              f"worst |error|: {100 * worst_abs['error']:+.2f}% ({name(worst_abs)})",
