@@ -1,5 +1,6 @@
-"""The README is an executable contract: every command of its ``sh`` blocks runs verbatim, in order,
-from the root of a fresh copy of the repository with default paths, as a new user would type it.
+"""The README and docs/ are an executable contract: every command of their ``sh`` blocks runs verbatim,
+in order (the README, then the pages of DOCS in that order), from the root of a fresh copy of the
+repository with default paths, as a new user would type it.
 
 Excepted, as the README says: installs (``pip ...``), the test command itself (``python -m pytest``)
 and the GPU scripts (``benchmarks/gpu_*``). Each command must exit 0; afterwards the files the README
@@ -21,6 +22,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIPPED = (re.compile(r"^pip\s"), re.compile(r"^python -m pytest\b"), re.compile(r"benchmarks/gpu_"))
+DOCS = ("cli.md", "engines.md", "run-directory.md", "profiling.md", "config.md", "search.md", "accuracy.md",
+        "reliability.md", "architecture.md")
+"""docs/ pages in the order their commands run (later pages may use the runs of earlier ones)."""
+README_MAX_LINES = 250
+
+
+def all_commands() -> list[str]:
+    """The sh-block commands of the README, then of every page of DOCS."""
+    pages = [ROOT / "README.md"] + [ROOT / "docs" / name for name in DOCS]
+    return [c for page in pages for c in readme_commands(page.read_text())]
+
+
+def test_every_docs_page_is_run_and_the_readme_is_short():
+    assert sorted(p.name for p in (ROOT / "docs").glob("*.md")) == sorted(DOCS)
+    assert len((ROOT / "README.md").read_text().splitlines()) <= README_MAX_LINES
+    for page in ["README.md"] + [f"docs/{name}" for name in DOCS]:  # relative links point at files
+        text = (ROOT / page).read_text()
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+            assert (ROOT / page).parent.joinpath(target).exists(), (page, target)
 
 
 def readme_commands(text: str) -> list[str]:
@@ -60,7 +80,7 @@ def completed(run_dir: Path) -> list[dict[str, str]]:
 
 @pytest.mark.slow
 def test_readme_commands_run_verbatim(tmp_path):
-    commands = readme_commands((ROOT / "README.md").read_text())
+    commands = all_commands()
     runnable = [c for c in commands if not any(p.search(c) for p in SKIPPED)]
     assert len(runnable) >= 15, runnable  # the README's examples did not silently disappear
     repo = fresh_copy(tmp_path / "repo")
