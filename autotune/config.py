@@ -12,7 +12,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Mapping, Optional
 
 from autotune import presets
 from autotune.checks import (Checker, bool_, check_section, choice, float_, int_, key_name, mapping, optional,
@@ -20,14 +20,8 @@ from autotune.checks import (Checker, bool_, check_section, choice, float_, int_
 from autotune.errors import ConfigError
 from autotune.hf_config import check_exact_count, map_hf_config, read_hf_config
 from autotune.spec import OPTIMIZER_TYPES, GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, OptimizerSpec, TrainingSpec
-from autotune.strategy import PRECISIONS, Strategy, knob_choices, validation_errors
-
-SAMPLERS = ("auto", "nsga2", "tpe", "gp", "random", "ehvi", "sweep")
-BACKENDS = ("simulate", "profile", "deepspeed", "replay")
-"""profile runs real measurements of either engine (deepspeed or fsdp2 strategies); deepspeed is its
-old name, still accepted."""
-LAUNCHERS = ("torchrun", "deepspeed")
-
+from autotune.knobs import getter, knob_fields, literal_choices
+from autotune.strategy import Strategy, validation_errors
 
 @dataclass(frozen=True)
 class SearchSection:
@@ -91,6 +85,14 @@ class Config:
     """Resolved path of the HF config.json the model came from, if any."""
 
 
+SAMPLERS = literal_choices(SearchSection)["sampler"]
+BACKENDS = literal_choices(ProfileSection)["backend"]
+"""profile runs real measurements of either engine (deepspeed or fsdp2 strategies); deepspeed is its
+old name, still accepted."""
+LAUNCHERS = literal_choices(ProfileSection)["launcher"]
+_MODEL_CHOICES = literal_choices(ModelSpec)
+
+
 # ---------------------------------------------------------------- sections
 
 _POS = int_(1)
@@ -104,19 +106,19 @@ MODEL_FIELDS: dict[str, Checker] = {
     "vocab_size": int_(1, 1 << 24),
     "hidden_act": choice("silu", "swiglu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
     "tie_word_embeddings": bool_,
-    "norm": choice("rmsnorm", "layernorm", "rmsnorm_fp32"),
+    "norm": choice(*_MODEL_CHOICES["norm"]),
     "bias": bool_,
     "qkv_bias": bool_,
-    "position_embedding": choice("rope", "learned", "alibi", "none"),
+    "position_embedding": choice(*_MODEL_CHOICES["position_embedding"]),
     "max_position_embeddings": int_(1, 1 << 24),
-    "attn_implementation": choice("sdpa", "eager"),
+    "attn_implementation": choice(*_MODEL_CHOICES["attn_implementation"]),
     "attention_dropout": float_(0.0, 1.0),
     "hidden_dropout": float_(0.0, 1.0),
     "head_dim": optional(int_(1, 1 << 16)),
-    "implementation": choice("reference", "hf"),
+    "implementation": choice(*_MODEL_CHOICES["implementation"]),
     "mlp_gated": optional(bool_),
     "norms_per_block": int_(1, 16),
-    "qk_norm": choice("none", "head", "full"),
+    "qk_norm": choice(*_MODEL_CHOICES["qk_norm"]),
     "parallel_residual": bool_,
     "fused_qkv": bool_,
     "rotary_concat": bool_,
@@ -188,7 +190,7 @@ def _optimizer(value: Any, path: str) -> OptimizerSpec:
 TRAINING_SCHEMA: dict[str, Checker] = {
     "seq_len": int_(1, 1 << 24),
     "global_batch_size": int_(1, 1 << 30),
-    "precision": choice(*PRECISIONS),
+    "precision": choice(*literal_choices(TrainingSpec)["precision"]),
     "optimizer": _optimizer,
 }
 
@@ -220,10 +222,9 @@ HARDWARE_SCHEMA: dict[str, Checker] = {
     "allocator_slack": float_(0.0, 0.9),
 }
 
-def _strategy_checker(knob: dataclasses.Field) -> Checker:
-    """A Strategy field's checker: one of its Literal values, or an integer in its ``int_range``
-    (None allowed where None is the default: autotune's choice)."""
-    choices = knob_choices(knob.name)
+def strategy_checker(knob: dataclasses.Field, choices: Optional[tuple[Any, ...]]) -> Checker:
+    """A strategy knob's checker: one of its Literal values (``choices``), or an integer in its
+    ``int_range`` (None allowed where None is the default: autotune's choice)."""
     if choices is not None:
         return choice(*choices)
     low, high = knob.metadata["int_range"]
@@ -231,7 +232,13 @@ def _strategy_checker(knob: dataclasses.Field) -> Checker:
     return optional(check) if knob.default is None else check
 
 
-STRATEGY_SCHEMA: dict[str, Checker] = {f.name: _strategy_checker(f) for f in fields(Strategy)}
+def strategy_schema(cls: type = Strategy) -> dict[str, Checker]:
+    """The job file's strategy section of a Strategy class: a checker per knob field."""
+    choices = literal_choices(cls)
+    return {f.name: strategy_checker(f, choices[f.name]) for f in knob_fields(cls)}
+
+
+STRATEGY_SCHEMA: dict[str, Checker] = strategy_schema()
 """The job file's strategy section: every Strategy field."""
 
 SEARCH_SCHEMA: dict[str, Checker] = {
@@ -240,7 +247,7 @@ SEARCH_SCHEMA: dict[str, Checker] = {
     "sampler": choice(*SAMPLERS),
     "headroom": float_(0.0, 0.9),
     "seed": int_(0, 2**31 - 1),
-    "fidelity": choice("analytic", "traced"),
+    "fidelity": choice(*literal_choices(SearchSection)["fidelity"]),
     "trace_near_limit": float_(0.0, 1.0),
 }
 
@@ -282,9 +289,8 @@ def _load(path: str) -> Config:
     model, factory, hf_path = _model(top["model"], base_dir)
     training = _training(top["training"])
     hardware = _hardware(top["hardware"])
-    strategy = Strategy(**check_section(top.get("strategy") or {}, "strategy", STRATEGY_SCHEMA))
-    if "precision" not in (top.get("strategy") or {}):
-        strategy = strategy.replace(precision=training.precision)
+    given = check_section(top.get("strategy") or {}, "strategy", STRATEGY_SCHEMA)
+    strategy = Strategy(**{**from_training(training), **given})
     check_strategy(strategy, model, training, hardware, prefix="strategy.")
     search = SearchSection(**check_section(top.get("search") or {}, "search", SEARCH_SCHEMA))
     profile_raw = check_section(top.get("profile") or {}, "profile", PROFILE_SCHEMA)
@@ -295,6 +301,14 @@ def _load(path: str) -> Config:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
     return Config(path=path, model=model, training=training, hardware=hardware, strategy=strategy,
                   search=search, profile=profile, model_factory=factory, hf_config=hf_path)
+
+
+def from_training(training: "TrainingSpec | Mapping[str, Any]", cls: type = Strategy) -> dict[str, Any]:
+    """The knobs a job takes from its training section (a TrainingSpec, or a mapping of some of its
+    fields) where it does not set them (metadata ``from_training``)."""
+    get = getter(training)
+    return {f.name: get(f.metadata["from_training"]) for f in knob_fields(cls)
+            if f.metadata["from_training"] and get(f.metadata["from_training"]) is not None}
 
 
 def check_strategy(strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,

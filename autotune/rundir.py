@@ -265,7 +265,7 @@ def job_record(cfg: Config) -> dict[str, Any]:
     from autotune.space import space_for
 
     sections = {name: getattr(cfg, name) for name in ("model", "training", "hardware", "search", "profile")}
-    sections["space"] = {k: v for k, v in dataclasses.asdict(space_for(cfg)).items() if k not in ("name", "path")}
+    sections["space"] = dict(space_for(cfg).values)
     sections["model_factory"] = cfg.model_factory
     flat: dict[str, Any] = {}
 
@@ -375,7 +375,7 @@ def _check_before_creating(cfg: Config, backend: str) -> None:
     if backend == "replay" and not cfg.profile.replay_csv:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
     if backend in ("profile", "deepspeed"):
-        _check_profiling_installed(cfg, space_for(cfg).engine)
+        _check_profiling_installed(cfg, space_for(cfg).values["engine"])
 
 
 def _check_profiling_installed(cfg: Config, engines: tuple[str, ...]) -> None:

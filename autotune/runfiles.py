@@ -19,18 +19,27 @@ from typing import Any, Iterable, Mapping, Optional
 from autotune.errors import ConfigError
 from autotune.memory import GPU_COMPONENTS
 from autotune.profile.backend import FAIL_STATUSES
+from autotune import knobs
 from autotune.strategy import KNOBS, Strategy, knob_choices
 
 RUN_FILE = "run.json"
 FRONT_FILE = "front.json"
 TRIALS_FILE = "trials.csv"
 
+
+
+def csv_columns(cls: type = Strategy) -> list[str]:
+    """trials.csv columns, in file order, for a Strategy class: its searched knobs after the
+    number and state (autotune.knobs.searched), then the prediction and the outcome."""
+    return (["number", "state"] + list(knobs.searched(cls))
+            + [f"pred_{k}_gib" for k in (*GPU_COMPONENTS, "peak")]
+            + ["pred_cpu_gib", "pred_fits", "peak_memory_gib", "gpu_memory_gib", "tokens_per_s_per_gpu", "step_time_s",
+               "mfu", "on_front", "prune_reason", "fail_status", "fail_reason", "duplicate_of", "strategy"])
+
+
 STRATEGY_COLUMNS = list(KNOBS)
 """The strategy columns of trials.csv (strategy.KNOBS)."""
-CSV_COLUMNS = (["number", "state"] + STRATEGY_COLUMNS
-               + [f"pred_{k}_gib" for k in (*GPU_COMPONENTS, "peak")]
-               + ["pred_cpu_gib", "pred_fits", "peak_memory_gib", "gpu_memory_gib", "tokens_per_s_per_gpu", "step_time_s", "mfu",
-                  "on_front", "prune_reason", "fail_status", "fail_reason", "duplicate_of", "strategy"])
+CSV_COLUMNS = csv_columns()
 """trials.csv columns, in file order."""
 
 
@@ -229,8 +238,8 @@ def to_float(text: Any) -> Optional[float]:
         return None
 
 
-ADDED_KNOBS = ("engine", "checkpoint_every", "reshard_after_forward", "sharding", "reduce_dtype")
-"""Knobs added after the first trials.csv format (with the fsdp2 engine): a record written before
+ADDED_KNOBS = tuple(f.name for f in knobs.knob_fields(Strategy) if f.metadata["added"])
+"""Knobs added after the first trials.csv format (metadata ``added``): a record written before
 lacks them and meant their default (deepspeed)."""
 
 
@@ -246,7 +255,7 @@ def knob_value(knob: str, value: Any) -> Any:
     if choices is not None and isinstance(choices[0], bool):
         return {"True": True, "False": False, "true": True, "false": False}.get(value, value) \
             if isinstance(value, str) else value
-    if choices is None or knob == "zero_stage":
+    if choices is None or isinstance(choices[0], int):  # bools handled above
         try:
             number = float(value)
         except (TypeError, ValueError):

@@ -1,24 +1,25 @@
 """Search spaces (search_spaces/*.yaml): which strategy knobs to explore and over which values.
 
-A space file maps knob -> values. Values are a list, or for integer knobs a range
-``{low, high}`` with ``powers_of_two: true`` or ``step: N``. ``checkpoint_layers`` may also be
-``{fractions: [0.25, 0.5, 1.0]}`` of the model's layers. Bucket-size knobs accept ``auto``
-(autotune's own choice, see strategy.default_buckets).
+A space file maps knob -> values (the knobs are strategy.KNOBS; docs/config.md lists them). Values
+are a list, or for integer knobs a range ``{low, high}`` with ``powers_of_two: true`` or
+``step: N``. A number-of-blocks knob may also be ``all`` or ``{fractions: [0.25, 0.5, 1.0]}`` of the
+model's layers. Buffer-size knobs accept ``auto`` (autotune's own choice, see
+strategy.default_buckets). The schema and the defaults are read off Strategy's field metadata.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
 
+from autotune import knobs
 from autotune.checks import check_section, choice, int_, mapping, read_yaml, show
-from autotune.config import Config
+from autotune.config import Config, from_training
 from autotune.errors import ConfigError
+from autotune.knobs import literal_choices
 from autotune.spec import ModelSpec
-from autotune.strategy import (BUCKET_KNOBS, CHECKPOINTINGS, ENGINES, KNOBS, OFFLOADS, PRECISIONS, REDUCE_DTYPES,
-                               SHARDINGS, ZERO_STAGES, Strategy, knob_applies)
+from autotune.strategy import KNOBS, Strategy, knob_applies
 
 SPACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "search_spaces")
 """Shipped spaces (default, no-offload, single-gpu, ...): search_spaces/ at the repository root, which
@@ -35,44 +36,30 @@ class SearchSpace:
     """Space name (file stem)."""
     path: str
     """File it was read from."""
-    engine: tuple[str, ...] = ("deepspeed",)
-    zero_stage: tuple[int, ...] = (0, 1, 2, 3)
-    offload_optimizer: tuple[str, ...] = ("none",)
-    offload_params: tuple[str, ...] = ("none",)
-    micro_batch_size: tuple[int, ...] = (1, 2, 4, 8)
-    checkpointing: tuple[str, ...] = ("none", "full")
-    checkpoint_every: tuple[Optional[int], ...] = (None,)
-    """Every-k-th-block checkpointing periods (None: the first checkpoint_layers blocks)."""
-    checkpoint_layers: tuple[Any, ...] = ("all",)
-    """Absolute block counts (ints), or ("fractions", f1, f2, ...), or ("all",)."""
-    precision: tuple[str, ...] = ("bf16",)
-    """Omitted in the file: the job's training.precision (see load_space)."""
-    reshard_after_forward: tuple[bool, ...] = (True,)
-    sharding: tuple[str, ...] = ("full",)
-    reduce_dtype: tuple[str, ...] = ("fp32",)
-    reduce_bucket_size: tuple[Optional[int], ...] = (None,)
-    allgather_bucket_size: tuple[Optional[int], ...] = (None,)
-    prefetch_bucket_size: tuple[Optional[int], ...] = (None,)
+    values: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Knob -> its values, for every knob of strategy.KNOBS (one the space does not give takes
+    its space default, autotune.knobs.space_default). A number-of-blocks knob (``of_layers``)
+    holds block counts (ints), ("fractions", f1, f2, ...) or ("all",)."""
 
-    def layer_choices(self, num_layers: int) -> list[int]:
-        """Concrete checkpointed-block counts for a model with ``num_layers`` blocks (ascending, unique)."""
-        if self.checkpoint_layers == ("all",):
-            return [num_layers]
-        if self.checkpoint_layers and self.checkpoint_layers[0] == "fractions":
-            values = {max(1, min(num_layers, round(f * num_layers))) for f in self.checkpoint_layers[1:]}
-        else:
-            values = {min(num_layers, int(v)) for v in self.checkpoint_layers}
-        return sorted(values)
+    def __post_init__(self) -> None:
+        unknown = set(self.values) - set(KNOBS)
+        if unknown:
+            raise ValueError(f"not strategy knobs: {', '.join(sorted(unknown))}")
+        object.__setattr__(self, "values", {k: tuple(self.values[k]) if k in self.values else SPACE_DEFAULTS[k]
+                                            for k in KNOBS})
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.path, tuple(self.values.items())))
 
     def choices(self, knob: str, model: ModelSpec) -> list[Any]:
-        if knob == "checkpoint_layers":
-            return self.layer_choices(model.num_hidden_layers)
-        return list(getattr(self, knob))
+        """The values of ``knob`` for ``model`` (a number of blocks resolved against its layers)."""
+        if knob in _OF_LAYERS:
+            return block_counts(self.values[knob], model.num_hidden_layers)
+        return list(self.values[knob])
 
     def candidates(self, model: ModelSpec) -> Iterator[Strategy]:
         """Every distinct strategy of the space (a knob varies only where it applies, see
-        strategy.knob_applies: checkpoint_layers with checkpointing on, bucket knobs at the ZeRO
-        stages that use them, the ZeRO knobs with deepspeed, the fsdp2 knobs with fsdp2)."""
+        strategy.knob_applies; elsewhere it keeps its default)."""
         def expand(values: dict[str, Any], rest: tuple[str, ...]) -> Iterator[Strategy]:
             if not rest:
                 yield Strategy(**values)
@@ -103,16 +90,29 @@ class SearchSpace:
 
     def contains(self, strategy: Strategy, model: ModelSpec) -> bool:
         """Whether the space can produce ``strategy``: every knob that applies takes one of the space's
-        values (bucket knobs the space leaves on ``auto`` are not checked)."""
+        values (buffer knobs the space leaves on ``auto`` are not checked)."""
         return all(getattr(strategy, knob) in choices for knob in self.searched_knobs(strategy)
                    if (choices := self.choices(knob, model)) != [None])
 
 
-_ENUMERATION_ORDER = ("engine", "zero_stage", "offload_optimizer", "offload_params", "micro_batch_size",
-                      "checkpointing", "precision", "checkpoint_every", "checkpoint_layers",
-                      "reshard_after_forward", "sharding", "reduce_dtype", *BUCKET_KNOBS)
+_ENUMERATION_ORDER = knobs.nesting(Strategy)
 """The nesting of ``candidates`` (outermost first); each knob comes after the knobs it depends on."""
-assert sorted(_ENUMERATION_ORDER) == sorted(KNOBS)
+_OF_LAYERS = {f.name for f in knobs.knob_fields(Strategy) if f.metadata["of_layers"]}
+SPACE_DEFAULTS: dict[str, tuple[Any, ...]] = {f.name: knobs.space_default(f) for f in knobs.knob_fields(Strategy)
+                                              if f.name in KNOBS}
+"""The values of a knob a space does not list (Strategy's ``space`` metadata, else the default)."""
+
+
+def block_counts(values: tuple[Any, ...], num_layers: int) -> list[int]:
+    """Concrete block counts for a model with ``num_layers`` blocks (ascending, unique) of a
+    number-of-blocks knob's space values: ("all",), ("fractions", f, ...) or counts."""
+    if values == ("all",):
+        return [num_layers]
+    if values and values[0] == "fractions":
+        counts = {max(1, min(num_layers, round(f * num_layers))) for f in values[1:]}
+    else:
+        counts = {min(num_layers, int(v)) for v in values}
+    return sorted(counts)
 
 
 def strategy_params(strategy: Strategy, space: SearchSpace, model: ModelSpec) -> dict[str, Any]:
@@ -142,10 +142,11 @@ def resolve_space_path(name_or_path: str, base_dir: str = ".") -> str:
 
 
 def load_space(name_or_path: str, base_dir: str = ".", precision: str = "bf16") -> SearchSpace:
-    """Load a space; ``precision`` fills the precision knob when the file does not list it."""
+    """Load a space; ``precision`` is the job's training precision, which the knobs taken from
+    the training section (``from_training``) take when the file does not list them."""
     path = resolve_space_path(name_or_path, base_dir)
     try:
-        return _parse(read_yaml(path), path, precision)
+        return _parse(read_yaml(path), path, from_training({"precision": precision}))
     except ConfigError as err:
         raise err.in_file(path) from None
 
@@ -193,45 +194,56 @@ def _values(check: Any, *, integer_range: bool = False, allow_auto: bool = False
     return parse
 
 
-def _layers(raw: Any, path: str) -> tuple:
-    if raw == "all":
-        return ("all",)
-    if isinstance(raw, dict):
-        spec = check_section(raw, path, {"fractions": lambda v, p: v})
-        fractions = spec.get("fractions")
-        if not isinstance(fractions, list) or not fractions:
-            raise ConfigError("expected a non-empty list of fractions in (0, 1]", path=f"{path}.fractions")
-        for i, f in enumerate(fractions):
-            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
-                raise ConfigError(f"expected a fraction in (0, 1], but got {show(f)}"[:200], path=f"{path}.fractions[{i}]")
-        return ("fractions", *fractions)
-    return _values(int_(1, 10_000))(raw, path)
+def _layers(check: Any) -> Any:
+    """A number-of-blocks knob's values: ``all``, ``{fractions: [...]}`` or block counts."""
+    def parse(raw: Any, path: str) -> tuple:
+        if raw == "all":
+            return ("all",)
+        if isinstance(raw, dict) and "fractions" in raw:
+            spec = check_section(raw, path, {"fractions": lambda v, p: v})
+            fractions = spec.get("fractions")
+            if not isinstance(fractions, list) or not fractions:
+                raise ConfigError("expected a non-empty list of fractions in (0, 1]", path=f"{path}.fractions")
+            for i, f in enumerate(fractions):
+                if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+                    raise ConfigError(f"expected a fraction in (0, 1], but got {show(f)}"[:200],
+                                      path=f"{path}.fractions[{i}]")
+            return ("fractions", *fractions)
+        return _values(check, integer_range=True)(raw, path)
+
+    return parse
 
 
-SPACE_SCHEMA = {
-    "engine": _values(choice(*ENGINES)),
-    "zero_stage": _values(choice(*ZERO_STAGES)),
-    "offload_optimizer": _values(choice(*OFFLOADS)),
-    "offload_params": _values(choice(*OFFLOADS)),
-    "micro_batch_size": _values(int_(1, 1 << 20), integer_range=True),
-    "checkpointing": _values(choice(*CHECKPOINTINGS)),
-    "checkpoint_every": _values(int_(1, 10_000)),
-    "checkpoint_layers": _layers,
-    "precision": _values(choice(*PRECISIONS)),
-    "reshard_after_forward": _values(choice(True, False)),
-    "sharding": _values(choice(*SHARDINGS)),
-    "reduce_dtype": _values(choice(*REDUCE_DTYPES)),
-    "reduce_bucket_size": _values(int_(1), allow_auto=True),
-    "allgather_bucket_size": _values(int_(1), allow_auto=True),
-    "prefetch_bucket_size": _values(int_(1), allow_auto=True),
-}
+def space_schema(cls: type = Strategy) -> dict[str, Any]:
+    """The checkers of a space file for a Strategy class: per searched knob a list of its Literal
+    values, or of integers in its ``int_range`` (also as a range; ``auto`` for a buffer size;
+    ``all`` or fractions for a number of blocks, whose counts start at 1)."""
+    choices = literal_choices(cls)
+    fields_ = {f.name: f for f in knobs.knob_fields(cls)}
+    schema: dict[str, Any] = {}
+    for name in knobs.searched(cls):
+        f = fields_[name]
+        if choices[name] is not None:
+            schema[name] = _values(choice(*choices[name]))
+            continue
+        low, high = f.metadata["int_range"]
+        if f.metadata["of_layers"]:
+            schema[name] = _layers(int_(max(1, low)) if high is None else int_(max(1, low), high))
+            continue
+        check = int_(low) if high is None else int_(low, high)
+        schema[name] = _values(check, integer_range=True, allow_auto=f.metadata["buffer"])
+    return schema
 
 
-def _parse(raw: Any, path: str, precision: str) -> SearchSpace:
+SPACE_SCHEMA = space_schema()
+
+
+def _parse(raw: Any, path: str, job_values: dict[str, Any]) -> SearchSpace:
     if raw is None:
         raise ConfigError("empty search space; expected a mapping of knob -> values")
     mapping(raw, "")
     section = check_section(raw, "", SPACE_SCHEMA)
-    section.setdefault("precision", (precision,))
+    for knob, value in job_values.items():
+        section.setdefault(knob, (value,))
     name = os.path.splitext(os.path.basename(path))[0]
-    return SearchSpace(name=name, path=path, **section)
+    return SearchSpace(name=name, path=path, values=section)

@@ -202,11 +202,11 @@ def ds_autotuning_sweep(cfg: Any, space: Any, replay: ReplayBackend, checkpointi
     """DeepSpeed-autotuner-style: per ZeRO stage, bisect the largest runnable micro-batch, then
     profile up to 3 micro-batch sizes up to it. Returns (profiled trials, measured points)."""
     dp = cfg.hardware.num_gpus
-    mbs_all = sorted(m for m in space.micro_batch_size if cfg.training.global_batch_size % (m * dp) == 0)
+    mbs_all = sorted(m for m in space.values["micro_batch_size"] if cfg.training.global_batch_size % (m * dp) == 0)
     cache: dict[int, Optional[tuple[float, float]]] = {}
     points: list = []
     trials = 0
-    for stage in space.zero_stage:
+    for stage in space.values["zero_stage"]:
         cache.clear()
         n_layers = cfg.model.num_hidden_layers if checkpointing != "none" else None
 

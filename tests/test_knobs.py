@@ -1,28 +1,84 @@
-"""One knob list: every list of knobs, columns and flags is read off Strategy's fields."""
+"""One knob list: every list of knobs, checker, column, flag and docs row is read off Strategy's fields."""
 
+import argparse
 import dataclasses
 import itertools
+import os
+from typing import Literal
+
+import pytest
 
 from autotune.cli import build_parser
-from autotune.commands.estimate import FLAG_HELP
-from autotune.config import STRATEGY_SCHEMA
+from autotune.commands.estimate import add_strategy_flags
+from autotune.config import STRATEGY_SCHEMA, load_config, strategy_schema
+from autotune.errors import ConfigError
+from autotune.knob_docs import BEGIN, END
+from autotune.knobs import knob, knob_fields, knob_table, nesting, searched
 from autotune.presets import gpu_from_name, model_from_name
-from autotune.runfiles import CSV_COLUMNS, STRATEGY_COLUMNS
-from autotune.space import SearchSpace
+from autotune.runfiles import CSV_COLUMNS, csv_columns, strategy_from_record
+from autotune.space import SPACE_SCHEMA, load_space, space_schema
 from autotune.spec import HardwareSpec, TrainingSpec
 from autotune.strategy import (CHECKPOINTINGS, FLAG_KNOBS, KNOBS, OFFLOADS, Strategy, ZERO_STAGES, knob_applies,
-                               to_deepspeed_config)
+                               knob_choices, to_deepspeed_config)
+from conftest import BASE, ROOT
 
 FIELDS = [f.name for f in dataclasses.fields(Strategy)]
+LLAMA = model_from_name("llama2-7b")
 
 
-def test_every_list_is_the_strategy_fields():
-    assert set(KNOBS) <= set(FIELDS) and set(FLAG_KNOBS) <= set(KNOBS)
-    assert STRATEGY_COLUMNS == list(KNOBS) and CSV_COLUMNS[2:2 + len(KNOBS)] == list(KNOBS)
-    assert set(STRATEGY_SCHEMA) == set(FIELDS)
-    assert set(FLAG_HELP) == set(FLAG_KNOBS)
-    space_fields = [f.name for f in dataclasses.fields(SearchSpace)]
-    assert set(KNOBS) <= set(space_fields)
+def _other_value(name):
+    """A value of the knob other than its default that a 64-sequence, 8-GPU llama2-7b job accepts."""
+    choices = knob_choices(name)
+    if choices is not None:
+        return next(c for c in choices if c != Strategy.__dataclass_fields__[name].default)
+    return {"micro_batch_size": 2, "checkpoint_every": 4, "checkpoint_layers": 8}.get(name, 12345)
+
+
+def _context(name):
+    """Other knobs that make ``name``'s other value valid and applicable: fsdp2 for its knobs,
+    ZeRO-3 for the offloads and buffers, checkpointing on for the checkpointing knobs."""
+    if knob_applies(name, {"engine": "fsdp2"}) and not knob_applies(name, {}):
+        return {"engine": "fsdp2"}
+    context = {} if name in ("engine", "zero_stage") else {"zero_stage": 2 if name == "allgather_bucket_size" else 3}
+    return {**context, **({"checkpointing": "full"} if name.startswith("checkpoint_") else {})}
+
+
+def test_every_knob_round_trips_through_a_trials_csv_cell():
+    """Each column a trials.csv row writes (str() of the value, as csv does) reads back as the knob
+    (strategy_from_record types it from the field: a wrong typing rule fails here)."""
+    for name in KNOBS:
+        s = Strategy(**_context(name), **{name: _other_value(name)})
+        row = {k: "" if getattr(s, k) is None else str(getattr(s, k)) for k in KNOBS}
+        assert strategy_from_record(row) == s, name
+    assert CSV_COLUMNS.index("number") < CSV_COLUMNS.index(KNOBS[0]) < CSV_COLUMNS.index("pred_peak_gib")
+
+
+def _yaml(values):
+    return "{" + ", ".join(f"{k}: {str(v).lower()}" for k, v in values.items()) + "}"
+
+
+def test_the_job_file_checks_every_knob(write):
+    """Each knob of a job's strategy section takes its other value and refuses a wrong one, naming
+    strategy.<knob> (a field missing from STRATEGY_SCHEMA would be 'unknown key')."""
+    two_nodes = BASE.replace("gpus_per_node: 8", "gpus_per_node: 4, num_nodes: 2")
+    for name in FIELDS:
+        value = _other_value(name)
+        text = two_nodes + f"strategy: {_yaml({**_context(name), name: value})}\n"
+        assert getattr(load_config(write(text)).strategy, name) == value, name
+        with pytest.raises(ConfigError) as err:
+            load_config(write(BASE + f"strategy: {{{name}: [1]}}\n"))
+        assert err.value.path == f"strategy.{name}", name
+
+
+def test_a_space_file_takes_every_searched_knob(write):
+    """Each searched knob listed in a space file with its other value is what every candidate
+    that the knob applies to carries."""
+    for name in KNOBS:
+        lines = [f"{k}: [{str(v).lower()}]" for k, v in {**_context(name), name: _other_value(name)}.items()]
+        space = load_space(write("\n".join(lines) + "\n", "space.yaml"))
+        cands = [s for s in space.candidates(LLAMA) if knob_applies(name, s)]
+        assert cands and all(getattr(s, name) == _other_value(name) for s in cands), name
+    assert set(SPACE_SCHEMA) == set(KNOBS) and "param_persistence_threshold" not in SPACE_SCHEMA
 
 
 def test_estimate_flags_are_the_flag_knobs_with_their_literal_choices():
@@ -33,6 +89,7 @@ def test_estimate_flags_are_the_flag_knobs_with_their_literal_choices():
     assert tuple(flags["checkpointing"].choices) == CHECKPOINTINGS
     assert tuple(flags["offload_params"].choices) == OFFLOADS
     assert flags["micro_batch_size"].type is int and flags["micro_batch_size"].choices is None
+    assert all(flags[k].help == Strategy.__dataclass_fields__[k].metadata["help"] for k in FLAG_KNOBS)
 
 
 def test_a_knob_applies_exactly_where_the_deepspeed_config_carries_it():
@@ -45,7 +102,53 @@ def test_a_knob_applies_exactly_where_the_deepspeed_config_carries_it():
     for zero, ckpt in itertools.product(ZERO_STAGES, CHECKPOINTINGS):
         s = Strategy(zero_stage=zero, checkpointing=ckpt)
         ds = to_deepspeed_config(s, model, training, hardware)
-        for knob, key in ds_key.items():
-            assert knob_applies(knob, s) == (key in ds["zero_optimization"]), (zero, knob)
+        for knob_name, key in ds_key.items():
+            assert knob_applies(knob_name, s) == (key in ds["zero_optimization"]), (zero, knob_name)
         assert knob_applies("checkpoint_layers", s) == ("activation_checkpointing" in ds)
         assert knob_applies("checkpoint_layers", {"zero_stage": zero, "checkpointing": ckpt}) == (ckpt != "none")
+
+
+def test_a_field_added_to_a_copy_of_strategy_reaches_every_artefact(write):
+    """Adding a knob is one field: a copy of Strategy with two more (a Literal one and an integer
+    one) gets them in the job-file checkers, the space schema, the CLI flags, the trials.csv
+    columns, the candidates' nesting and the docs table."""
+    extended = dataclasses.make_dataclass("Extended", [
+        ("tensor_parallel", Literal[1, 2, 4], knob(1, search_order=15, flag=True, help="Tensor-parallel degree.")),
+        ("chunks", int, knob(1, search_order=16, flag=True, int_range=(1, 64), engine="fsdp2",
+                             help="Loss chunks.")),
+    ], bases=(Strategy,), frozen=True)
+    new = ("tensor_parallel", "chunks")
+    assert searched(extended)[-2:] == new and nesting(extended)[-2:] == new
+    assert [f.name for f in knob_fields(extended)][-2:] == list(new)
+    schema = strategy_schema(extended)
+    assert set(schema) - set(STRATEGY_SCHEMA) == set(new)
+    assert schema["tensor_parallel"](4, "strategy.tensor_parallel") == 4
+    with pytest.raises(ConfigError, match="strategy.tensor_parallel"):
+        schema["tensor_parallel"](3, "strategy.tensor_parallel")
+    with pytest.raises(ConfigError):
+        schema["chunks"](65, "strategy.chunks")
+    space = space_schema(extended)
+    assert space["tensor_parallel"]([1, 2], "tensor_parallel") == (1, 2)
+    assert space["chunks"]({"low": 1, "high": 8, "powers_of_two": True}, "chunks") == (1, 2, 4, 8)
+    parser = argparse.ArgumentParser()
+    add_strategy_flags(parser, extended)
+    args = parser.parse_args(["--tensor-parallel", "2", "--chunks", "8"])
+    assert (args.tensor_parallel, args.chunks) == (2, 8)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tensor-parallel", "3"])
+    columns = csv_columns(extended)
+    assert columns[2:2 + len(KNOBS) + 2] == [*KNOBS, *new]
+    table = knob_table(extended)
+    assert "| `tensor_parallel` (`--tensor-parallel`) | 1, 2, 4 | 1 | 1 | always | Tensor-parallel degree. |" in table
+    assert "| `chunks` (`--chunks`) | integer 1..64 | 1 | 1 | engine fsdp2 | Loss chunks. |" in table
+    assert table.count("\n") == knob_table(Strategy).count("\n") + 2
+
+
+def test_docs_config_holds_the_generated_knob_table():
+    """docs/config.md carries, between its markers, exactly what ``python -m autotune.knob_docs`` writes."""
+    with open(os.path.join(ROOT, "docs", "config.md")) as fh:
+        text = fh.read()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1
+    inside = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    assert inside == "\n" + knob_table(Strategy), "regenerate: python -m autotune.knob_docs docs/config.md"
+    assert all(f"`{name}`" in inside for name in FIELDS)

@@ -30,8 +30,8 @@ def test_ranges_and_fractions(write):
                  "checkpointing: [none, full]\ncheckpoint_layers: {fractions: [0.5, 1.0]}\n"
                  "reduce_bucket_size: [auto, 1000]\nzero_stage: [0, 2]\n", "space.yaml")
     space = load_space(path)
-    assert space.micro_batch_size == (2, 4, 8, 16)
-    assert space.layer_choices(32) == [16, 32]
+    assert space.values["micro_batch_size"] == (2, 4, 8, 16)
+    assert space.choices("checkpoint_layers", LLAMA) == [16, 32]
     cands = list(space.candidates(LLAMA))
     # stage 0 ignores buckets: 4 mbs x (1 + 2 ckpt) ; stage 2: x 2 buckets
     assert len(cands) == 4 * 3 + 4 * 3 * 2

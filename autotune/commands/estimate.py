@@ -9,7 +9,8 @@ from typing import Any
 from autotune.config import Config, check_strategy, load_config
 from autotune.errors import ConfigError
 from autotune.spec import GIB
-from autotune.strategy import FLAG_KNOBS, Strategy, fsdp_equivalent_text, knob_choices
+from autotune.knobs import knob_fields, literal_choices
+from autotune.strategy import FLAG_KNOBS, Strategy, fsdp_equivalent_text
 
 
 def add_parser(sub: Any) -> None:
@@ -24,33 +25,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
-FLAG_HELP = {
-    "engine": "training engine: deepspeed (ZeRO) or fsdp2 (PyTorch fully_shard per decoder layer plus the root)",
-    "zero_stage": "deepspeed: ZeRO stage 0 (plain DP), 1, 2 or 3",
-    "micro_batch_size": "sequences per GPU per forward/backward",
-    "checkpointing": "activation checkpointing: none, selective (attention core recomputed), attention or mlp "
-                     "(that module recomputed, the other kept), op (op-level selective, torchtitan's policy) "
-                     "or full (whole block)",
-    "checkpoint_every": "checkpoint every k-th block (torchtitan's layer frequency) instead of the first N",
-    "checkpoint_layers": "number of blocks checkpointed, the first ones, 0..num_layers (default: all when "
-                         "checkpointing is on)",
-    "offload_optimizer": "deepspeed: where optimizer states live (ZeRO >= 1)",
-    "offload_params": "where parameters live (deepspeed: ZeRO-3 only; fsdp2: cpu = CPUOffloadPolicy)",
-    "precision": "compute precision (fp16 = loss scaling; fsdp2: the param_dtype of MixedPrecisionPolicy)",
-    "reshard_after_forward": "fsdp2: true frees each layer's gathered parameters after its forward (ZeRO-3-like), "
-                             "false keeps them until its backward (ZeRO-2-like)",
-    "sharding": "fsdp2: full (every GPU) or hybrid (shard within a node, replicate across nodes)",
-    "reduce_dtype": "fsdp2: dtype of the gradient reduce-scatter",
-}
-"""Help text of each strategy flag (the flags themselves are strategy.FLAG_KNOBS)."""
-
-
-def add_strategy_flags(p: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per strategy.FLAG_KNOBS; choices from the field's Literal type, else an integer."""
+def add_strategy_flags(p: argparse.ArgumentParser, cls: type = Strategy) -> None:
+    """One ``--flag`` per flag knob of ``cls`` (autotune.knobs.flagged), its help the field's
+    ``help``; choices from the field's Literal type, else an integer."""
     g = p.add_argument_group("strategy (overrides the config's strategy: section)")
-    for knob in FLAG_KNOBS:
-        choices = knob_choices(knob)
-        kwargs: dict[str, Any] = {"help": FLAG_HELP[knob]}
+    choices_of = literal_choices(cls)
+    for f in knob_fields(cls):
+        if not f.metadata["flag"]:
+            continue
+        choices = choices_of[f.name]
+        kwargs: dict[str, Any] = {"help": f.metadata["help"].replace("%", "%%")}
         if choices is None:
             kwargs.update(type=int, metavar="N")
         elif isinstance(choices[0], bool):
@@ -58,7 +42,7 @@ def add_strategy_flags(p: argparse.ArgumentParser) -> None:
         else:
             kwargs.update(type=type(choices[0]), choices=choices) if isinstance(choices[0], int) else \
                 kwargs.update(choices=choices)
-        g.add_argument("--" + knob.replace("_", "-"), **kwargs)
+        g.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
 def _bool(text: str) -> bool:

@@ -1,0 +1,204 @@
+"""A strategy's engine configs: the DeepSpeed config JSON and the FSDP2 layout, and the
+data-parallel arithmetic they share (re-exported by autotune.strategy, which owns Strategy).
+
+Reads a Strategy's attributes only, so it does not import autotune.strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
+
+if TYPE_CHECKING:
+    from autotune.strategy import Strategy
+
+
+def data_parallel_size(hardware: HardwareSpec) -> int:
+    """Every GPU is a data-parallel rank (autotune does not search tensor/pipeline parallelism)."""
+    return hardware.num_gpus
+
+
+def shard_group_size(strategy: Strategy, hardware: HardwareSpec) -> int:
+    """GPUs that parameters, gradients and optimizer states are partitioned over: all of them,
+    or one node's with fsdp2's hybrid sharding (replicated across nodes)."""
+    if strategy.engine == "fsdp2" and strategy.sharding == "hybrid":
+        return hardware.gpus_per_node
+    return data_parallel_size(hardware)
+
+
+def gradient_accumulation_steps(strategy: Strategy, training: TrainingSpec, hardware: HardwareSpec) -> int:
+    """global batch / (micro batch x data-parallel size); callers check divisibility with validate()."""
+    return max(1, training.global_batch_size // (strategy.micro_batch_size * data_parallel_size(hardware)))
+
+
+
+@dataclass(frozen=True)
+class DeepSpeedBuffers:
+    """The DeepSpeed buffer settings that do not depend on the model: what to_deepspeed_config writes
+    into every config and autotune.memory.states sizes (the model-dependent bucket sizes are
+    default_buckets'; the optimizer is the job's, TrainingSpec.optimizer)."""
+
+    sub_group_size: int = 1_000_000_000
+    """ZeRO-3 ``sub_group_size`` (elements per optimizer-step sub group; NVMe swap buffers hold one)."""
+    max_live_parameters: int = 1_000_000_000
+    """ZeRO-3 ``stage3_max_live_parameters`` (gathered parameters kept alive), like HF's "auto"."""
+    max_reuse_distance: int = 1_000_000_000
+    """ZeRO-3 ``stage3_max_reuse_distance`` (a gathered parameter reused within it stays gathered)."""
+    optimizer_nvme_buffer_count: int = 4
+    """``offload_optimizer.buffer_count`` for NVMe: pinned fp32 swap buffers of one sub group each."""
+    param_nvme_buffer_count: int = 5
+    """``offload_param.buffer_count`` for NVMe: pinned buffers of ``param_nvme_buffer_size`` each."""
+    param_nvme_buffer_size: int = 100_000_000
+    """``offload_param.buffer_size`` for NVMe (elements)."""
+    param_max_in_cpu: int = 1_000_000_000
+    """``offload_param.max_in_cpu`` for NVMe (elements kept in host memory)."""
+    allreduce_bucket_size: int = 500_000_000
+    """DeepSpeed's default ``allreduce_bucket_size`` (elements; not written): ZeRO-0's gradient
+    all-reduce flattens this many at a time."""
+
+
+DEEPSPEED_BUFFERS = DeepSpeedBuffers()
+"""The settings every DeepSpeed config autotune writes carries."""
+
+
+def default_buckets(model: ModelSpec, strategy: Strategy) -> dict[str, int]:
+    """Bucket sizes autotune writes into the DeepSpeed config (elements).
+
+    Stage 3 follows the HF Trainer's "auto" rule (transformers integrations/deepspeed.py:
+    reduce_bucket_size = d^2, stage3_prefetch_bucket_size = 0.9 d^2, persistence = 10 d).
+    Stages 1/2 use 2e8 (DeepSpeed docs' recommended value) but never more than the model, so small
+    models do not pay DeepSpeed's 5e8-element default buffers.
+    """
+    d, n = model.hidden_size, model.num_parameters
+    if strategy.zero_stage == 3:
+        out = {
+            "reduce_bucket_size": d * d,
+            "prefetch_bucket_size": int(0.9 * d * d),
+            "param_persistence_threshold": 10 * d,
+        }
+    else:
+        bucket = int(min(2e8, n))
+        out = {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    for key in out:
+        value = getattr(strategy, key)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def to_deepspeed_config(
+    strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
+) -> dict[str, Any]:
+    """The exact DeepSpeed config JSON object for this strategy (parsed by DeepSpeedConfig in tests)."""
+    if strategy.engine != "deepspeed":
+        raise ValueError(f"to_deepspeed_config needs engine deepspeed, but got engine {strategy.engine}")
+    s = strategy
+    buf = DEEPSPEED_BUFFERS
+    opt = training.optimizer
+    gas = gradient_accumulation_steps(s, training, hardware)
+    cfg: dict[str, Any] = {
+        "train_batch_size": s.micro_batch_size * gas * data_parallel_size(hardware),
+        "train_micro_batch_size_per_gpu": s.micro_batch_size,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": opt.gradient_clipping,
+        "steps_per_print": 1_000_000,
+        "optimizer": opt.deepspeed_section(),
+    }
+    if opt.type == "sgd" and s.zero_stage >= 1:
+        # torch.optim.SGD is outside ZeRO's tested optimizers (runtime/zero/utils.py
+        # ZERO_SUPPORTED_OPTIMIZERS; runtime/engine.py _do_optimizer_sanity_check asserts this flag)
+        cfg["zero_allow_untested_optimizer"] = True
+    if s.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif s.precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                       "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    buckets = default_buckets(model, s)
+    zero: dict[str, Any] = {"stage": s.zero_stage}
+    if s.zero_stage in (1, 2):
+        zero.update(
+            overlap_comm=True, contiguous_gradients=True, reduce_scatter=True, allgather_partitions=True,
+            reduce_bucket_size=buckets["reduce_bucket_size"], allgather_bucket_size=buckets["allgather_bucket_size"],
+        )
+    elif s.zero_stage == 3:
+        zero.update(
+            overlap_comm=True, contiguous_gradients=True, sub_group_size=buf.sub_group_size,
+            reduce_bucket_size=buckets["reduce_bucket_size"],
+            stage3_prefetch_bucket_size=buckets["prefetch_bucket_size"],
+            stage3_param_persistence_threshold=buckets["param_persistence_threshold"],
+            stage3_max_live_parameters=buf.max_live_parameters, stage3_max_reuse_distance=buf.max_reuse_distance,
+            stage3_gather_16bit_weights_on_model_save=True,
+        )
+    nvme_path = hardware.nvme.path if hardware.nvme else "/local_nvme"
+    if s.offload_optimizer != "none":
+        off: dict[str, Any] = {"device": s.offload_optimizer, "pin_memory": True}
+        if s.offload_optimizer == "nvme":
+            off.update(nvme_path=nvme_path, buffer_count=buf.optimizer_nvme_buffer_count, fast_init=False)
+        zero["offload_optimizer"] = off
+    if s.offload_params != "none":
+        offp: dict[str, Any] = {"device": s.offload_params, "pin_memory": True}
+        if s.offload_params == "nvme":
+            offp.update(nvme_path=nvme_path, buffer_count=buf.param_nvme_buffer_count,
+                        buffer_size=buf.param_nvme_buffer_size, max_in_cpu=buf.param_max_in_cpu)
+        zero["offload_param"] = offp
+    cfg["zero_optimization"] = zero
+    if "nvme" in (s.offload_optimizer, s.offload_params):
+        cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+                      "single_submit": False, "overlap_events": True}
+    n_ckpt = s.num_checkpointed(model.num_hidden_layers)
+    if n_ckpt:
+        # Consumed by deepspeed.checkpointing users; autotune's worker applies torch.utils.checkpoint
+        # (non-reentrant) to the first `number_checkpoints` blocks at the chosen granularity.
+        cfg["activation_checkpointing"] = {
+            "partition_activations": False, "cpu_checkpointing": False,
+            "contiguous_memory_optimization": False, "number_checkpoints": n_ckpt,
+            "synchronize_checkpoint_boundary": False, "profile": False,
+        }
+    return cfg
+
+
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""autotune precision name -> torch dtype attribute."""
+
+
+def to_fsdp2_config(
+    strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
+) -> dict[str, Any]:
+    """The FSDP2 layout of an fsdp2 strategy as a JSON object (what ``autotune.fsdp2.apply`` and
+    the profiling worker build from, and what a front point ships): ``fully_shard`` on each
+    decoder layer, then the root (torchtitan parallelize.py ``apply_fsdp``), over a 1-D mesh or,
+    hybrid, a 2-D (replicate, shard) mesh."""
+    if strategy.engine != "fsdp2":
+        raise ValueError(f"to_fsdp2_config needs engine fsdp2, but got engine {strategy.engine}")
+    s = strategy
+    n_ckpt = s.num_checkpointed(model.num_hidden_layers)
+    hybrid = s.sharding == "hybrid"
+    return {
+        "engine": "fsdp2",
+        "mesh": {"shape": [hardware.num_nodes, hardware.gpus_per_node] if hybrid else [hardware.num_gpus],
+                 "dim_names": ["replicate", "shard"] if hybrid else ["shard"]},
+        "fully_shard": {"units": "each decoder layer, then the root module",
+                        "reshard_after_forward": s.reshard_after_forward},
+        "mp_policy": {"param_dtype": TORCH_DTYPES[s.precision], "reduce_dtype": TORCH_DTYPES[s.reduce_dtype]},
+        "offload_policy": "CPUOffloadPolicy" if s.offload_params == "cpu" else None,
+        "activation_checkpointing": {"granularity": s.checkpointing if n_ckpt else "none",
+                                     "blocks": s.checkpointed_blocks(model.num_hidden_layers)},
+        "micro_batch_size": s.micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps(s, training, hardware),
+        "loss_scaling": s.precision == "fp16",
+        "optimizer": {"type": training.optimizer.torch_class, "foreach": True,
+                      "params": training.optimizer.torch_kwargs()},
+        "gradient_clipping": training.optimizer.gradient_clipping,
+    }
+
+
+def engine_config(strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
+                  ) -> dict[str, Any]:
+    """The ready-to-use config of the strategy's engine: the DeepSpeed config JSON, or the FSDP2
+    layout (to_fsdp2_config)."""
+    if strategy.engine == "fsdp2":
+        return to_fsdp2_config(strategy, model, training, hardware)
+    return to_deepspeed_config(strategy, model, training, hardware)
+
