@@ -104,7 +104,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "num_key_value_heads": int_(1, 1 << 16),
     "intermediate_size": int_(1, 1 << 24),
     "vocab_size": int_(1, 1 << 24),
-    "hidden_act": choice("silu", "swiglu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+    "hidden_act": choice(*_MODEL_CHOICES["hidden_act"]),
     "tie_word_embeddings": bool_,
     "norm": choice(*_MODEL_CHOICES["norm"]),
     "bias": bool_,

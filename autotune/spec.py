@@ -14,6 +14,7 @@ Precision = Literal["bf16", "fp16", "fp32"]
 Norm = Literal["rmsnorm", "layernorm", "rmsnorm_fp32"]
 PositionEmbedding = Literal["rope", "learned", "alibi", "none"]
 AttnImplementation = Literal["sdpa", "eager"]
+HiddenAct = Literal["silu", "swiglu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu"]
 
 GIB = 1 << 30
 """Bytes per GiB."""
@@ -42,7 +43,7 @@ class ModelSpec:
     """MLP inner width."""
     vocab_size: int
     """Vocabulary size V."""
-    hidden_act: str = "silu"
+    hidden_act: HiddenAct = "silu"
     """``silu`` means a gated SwiGLU MLP (Llama); ``gelu*``/``relu`` a plain 2-matrix MLP (GPT/MPT)."""
     tie_word_embeddings: bool = False
     """Whether the LM head shares the token-embedding matrix."""
