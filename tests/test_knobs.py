@@ -152,3 +152,15 @@ def test_docs_config_holds_the_generated_knob_table():
     inside = text.split(BEGIN, 1)[1].split(END, 1)[0]
     assert inside == "\n" + knob_table(Strategy), "regenerate: python -m autotune.knob_docs docs/config.md"
     assert all(f"`{name}`" in inside for name in FIELDS)
+
+
+def test_knob_docs_rewrites_only_between_the_markers(tmp_path, capsys):
+    from autotune.knob_docs import main
+
+    page = tmp_path / "config.md"
+    page.write_text(f"# Title\n\nbefore\n{BEGIN}\nstale table\n{END}\nafter\n")
+    assert main([str(page)]) == 0
+    assert page.read_text() == f"# Title\n\nbefore\n{BEGIN}\n{knob_table(Strategy)}{END}\nafter\n"
+    page.write_text("# no markers\n")
+    assert main([str(page)]) == 2 and page.read_text() == "# no markers\n"
+    assert "knobs:begin" in capsys.readouterr().err
