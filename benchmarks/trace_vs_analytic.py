@@ -94,7 +94,7 @@ def main() -> int:
                 est = estimate_memory(spec, training, hw, strategy, loop="drop_outputs")
                 comb, _ = combine(tr, est, model=spec, training=training, strategy=strategy)
                 ab = activation_breakdown(spec, training, strategy)
-                saved_an = ab["blocks"] + ab["nonblock"]
+                saved_an = ab.blocks + ab.nonblock
                 act_an = est.activation_peak
                 row = dict(source=src, model=spec.name, seq=seq, mbs=mbs, checkpointing=ck,
                            saved_traced=tr.saved_activations, saved_analytic=saved_an,

@@ -181,7 +181,7 @@ def test_module_checkpointing_saves_what_the_model_says(name, granularity, tmp_p
     def kept_by_model(g: str) -> float:
         a = activation_breakdown(spec, training, Strategy(micro_batch_size=batch, checkpointing=g, precision="fp32"),
                                  device="cpu")
-        return a["blocks"] + a["nonblock"]
+        return a.blocks + a.nonblock
 
     predicted = kept_by_model("none") - kept_by_model(granularity)
     # selective on sdpa's flash kernel frees only the log-sum-exp and keeps an RNG state per layer
@@ -246,7 +246,7 @@ def test_final_norm_backward_peak_matches_an_allocation_trace(norm, precision):
     act = activation_breakdown(spec, TrainingSpec(seq_len=tokens, global_batch_size=1, precision=precision),
                                Strategy(micro_batch_size=1, precision=precision), device="cpu")
     assert "PowBackward0" in where
-    assert peak - logits.numel() * logits.element_size() == pytest.approx(act["final_norm_backward_live"], rel=0.002)
+    assert peak - logits.numel() * logits.element_size() == pytest.approx(act.final_norm_backward_live, rel=0.002)
 
 
 @pytest.mark.parametrize("window", [64, 128])

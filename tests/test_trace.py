@@ -189,7 +189,7 @@ def test_hf_llama_gqa_trace_matches_the_analytic_saved_activations(tmp_path):
     training, strategy = TrainingSpec(seq_len=128, global_batch_size=2), Strategy(micro_batch_size=2)
     r = trace_memory(spec, training, strategy, hf_config=path)
     ab = activation_breakdown(spec, training, strategy)
-    assert abs(ab["blocks"] + ab["nonblock"] - r.saved_activations) / r.saved_activations < 0.02
+    assert abs(ab.blocks + ab.nonblock - r.saved_activations) / r.saved_activations < 0.02
 
 
 def test_hf_selective_trace_recomputes_the_attention_core_and_matches_the_analytic(tmp_path):
@@ -209,7 +209,7 @@ def test_hf_selective_trace_recomputes_the_attention_core_and_matches_the_analyt
     # three attention forwards: both layers, then layer 0's recompute
     assert r.flops["attention_fwd"] == 3 * 4 * 2 * spec.q_size * 128 * 128
     ab = activation_breakdown(spec, training, strategy)
-    assert abs(ab["blocks"] + ab["nonblock"] - r.saved_activations) / r.saved_activations < 0.02
+    assert abs(ab.blocks + ab.nonblock - r.saved_activations) / r.saved_activations < 0.02
 
 
 def test_traced_estimate_on_the_real_memory_model():

@@ -68,11 +68,13 @@ copy of the model each rank builds before ``deepspeed.initialize`` (use zero.Ini
 """
 
 from autotune.memory.common import GPU_COMPONENTS, MemoryEstimate, PREDICTION_MARGIN, overhead_bytes
-from autotune.memory.activations import CPU_RNG_STATE_BYTES, activation_breakdown, block_activation_bytes_per_token
+from autotune.memory.activations import (ActivationBreakdown, CPU_RNG_STATE_BYTES, activation_breakdown,
+                                          block_activation_bytes_per_token)
 from autotune.memory.states import model_states_bytes, zero_model_states
 from autotune.memory.estimate import LOOPS, Loop, estimate_memory
 
 __all__ = [
+    'ActivationBreakdown',
     'CPU_RNG_STATE_BYTES',
     'GPU_COMPONENTS',
     'LOOPS',

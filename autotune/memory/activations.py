@@ -3,6 +3,8 @@ sec. 4, adapted to the reference decoders and HF families; see the package docst
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
 
@@ -289,8 +291,69 @@ def _nonblock_saved_per_token(m: ModelSpec, p: int, mask_bytes: int = 1) -> floa
     return n
 
 
+@dataclass(frozen=True, slots=True)
+class ActivationBreakdown:
+    """The activation terms of one step on one GPU (``activation_breakdown``), bytes for one
+    micro-batch (``micro_batch_size`` x ``seq_len`` tokens); "per block" terms are for one decoder
+    block, the others for the whole model."""
+
+    blocks: float
+    """Saved activations of all blocks at the forward's end (checkpointed ones at what their
+    checkpoint keeps)."""
+    per_block_plain: float
+    """Saved activations of one block without checkpointing (per block)."""
+    per_block_checkpointed: float
+    """Saved activations of one checkpointed block at ``granularity`` (per block)."""
+    num_checkpointed: int
+    """Blocks checkpointed (``Strategy.num_checkpointed``, at most the layer count)."""
+    granularity: str
+    """The checkpointing granularity applied (``Strategy.checkpointing``; ``none`` when no block is
+    checkpointed)."""
+    nonblock: float
+    """Saved outside the blocks at the forward's end: the final norm, the embedding dropout mask,
+    ``logits_saved``, the rope tables and the masks / position ids a checkpoint keeps."""
+    logits_saved: float
+    """Part of ``nonblock`` the loss keeps: the fp32 log-softmax output (and the final logit
+    softcapping's tanh output)."""
+    loss_forward_transient: float
+    """At the forward's end, beyond what is saved: the logits (model dtype), their fp32 copy and
+    log_softmax's output."""
+    loss_backward_transient: float
+    """At the backward's start: the fp32 nll and log_softmax gradients next to the saved output."""
+    recompute: float
+    """What one checkpointed block's recomputation adds back (``per_block_plain -
+    per_block_checkpointed``; 0 without checkpointing; per block)."""
+    mlp_saved_per_block: float
+    """The MLP's saved intermediate tensors (2 or 4 f-wide, model dtype; per block)."""
+    attention_backward_transient: float
+    """Gradient buffers of the attention core's backward beyond its saved tensors (per block)."""
+    final_norm_saved: float
+    """What the final norm saves for backward (its output included)."""
+    forward_only_masks: float
+    """Masks alive during the decoder's forward only (the sliding-window bool mask when no
+    checkpoint keeps it); not part of ``nonblock``."""
+    final_norm_forward_extra: float
+    """At the end of the final norm's forward (its weight multiply), beyond its saved tensors: in
+    16-bit training the fp32 normalised value and the variance still bound to locals and the
+    norm's input bound by the caller; HF's decoder also keeps the embedding output (16-bit) and
+    the position ids bound (allocation traces, torch 2.13 CPU)."""
+    hidden_grad: float
+    """The hidden states' gradient flowing from block to block (one h-wide tensor, model dtype)."""
+    checkpoint_frame_kept: float
+    """What a checkpointed block's frame keeps during its backward beyond the recomputed set: the
+    RNG state (CPU) and ``_checkpoint_frame_kept`` (per checkpointed block; 0 without checkpointing)."""
+    final_norm_backward_live: float
+    """The final RMSNorm's backward at its peak, replacing ``final_norm_saved`` at that instant:
+    the fp32 input next to five fp32 h-wide tensors (PowBackward0's last multiply,
+    torch/csrc/autograd/FunctionsManual.cpp ``pow_backward``); LayerNorm: its saved tensors."""
+    mlp_backward_transient: float
+    """The MLP backward's peak beyond the block's saved tensors: ``_mlp_backward_transient`` plus
+    the down projection's weight gradient (f x h), or HF's composite GELU backward when larger
+    (per block)."""
+
+
 def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Strategy,
-                         device: str = "cuda") -> dict[str, float]:
+                         device: str = "cuda") -> ActivationBreakdown:
     """Saved activations at the end of the forward pass (bytes per GPU) and the loss transients."""
     m, s, b = model, training.seq_len, strategy.micro_batch_size
     p = BYTES_PER_ELEMENT[strategy.precision]
@@ -330,42 +393,27 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     # backward start: nll grad + log_softmax grad (fp32) next to the saved log_softmax output,
     # then the cast to the model dtype
     loss_bwd = 8 * V * tokens
-    return {
-        "blocks": blocks,
-        "per_block_plain": per_plain,
-        "per_block_checkpointed": per_ck,
-        "num_checkpointed": n_ck,
-        "granularity": gran,
-        "nonblock": nonblock,
-        "logits_saved": 4 * V * tokens + softcap,
-        "loss_forward_transient": loss_fwd,
-        "loss_backward_transient": loss_bwd,
-        "recompute": (per_plain - per_ck) if n_ck else 0.0,
-        "mlp_saved_per_block": (4 if m.gated_mlp else 2) * p * m.intermediate_size * tokens,
-        "attention_backward_transient": _attention_backward_transient(m, p, s, device) * tokens,
-        "final_norm_saved": _norm_saved(m, p) * tokens,
-        # masks alive during the decoder's forward only (not part of nonblock)
-        "forward_only_masks": forward_mask,
-        # the final norm's forward at its end (the weight multiply), beyond its saved tensors: in
-        # 16-bit training the fp32 normalised value (x * rsqrt, or Gemma's fp32 output) and the
-        # variance still bound to locals, and the norm's input, bound by the caller; HF's decoder
-        # forward also keeps the embedding output (``inputs_embeds``, 16-bit: in fp32 the first norm
-        # saves it) and the position ids bound (allocation traces, torch 2.13 CPU)
-        "final_norm_forward_extra": _final_norm_forward_extra(m, p, tokens, s, bool(n_ck)),
-        "hidden_grad": p * m.hidden_size * tokens,
-        # a checkpointed block's frame during its backward: the RNG state and what
-        # _checkpoint_frame_kept names (not part of the recomputed set)
-        "checkpoint_frame_kept": (_checkpoint_frame_kept(m, p, gran, zero3_linear=zero3) * tokens
-                                  + (CPU_RNG_STATE_BYTES if device == "cpu" else 0.0)) if n_ck else 0.0,
-        # the final RMSNorm's backward (x.float(); pow(2).mean(-1); x * rsqrt(...)) at its peak, the
-        # last multiply of PowBackward0 (torch/csrc/autograd/FunctionsManual.cpp pow_backward:
-        # grad * (exponent * self.pow(exponent - 1))): of the norm's saved tensors only the fp32 input
-        # (the pow's) is left, next to five fp32 h-wide tensors: the x * rsqrt branch's gradient
-        # waiting for the sum, MeanBackward's expansion (pow's incoming gradient), self.pow(1), 2x and
-        # the product; the gradient from the head and the bf16/fp32 copies are released. Replaces
-        # final_norm_saved at that instant (allocation traces, torch 2.13 CPU: docs/accuracy.md)
-        "final_norm_backward_live": (24.0 * m.hidden_size * tokens if m.norm in ("rmsnorm", "rmsnorm_fp32")
-                                     else _norm_saved(m, p) * tokens),
-        "mlp_backward_transient": max(_mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
-                                      _composite_gelu_backward_transient(m, p) * tokens),
-    }
+    return ActivationBreakdown(
+        blocks=blocks,
+        per_block_plain=per_plain,
+        per_block_checkpointed=per_ck,
+        num_checkpointed=n_ck,
+        granularity=gran,
+        nonblock=nonblock,
+        logits_saved=4 * V * tokens + softcap,
+        loss_forward_transient=loss_fwd,
+        loss_backward_transient=loss_bwd,
+        recompute=(per_plain - per_ck) if n_ck else 0.0,
+        mlp_saved_per_block=(4 if m.gated_mlp else 2) * p * m.intermediate_size * tokens,
+        attention_backward_transient=_attention_backward_transient(m, p, s, device) * tokens,
+        final_norm_saved=_norm_saved(m, p) * tokens,
+        forward_only_masks=forward_mask,
+        final_norm_forward_extra=_final_norm_forward_extra(m, p, tokens, s, bool(n_ck)),
+        hidden_grad=p * m.hidden_size * tokens,
+        checkpoint_frame_kept=(_checkpoint_frame_kept(m, p, gran, zero3_linear=zero3) * tokens
+                               + (CPU_RNG_STATE_BYTES if device == "cpu" else 0.0)) if n_ck else 0.0,
+        final_norm_backward_live=(24.0 * m.hidden_size * tokens if m.norm in ("rmsnorm", "rmsnorm_fp32")
+                                  else _norm_saved(m, p) * tokens),
+        mlp_backward_transient=max(_mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
+                                   _composite_gelu_backward_transient(m, p) * tokens),
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from autotune.memory.activations import activation_breakdown
+from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import MemoryEstimate
 from autotune.memory.states import _model_states, _States, grad_partition_elements
 from autotune.memory.walk import LOOPS, Candidate, Loop, backward_blocks, finish
@@ -79,7 +79,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     act = activation_breakdown(m, training, s, device)
     L = m.num_hidden_layers
     tokens = training.seq_len * s.micro_batch_size
-    saved_blocks, nonblock, logits_saved = act["blocks"], act["nonblock"], act["logits_saved"]
+    saved_blocks, nonblock, logits_saved = act.blocks, act.nonblock, act.logits_saved
     other_saved = nonblock - logits_saved  # final norm, masks, rope tables
     # the logits the user's ``outputs`` keeps (lm_head output, model dtype; fp32 training: the
     # very tensor the loss reads): alive everywhere in the steady state, the previous micro-step's
@@ -110,14 +110,14 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
                                 buffers))
 
     # the final norm's forward, inside the decoder's: its masks still alive (activations.py)
-    add("forward", activations=saved_blocks + other_saved + act["final_norm_forward_extra"] + act["forward_only_masks"],
+    add("forward", activations=saved_blocks + other_saved + act.final_norm_forward_extra + act.forward_only_masks,
         buffers=st.buffers_fwd)
     # forward end: everything saved plus the loss transient (logits, their fp32 copy, log_softmax)
-    add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_forward_transient"],
+    add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act.loss_forward_transient,
         buffers=st.buffers_fwd)
     # backward start: the logits gradient (fp32 nll grad + log_softmax grad next to its saved output);
     # DeepSpeed's gradient buffers appear with the first parameter gradient, right after
-    add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_backward_transient"],
+    add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act.loss_backward_transient,
         buffers=st.buffers_fwd)
     # lm_head backward: its weight gradient is computed next to the logits gradient (model dtype)
     add("backward", grads=p * head, activations=saved_blocks + other_saved, logits=p * m.vocab_size * tokens,
@@ -131,8 +131,8 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     # __add_grad_to_ipg_bucket)
     head_grad = p * head if (s.zero_stage == 0 or m.tie_word_embeddings) else 0.0
     # the final norm's backward at its peak (activations.py final_norm_backward_live)
-    add("backward", grads=head_grad, activations=saved_blocks + other_saved - act["final_norm_saved"]
-        + act["final_norm_backward_live"], buffers=st.buffers_bwd, pending=pending_head)
+    add("backward", grads=head_grad, activations=saved_blocks + other_saved - act.final_norm_saved
+        + act.final_norm_backward_live, buffers=st.buffers_bwd, pending=pending_head)
     _blocks_backward(add, m, s, st, act, other_saved, head_grad, pending_head)
     # ZeRO-1 at the accumulation boundary: each carried full-size gradient is copied into the
     # reduce bucket and rebound to it (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads:
@@ -153,7 +153,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
                   cpu_per_gpu=st.cpu, nvme_per_gpu=st.nvme)
 
 
-def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _States, act: dict[str, float],
+def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _States, act: ActivationBreakdown,
                      other_saved: float, head_grad: float, pending_head: float) -> None:
     """The candidates through the blocks' backward, last block to first (``add`` as in
     estimate_memory; ``st`` the model states; ``head_grad`` the head's weight gradient still
@@ -185,7 +185,7 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
         if st.reduce_clone:  # ZeRO-3 on CPU: the down projection's weight gradient reduce-scattered by
             # its hook, the linear's saved input released, its input gradient (as wide) alive; gloo's
             # copy of the gradient (states.py)
-            add("backward", grads=g, activations=pt.mlp - act["mlp_backward_transient"],
+            add("backward", grads=g, activations=pt.mlp - act.mlp_backward_transient,
                 buffers=st.buffers_bwd + p * m.intermediate_size * m.hidden_size + st.reduce_clone,
                 pending=pending_head)
         if pt.block in reduces:  # a bucket is all-reduced during this block's backward

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from autotune.memory.activations import activation_breakdown
+from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import MemoryEstimate
 from autotune.memory.walk import Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
@@ -100,7 +100,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
 
     act = activation_breakdown(m, training, s, device)
     tokens = training.seq_len * s.micro_batch_size
-    saved_blocks, nonblock, logits_saved = act["blocks"], act["nonblock"], act["logits_saved"]
+    saved_blocks, nonblock, logits_saved = act.blocks, act.nonblock, act.logits_saved
     other_saved = nonblock - logits_saved
     kept = u.p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0
     # gradient accumulation reduce-scatters every micro-step and adds into the sharded gradients:
@@ -121,15 +121,15 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
                                activations, logits, buffers))
 
     # forward, last block: its gather transient on top of every earlier block's saved activations
-    last_saved = act["per_block_checkpointed"] if (L - 1) in s.checkpointed_blocks(L) else act["per_block_plain"]
-    add("forward", activations=saved_blocks - last_saved + other_saved + act["forward_only_masks"],
+    last_saved = act.per_block_checkpointed if (L - 1) in s.checkpointed_blocks(L) else act.per_block_plain
+    add("forward", activations=saved_blocks - last_saved + other_saved + act.forward_only_masks,
         buffers=u.u_root + u.u_block * (1 if reshard else L) + u.flat + u.cast_in)
     # the final norm's forward, inside the decoder's (activations.py final_norm_forward_extra)
-    add("forward", activations=saved_blocks + other_saved + act["final_norm_forward_extra"] + act["forward_only_masks"],
+    add("forward", activations=saved_blocks + other_saved + act.final_norm_forward_extra + act.forward_only_masks,
         buffers=u.u_root + (0.0 if reshard else u.u_block * L) + u.flat)
     # forward end: the loss transients (inside the model's forward: the root is still gathered; the
     # last block's flat buffer waits for the root's post-forward)
-    add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_forward_transient"],
+    add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act.loss_forward_transient,
         buffers=u.u_root + (0.0 if reshard else u.u_block * L) + u.flat)
     # backward start: the root gathered again, and (resharded) the last block's all-gather issued
     # as the root's backward prefetch (its flat buffer; copied out by the block's own hook);
@@ -142,21 +142,21 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
         # before the logits gradient
         add("backward", activations=saved_blocks + other_saved, logits=logits_saved,
             buffers=2 * u.u_root + (0.0 if reshard else u.u_block * L))
-    add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act["loss_backward_transient"],
+    add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act.loss_backward_transient,
         buffers=at_start)
     # lm_head backward: its unsharded gradient stays until the root's post-backward
     head_grad = u.p * m.vocab_size * m.hidden_size
     add("backward", unsharded=head_grad, activations=saved_blocks + other_saved,
         logits=u.p * m.vocab_size * tokens, buffers=at_start)
     # the final norm's backward: its fp32 transients next to everything saved (the logits gradient gone)
-    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved - act["final_norm_saved"]
-        + act["final_norm_backward_live"],
+    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved - act.final_norm_saved
+        + act.final_norm_backward_live,
         buffers=at_start)
     _blocks_backward(add, u, act, s, L, other_saved, head_grad, carry)
     # backward end: the root's post-backward (head and embedding gradients, unsharded, then its
     # reduce-scatter input), every block's sharded gradient
     blocks_sharded = u.all_grads - u.on_gpu * 4 * u.root / u.n
-    add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, activations=act["hidden_grad"],
+    add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, activations=act.hidden_grad,
         buffers=u.u_root + u.r * u.per_block)
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, buffers=u.u_root + u.r * u.root)
     add("backward", sharded=u.all_grads, buffers=u.u_root + u.r * u.root)
@@ -176,7 +176,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
                   reserved_elsewhere=side_pool)
 
 
-def _blocks_backward(add: Callable[..., None], u: _Units, act: dict[str, float], s: Strategy, L: int,
+def _blocks_backward(add: Callable[..., None], u: _Units, act: ActivationBreakdown, s: Strategy, L: int,
                      other_saved: float, head_grad: float, carry: float) -> None:
     """The candidates through the blocks' backward, last block to first (``add`` as in
     estimate_fsdp2)."""
@@ -196,14 +196,14 @@ def _blocks_backward(add: Callable[..., None], u: _Units, act: dict[str, float],
         add("backward", sharded=done, unsharded=head_grad, activations=pt.mlp, buffers=gathered + rs_prev)
         # the MLP done: all its weight gradients, its saved tensors released
         add("backward", sharded=done, unsharded=head_grad + u.p * u.mlp_params,
-            activations=pt.saved - act["mlp_saved_per_block"], buffers=gathered + rs_prev)
+            activations=pt.saved - act.mlp_saved_per_block, buffers=gathered + rs_prev)
         if pt.attention is not None:
             add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=pt.attention,
                 buffers=gathered + rs_prev)
         # post-backward (the block's activations gone, the previous reduce-scatter input released):
         # its gradients copied into a new reduce-scatter input, then freed before the reduce output
         # (the new shard) is allocated; accumulating, that output is added into the existing shard
-        after = pt.saved - act["per_block_plain"] - pt.frame
+        after = pt.saved - act.per_block_plain - pt.frame
         add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=after,
             buffers=gathered + u.r * u.per_block)
         add("backward", sharded=(carry if carry else done) + u.grad_block, unsharded=head_grad, activations=after,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable, Literal, NamedTuple, Optional
 
+from autotune.memory.activations import ActivationBreakdown
 from autotune.memory.common import GPU_COMPONENTS, MemoryEstimate, PREDICTION_MARGIN, _gib, overhead_bytes
 from autotune.reason import Reason
 from autotune.spec import GIB, HardwareSpec, ModelSpec, TrainingSpec
@@ -31,7 +32,7 @@ class BlockPoint(NamedTuple):
     """Part of ``saved`` its checkpoint frame keeps beyond the recomputed set (released with the block)."""
 
 
-def backward_blocks(act: dict[str, float], strategy: Strategy, num_layers: int, other_saved: float,
+def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: int, other_saved: float,
                     extra_points: Iterable[int] = ()) -> list[BlockPoint]:
     """The blocks' backward, last to first: what is saved shrinks as blocks finish; a checkpointed
     block is recomputed in full before its backward (what its checkpoint saved, the block input or
@@ -41,8 +42,8 @@ def backward_blocks(act: dict[str, float], strategy: Strategy, num_layers: int, 
     within a run of same-kind blocks, so with the first n blocks checkpointed the ends of both runs
     suffice (plus ``extra_points``); with every k-th block checkpointed every block is visited."""
     L = num_layers
-    n_ck = int(act["num_checkpointed"])
-    per_plain, per_ck = act["per_block_plain"], act["per_block_checkpointed"]
+    n_ck = act.num_checkpointed
+    per_plain, per_ck = act.per_block_plain, act.per_block_checkpointed
     every = strategy.checkpoint_every if n_ck else None
     if every is None:
         points = {L - 1, n_ck, n_ck - 1, 0, *extra_points}
@@ -50,19 +51,19 @@ def backward_blocks(act: dict[str, float], strategy: Strategy, num_layers: int, 
     else:
         points = set(range(L))
         is_ck, count_ck = (lambda i: (i + 1) % every == 0), (lambda i: (i + 1) // every)
-    attn_delta = act["attention_backward_transient"] - act["mlp_saved_per_block"]
+    attn_delta = act.attention_backward_transient - act.mlp_saved_per_block
     # during the blocks' backward the final norm's saved tensors are already released, and the
     # gradient of the hidden states (one h-wide tensor per token) flows from block to block
-    block_other = other_saved - act["final_norm_saved"] + act["hidden_grad"]
-    mlp_bwd = act["mlp_backward_transient"]
+    block_other = other_saved - act.final_norm_saved + act.hidden_grad
+    mlp_bwd = act.mlp_backward_transient
     out = []
     for i in sorted((i for i in points if 0 <= i < L), reverse=True):
         ck = is_ck(i)
         remaining = count_ck(i) * per_ck + (i + 1 - count_ck(i)) * per_plain
-        frame = act["checkpoint_frame_kept"] if ck else 0.0
+        frame = act.checkpoint_frame_kept if ck else 0.0
         a = remaining + (per_plain - per_ck if ck else 0.0) + block_other + frame
         # a checkpointed attention module is recomputed only after the MLP's backward
-        a_mlp = a - (per_plain - per_ck) - frame if (ck and act["granularity"] == "attention") else a
+        a_mlp = a - (per_plain - per_ck) - frame if (ck and act.granularity == "attention") else a
         out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None, frame))
     return out
 

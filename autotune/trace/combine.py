@@ -52,7 +52,7 @@ def combine(trace: TraceResult, estimate: Any, *, capacity_bytes: Optional[float
         from autotune.memory import activation_breakdown
 
         act = activation_breakdown(model, training, strategy)  # type: ignore[arg-type]
-        states_fb = int(phases["backward"] - act["blocks"] - act["nonblock"] - act["loss_backward_transient"])
+        states_fb = int(phases["backward"] - act.blocks - act.nonblock - act.loss_backward_transient)
         how = "analytic backward phase minus its backward-start activations"
     fb_peak = states_fb + int(trace.activation_peak)
     opt_peak = int(phases.get("optimizer", 0))
