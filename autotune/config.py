@@ -32,7 +32,7 @@ class SearchSection:
     trials: int = 200
     """Number of Optuna trials (evaluated candidates, repeats excluded)."""
     sampler: Literal["auto", "nsga2", "tpe", "gp", "random", "ehvi", "sweep"] = "auto"
-    """Optuna sampler; auto: ehvi (autotune.sampler) for the profiling backends (deepspeed, replay),
+    """Optuna sampler; auto: ehvi (autotune.sampler) for the measuring backends (profile, replay),
     nsga2 for simulate; sweep: every candidate of the space once (Optuna's BruteForceSampler), as
     for a measured table."""
     headroom: float = 0.05
@@ -51,9 +51,9 @@ class SearchSection:
 class ProfileSection:
     """``profile:`` — how surviving candidates are measured."""
 
-    backend: Literal["simulate", "profile", "deepspeed", "replay"] = "simulate"
-    """simulate (throughput simulator), profile (real runs of either engine; deepspeed: the same, its
-    old name) or replay (answers from a CSV)."""
+    backend: Literal["simulate", "profile", "replay"] = "simulate"
+    """simulate (throughput simulator), profile (real runs of either engine) or replay (answers from a
+    CSV)."""
     warmup_steps: int = 2
     """Optimizer steps run before measuring."""
     measure_steps: int = 3
@@ -87,8 +87,16 @@ class Config:
 
 SAMPLERS = literal_choices(SearchSection)["sampler"]
 BACKENDS = literal_choices(ProfileSection)["backend"]
-"""profile runs real measurements of either engine (deepspeed or fsdp2 strategies); deepspeed is its
-old name, still accepted."""
+"""profile runs real measurements of either engine (deepspeed or fsdp2 strategies)."""
+
+
+def check_backend(value: Any, path: str) -> str:
+    """A backend name (profile.backend or ``--backend``); ``deepspeed``, natural to type since profile
+    runs DeepSpeed, is refused with the name to use (the engine is the strategy's ``engine``)."""
+    if value == "deepspeed":
+        raise ConfigError("backend 'deepspeed' does not exist; use profile (it runs both engines; "
+                          "strategy.engine picks DeepSpeed or FSDP2)", path=path)
+    return choice(*BACKENDS)(value, path)
 LAUNCHERS = literal_choices(ProfileSection)["launcher"]
 _MODEL_CHOICES = literal_choices(ModelSpec)
 
@@ -252,7 +260,7 @@ SEARCH_SCHEMA: dict[str, Checker] = {
 }
 
 PROFILE_SCHEMA: dict[str, Checker] = {
-    "backend": choice(*BACKENDS),
+    "backend": check_backend,
     "warmup_steps": int_(0, 10_000),
     "measure_steps": int_(1, 10_000),
     "timeout_s": float_(0.0, 7 * 86400.0, low_open=True),

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from autotune.config import Config
 from autotune.memory import GPU_COMPONENTS, MemoryEstimate, estimate_memory, overhead_bytes
 from autotune.pareto import pareto_front
+from autotune.profile.factory import backend_class
 from autotune.runfiles import (FRONT_FILE, TRIALS_FILE, RunData, TrialRecord, point_memory_gib, write_json,
                                write_trials_csv)
 from autotune.space import SearchSpace
@@ -229,7 +230,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
     """Write every output file; returns the front.json object. ``confidence``: how sure the sampler
     is of the front, in words (front.json ``front_confidence``), when it says."""
     rows = collect_rows(study, space, cfg)
-    predicted = backend == "simulate"  # the objective values are the models' predictions, not measurements
+    predicted = not backend_class(backend).measures  # the objective values are the models' predictions
     needed = {r.number: gpu_memory_gib(cfg, r, predicted) for r in rows
               if r.state == "COMPLETE" and r.peak_memory_gib is not None}
 

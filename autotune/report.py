@@ -20,7 +20,9 @@ from typing import Any, Optional
 
 from autotune.config import Config
 from autotune.output import config_dirs, empty_front_reason, format_gib, point_memory_gib
-from autotune.profile.backend import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY
+from autotune.errors import ConfigError
+from autotune.profile.backend import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Backend
+from autotune.profile.factory import backend_class
 from autotune.runfiles import RunData, TrialRecord, load_run, to_float
 from autotune.spec import GIB
 
@@ -76,7 +78,7 @@ def measurement_extras(run: RunData) -> dict[int, dict[str, Any]]:
     """trial number -> the ``measurement`` user attr, from the study (only for real backends; {} when
     the storage cannot be opened, e.g. a run directory copied without its study)."""
     storage = run.meta.get("storage")
-    if not storage or run.front.get("backend") == "simulate":
+    if not storage or not run_backend(run).measures:
         return {}
     if "://" not in storage and not os.path.isabs(storage) and not os.path.exists(storage):
         storage = os.path.join(run.run_dir, os.path.basename(storage))
@@ -156,9 +158,18 @@ def _clip(run: RunData, capacity: Optional[float]) -> Optional[float]:
     return 1.5 * top if top > 0 else None
 
 
+def run_backend(run: RunData) -> type[Backend]:
+    """The class of the backend that evaluated the run (front.json ``backend``), whose attributes say
+    what its points are; Backend itself (measured) for a name this version does not know."""
+    try:
+        return backend_class(str(run.front.get("backend")))
+    except ConfigError:
+        return Backend
+
+
 def evaluated_label(run: RunData) -> str:
-    """What the evaluated points are: the simulate backend predicts, the others measure."""
-    return {"simulate": "simulated", "replay": "replayed measurement"}.get(run.front.get("backend"), "measured")
+    """What the evaluated points are (Backend.evaluated_as): simulated, or some kind of measurement."""
+    return run_backend(run).evaluated_as
 
 
 MEMORY_AXIS = "GPU memory per GPU, incl. context and allocator (GiB)"
@@ -301,8 +312,8 @@ def _err(measured: Optional[float], predicted: Optional[float]) -> str:
 
 
 def predicted_vs_measured(run: RunData) -> list[list[Any]]:
-    """Rows of the predicted-vs-measured table (empty for the simulate backend)."""
-    if run.front.get("backend") == "simulate":
+    """Rows of the predicted-vs-measured table (empty for a backend that predicts)."""
+    if not run_backend(run).measures:
         return []
     extras = measurement_extras(run)
     rows = []

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Optional
 
-from autotune.config import BACKENDS, Config
+from autotune.config import Config
 from autotune.errors import ConfigError
 
 RUN_FILE = "run.json"
@@ -125,15 +125,19 @@ first, and the backend counts as slow (write-through storage, heartbeat)."""
 
 
 def is_fast(backend: str) -> bool:
-    """simulate and replay answer in microseconds: their study runs in memory (see run_study)."""
-    return backend in ("simulate", "replay") and not os.environ.get(SLOW_ENV)
+    """Whether the backend named ``backend`` answers in microseconds (Backend.in_memory_study): its
+    study runs in memory (see run_study)."""
+    from autotune.profile.factory import backend_class
+
+    return backend_class(backend).in_memory_study and not os.environ.get(SLOW_ENV)
 
 
 class _Slowed:
     def __init__(self, inner: Any, delay_s: float) -> None:
         self.inner, self.delay_s = inner, delay_s
-        self.name = inner.name
-        self.calibrator = getattr(inner, "calibrator", None)
+
+    def __getattr__(self, name: str) -> Any:  # name, capabilities, calibrator of the wrapped backend
+        return getattr(self.inner, name)
 
     def evaluate(self, strategy: Any, trial_number: Optional[int] = None) -> Any:
         time.sleep(self.delay_s)
@@ -369,12 +373,13 @@ def _check_before_creating(cfg: Config, backend: str) -> None:
     """Refuse what would fail as soon as the study starts, before anything is written."""
     from autotune.space import space_for
 
+    from autotune.profile.factory import backend_class
+
     space_for(cfg)
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}", path="--backend")
+    cls = backend_class(backend, "--backend")
     if backend == "replay" and not cfg.profile.replay_csv:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
-    if backend in ("profile", "deepspeed"):
+    if cls.launches_workers:
         _check_profiling_installed(cfg, space_for(cfg).values["engine"])
 
 

@@ -148,7 +148,7 @@ def run_study(
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     screened = screen(cfg, space, headroom, params)
     if sampler == "auto":  # measurements cost GPU time: choose them by expected improvement
-        sampler = "ehvi" if getattr(backend, "name", "") in ("deepspeed", "replay") else "nsga2"
+        sampler = "ehvi" if getattr(backend, "measures", False) else "nsga2"
     context = {"cfg": cfg, "space": space, "screened": screened, "headroom": headroom,
                "calibrator": getattr(backend, "calibrator", None)}
     study = optuna.create_study(

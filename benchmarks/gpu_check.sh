@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Predicted vs measured memory and speed of real DeepSpeed steps, through autotune's deepspeed backend.
+# Predicted vs measured memory and speed of real DeepSpeed steps, through autotune's profile backend.
 #
 #   benchmarks/gpu_check.sh                      # a CUDA host: 7 strategies, <= 8 minutes in total
 #   benchmarks/gpu_check.sh --device cpu --tiny  # the dry run on a CPU (below)
@@ -328,7 +328,7 @@ for k, (model, training, strategy, hf) in enumerate(cases):
         continue
     cfg = Config(path=str(hf_path if hf else "gpu_check"), model=model, training=training, hardware=hw,
                  strategy=strategy, hf_config=str(hf_path) if hf else None,
-                 profile=ProfileSection(backend="deepspeed", warmup_steps=warmup, measure_steps=measure,
+                 profile=ProfileSection(backend="profile", warmup_steps=warmup, measure_steps=measure,
                                         timeout_s=min(timeout, left), launcher="torchrun"))
     be = DeepSpeedBackend(cfg, str(run_dir / f"case{k}"), device=args.device, optimizer_impl="torch")
     t0 = time.time()

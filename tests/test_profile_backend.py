@@ -1,4 +1,4 @@
-"""The deepspeed backend for real: launched process groups, real DeepSpeed engines on the CPU (gloo).
+"""The profile backend for real: launched process groups, real DeepSpeed engines on the CPU (gloo).
 
 Slow tests (each a few seconds to ~15 s on 2 cores). Fast ones check the pure parts: command
 lines, failure precedence, bounded logs, make_backend without torch.
@@ -57,9 +57,9 @@ def assert_nothing_left(m_or_res) -> None:
 # ---------------------------------------------------------------- fast
 
 
-def test_make_backend_deepspeed_does_not_import_torch():
+def test_make_backend_profile_does_not_import_torch():
     code = ("import sys, autotune.cli, autotune.profile.factory as b; from autotune.config import load_config; "
-            f"b.make_backend('deepspeed', load_config({TINY!r}), '/tmp/x'); "
+            f"b.make_backend('profile', load_config({TINY!r}), '/tmp/x'); "
             "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
@@ -68,7 +68,7 @@ def test_make_backend_unknown_and_replay_without_csv():
     from autotune.errors import ConfigError
 
     cfg = load_config(TINY)
-    with pytest.raises(ConfigError, match="unknown backend"):
+    with pytest.raises(ConfigError, match="expected one of simulate, profile, replay"):
         make_backend("magic", cfg, "/tmp/x")
     with pytest.raises(ConfigError, match="replay_csv"):
         make_backend("replay", cfg, "/tmp/x")
@@ -78,14 +78,75 @@ def test_profile_is_the_engine_neutral_name_and_an_fsdp2_job_has_no_deepspeed_co
     from autotune.config import BACKENDS
     from autotune.profile.deepspeed_backend import DeepSpeedBackend
 
-    assert {"profile", "deepspeed"} <= set(BACKENDS)
+    assert BACKENDS == ("simulate", "profile", "replay")
     cfg = load_config(TINY)
-    assert type(make_backend("profile", cfg, str(tmp_path))) is type(make_backend("deepspeed", cfg, str(tmp_path)))
+    assert type(make_backend("profile", cfg, str(tmp_path))) is DeepSpeedBackend
     b = DeepSpeedBackend(cfg, str(tmp_path))
     fsdp2 = b.job(Strategy(engine="fsdp2", micro_batch_size=2), tmp_path)
     assert fsdp2.deepspeed_config is None and fsdp2.strategy["engine"] == "fsdp2"
     assert "deepspeed_config" not in fsdp2.to_json()
     assert b.job(Strategy(zero_stage=2, micro_batch_size=2), tmp_path).deepspeed_config["zero_optimization"]["stage"] == 2
+
+
+@pytest.mark.parametrize("command", ["run", "worker"])
+def test_backend_deepspeed_is_refused_in_one_line_with_the_name_to_use(command, capsys):
+    """``deepspeed`` is an engine and a launcher, not a backend: one line naming --backend, exit 2."""
+    from autotune.cli import main
+
+    argv = ([command, TINY] if command == "run" else [command, "--storage", "sqlite:///x.db", "--study", "s"])
+    assert main(argv + ["--backend", "deepspeed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autotune: error: --backend: "), err
+    assert "use profile" in err[0]
+
+
+def test_profile_backend_deepspeed_in_a_job_file_is_refused_naming_the_key(tmp_path):
+    from autotune.errors import ConfigError
+
+    text = open(TINY).read().replace("backend: profile", "backend: deepspeed")
+    assert "backend: deepspeed" in text
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(job))
+    assert "profile.backend" in str(err.value) and "use profile" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_capabilities_not_names_decide(tmp_path):
+    """The auto sampler, the in-memory study, the outputs' 'predicted' and the install check read the
+    backend's class attributes: a backend of another name that measures gets ehvi."""
+    from autotune.profile.backend import Backend, SimulateBackend
+    from autotune.profile.factory import backend_class
+    from autotune.search import run_study
+    from autotune.space import space_for
+
+    cfg = load_config(os.path.join(ROOT, "examples", "llama2-7b.yaml"))
+
+    class Measuring(SimulateBackend):
+        name = "lab-bench"
+        measures = True
+
+    class Predicting(Backend):
+        name = "profile"  # the name of a measuring backend, but it predicts
+        measures = False
+
+        def __init__(self):
+            self.inner = SimulateBackend(cfg.model, cfg.training, cfg.hardware)
+
+        def evaluate(self, strategy, trial_number=None):
+            return self.inner.evaluate(strategy, trial_number)
+
+    def sampler_of(backend):
+        out = run_study(cfg, space_for(cfg), backend, storage=None, study_name="c", n_trials=2, seed=0,
+                        sampler="auto", headroom=0.05)
+        return type(out.study.sampler).__name__
+
+    assert sampler_of(Measuring(cfg.model, cfg.training, cfg.hardware)) == "FrontSampler"
+    assert sampler_of(Predicting()) == "NSGAIISampler"
+    assert [backend_class(n).measures for n in ("simulate", "profile", "replay")] == [False, True, True]
+    assert [backend_class(n).in_memory_study for n in ("simulate", "profile", "replay")] == [True, False, True]
+    assert [backend_class(n).launches_workers for n in ("simulate", "profile", "replay")] == [False, True, False]
 
 
 def test_build_command_launchers():

@@ -153,7 +153,7 @@ def _tiny_job(tmp_path, rows):
 
 
 def test_replay_runs_the_profiling_loop(tmp_path):
-    """--backend replay runs the deepspeed backend's loop: the calibrator sees every answer (failures
+    """--backend replay runs the profile backend's loop: the calibrator sees every answer (failures
     too), re-fits, writes calibration.json; an OOM at a micro-batch prunes the larger ones."""
     from autotune.search import run_study
     from autotune.simulate import simulate

@@ -146,13 +146,13 @@ def test_no_fit_run_still_reports(nofit):
 
 
 def test_predicted_vs_measured_table_for_a_measuring_backend(run, tmp_path):
-    """A run measured by a real backend gets the table (here: a copy relabelled as deepspeed)."""
+    """A run measured by a real backend gets the table (here: a copy relabelled as profile)."""
     import shutil
 
     copy = str(tmp_path / "measured")
     shutil.copytree(run, copy)
     f = front(copy)
-    f["backend"] = "deepspeed"
+    f["backend"] = "profile"
     with open(os.path.join(copy, "front.json"), "w") as fh:
         json.dump(f, fh)
     text = html(run)

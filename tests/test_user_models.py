@@ -1,7 +1,7 @@
 """Model sources of the profiling worker: the user factory contract, HF from_config, reference.
 
 Fast tests build the modules in-process (torch, no DeepSpeed). The slow ones profile the example
-factory (examples/custom-model.yaml) and a tiny HF Llama through the real deepspeed backend (gloo).
+factory (examples/custom-model.yaml) and a tiny HF Llama through the real profile backend (gloo).
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def test_hf_source_from_config_with_partial_checkpointing(tmp_path):
     assert torch.isfinite(loss)
 
 
-# ---------------------------------------------------------------- slow: through the deepspeed backend
+# ---------------------------------------------------------------- slow: through the profile backend
 
 
 def _backend(cfg, tmp_path, **kw):
@@ -246,11 +246,11 @@ def test_job_for_carries_model_source_and_snapshot_only_for_the_chosen_trial(tmp
 
 @pytest.mark.slow
 def test_cli_run_snapshot_option_reaches_the_trial_worker(tmp_path):
-    """`autotune run --backend deepspeed --snapshot 0`: trial 0's job asks for the snapshot; on the
+    """`autotune run --backend profile --snapshot 0`: trial 0's job asks for the snapshot; on the
     CPU the worker notes that it wrote none (the CUDA path is autotune.snapshot.memory_snapshot)."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "autotune.cli", "run", EXAMPLE, "--backend", "deepspeed", "--trials", "1",
+    cmd = [sys.executable, "-m", "autotune.cli", "run", EXAMPLE, "--backend", "profile", "--trials", "1",
            "--snapshot", "0", "--out", str(tmp_path), "--name", "snap", "--json"]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

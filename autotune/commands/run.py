@@ -20,9 +20,9 @@ def add_parser(sub: Any) -> None:
                        "profile backend, and write runs/<name>/ (study, trials.csv, front.json, ds_configs/, "
                        "best.json, summary.md).")
     p.add_argument("config", help="job file (YAML)")
-    p.add_argument("--backend", choices=BACKENDS,
-                     help="how survivors are measured: simulate, profile (real training steps of either engine; deepspeed is "
-                     "its old name) or replay (default: the config's profile.backend, else simulate)")
+    p.add_argument("--backend", metavar="{" + ",".join(BACKENDS) + "}",
+                     help="how survivors are measured: simulate, profile (real training steps of either engine) or "
+                     "replay (default: the config's profile.backend, else simulate)")
     p.add_argument("--trials", type=int, metavar="N",
                      help="candidates to evaluate with the backend (default: search.trials); pruned candidates and "
                      "repeats do not count")
@@ -41,7 +41,7 @@ def add_parser(sub: Any) -> None:
                      "hardware (its calibration.json)")
     p.add_argument("--json", action="store_true", help="print front.json to stdout instead of the table")
     p.add_argument("--snapshot", type=int, metavar="TRIAL",
-                     help="backend profile (or deepspeed): the workers of trial number TRIAL record a CUDA memory snapshot "
+                     help="backend profile: the workers of trial number TRIAL record a CUDA memory snapshot "
                      "(runs/<name>/trials/TRIAL/memory_snapshot.pickle, also on OOM; open it in "
                      "https://pytorch.org/memory_viz); a no-op with a note on CPU")
     p.add_argument("--baseline", metavar="RUN_DIR|latest",
@@ -53,11 +53,13 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autotune import compare
-    from autotune.config import load_config
+    from autotune.config import check_backend, load_config
     from autotune.output import config_dirs, recommendation_lines
     from autotune.report import write_report
     from autotune.rundir import open_run
 
+    if args.backend is not None:
+        check_backend(args.backend, "--backend")
     cfg = load_config(args.config)
     if args.sampler:
         import dataclasses

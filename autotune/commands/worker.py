@@ -7,7 +7,7 @@ repeats reuse the first result, and a worker that dies mid-trial is detected by 
 and its trial re-queued for another worker. ::
 
     autotune worker --storage postgresql://tuner@db/autotune --study llama7b --config job.yaml \\
-        [--create] [--trials N] [--backend deepspeed] [--out runs]
+        [--create] [--trials N] [--backend profile] [--out runs]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--create", action="store_true", help="create the study if it does not exist yet")
     p.add_argument("--trials", type=int, default=None, metavar="N",
                    help="evaluations by this worker (default: search.trials; 0 = only create/initialise)")
-    p.add_argument("--backend", choices=BACKENDS,
+    p.add_argument("--backend", metavar="{" + ",".join(BACKENDS) + "}",
                    help="how candidates are measured (default: the config's profile.backend)")
     p.add_argument("--seed", type=int, metavar="N",
                    help="sampler seed (default: different per worker, so workers explore different points)")
@@ -49,7 +49,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import optuna
 
-    from autotune.config import load_config
+    from autotune.config import check_backend, load_config
     from autotune.errors import ConfigError
     from autotune.profile.factory import make_backend
     from autotune.rundir import slowed
@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from autotune.space import space_for
     from autotune.storage import make_storage
 
+    if args.backend is not None:
+        check_backend(args.backend, "--backend")
     if args.trials is not None and args.trials < 0:
         raise ConfigError(f"--trials must be >= 0, but got {args.trials}", path="--trials")
     if "://" not in args.storage:

@@ -7,7 +7,7 @@ measured (or, for ``simulate``, predicted). The search only talks to this interf
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Optional, Protocol, get_args
+from typing import Any, ClassVar, Literal, Optional, get_args
 
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -60,20 +60,39 @@ class Measurement:
         return asdict(self)
 
 
-class Backend(Protocol):
-    """Measures one strategy. Implementations: SimulateBackend here; deepspeed and replay in profile/."""
+class Backend:
+    """Measures one strategy. Implementations: SimulateBackend here; DeepSpeedBackend (profile) and
+    ReplayBackend in profile/. What a backend can do is said by its class attributes below; the
+    search, the run directory, the outputs and the report read these, never the backend's name
+    (profile/factory.py is the one place that maps names to classes)."""
 
-    name: str
+    name: ClassVar[str] = ""
+    """The name a job file or ``--backend`` gives it (profile.backend)."""
+    measures: ClassVar[bool] = True
+    """Its values are measurements, not the models' predictions: each costs real time, so the
+    ``auto`` sampler is ehvi (autotune.search); the outputs are not marked predicted; the report
+    reads the measurement record of each trial and shows predicted vs measured."""
+    in_memory_study: ClassVar[bool] = False
+    """It answers in microseconds: the study runs in memory and is appended to a journal file at the
+    end (rundir.is_fast); a slow backend's trials are written through to SQLite one by one."""
+    launches_workers: ClassVar[bool] = False
+    """It trains in launched worker processes of this interpreter, which therefore needs torch (and
+    DeepSpeed, transformers where the job uses them): a run refuses to start without them."""
+    evaluated_as: ClassVar[str] = "measured"
+    """What its evaluated points are, in the report's words."""
 
     def evaluate(self, strategy: Strategy, trial_number: Optional[int] = None) -> Measurement:
         """Measure one strategy; ``trial_number`` names its log folder where the backend keeps logs."""
-        ...
+        raise NotImplementedError
 
 
-class SimulateBackend:
+class SimulateBackend(Backend):
     """Answers with the analytical memory model and the throughput simulator (no torch, no GPU)."""
 
     name = "simulate"
+    measures = False
+    in_memory_study = True
+    evaluated_as = "simulated"
 
     def __init__(self, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                  params: Optional[dict] = None) -> None:

@@ -1,7 +1,6 @@
-"""The ``profile`` backend (``deepspeed`` is its old name, still accepted): every candidate is trained
-for real, in its own launched process group, with the strategy's engine (DeepSpeed, or FSDP2's
-``fully_shard``: autotune.profile.worker picks it from ``strategy.engine``; an fsdp2 job carries no
-DeepSpeed config).
+"""The ``profile`` backend: every candidate is trained for real, in its own launched process group,
+with the strategy's engine (DeepSpeed, or FSDP2's ``fully_shard``: autotune.profile.worker picks it
+from ``strategy.engine``; an fsdp2 job carries no DeepSpeed config).
 
 ``DeepSpeedBackend(cfg, run_dir).evaluate(strategy)`` writes ``runs/<name>/trials/<n>/job.json``
 (the schema of autotune.profile.worker), launches it through autotune.profile.launch (torchrun or
@@ -35,7 +34,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from autotune.profile.backend import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Measurement
+from autotune.profile.backend import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Backend, Measurement
 from autotune.config import Config
 from autotune.profile.launch import LaunchResult, failure_of, launch
 from autotune.profile.protocol import WorkerJob, WorkerResult
@@ -48,12 +47,11 @@ def _pct(predicted: Optional[float], measured: Optional[float]) -> Optional[floa
     return round(100.0 * (predicted / measured - 1.0), 2)
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(Backend):
     """Real training steps per candidate, DeepSpeed or FSDP2 (see the module docstring)."""
 
-    name = "deepspeed"
-    """The implementation's name (autotune.search chooses the ehvi sampler for it); the run files
-    record the backend name the user chose (profile or deepspeed)."""
+    name = "profile"
+    launches_workers = True
 
     def __init__(self, cfg: Config, run_dir: str, *, nproc: Optional[int] = None, device: str = "auto",
                  memory_limit_bytes: Optional[int] = None, optimizer_impl: str = "auto", memory: str = "auto",

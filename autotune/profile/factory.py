@@ -1,40 +1,53 @@
-"""``make_backend``: the profile backend a run names (heavy backends are imported only when chosen).
+"""``make_backend``: the profile backend a run names, and ``backend_class``: its class, whose attributes
+say what it can do (heavy backends are imported only when chosen).
 
-Kept apart from profile/backend.py, the interface every backend imports, so that the interface does
-not import its implementations.
+This module is the one place that knows the backends' names; everything else reads the class
+attributes of autotune.profile.backend.Backend. Kept apart from profile/backend.py, the interface
+every backend imports, so that the interface does not import its implementations.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
-from autotune.config import Config
+from autotune.config import Config, check_backend
 from autotune.profile.backend import Backend, SimulateBackend
+
+BACKEND_CLASSES: dict[str, str] = {
+    "simulate": "autotune.profile.backend:SimulateBackend",
+    "replay": "autotune.profile.replay:ReplayBackend",
+    "profile": "autotune.profile.deepspeed_backend:DeepSpeedBackend",
+}
+"""Backend name (config.BACKENDS) -> ``module:class``; the modules import no torch (the profile
+backend's workers do, in their own processes)."""
+
+
+def backend_class(name: str, path: str = "profile.backend") -> type[Backend]:
+    """The class of the backend named ``name`` (ConfigError at ``path`` for another name)."""
+    check_backend(name, path)
+    module, _, cls = BACKEND_CLASSES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def make_backend(name: str, cfg: Config, run_dir: str, params: Optional[dict] = None) -> Backend:
-    """The backend named ``name`` for this job (heavy backends are imported only when chosen).
+    """The backend named ``name`` for this job.
 
     ``params``: simulator efficiency parameters from an earlier calibration (``--calibration``).
     """
-    if name == "simulate":
+    cls = backend_class(name)
+    if cls is SimulateBackend:
         return SimulateBackend(cfg.model, cfg.training, cfg.hardware, params)
     from autotune.errors import ConfigError
+    from autotune.profile.calibrate import Calibrator
 
     if name == "replay":
         if not cfg.profile.replay_csv:
             raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
-        from autotune.profile.calibrate import Calibrator
-        from autotune.profile.replay import ReplayBackend
+        # the profiling loop's test double: the same calibrator as the profile backend
+        return cls(cfg.profile.replay_csv, cfg, calibrator=Calibrator(cfg, run_dir, initial=params))
+    # Imports only the launcher side here; torch and deepspeed load in the launched workers.
+    from autotune.profile.deepspeed_backend import default_memory_limit
 
-        # the profiling loop's test double: the same calibrator as the deepspeed backend
-        return ReplayBackend(cfg.profile.replay_csv, cfg, calibrator=Calibrator(cfg, run_dir, initial=params))
-    if name in ("profile", "deepspeed"):  # deepspeed: the old name of profile (it runs both engines)
-        # Imports only the launcher side here; torch and deepspeed load in the launched workers.
-        from autotune.profile.calibrate import Calibrator
-        from autotune.profile.deepspeed_backend import DeepSpeedBackend, default_memory_limit
-
-        calibrator = Calibrator(cfg, run_dir, initial=params)
-        return DeepSpeedBackend(cfg, run_dir, memory_limit_bytes=default_memory_limit(), params=params,
-                                calibrator=calibrator)
-    raise ConfigError(f"unknown backend {name!r}; expected simulate, profile (alias deepspeed) or replay", path="profile.backend")
+    return cls(cfg, run_dir, memory_limit_bytes=default_memory_limit(), params=params,
+               calibrator=Calibrator(cfg, run_dir, initial=params))

@@ -13,7 +13,7 @@ step-to-step spread of the measured throughput, see autotune.profile.calibrate.t
 is passed on in ``extra``.
 
 Replay is the profiling loop's test double: ``make_backend("replay", ...)`` gives it the same
-``Calibrator`` the deepspeed backend has, fed with every answer, so a replayed run re-fits the
+``Calibrator`` the profile backend has, fed with every answer, so a replayed run re-fits the
 simulator, corrects the memory model per family, re-predicts and re-seeds exactly as a profiled
 run does; only the source of the measurements differs.
 """
@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from autotune.config import Config
 from autotune.errors import ConfigError
-from autotune.profile.backend import FAIL_STATUSES, Measurement, fail_detail
+from autotune.profile.backend import FAIL_STATUSES, Backend, Measurement, fail_detail
 from autotune.runfiles import ADDED_KNOBS, fail_status_of, knob_value
 from autotune.spec import GIB
 from autotune.strategy import Strategy, knob_choices
@@ -57,10 +57,12 @@ def strategy_key(values: dict[str, Any], columns: list[str]) -> tuple:
     return Strategy(**{c: values.get(c) for c in columns}).key()
 
 
-class ReplayBackend:
+class ReplayBackend(Backend):
     """Measurements looked up in a table (see the module docstring)."""
 
     name = "replay"
+    in_memory_study = True
+    evaluated_as = "replayed measurement"
 
     def __init__(self, csv_path: str, cfg: Optional[Config] = None, calibrator: Any = None) -> None:
         self.csv_path = csv_path
