@@ -5,7 +5,7 @@ order: engine, ZeRO stage, offload, checkpointing granularity, precision, the fs
 knob added later) on the candidates where that knob applies (strategy.knob_applies). Each level has
 its own offset in the log-throughput residual, a priori independent of every other level's, with
 sd ``LEVEL_PRIOR_SD``: measurements of bf16 say nothing about fp32's offset, so a level nobody
-measured keeps that uncertainty whatever else was measured (issue 22). Knobs with one level among
+measured keeps that uncertainty whatever else was measured. Knobs with one level among
 the feasible candidates carry no offset (the residual model's constant term is that level's).
 """
 

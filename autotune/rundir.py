@@ -150,7 +150,7 @@ def slowed(backend: Any) -> Any:
 
 
 def default_storage(run_dir: str, backend: str) -> str:
-    """A journal file for fast backends (~3 ms/trial, see storage.py), SQLite for slow ones: every
+    """A journal file for fast backends (cheaper per trial, see storage.py), SQLite for slow ones: every
     profiled trial is written through, and Optuna's heartbeat (RDB storages only in Optuna 5) lets
     --resume find and re-run the trial a killed run had in flight."""
     return os.path.join(run_dir, JOURNAL) if is_fast(backend) else "sqlite:///" + os.path.abspath(

@@ -33,8 +33,9 @@ DIRECTIONS = ["minimize", "maximize"]
 
 def make_sampler(name: str, seed: int, context: Optional[dict] = None) -> Any:
     """NSGA-II by default: the space is small, discrete and categorical, the problem is bi-objective
-    with constraints, and NSGA-II handles all three at ~0.4 ms/trial (TPE ~5 ms, GP needs scipy and is
-    built for continuous spaces; per-trial costs measured with Optuna 5.0 on a 2-core machine).
+    with constraints, and NSGA-II handles all three at a fraction of TPE's cost per trial (GP needs
+    scipy and is built for continuous spaces; per-trial costs in docs/accuracy.md, "Figures moved
+    from code").
 
     ``ehvi``: autotune.sampler.FrontSampler (calibrated simulator + residual GP, expected hypervolume
     improvement), built from ``context`` (cfg, space, screened, headroom, calibrator).

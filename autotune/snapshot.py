@@ -1,4 +1,4 @@
-"""CUDA memory snapshots for one trial (``--snapshot TRIAL``) and the seed's OOM-phase advice.
+"""CUDA memory snapshots for one trial (``--snapshot TRIAL``) and the OOM-phase advice.
 
 The profiling worker wraps the measured steps of the chosen trial in ``memory_snapshot(path)``;
 the pickle opens in PyTorch's memory viz (https://pytorch.org/memory_viz, drag the file in; it
@@ -27,7 +27,7 @@ OOM_ADVICE = {
     "optimizer": ("the optimizer step's states/temporaries do not fit",
                   "sharded optimizer states (ZeRO-1+ / FSDP2) or offload (optimizer offload / CPUOffloadPolicy)"),
 }
-"""phase -> (cause, remedy): the seed's OOM table (init / forward / backward), plus the optimizer step."""
+"""phase -> (cause, remedy) for an OOM in init, forward, backward or the optimizer step."""
 
 
 def oom_note(phase: Optional[str]) -> str:

@@ -124,8 +124,8 @@ def _serialize_sqlite(engine: Any) -> None:
     Optuna's RDB storage does read-check-write in one session (``set_trial_state_values`` reads the
     state ``FOR UPDATE``, then writes it). SQLite ignores ``FOR UPDATE`` and pysqlite only opens the
     transaction at the first write, so two processes can both read a WAITING trial and both move it
-    to RUNNING: ``ask()`` hands the same enqueued trial to two workers (measured here: 6 of 6 runs
-    of 4 processes popping 40 enqueued trials got duplicates; tests/test_storage.py). With the lock
+    to RUNNING: ``ask()`` hands the same enqueued trial to two workers (tests/test_storage.py; the
+    figure is in docs/accuracy.md, "Figures moved from code"). With the lock
     taken at ``BEGIN`` the read and the write are one atomic step, as with PostgreSQL's row locks.
     Recipe: SQLAlchemy docs, "Serializable isolation / Savepoints / Transactional DDL" (pysqlite).
     """

@@ -402,7 +402,7 @@ def launch(job_path: str, *, nproc: int, log_dir: str, timeout_s: float, launche
     penv[LAUNCH_ENV] = launch_id
     penv["PYTHONUNBUFFERED"] = "1"
     # torchrun sets OMP_NUM_THREADS=1 for nproc > 1, DeepSpeed's launcher does not: without it the
-    # ranks oversubscribe the cores (measured here: CPU step 0.2 s under torchrun, 4.8 s under deepspeed).
+    # ranks oversubscribe the cores and a CPU step is many times slower (docs/profiling.md).
     penv.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nproc or 1))))
     # The shim must be importable on every rank the same way this package is.
     pkg_root = str(Path(__file__).resolve().parents[2])

@@ -104,7 +104,7 @@ Result JSON (one per rank)::
       "elapsed_s": float
     }
 
-An ``oom`` reason starts with autotune.snapshot.oom_note(phase) (the seed's OOM table).
+An ``oom`` reason starts with autotune.snapshot.oom_note(phase) (the OOM-phase table: cause and remedy per phase).
 """
 
 from __future__ import annotations
