@@ -71,6 +71,45 @@ def test_estimate_covers_deepspeed_model_states():
         assert ds <= est.phases["optimizer"] <= ds * 1.25
 
 
+def test_activation_breakdown_is_a_frozen_record_with_a_docstring_per_field():
+    import ast
+    import dataclasses
+    import inspect
+
+    from autotune.memory import ActivationBreakdown, activation_breakdown
+
+    body = ast.parse(inspect.getsource(ActivationBreakdown)).body[0].body
+    undocumented = [node.target.id for node, after in zip(body, body[1:] + [None]) if isinstance(node, ast.AnnAssign)
+                    and not (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant))]
+    assert undocumented == []
+    act = activation_breakdown(LLAMA7, TRAIN, Strategy(micro_batch_size=2, checkpointing="full"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        act.blocks = 0.0  # type: ignore[misc]
+    assert act.num_checkpointed == LLAMA7.num_hidden_layers and act.granularity == "full"
+    assert act.blocks == act.num_checkpointed * act.per_block_checkpointed
+
+
+def test_activation_breakdown_cache_follows_every_knob_it_reads():
+    """The cached core (_breakdown) sees only what activation_breakdown hands it: an equal model
+    built anew hits the same entry, and each knob the terms read moves them."""
+    from autotune.memory import activation_breakdown
+
+    base = Strategy(micro_batch_size=2, checkpointing="full", checkpoint_layers=8, zero_stage=2)
+    act = activation_breakdown(LLAMA7, TRAIN, base)
+    assert activation_breakdown(model_from_name("llama2-7b"), TRAIN, base) is act
+    moved = [base.replace(micro_batch_size=1), base.replace(precision="fp32"), base.replace(checkpoint_layers=4),
+             base.replace(checkpointing="selective"), base.replace(checkpointing="none")]
+    for s in moved:
+        assert activation_breakdown(LLAMA7, TRAIN, s) != act, s
+    assert activation_breakdown(LLAMA7, TrainingSpec(seq_len=2048, global_batch_size=64, precision="bf16"), base) != act
+    assert activation_breakdown(LLAMA7, TRAIN, base, device="cpu") != act
+    # ZeRO-3's linears change what op-level checkpointing keeps of a biased model (_block_linears)
+    gpt2 = model_from_name("gpt2")
+    op = Strategy(micro_batch_size=1, checkpointing="op", zero_stage=2)
+    assert (activation_breakdown(gpt2, TRAIN, op).per_block_checkpointed
+            != activation_breakdown(gpt2, TRAIN, op.replace(zero_stage=3)).per_block_checkpointed)
+
+
 def test_breakdown_sums_to_peak_and_is_jsonable():
     import json
 

@@ -3,6 +3,7 @@ sec. 4, adapted to the reference decoders and HF families; see the package docst
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
@@ -355,15 +356,24 @@ class ActivationBreakdown:
 def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Strategy,
                          device: str = "cuda") -> ActivationBreakdown:
     """Saved activations at the end of the forward pass (bytes per GPU) and the loss transients."""
-    m, s, b = model, training.seq_len, strategy.micro_batch_size
-    p = BYTES_PER_ELEMENT[strategy.precision]
+    L = model.num_hidden_layers
+    n_ck = min(strategy.num_checkpointed(L), L)
+    return _breakdown(model, training.seq_len, strategy.micro_batch_size, strategy.precision, n_ck,
+                      strategy.checkpointing if n_ck else "none",
+                      strategy.engine == "deepspeed" and strategy.zero_stage == 3,  # ZeRO-3 linears (_block_linears)
+                      device)
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _breakdown(m: ModelSpec, s: int, b: int, precision: str, n_ck: int, gran: str, zero3: bool,
+               device: str) -> ActivationBreakdown:
+    """``activation_breakdown`` from the knobs it reads (a screen revisits the same few: cached).
+    ``s``: sequence length; ``b``: micro-batch; ``n_ck``: checkpointed blocks at ``gran``."""
+    p = BYTES_PER_ELEMENT[precision]
     mb = p if device == "cpu" else 1
     tokens = b * s
     L = m.num_hidden_layers
-    n_ck = min(strategy.num_checkpointed(L), L)
-    gran = strategy.checkpointing if n_ck else "none"
     per_plain = block_activation_bytes_per_token(m, p, s, "none", mb, device) * tokens + _block_fixed_bytes(m, s, "none")
-    zero3 = strategy.engine == "deepspeed" and strategy.zero_stage == 3  # ZeRO-3 linears (_block_linears)
     per_ck = (block_activation_bytes_per_token(m, p, s, gran, mb, device, zero3_linear=zero3) * tokens
               + _block_fixed_bytes(m, s, gran, device))
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
