@@ -25,7 +25,8 @@ from autotune.errors import ConfigError
 from autotune.fsdp2 import apply
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.spec import GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, TrainingSpec
-from autotune.strategy import Strategy, to_deepspeed_config
+from autotune.engine_configs import to_deepspeed_config
+from autotune.strategy import Strategy
 
 try:
     __version__ = _version("autotune")

@@ -1,23 +1,13 @@
 """A strategy's engine configs: the DeepSpeed config JSON and the FSDP2 layout, and the
-data-parallel arithmetic they share (re-exported by autotune.strategy, which owns Strategy).
-
-Reads a Strategy's attributes only, so it does not import autotune.strategy.
-"""
+data-parallel arithmetic they share (autotune.strategy owns Strategy; this module reads it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
-
-if TYPE_CHECKING:
-    from autotune.strategy import Strategy
-
-
-def data_parallel_size(hardware: HardwareSpec) -> int:
-    """Every GPU is a data-parallel rank (autotune does not search tensor/pipeline parallelism)."""
-    return hardware.num_gpus
+from autotune.strategy import Strategy, data_parallel_size
 
 
 def shard_group_size(strategy: Strategy, hardware: HardwareSpec) -> int:

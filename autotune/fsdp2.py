@@ -5,7 +5,7 @@ front point ships, so a point reproduces exactly as it was measured::
 
     import autotune
     from autotune.fsdp2 import make_optimizer
-    layout = autotune.strategy.to_fsdp2_config(strategy, model_spec, training, hardware)
+    layout = autotune.engine_configs.to_fsdp2_config(strategy, model_spec, training, hardware)
     notes = autotune.apply(model, layout)          # or a Strategy (then no optimizer settings)
     optimizer = make_optimizer(model, layout)      # the job's optimizer (training.optimizer), foreach
 
@@ -25,7 +25,8 @@ import os
 from typing import Any, Mapping, Optional, Union
 
 from autotune.checkpointing import SUBMODULE_NAMES
-from autotune.strategy import TORCH_DTYPES, Strategy
+from autotune.strategy import Strategy
+from autotune.engine_configs import TORCH_DTYPES
 
 StrategyOrConfig = Union[Strategy, Mapping[str, Any]]
 """A fsdp2 Strategy, or the JSON layout ``to_fsdp2_config`` makes of one."""
@@ -209,7 +210,7 @@ def snippet(config: Mapping[str, Any]) -> str:
     text = f'''"""FSDP2 layout found by autotune. Launch: torchrun --nnodes {shape[0] if len(shape) == 2 else 1} \\
     --nproc_per_node {shape[-1]} train.py ...; call shard(model) after building the model (fp32
     parameters) and use train_step with {gas} micro-batch(es) of {config["micro_batch_size"]} sequence(s).
-Layout (autotune.strategy.to_fsdp2_config): {json.dumps(dict(config), sort_keys=True)}
+Layout (autotune.engine_configs.to_fsdp2_config): {json.dumps(dict(config), sort_keys=True)}
 """
 import os
 from typing import Any

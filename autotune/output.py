@@ -1,6 +1,6 @@
 """Run outputs: trials.csv, front.json, ds_configs/, best.json and summary.md in runs/<name>/.
 
-An fsdp2 front point gets ``fsdp2_configs/<k>.json`` (autotune.strategy.to_fsdp2_config) and
+An fsdp2 front point gets ``fsdp2_configs/<k>.json`` (autotune.engine_configs.to_fsdp2_config) and
 ``fsdp2_configs/<k>.py`` (autotune.fsdp2.snippet, ready to paste) instead of ``ds_configs/<k>.json``,
 and a torchrun launch line; the best point's files are ``best_fsdp2_config.json`` / ``best_fsdp2.py``.
 
@@ -22,8 +22,8 @@ from autotune.runfiles import (FRONT_FILE, TRIALS_FILE, RunData, TrialRecord, po
                                write_trials_csv)
 from autotune.space import SearchSpace
 from autotune.spec import GIB
-from autotune.strategy import (Strategy, fsdp_equivalent, fsdp_equivalent_text, gradient_accumulation_steps,
-                               to_deepspeed_config, to_fsdp2_config)
+from autotune.strategy import Strategy, fsdp_equivalent, fsdp_equivalent_text
+from autotune.engine_configs import gradient_accumulation_steps, to_deepspeed_config, to_fsdp2_config
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from autotune.spec import BYTES_PER_ELEMENT, GPUSpec, HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import Strategy, default_buckets, gradient_accumulation_steps
+from autotune.strategy import Strategy
+from autotune.engine_configs import default_buckets, gradient_accumulation_steps
 
 EFFICIENCY_KEYS = (
     "gemm_eff",          # fraction of dense peak a large GEMM reaches

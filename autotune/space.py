@@ -4,7 +4,7 @@ A space file maps knob -> values (the knobs are strategy.KNOBS; docs/config.md l
 are a list, or for integer knobs a range ``{low, high}`` with ``powers_of_two: true`` or
 ``step: N``. A number-of-blocks knob may also be ``all`` or ``{fractions: [0.25, 0.5, 1.0]}`` of the
 model's layers. Buffer-size knobs accept ``auto`` (autotune's own choice, see
-strategy.default_buckets). The schema and the defaults are read off Strategy's field metadata.
+engine_configs.default_buckets). The schema and the defaults are read off Strategy's field metadata.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ whose metadata (help, when the knob applies, its place in the search, its CLI fl
 every other list of knobs is read from: ``KNOBS`` (what a search space varies, the trials.csv
 columns, what ``compare`` carries), the CLI's strategy flags, the job file's and the search
 space's checkers, the docs/config.md table. The engine configs (DeepSpeed JSON, FSDP2 layout)
-are autotune.engine_configs', re-exported here.
+are autotune.engine_configs', which reads this module.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, get_args
 
 from autotune import knobs
-from autotune.engine_configs import (DEEPSPEED_BUFFERS, TORCH_DTYPES, DeepSpeedBuffers,  # noqa: F401 (re-exported)
-                                     data_parallel_size, default_buckets, engine_config, gradient_accumulation_steps,
-                                     shard_group_size, to_deepspeed_config, to_fsdp2_config)
 from autotune.knobs import When, knob
 from autotune.spec import HardwareSpec, ModelSpec, Precision, TrainingSpec
 
@@ -27,6 +24,11 @@ Offload = Literal["none", "cpu", "nvme"]
 Checkpointing = Literal["none", "selective", "attention", "mlp", "op", "full"]
 Sharding = Literal["full", "hybrid"]
 ReduceDtype = Literal["fp32", "bf16"]
+
+
+def data_parallel_size(hardware: HardwareSpec) -> int:
+    """Every GPU is a data-parallel rank (autotune does not search tensor/pipeline parallelism)."""
+    return hardware.num_gpus
 
 ENGINES: tuple[Engine, ...] = get_args(Engine)
 ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)

@@ -191,7 +191,8 @@ from autotune.memory import estimate_memory
 from autotune.profile.deepspeed_backend import DeepSpeedBackend
 from autotune.simulate import simulate
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import Strategy, gradient_accumulation_steps
+from autotune.strategy import Strategy
+from autotune.engine_configs import gradient_accumulation_steps
 
 GIB = float(1 << 30)
 ROOT = Path.cwd()

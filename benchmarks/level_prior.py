@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 def level_errors(measured_dir: Optional[str] = None) -> list[tuple[str, str, float]]:
     """(table, knob, sd of the level means of the log residual) for every table and knob."""
-    from search_cost import load_measured
+    from tables import load_measured
 
     from autotune._levels import level_sd_estimate
     from autotune.simulate import simulate

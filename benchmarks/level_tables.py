@@ -18,7 +18,7 @@ import csv
 import os
 from typing import Any
 
-from search_cost import build_table, load_measured
+from tables import build_table, load_measured
 
 from autotune.strategy import Strategy
 

@@ -14,7 +14,8 @@ import autotune  # noqa: E402
 from autotune import fsdp2  # noqa: E402
 from autotune.presets import gpu_from_name  # noqa: E402
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec  # noqa: E402
-from autotune.strategy import Strategy, to_fsdp2_config  # noqa: E402
+from autotune.strategy import Strategy  # noqa: E402
+from autotune.engine_configs import to_fsdp2_config
 
 TINY = ModelSpec(name="tiny", num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=172, vocab_size=512, max_position_embeddings=128)

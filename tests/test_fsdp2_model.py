@@ -8,7 +8,8 @@ from autotune.memory import estimate_memory
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.simulate import simulate
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, TrainingSpec
-from autotune.strategy import Strategy, shard_group_size
+from autotune.strategy import Strategy
+from autotune.engine_configs import shard_group_size
 
 MODEL = model_from_name("llama2-7b")
 TRAIN = TrainingSpec(seq_len=4096, global_batch_size=64, precision="bf16")

@@ -18,8 +18,8 @@ from autotune.presets import gpu_from_name, model_from_name
 from autotune.runfiles import CSV_COLUMNS, csv_columns, strategy_from_record
 from autotune.space import SPACE_SCHEMA, load_space, space_schema
 from autotune.spec import HardwareSpec, TrainingSpec
-from autotune.strategy import (CHECKPOINTINGS, FLAG_KNOBS, KNOBS, OFFLOADS, Strategy, ZERO_STAGES, knob_applies,
-                               knob_choices, to_deepspeed_config)
+from autotune.strategy import CHECKPOINTINGS, FLAG_KNOBS, KNOBS, OFFLOADS, Strategy, ZERO_STAGES, knob_applies, knob_choices
+from autotune.engine_configs import to_deepspeed_config
 from conftest import BASE, ROOT
 
 FIELDS = [f.name for f in dataclasses.fields(Strategy)]

@@ -17,7 +17,8 @@ from autotune.config import load_config
 from autotune.memory import estimate_memory
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.spec import HardwareSpec, ModelSpec, OptimizerSpec, TrainingSpec
-from autotune.strategy import Strategy, to_deepspeed_config, to_fsdp2_config
+from autotune.strategy import Strategy
+from autotune.engine_configs import to_deepspeed_config, to_fsdp2_config
 from conftest import BASE, ROOT
 
 CUSTOM = {"type": "adamw", "lr": 3.0e-4, "betas": [0.8, 0.99], "eps": 1.0e-6, "weight_decay": 0.01,

@@ -57,7 +57,8 @@ def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dic
     """Everything ``autotune estimate --json`` prints, as one JSON-able dict."""
     from autotune.memory import estimate_memory
     from autotune.simulate import simulate
-    from autotune.strategy import fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config, to_fsdp2_config
+    from autotune.strategy import fsdp_equivalent
+    from autotune.engine_configs import gradient_accumulation_steps, to_deepspeed_config, to_fsdp2_config
 
     provenance = None
     if trace:

@@ -10,7 +10,8 @@ from autotune.memory.common import MemoryEstimate
 from autotune.memory.states import _model_states, _States, grad_partition_elements
 from autotune.memory.walk import LOOPS, Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import Strategy, data_parallel_size, default_buckets, gradient_accumulation_steps
+from autotune.strategy import Strategy, data_parallel_size
+from autotune.engine_configs import default_buckets, gradient_accumulation_steps
 
 
 def _accumulation_carry(m: ModelSpec, hardware: HardwareSpec, s: Strategy, gas: int) -> tuple[float, bool]:

@@ -40,7 +40,8 @@ from autotune.memory.activations import ActivationBreakdown, activation_breakdow
 from autotune.memory.common import MemoryEstimate
 from autotune.memory.walk import Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import Strategy, gradient_accumulation_steps, shard_group_size
+from autotune.strategy import Strategy
+from autotune.engine_configs import gradient_accumulation_steps, shard_group_size
 
 
 class _Units(NamedTuple):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from autotune.memory.common import _partition
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import (DEEPSPEED_BUFFERS, Strategy, data_parallel_size, default_buckets,
-                               gradient_accumulation_steps)
+from autotune.strategy import Strategy, data_parallel_size
+from autotune.engine_configs import DEEPSPEED_BUFFERS, default_buckets, gradient_accumulation_steps
 
 
 def _largest_param(m: ModelSpec) -> int:

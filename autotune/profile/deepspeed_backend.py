@@ -38,7 +38,8 @@ from autotune.profile.backend import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Back
 from autotune.config import Config
 from autotune.profile.launch import LaunchResult, failure_of, launch
 from autotune.profile.protocol import WorkerJob, WorkerResult
-from autotune.strategy import Strategy, to_deepspeed_config
+from autotune.strategy import Strategy
+from autotune.engine_configs import to_deepspeed_config
 
 
 def _pct(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:

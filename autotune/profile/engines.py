@@ -53,7 +53,8 @@ def flush_gloo(groups: list) -> None:
 def ds_config_for_job(job: WorkerJob, world_size: int) -> tuple[dict, Any, Any, Any]:
     from autotune.presets import gpu_from_name
     from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
-    from autotune.strategy import Strategy, to_deepspeed_config
+    from autotune.strategy import Strategy
+    from autotune.engine_configs import to_deepspeed_config
 
     model = ModelSpec(**job.model)
     training = TrainingSpec(**job.training)
@@ -66,11 +67,12 @@ def ds_config_for_job(job: WorkerJob, world_size: int) -> tuple[dict, Any, Any, 
 
 
 def fsdp2_config_for_job(job: WorkerJob, world_size: int) -> dict:
-    """The strategy's FSDP2 layout (autotune.strategy.to_fsdp2_config) over this process group:
+    """The strategy's FSDP2 layout (autotune.engine_configs.to_fsdp2_config) over this process group:
     WORLD_SIZE ranks, LOCAL_WORLD_SIZE (torchrun) of them per node."""
     from autotune.presets import gpu_from_name
     from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
-    from autotune.strategy import Strategy, to_fsdp2_config
+    from autotune.strategy import Strategy
+    from autotune.engine_configs import to_fsdp2_config
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if per_node < 1 or world_size % per_node:

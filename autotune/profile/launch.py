@@ -17,18 +17,16 @@ status to ``exit.rank<r>.json``. That is where a crash's reason comes from: torc
 exits 1 for any child failure and puts its workers into sessions of their own.
 
 Killing: on timeout (or when a rank reported a failure and the others do not finish within
-``abort_grace_s``) every process of the launch is sent SIGTERM, then SIGKILL after
-``kill_grace_s``. "Every process" = the launcher's process group plus every process whose
-environment carries this launch's ``AUTOTUNE_LAUNCH_ID`` (torchrun's workers live in their own
-sessions, and orphans are re-parented to init, so the process group alone is not enough).
-The same cleanup runs at interpreter exit and on SIGTERM/SIGHUP of the parent.
+``abort_grace_s``) every process of the launch gets SIGTERM, then SIGKILL after ``kill_grace_s``:
+the launcher's process group and every process whose environment carries this launch's
+``AUTOTUNE_LAUNCH_ID`` (torchrun's workers live in sessions of their own, and orphans are
+re-parented to init). The same cleanup runs at exit and on SIGTERM/SIGHUP of the parent.
 
-Logs: the launcher's stdout/stderr (all ranks) go to ``stdout.log`` / ``stderr.log`` in the log
-directory, keeping the first and the last ``log_limit_bytes`` of each stream.
+Logs: stdout/stderr of all ranks go to ``stdout.log`` / ``stderr.log`` (first and last ``log_limit_bytes``).
 
-Failure is data: :func:`failure_of` turns the structured results (per-rank result JSON written by
-the worker, per-rank exit JSON written by the shim, the launcher's exit status, the timeout flag)
-into ``(status, reason)``; nothing is grepped from the logs.
+Failure is data: :func:`failure_of` turns the per-rank result and exit JSON, the launcher's exit status
+and the timeout flag into ``(status, reason)``; a rank dead without a result adds its log's last
+exception line (autotune.profile.logs).
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -47,6 +44,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from autotune.profile.logs import last_error_line
 
 LAUNCH_ENV = "AUTOTUNE_LAUNCH_ID"
 MEMORY_ENV = "AUTOTUNE_WORKER_RLIMIT_AS"
@@ -143,27 +142,6 @@ def failure_of(res: LaunchResult) -> Optional[tuple[str, str]]:
         r = res.results[bad[0]]
         return "error", f"rank {bad[0]}: unexpected status {r.get('status')!r}"
     return None
-
-
-_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b:? ?.*$")
-"""The last line of a Python traceback: ``ModuleNotFoundError: No module named 'torch'``."""
-
-
-def last_error_line(log_dir: str, tail_bytes: int = 65536) -> str:
-    """The last exception line in the launch's stderr.log (the cause of a rank that died without a
-    result, e.g. a missing package), or ""."""
-    try:
-        with open(os.path.join(log_dir, "stderr.log"), "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - tail_bytes))
-            lines = fh.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return ""
-    for line in reversed(lines):
-        line = re.sub(r"^\[[^\]]*\]:?\s*", "", line.strip())  # torchrun's "[rank0]: " prefix
-        if _ERROR_LINE.match(line) and "ChildFailedError" not in line:  # not the launcher's own summary
-            return line[:200]
-    return ""
 
 
 # ---------------------------------------------------------------- commands
@@ -401,8 +379,8 @@ def launch(job_path: str, *, nproc: int, log_dir: str, timeout_s: float, launche
     penv.update(env or {})
     penv[LAUNCH_ENV] = launch_id
     penv["PYTHONUNBUFFERED"] = "1"
-    # torchrun sets OMP_NUM_THREADS=1 for nproc > 1, DeepSpeed's launcher does not: without it the
-    # ranks oversubscribe the cores and a CPU step is many times slower (docs/profiling.md).
+    # torchrun sets OMP_NUM_THREADS=1 for nproc > 1, DeepSpeed's launcher does not: the ranks would
+    # oversubscribe the cores (docs/profiling.md).
     penv.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nproc or 1))))
     # The shim must be importable on every rank the same way this package is.
     pkg_root = str(Path(__file__).resolve().parents[2])

@@ -21,9 +21,9 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
       "training": {TrainingSpec fields},        # seq_len, global_batch_size, precision, optimizer
                                                 #   (OptimizerSpec fields: type, lr, betas, eps, ...)
       "strategy": {Strategy fields},            # autotune.strategy.Strategy(**strategy)
-      "deepspeed_config": {...},                # deepspeed only; default: strategy.to_deepspeed_config(...)
+      "deepspeed_config": {...},                # deepspeed only; default: engine_configs.to_deepspeed_config(...)
                                                 #   with data-parallel size = WORLD_SIZE (fsdp2: the
-                                                #   layout is always strategy.to_fsdp2_config(...) over
+                                                #   layout is always engine_configs.to_fsdp2_config(...) over
                                                 #   WORLD_SIZE ranks, LOCAL_WORLD_SIZE per node)
       "result_path": "result.json",             # default: JOB.json's dir / "result.json";
                                                 #   rank r > 0 writes "<stem>.rank<r>.json"
