@@ -2,8 +2,6 @@
 ready-to-paste snippet (compiled, and executed on the same group)."""
 
 import math
-import os
-import tempfile
 
 import pytest
 
@@ -20,19 +18,6 @@ from autotune.engine_configs import to_fsdp2_config
 TINY = ModelSpec(name="tiny", num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=172, vocab_size=512, max_position_embeddings=128)
 TRAINING = TrainingSpec(seq_len=32, global_batch_size=4)
-
-
-@pytest.fixture
-def group():
-    """A 1-process gloo group (the default group) for the test, destroyed afterwards."""
-    if dist.is_initialized():  # pragma: no cover - another test left one
-        dist.destroy_process_group()
-    fd, store = tempfile.mkstemp(prefix="fsdp2_store_")
-    os.close(fd)
-    os.unlink(store)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _model():

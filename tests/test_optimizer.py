@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -124,20 +123,6 @@ def test_fsdp2_layout_carries_the_jobs_optimizer():
 
 TINY = ModelSpec(name="tiny", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=172, vocab_size=512, max_position_embeddings=128)
-
-
-@pytest.fixture
-def group():
-    """A 1-process gloo group (the default group) for the test, destroyed afterwards."""
-    dist = pytest.importorskip("torch.distributed")
-    if dist.is_initialized():  # pragma: no cover - another test left one
-        dist.destroy_process_group()
-    fd, store = tempfile.mkstemp(prefix="optimizer_store_")
-    os.close(fd)
-    os.unlink(store)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("optimizer", [CUSTOM, SGD, dict(CUSTOM, type="adam", gradient_clipping=0.0)],
