@@ -371,16 +371,15 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
 
 def _check_before_creating(cfg: Config, backend: str) -> None:
     """Refuse what would fail as soon as the study starts, before anything is written."""
+    from autotune.profile.factory import backend_class
     from autotune.space import space_for
 
-    from autotune.profile.factory import backend_class
-
-    space_for(cfg)
+    space = space_for(cfg)  # a bad search space is refused here
     cls = backend_class(backend, "--backend")
     if backend == "replay" and not cfg.profile.replay_csv:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
     if cls.launches_workers:
-        _check_profiling_installed(cfg, space_for(cfg).values["engine"])
+        _check_profiling_installed(cfg, space.values["engine"])
 
 
 def _check_profiling_installed(cfg: Config, engines: tuple[str, ...]) -> None:
