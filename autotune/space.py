@@ -59,19 +59,25 @@ class SearchSpace:
 
     def candidates(self, model: ModelSpec) -> Iterator[Strategy]:
         """Every distinct strategy of the space (a knob varies only where it applies, see
-        strategy.knob_applies; elsewhere it keeps its default)."""
-        def expand(values: dict[str, Any], rest: tuple[str, ...]) -> Iterator[Strategy]:
-            if not rest:
-                yield Strategy(**values)
-                return
-            knob, rest = rest[0], rest[1:]
-            if not knob_applies(knob, values):  # left at its default
-                yield from expand(values, rest)
-                return
-            for value in self.choices(knob, model):
-                yield from expand({**values, knob: value}, rest)
-
-        yield from expand({}, _ENUMERATION_ORDER)
+        strategy.knob_applies; elsewhere it keeps its default), the innermost knob varying fastest."""
+        partial: list[dict[str, Any]] = [{}]
+        for knob in _ENUMERATION_ORDER:  # one level at a time, in nesting order (outermost first)
+            options, reads, applies = self.choices(knob, model), _READS[knob], {}
+            if not reads:  # applies everywhere
+                partial = [{**values, knob: value} for values in partial for value in options]
+                continue
+            grown: list[dict[str, Any]] = []
+            for values in partial:
+                # whether the knob applies depends only on the knobs its condition reads
+                key = tuple(values.get(r) for r in reads)
+                if key not in applies:
+                    applies[key] = knob_applies(knob, values)
+                if applies[key]:
+                    grown.extend({**values, knob: value} for value in options)
+                else:  # left at its default
+                    grown.append(values)
+            partial = grown
+        return (Strategy(**values) for values in partial)
 
     def searched_knobs(self, strategy: "Strategy | dict[str, Any]") -> Iterator[str]:
         """The knobs, in suggestion order, that apply to ``strategy`` (a Strategy or the values chosen
@@ -97,6 +103,9 @@ class SearchSpace:
 
 _ENUMERATION_ORDER = knobs.nesting(Strategy)
 """The nesting of ``candidates`` (outermost first); each knob comes after the knobs it depends on."""
+_READS = {f.name: (("engine",) if f.metadata["engine"] else ()) + (f.metadata["applies"].reads if f.metadata["applies"]
+                                                                   else ()) for f in knobs.knob_fields(Strategy)}
+"""Knob -> the knobs whether it applies reads (its engine, its condition's; autotune.knobs.applies)."""
 _OF_LAYERS = {f.name for f in knobs.knob_fields(Strategy) if f.metadata["of_layers"]}
 SPACE_DEFAULTS: dict[str, tuple[Any, ...]] = {f.name: knobs.space_default(f) for f in knobs.knob_fields(Strategy)
                                               if f.name in KNOBS}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Optional
 
 from autotune.spec import GIB, HardwareSpec
 
@@ -65,3 +65,39 @@ def _gib(n: float) -> str:
 def _partition(n: int, dp: int) -> int:
     """Elements of one data-parallel partition (DeepSpeed pads to equal partitions)."""
     return -(-n // dp)
+
+
+class DeferredEstimate(MemoryEstimate):
+    """A MemoryEstimate whose verdict (and what the GPU must hold, when given) is known and whose
+    figures are computed by ``build`` (``estimate_memory``) when first read: the screen computes
+    the verdicts of a whole space at once (memory._fast) and most candidates are never read further."""
+
+    @classmethod
+    def of(cls, fits: bool, total_gpu_bytes: Optional[int], build: Callable[[], MemoryEstimate]) -> "DeferredEstimate":
+        est = object.__new__(cls)
+        est.__dict__.update(fits=fits, _total=total_gpu_bytes, _build=build)
+        return est
+
+    def __getattr__(self, name: str) -> Any:  # a field not built yet
+        build = self.__dict__.pop("_build", None)
+        if build is None:
+            raise AttributeError(name)
+        full = build()
+        total = self.__dict__.pop("_total")
+        if full.fits != self.fits or total not in (None, full.total_gpu_bytes):
+            raise AssertionError(f"screen verdict {self.fits}, {total} != estimate_memory's {full.fits}, "
+                                 f"{full.total_gpu_bytes}")
+        self.__dict__.update({f.name: getattr(full, f.name) for f in fields(MemoryEstimate)})
+        return getattr(self, name)
+
+    @property
+    def total_gpu_bytes(self) -> int:
+        total = self.__dict__.get("_total")
+        return total if total is not None else self.gpu["peak"] + self.gpu["overhead"]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MemoryEstimate):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(MemoryEstimate))
+
+    __hash__ = None  # type: ignore[assignment]  (as MemoryEstimate's: its gpu dict is unhashable)

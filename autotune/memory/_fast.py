@@ -1,0 +1,388 @@
+"""The memory model over a whole candidate grid at once, for the screen: each candidate's verdict
+(fits) and what the GPU must hold (``MemoryEstimate.total_gpu_bytes``), equal to the byte to what
+``estimate_memory`` returns for it.
+
+The terms that depend on few knobs are computed once per distinct key by the scalar functions
+themselves (model states: ``states._model_states``; activations: ``activation_breakdown``; the
+rules: ``strategy.validate``); the step walk of estimate.py / fsdp2.py (and walk.py's blocks and
+verdict) is transcribed to numpy arrays over the candidates, in the same order of operations
+(float64; every integer stays below 2**53, so integer and float arithmetic agree), an instant a
+candidate does not have masked out. tests/test_screen_fast.py checks it against
+``estimate_memory`` on every candidate of several spaces; a change to the walk goes in both.
+Strategies outside what the grid covers (``checkpoint_every``) are left to ``estimate_memory``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from autotune.memory.activations import ActivationBreakdown, activation_breakdown
+from autotune.memory.common import PREDICTION_MARGIN
+from autotune.memory.estimate import _accumulation_carry
+from autotune.memory.fsdp2 import _units
+from autotune.memory.states import _model_states
+from autotune.spec import BYTES_PER_ELEMENT, GIB, HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy, validate
+from autotune.engine_configs import gradient_accumulation_steps
+
+_ACT_FIELDS = ("blocks", "per_block_plain", "per_block_checkpointed", "num_checkpointed", "nonblock", "logits_saved",
+               "loss_forward_transient", "loss_backward_transient", "mlp_saved_per_block",
+               "attention_backward_transient", "final_norm_saved", "forward_only_masks", "final_norm_forward_extra",
+               "hidden_grad", "checkpoint_frame_kept", "final_norm_backward_live", "mlp_backward_transient")
+
+
+def rules_key(s: Strategy) -> tuple:
+    """The knobs ``strategy.validation_errors`` reads."""
+    return (s.engine, s.zero_stage, s.micro_batch_size, s.offload_params, s.offload_optimizer, s.checkpoint_layers,
+            s.checkpoint_every, s.sharding, s.precision)
+
+
+def activation_key(s: Strategy) -> tuple:
+    """The knobs ``activation_breakdown`` reads (and whether the last block is checkpointed)."""
+    return (s.micro_batch_size, s.precision, s.checkpointing, s.checkpoint_layers, s.checkpoint_every, s.engine,
+            s.zero_stage)
+
+
+def states_key(s: Strategy) -> tuple:
+    """The knobs a DeepSpeed candidate's model states, buffers and accumulation carry read
+    (``_model_states``, ``default_buckets``, ``_accumulation_carry``, the logits kept)."""
+    return (s.engine, s.zero_stage, s.offload_optimizer, s.offload_params, s.precision, s.micro_batch_size,
+            s.reduce_bucket_size, s.allgather_bucket_size, s.prefetch_bucket_size, s.param_persistence_threshold)
+
+
+def units_key(s: Strategy) -> tuple:
+    """The knobs an FSDP2 candidate's layout reads (``fsdp2._units``, the accumulation, the logits kept)."""
+    return (s.engine, s.precision, s.reduce_dtype, s.offload_params, s.sharding, s.micro_batch_size,
+            s.reshard_after_forward)
+
+
+def covered(s: Strategy) -> bool:
+    """Whether the grid computes this strategy (else: estimate_memory)."""
+    return s.checkpoint_every is None
+
+
+class _Table:
+    """Distinct keys -> a row of values, and each candidate's row index."""
+
+    def __init__(self, make: Callable[[Strategy], Sequence[float]]) -> None:
+        self.make, self.rows, self.index = make, [], {}
+        self.of: list[int] = []
+
+    def add(self, key: tuple, s: Strategy) -> None:
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.rows)
+            self.rows.append(self.make(s))
+        self.of.append(i)
+
+    def columns(self) -> np.ndarray:
+        """(fields, candidates) float64: the rows gathered per candidate, one field per row."""
+        return np.array(self.rows, dtype=np.float64)[np.array(self.of, dtype=np.intp)].T
+
+
+def verdicts(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy], *,
+             headroom: float = 0.0, device: str = "cuda",
+             loop: str = "keep_outputs") -> list[Optional[tuple[bool, Optional[int]]]]:
+    """Per strategy: (fits, total_gpu_bytes) as ``estimate_memory(..., headroom, device, loop)`` gives
+    them; (False, None) for one that breaks a rule (it never fits; its figures are not computed);
+    None for one the grid does not cover (``covered``)."""
+    rules: dict[tuple, bool] = {}
+    out: list[Optional[tuple[bool, Optional[int]]]] = [None] * len(strategies)
+    groups: dict[str, list[int]] = {"deepspeed": [], "fsdp2": []}
+    for i, s in enumerate(strategies):
+        if not covered(s):
+            continue
+        key = rules_key(s)
+        ok = rules.get(key)
+        if ok is None:
+            ok = rules[key] = not validate(s, model, training, hardware)
+        if not ok:
+            out[i] = (False, None)
+            continue
+        groups[s.engine].append(i)
+    for engine, idx in groups.items():
+        if not idx:
+            continue
+        walk = _deepspeed if engine == "deepspeed" else _fsdp2
+        fits, total = walk(model, training, hardware, [strategies[i] for i in idx], headroom, device, loop)
+        for i, f, t in zip(idx, fits.tolist(), total.tolist()):
+            out[i] = (f, t)
+    return out
+
+
+class _Walk:
+    """The instants of a step over all candidates (the scalar walk's Candidate list, as arrays)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.items: list[tuple[Any, ...]] = []
+
+    def add(self, total: Any, grads: Any, activations: Any, logits: Any, buffers: Any, valid: Any = True) -> None:
+        full = lambda x: np.broadcast_to(np.asarray(x, dtype=np.float64), (self.n,))  # noqa: E731
+        self.items.append((np.where(valid, full(total), -np.inf), full(grads), full(activations), full(logits),
+                           full(buffers)))
+
+    def best(self) -> tuple[np.ndarray, ...]:
+        """grads, activations, logits, buffers of each candidate's largest instant (the first on a
+        tie, walk.phase_peaks)."""
+        stacked = [np.stack(c) for c in zip(*self.items)]
+        at = np.argmax(stacked[0], axis=0)
+        cols = np.arange(self.n)
+        return tuple(c[at, cols] for c in stacked[1:])
+
+
+def _verdict(best: tuple[np.ndarray, ...], hardware: HardwareSpec, headroom: float, *, params: Any, optimizer: Any,
+             resident_grads: Any, resident_buffers: Any, cpu_per_gpu: Any, nvme_per_gpu: Any,
+             reserved_elsewhere: Any = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """walk.finish and walk._reasons on arrays: (fits, total) per candidate."""
+    grads, acts, logits, buffers = best
+    i64 = lambda x: np.trunc(np.asarray(x, dtype=np.float64)).astype(np.int64)  # noqa: E731  (int())
+    peak = (i64(params) + i64(resident_grads + grads) + i64(optimizer) + i64(acts) + i64(logits)
+            + i64(resident_buffers + buffers))
+    overhead = (i64(hardware.cuda_context_gib * GIB + hardware.allocator_slack * peak.astype(np.float64))
+                + i64(PREDICTION_MARGIN * peak.astype(np.float64)) + i64(reserved_elsewhere))
+    total = peak + overhead
+    gpn = hardware.gpus_per_node
+    cpu = i64(np.asarray(cpu_per_gpu, dtype=np.float64) * gpn)
+    nvme = i64(np.asarray(nvme_per_gpu, dtype=np.float64) * gpn)
+    fits = total <= hardware.gpu.memory_bytes * (1.0 - headroom)
+    fits &= cpu <= hardware.cpu_memory_gib * GIB
+    nvme_cap = hardware.nvme.capacity_gib * GIB if hardware.nvme else 0
+    fits &= (nvme == 0) | (nvme <= nvme_cap)
+    return fits, total
+
+
+def _points(n_ck: np.ndarray, L: int, extra: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """walk.backward_blocks' instants (first n blocks checkpointed): per slot, each candidate's
+    block index (descending, as the scalar loop visits them) and whether the slot holds one."""
+    pts = np.stack([np.full(n_ck.shape, L - 1), n_ck, n_ck - 1, np.zeros_like(n_ck), *extra], axis=1)
+    pts = np.where((pts >= 0) & (pts < L), pts, -1)
+    pts = -np.sort(-pts, axis=1)
+    valid = pts >= 0
+    valid[:, 1:] &= pts[:, 1:] != pts[:, :-1]  # a set: each block once
+    return [(pts[:, j], valid[:, j]) for j in range(pts.shape[1])]
+
+
+def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarray, L: int,
+                 attention_gran: np.ndarray) -> tuple[np.ndarray, ...]:
+    """walk.backward_blocks for block ``i``: (done, saved, mlp, attention, frame)."""
+    n_ck, per_plain, per_ck = a["num_checkpointed"], a["per_block_plain"], a["per_block_checkpointed"]
+    ck = i < n_ck
+    count = np.minimum(i + 1, n_ck)
+    remaining = count * per_ck + (i + 1 - count) * per_plain
+    frame = np.where(ck, a["checkpoint_frame_kept"], 0.0)
+    block_other = other_saved - a["final_norm_saved"] + a["hidden_grad"]
+    saved = remaining + np.where(ck, per_plain - per_ck, 0.0) + block_other + frame
+    a_mlp = np.where(ck & attention_gran, saved - (per_plain - per_ck) - frame, saved)
+    attn_delta = a["attention_backward_transient"] - a["mlp_saved_per_block"]
+    return L - 1 - i, saved, a_mlp + a["mlp_backward_transient"], saved + attn_delta, frame
+
+
+def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[Strategy],
+                 device: str) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """The activation terms per candidate (one breakdown per distinct activation_key), whether its
+    granularity is ``attention``, and whether its last block is checkpointed."""
+    L = model.num_hidden_layers
+
+    def row(s: Strategy) -> list[float]:
+        act: ActivationBreakdown = activation_breakdown(model, training, s, device)
+        return [float(getattr(act, f)) for f in _ACT_FIELDS] + [float(act.granularity == "attention"),
+                                                                 float((L - 1) in s.checkpointed_blocks(L))]
+
+    table = _Table(row)
+    for s in strategies:
+        table.add(activation_key(s), s)
+    cols = table.columns()
+    a = {f: cols[k] for k, f in enumerate(_ACT_FIELDS)}
+    a["num_checkpointed"] = a["num_checkpointed"].astype(np.int64)
+    return a, cols[len(_ACT_FIELDS)] > 0, cols[len(_ACT_FIELDS) + 1] > 0
+
+
+_ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffers_step", "buffers_fwd",
+       "grad_per_block", "grad_buffer", "resident_buffers", "partition_after", "reduce_flat", "reduce_clone", "cpu",
+       "nvme")
+_DS = _ST + ("p", "tokens", "kept", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
+
+
+def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
+               headroom: float, device: str, loop: str) -> tuple[np.ndarray, np.ndarray]:
+    """estimate.estimate_memory's walk (deepspeed engine) over the candidates."""
+    m, L = model, model.num_hidden_layers
+    head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
+
+    def row(s: Strategy) -> list[float]:
+        st = _model_states(m, training, hardware, s, device)
+        p = BYTES_PER_ELEMENT[s.precision]
+        tokens = training.seq_len * s.micro_batch_size
+        carry, grow = _accumulation_carry(m, hardware, s, gradient_accumulation_steps(s, training, hardware))
+        bucket = st.partition_after or 0
+        blocked = bool(bucket and block_params)
+        k = int(max(0.0, bucket - head) // block_params) if blocked else 0
+        k2 = int(max(0.0, 2 * bucket - head) // block_params) if blocked else 0
+        return [float(getattr(st, f)) for f in _ST] + [
+            p, tokens, p * V * tokens if loop == "keep_outputs" else 0.0, carry, float(grow),
+            st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0, float(s.zero_stage == 1),
+            float(s.zero_stage == 0), k, k2, float(blocked)]
+
+    table = _Table(row)
+    for s in strategies:
+        table.add(states_key(s), s)
+    c = dict(zip(_DS, table.columns()))
+    a, attention_gran, _ = _activations(m, training, strategies, device)
+    n = len(strategies)
+    p, kept, carry, grow, carry_ipg = c["p"], c["kept"], c["carry"], c["grow"] > 0, c["carry_ipg"]
+    w = _Walk(n)
+    fixed = c["params"] + c["optimizer"] + c["grad_buffer"] + c["resident_buffers"]
+    pending_head = p * head if m.tie_word_embeddings else np.zeros(n)
+
+    def add(phase: str, grads: Any = 0.0, activations: Any = 0.0, logits: Any = 0.0, buffers: Any = 0.0,
+            pending: Any = 0.0, valid: Any = True) -> None:
+        logits = logits + kept
+        if phase != "optimizer":
+            grads = np.where(grow, grads + carry - np.minimum(carry_ipg, buffers),
+                             np.maximum(grads - pending, carry) + pending)
+        w.add(fixed + grads + activations + logits + buffers, grads, activations, logits, buffers, valid)
+
+    saved_blocks, logits_saved = a["blocks"], a["logits_saved"]
+    other_saved = a["nonblock"] - logits_saved
+    tokens = c["tokens"]
+    add("forward", activations=saved_blocks + other_saved + a["final_norm_forward_extra"] + a["forward_only_masks"],
+        buffers=c["buffers_fwd"])
+    add("forward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_forward_transient"],
+        buffers=c["buffers_fwd"])
+    add("backward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_backward_transient"],
+        buffers=c["buffers_fwd"])
+    add("backward", grads=p * head, activations=saved_blocks + other_saved, logits=p * V * tokens,
+        buffers=c["buffers_fwd"], pending=pending_head)
+    add("backward", grads=p * head, activations=saved_blocks + other_saved, buffers=c["buffers_bwd"],
+        pending=pending_head)
+    zero0 = c["zero0"] > 0
+    head_grad = np.where(zero0 | m.tie_word_embeddings, p * head, 0.0)
+    add("backward", grads=head_grad, activations=saved_blocks + other_saved - a["final_norm_saved"]
+        + a["final_norm_backward_live"], buffers=c["buffers_bwd"], pending=pending_head)
+
+    # estimate._blocks_backward
+    bucket = c["partition_after"]
+    blocked = c["blocked"] > 0
+    k, k2 = c["k"].astype(np.int64), c["k2"].astype(np.int64)
+    none = np.full(n, -1, dtype=np.int64)
+    extra = [np.where(blocked, L - 1 - k, none), np.where(blocked, L - 2 - k, none), np.where(blocked, L - 2 - k2, none)]
+    reduce_flat, reduce_clone = c["reduce_flat"], c["reduce_clone"]
+    reducing = blocked & (reduce_flat != 0)
+    r_true, r_false = L - 2 - k2, L - 2 - k  # {L-2-k2: True, L-2-k: False}, the later key winning
+    for i, valid in _points(a["num_checkpointed"], L, extra):
+        done, saved, mlp, attention, _ = _block_point(a, i, other_saved, L, attention_gran)
+        g_before = head_grad + done * c["grad_per_block"]
+        g = g_before + np.where((bucket != 0) & (head + done * block_params > bucket), c["grads"], 0.0)
+        add("backward", grads=g, activations=mlp, buffers=c["buffers_bwd"], pending=pending_head, valid=valid)
+        add("backward", grads=g, activations=attention, buffers=c["buffers_bwd"], pending=pending_head,
+            valid=valid & (a["attention_backward_transient"] - a["mlp_saved_per_block"] > 0))
+        add("backward", grads=g, activations=mlp - a["mlp_backward_transient"],
+            buffers=c["buffers_bwd"] + p * m.intermediate_size * m.hidden_size + reduce_clone, pending=pending_head,
+            valid=valid & (reduce_clone != 0))
+        in_reduces = reducing & ((i == r_true) | (i == r_false))
+        add("backward", grads=np.where(i == r_false, g_before, g), activations=saved,
+            buffers=c["buffers_bwd"] + reduce_flat, pending=pending_head, valid=valid & in_reduces)
+
+    moved = np.where(c["zero1"] > 0, carry - carry_ipg, 0.0)
+    add("backward", grads=c["grads"] - moved, buffers=c["buffers_bwd"] + c["buffers_bwd_end"])
+    add("backward", grads=np.where(m.num_parameters > bucket, c["grads"], 0.0) - moved,
+        buffers=c["buffers_bwd"] + reduce_flat, valid=reduce_flat != 0)
+    add("optimizer", grads=c["grads"], buffers=c["buffers_step"])
+    return _verdict(w.best(), hardware, headroom, params=c["params"], optimizer=c["optimizer"],
+                    resident_grads=c["grad_buffer"], resident_buffers=c["resident_buffers"], cpu_per_gpu=c["cpu"],
+                    nvme_per_gpu=c["nvme"])
+
+
+_U = ("n", "p", "r", "per_block", "root", "on_gpu", "u_root", "u_block", "flat", "cast_in", "grad_block", "all_grads",
+      "mlp_params")
+
+
+def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
+           headroom: float, device: str, loop: str) -> tuple[np.ndarray, np.ndarray]:
+    """fsdp2.estimate_fsdp2's walk over the candidates."""
+    m, L, V = model, model.num_hidden_layers, model.vocab_size
+    k_opt = training.optimizer.state_bytes_per_parameter
+
+    def row(s: Strategy) -> list[float]:
+        u = _units(m, s, hardware)
+        tokens = training.seq_len * s.micro_batch_size
+        gas = gradient_accumulation_steps(s, training, hardware)
+        return [float(getattr(u, f)) for f in _U] + [
+            tokens, u.p * V * tokens if loop == "keep_outputs" else 0.0, u.all_grads if gas > 1 else 0.0,
+            float(s.reshard_after_forward), float(s.offload_params == "cpu")]
+
+    table = _Table(row)
+    for s in strategies:
+        table.add(units_key(s), s)
+    u = dict(zip(_U + ("tokens", "kept", "carry", "reshard", "host"), table.columns()))
+    a, attention_gran, last_ck = _activations(m, training, strategies, device)
+    n = len(strategies)
+    un, up, ur, kept, carry, reshard = u["n"], u["p"], u["r"], u["kept"], u["carry"], u["reshard"] > 0
+    u_root, u_block, flat, on_gpu = u["u_root"], u["u_block"], u["flat"], u["on_gpu"]
+    shard = m.num_parameters / un
+    params = on_gpu * 4 * shard
+    optimizer = on_gpu * k_opt * shard
+    w = _Walk(n)
+
+    def add(phase: str, sharded: Any = 0.0, unsharded: Any = 0.0, activations: Any = 0.0, logits: Any = 0.0,
+            buffers: Any = 0.0, valid: Any = True) -> None:
+        logits = logits + kept
+        if phase != "optimizer":
+            sharded = np.maximum(sharded, carry)
+        grads = sharded + unsharded
+        w.add(params + optimizer + grads + activations + logits + buffers, grads, activations, logits, buffers, valid)
+
+    saved_blocks, logits_saved = a["blocks"], a["logits_saved"]
+    other_saved = a["nonblock"] - logits_saved
+    tokens = u["tokens"]
+    last_saved = np.where(last_ck, a["per_block_checkpointed"], a["per_block_plain"])
+    kept_blocks = np.where(reshard, 0.0, u_block * L)
+    add("forward", activations=saved_blocks - last_saved + other_saved + a["forward_only_masks"],
+        buffers=u_root + u_block * np.where(reshard, 1, L) + flat + u["cast_in"])
+    add("forward", activations=saved_blocks + other_saved + a["final_norm_forward_extra"] + a["forward_only_masks"],
+        buffers=u_root + kept_blocks + flat)
+    add("forward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_forward_transient"],
+        buffers=u_root + kept_blocks + flat)
+    at_start = u_root + np.where(reshard, flat, u_block * L)
+    add("backward", activations=saved_blocks + other_saved, logits=logits_saved, buffers=2 * u_root + kept_blocks,
+        valid=un > 1)
+    add("backward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_backward_transient"],
+        buffers=at_start)
+    head_grad = up * V * m.hidden_size
+    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved, logits=up * V * tokens,
+        buffers=at_start)
+    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved - a["final_norm_saved"]
+        + a["final_norm_backward_live"], buffers=at_start)
+
+    # fsdp2._blocks_backward
+    extra = [np.full(n, 1, dtype=np.int64), np.full(n, L - 2, dtype=np.int64)]
+    rs_block = ur * u["per_block"]
+    for i, valid in _points(a["num_checkpointed"], L, extra):
+        done_blocks, saved, mlp, attention, frame = _block_point(a, i, other_saved, L, attention_gran)
+        done = on_gpu * done_blocks * u["grad_block"]
+        rs_prev = np.where(done_blocks != 0, rs_block, 0.0)
+        gathered = u_root + u_block * np.where(reshard, 1, i + 1) + np.where(reshard & (i > 0), flat, 0.0)
+        add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev, valid=valid)
+        add("backward", sharded=done, unsharded=head_grad + up * u["mlp_params"],
+            activations=saved - a["mlp_saved_per_block"], buffers=gathered + rs_prev, valid=valid)
+        add("backward", sharded=done, unsharded=head_grad + u_block, activations=attention, buffers=gathered + rs_prev,
+            valid=valid & (a["attention_backward_transient"] - a["mlp_saved_per_block"] > 0))
+        after = saved - a["per_block_plain"] - frame
+        add("backward", sharded=done, unsharded=head_grad + u_block, activations=after, buffers=gathered + rs_block,
+            valid=valid)
+        add("backward", sharded=np.where(carry != 0, carry, done) + u["grad_block"], unsharded=head_grad,
+            activations=after, buffers=gathered + rs_block, valid=valid)
+
+    blocks_sharded = u["all_grads"] - on_gpu * 4 * u["root"] / un
+    add("backward", sharded=blocks_sharded, unsharded=up * u["root"], activations=a["hidden_grad"],
+        buffers=u_root + rs_block)
+    add("backward", sharded=blocks_sharded, unsharded=up * u["root"], buffers=u_root + ur * u["root"])
+    add("backward", sharded=u["all_grads"], buffers=u_root + ur * u["root"])
+    add("optimizer", sharded=u["all_grads"], buffers=on_gpu * 4 * shard)
+    host = np.where(u["host"] > 0, (4 + 4 + k_opt + 4) * shard, 0.0)
+    side_pool = np.where((un > 1) & (device == "cuda"), u_root + 2 * u_block, 0.0)
+    return _verdict(w.best(), hardware, headroom, params=params, optimizer=optimizer, resident_grads=0.0,
+                    resident_buffers=0.0, cpu_per_gpu=host, nvme_per_gpu=0.0, reserved_elsewhere=side_pool)
