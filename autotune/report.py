@@ -175,116 +175,37 @@ def evaluated_label(run: RunData) -> str:
 MEMORY_AXIS = "GPU memory per GPU, incl. context and allocator (GiB)"
 
 
-def pareto_figure(run: RunData, capacity: Optional[float], headroom: Optional[float]) -> Any:
-    import plotly.graph_objects as go
+def pareto_figure(run: RunData, capacity: Optional[float], headroom: Optional[float]) -> dict[str, Any]:
+    """The interactive Pareto plot as a plotly.js figure dict (autotune.report_plotly)."""
+    from autotune.report_plotly import pareto_figure as figure
 
-    pts = plot_points(run, _clip(run, capacity))
-    best = (run.best or {}).get("trial")
-    fig = go.Figure()
-    styles = {
-        "front": dict(name=f"Pareto front ({evaluated_label(run)})", mode="lines+markers", line=dict(color="#d62728", width=1.5, shape="hv"),
-                      marker=dict(size=[15 if p["trial"] == best else 10 for p in pts["front"]],
-                                  symbol=["star" if p["trial"] == best else "circle" for p in pts["front"]],
-                                  color="#d62728", line=dict(width=1, color="black"))),
-        "dominated": dict(name=f"{evaluated_label(run)}, dominated", mode="markers",
-                          marker=dict(size=7, color="#1f77b4", opacity=0.6)),
-        "failed": dict(name="failed (at predicted memory, 0 tokens/s)", mode="markers",
-                       marker=dict(size=9, color="black",
-                                   symbol=["triangle-right" if p["clipped"] else "x" for p in pts["failed"]])),
-        "pruned": dict(name="pruned (at predicted memory, 0 tokens/s; \u25b7 = beyond the axis)", mode="markers",
-                       marker=dict(size=7, color="#7f7f7f", symbol=["triangle-right-open" if p["clipped"]
-                                                                    else "circle-open" for p in pts["pruned"]])),
-    }
-    for cat in ("pruned", "failed", "dominated", "front"):
-        ps = pts[cat]
-        fig.add_trace(go.Scatter(
-            x=[p["memory_gib"] for p in ps], y=[p["tokens_per_s"] for p in ps],
-            customdata=[[p["trial"], p["strategy"], p["note"]] for p in ps],
-            hovertemplate=("trial %{customdata[0]}<br><b>%{customdata[1]}</b><br>"
-                           + ("" if cat in ("pruned", "failed") else "GPU memory %{x:.2f} GiB<br>")
-                           + "%{y:,.0f} tokens/s/GPU<br>%{customdata[2]}<extra>" + cat
-                           + "</extra>"),
-            **styles[cat]))
-    if capacity:
-        fig.add_vline(x=capacity, line=dict(color="black", dash="dash"), annotation_text="GPU memory",
-                      annotation_position="top left")
-        if headroom:
-            fig.add_vline(x=capacity * (1 - headroom), line=dict(color="#7f7f7f", dash="dot"),
-                          annotation_text=f"with {100 * headroom:g}% headroom", annotation_position="bottom left")
-    fig.update_layout(template="plotly_white", height=520, margin=dict(l=70, r=30, t=40, b=60),
-                      xaxis_title=MEMORY_AXIS, yaxis_title="tokens/s per GPU",
-                      legend=dict(orientation="h", y=-0.18), title="Memory vs throughput (star: recommended)")
-    return fig
+    return figure(plot_points(run, _clip(run, capacity)), (run.best or {}).get("trial"), evaluated_label(run),
+                  MEMORY_AXIS, capacity, headroom)
 
 
-def breakdown_figure(run: RunData, capacity: Optional[float], headroom: Optional[float]) -> Any:
-    import plotly.graph_objects as go
+def breakdown_figure(run: RunData, capacity: Optional[float], headroom: Optional[float]) -> dict[str, Any]:
+    """The front's predicted memory breakdown as a plotly.js figure dict (autotune.report_plotly)."""
+    from autotune.report_plotly import breakdown_figure as figure
 
     front = run.front["front"]
-    comps = _components(front)
-    labels = [f"#{k} (trial {p['trial']})" for k, p in enumerate(front)]
-    texts = [p.get("strategy_text", "") for p in front]
-    fig = go.Figure()
-    for comp in comps:
-        fig.add_trace(go.Bar(
-            name=comp.replace("_", " "), x=labels,
-            y=[(p.get("predicted_memory_gib") or {}).get(comp, 0.0) for p in front],
-            marker_color=COLORS.get(comp), customdata=texts,
-            hovertemplate="%{customdata}<br>" + comp.replace("_", " ") + " %{y:.2f} GiB<extra></extra>"))
-    label = f"{evaluated_label(run)} peak allocated"
-    fig.add_trace(go.Scatter(
-        name=label, x=labels, y=[p.get("peak_memory_gib") for p in front], mode="markers",
-        marker=dict(symbol="diamond", size=11, color="black"), customdata=texts,
-        hovertemplate="%{customdata}<br>" + label + " %{y:.2f} GiB<extra></extra>"))
-    if capacity:
-        fig.add_hline(y=capacity, line=dict(color="#d62728", dash="dash"), annotation_text=f"GPU capacity "
-                      f"{capacity:.1f} GiB", annotation_position="top left")
-        if headroom:
-            fig.add_hline(y=capacity * (1 - headroom), line=dict(color="#7f7f7f", dash="dot"),
-                          annotation_text=f"with {100 * headroom:g}% headroom", annotation_position="bottom left")
-    fig.update_layout(template="plotly_white", barmode="stack", height=460, margin=dict(l=70, r=30, t=40, b=60),
-                      yaxis_title="GiB per GPU (predicted)", title="Predicted memory breakdown of each front point")
-    return fig
+    return figure(front, _components(front), COLORS, evaluated_label(run), capacity, headroom)
 
 
 def write_front_png(run: RunData, path: str, capacity: Optional[float] = None) -> str:
-    """The static front plot (matplotlib, Agg canvas: no display, no global backend change)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """The static front plot (autotune.report_png, Pillow)."""
+    from autotune.report_png import write_front_png as draw
 
-    pts = plot_points(run, _clip(run, capacity))
-    fig = Figure(figsize=(8, 5), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    for cat, kw in (("pruned", dict(marker="o", facecolors="none", edgecolors="#7f7f7f", s=18,
-                                    label="pruned (predicted memory; clipped at the right edge)")),
-                    ("failed", dict(marker="x", c="black", s=30, label="failed (predicted memory)")),
-                    ("dominated", dict(marker="o", c="#1f77b4", alpha=0.6, s=18, label=evaluated_label(run))),
-                    ("front", dict(marker="o", c="#d62728", s=40, zorder=3,
-                                   label=f"Pareto front ({evaluated_label(run)})"))):
-        ps = pts[cat]
-        if ps:
-            ax.scatter([p["memory_gib"] for p in ps], [p["tokens_per_s"] for p in ps], **kw)
-    if pts["front"]:
-        ax.step([p["memory_gib"] for p in pts["front"]], [p["tokens_per_s"] for p in pts["front"]],
-                where="post", color="#d62728", lw=1)
+    label = evaluated_label(run)
+    labels = {"pruned": "pruned (predicted memory; clipped at the right edge)", "failed": "failed (predicted memory)",
+              "dominated": label, "front": f"Pareto front ({label})"}
     best = run.best
-    if best:
-        ax.scatter([point_memory_gib(best)], [best["tokens_per_s_per_gpu"]], marker="*", s=260, c="gold",
-                   edgecolors="black", zorder=4, label="recommended")
-    if capacity:
-        ax.axvline(capacity, color="black", ls="--", lw=1, label="GPU memory")
     f = run.front
     hw = f.get("hardware") or {}
-    ax.set_title(f"{f.get('model', '')} on {(hw.get('gpus_per_node') or 1) * (hw.get('num_nodes') or 1)} x "
-                 f"{hw.get('gpu', '')} ({f.get('backend', '')})")
-    ax.set_xlabel(MEMORY_AXIS)
-    ax.set_ylabel("tokens/s per GPU")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    title = (f"{f.get('model', '')} on {(hw.get('gpus_per_node') or 1) * (hw.get('num_nodes') or 1)} x "
+             f"{hw.get('gpu', '')} ({f.get('backend', '')})")
+    return draw(plot_points(run, _clip(run, capacity)), labels,
+                (point_memory_gib(best), best["tokens_per_s_per_gpu"]) if best else None,
+                capacity, title, MEMORY_AXIS, "tokens/s per GPU", path)
 
 
 # ---------------------------------------------------------------- HTML
@@ -347,8 +268,7 @@ text-align:left}th{background:#f4f4f4}td.num{text-align:right}.muted{color:#777}
 
 
 def render_html(run: RunData, capacity: Optional[float], headroom: Optional[float]) -> str:
-    import plotly
-    from plotly.offline import get_plotlyjs
+    from autotune.report_plotly import figure_div, plotly_js, plotly_version
 
     esc = html.escape
     f = run.front
@@ -357,8 +277,7 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
     counts = {s: sum(t.get("state") == s for t in run.trials) for s in ("COMPLETE", "PRUNED", "FAIL")}
     repeats = sum(r.is_repeat for r in run.records)
     cfg = {"displaylogo": False, "responsive": True}
-    pareto = pareto_figure(run, capacity, headroom).to_html(full_html=False, include_plotlyjs=False,
-                                                             div_id=PARETO_DIV, config=cfg)
+    pareto = figure_div(pareto_figure(run, capacity, headroom), PARETO_DIV, cfg)
     parts = [
         f"<h1>autotune: {esc(str(f.get('model', '')))} on {gpus} x {esc(str(hw.get('gpu', '')))}</h1>",
         f'<p class="muted">run <code>{esc(run.name)}</code>, backend <code>{esc(str(f.get("backend")))}</code>, '
@@ -393,8 +312,7 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
         parts.append(_table(["#", "trial", "GPU memory", "tokens/s/GPU", "MFU", "grad. acc.", "strategy",
                              "equivalent within 1%", "DeepSpeed config"], rows))
         parts += ["<h2>Memory breakdown of the front</h2>",
-                  breakdown_figure(run, capacity, headroom).to_html(full_html=False, include_plotlyjs=False,
-                                                                     div_id=BREAKDOWN_DIV, config=cfg)]
+                  figure_div(breakdown_figure(run, capacity, headroom), BREAKDOWN_DIV, cfg)]
     pvm = predicted_vs_measured(run)
     parts.append("<h2>Predicted vs measured</h2>")
     if pvm:
@@ -415,11 +333,11 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
                                  for reason, n, nums in summary]))
     configs = "".join(f"{d}/, " for d in config_dirs(f))
     parts.append(f'<p class="muted">Files: front.json, trials.csv, best.json, {configs}summary.md, front.png. '
-                 f"plotly {esc(plotly.__version__)} embedded.</p>")
+                 f"plotly {esc(plotly_version())} embedded.</p>")
     data = {"trials": len(run.trials), "front": len(f["front"]), "pareto_div": PARETO_DIV}
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>autotune report: {esc(run.name)}</title><style>{_CSS}</style>"
-            f"<script type=\"text/javascript\">{get_plotlyjs()}</script>"
+            f"<script type=\"text/javascript\">{plotly_js()}</script>"
             f'<script type="application/json" id="autotune-summary">{json.dumps(data)}</script>'
             "</head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
 
@@ -427,7 +345,7 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
 def write_report(run_dir: str, cfg: Optional[Config] = None) -> Optional[str]:
     """Write run_dir/report.html and run_dir/front.png from the run's files; returns report.html's path.
     ``cfg`` (the run's Config, when at hand) gives the exact GPU capacity and headroom. plotly and
-    matplotlib are the optional ``report`` extra: without one of them its file is skipped with a
+    Pillow are the optional ``report`` extra: without one of them its file is skipped with a
     one-line note on stderr (None is returned when report.html could not be written)."""
     import importlib.util
     import sys
@@ -444,8 +362,8 @@ def write_report(run_dir: str, cfg: Optional[Config] = None) -> Optional[str]:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(render_html(run, capacity, headroom))
         os.replace(tmp, path)
-    if importlib.util.find_spec("matplotlib") is None:
-        print("autotune: front.png skipped: matplotlib is not installed (pip install 'autotune[report]')",
+    if importlib.util.find_spec("PIL") is None:
+        print("autotune: front.png skipped: Pillow is not installed (pip install 'autotune[report]')",
               file=sys.stderr)
     else:
         write_front_png(run, os.path.join(run_dir, "front.png"), capacity)
