@@ -2,7 +2,9 @@
 
 Everything is read from the run directory's files (front.json, trials.csv, run.json), so a report
 can be (re)written for any finished run: ``autotune show RUN_DIR --report``. The HTML embeds
-plotly.js inline, so it opens from disk with no network. Never imports torch.
+plotly.js inline, so it opens from disk with no network; its figures are written as plotly.js
+dicts (autotune.report_plotly) and front.png is drawn with Pillow (autotune.report_png), so a
+report imports neither plotly's Python package nor matplotlib. Never imports torch.
 
 Sections: the Pareto plot (every trial: front, dominated, failed and pruned distinguished; failed
 and pruned trials have no measurement, so they sit at their *predicted* memory and 0 tokens/s),
