@@ -7,11 +7,13 @@ strategy/spec; README "Where things are" maps every file):
 - ``autotune.config``    job file (YAML) -> typed specs, one-line key-path errors
 - ``autotune.presets``   model and GPU presets (``model_from_name``, ``gpu_from_name``)
 - ``autotune.strategy``  one strategy value (its fields are the knob list) -> DeepSpeed config / FSDP2 layout
-- ``autotune.fsdp2``     an fsdp2 strategy applied to a model (``autotune.apply``) and its ready-to-paste snippet
 - ``autotune.memory``    analytical per-GPU memory model (pure math)
-- ``autotune.simulate``  throughput simulator (pure math); ``autotune.calibration`` fits it
+- ``autotune.simulate``  throughput simulator (pure math); ``autotune.calibration`` corrects it
 - ``autotune.space`` / ``autotune.screen`` / ``autotune.search``  the Optuna search
-- ``autotune.profile``   measurement backends (simulate, deepspeed, replay) and the worker
+- ``autotune.backends`` measurement backends (simulate, profile, replay) and the launcher
+- ``autotune.worker``   one measurement inside a launched process (torch side)
+- ``autotune.models``   reference / HF / user models, checkpointing, fsdp2 applied to a model (torch side)
+- ``autotune.calibration`` / ``autotune.samplers``  simulator fits; the search's EHVI sampler
 - ``autotune.runfiles`` / ``autotune.output``  the run directory's files
 
 Importing ``autotune`` never imports torch or deepspeed.
@@ -20,9 +22,9 @@ Importing ``autotune`` never imports torch or deepspeed.
 from importlib.metadata import PackageNotFoundError as _NotInstalled
 from importlib.metadata import version as _version
 
-from autotune.checkpointing import apply_checkpointing
+from autotune.models.checkpointing import apply_checkpointing
 from autotune.errors import ConfigError
-from autotune.fsdp2 import apply
+from autotune.models.fsdp2 import apply
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.spec import GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, TrainingSpec
 from autotune.engine_configs import to_deepspeed_config

@@ -32,7 +32,7 @@ class SearchSection:
     trials: int = 200
     """Number of Optuna trials (evaluated candidates, repeats excluded)."""
     sampler: Literal["auto", "nsga2", "tpe", "gp", "random", "ehvi", "sweep"] = "auto"
-    """Optuna sampler; auto: ehvi (autotune.sampler) for the measuring backends (profile, replay),
+    """Optuna sampler; auto: ehvi (autotune.samplers.front) for the measuring backends (profile, replay),
     nsga2 for simulate; sweep: every candidate of the space once (Optuna's BruteForceSampler), as
     for a measured table."""
     headroom: float = 0.05

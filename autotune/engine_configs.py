@@ -156,7 +156,7 @@ TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def to_fsdp2_config(
     strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
 ) -> dict[str, Any]:
-    """The FSDP2 layout of an fsdp2 strategy as a JSON object (what ``autotune.fsdp2.apply`` and
+    """The FSDP2 layout of an fsdp2 strategy as a JSON object (what ``autotune.models.fsdp2.apply`` and
     the profiling worker build from, and what a front point ships): ``fully_shard`` on each
     decoder layer, then the root (torchtitan parallelize.py ``apply_fsdp``), over a 1-D mesh or,
     hybrid, a 2-D (replicate, shard) mesh."""

@@ -1,7 +1,7 @@
 """Run outputs: trials.csv, front.json, ds_configs/, best.json and summary.md in runs/<name>/.
 
 An fsdp2 front point gets ``fsdp2_configs/<k>.json`` (autotune.engine_configs.to_fsdp2_config) and
-``fsdp2_configs/<k>.py`` (autotune.fsdp2.snippet, ready to paste) instead of ``ds_configs/<k>.json``,
+``fsdp2_configs/<k>.py`` (autotune.models.fsdp2.snippet, ready to paste) instead of ``ds_configs/<k>.json``,
 and a torchrun launch line; the best point's files are ``best_fsdp2_config.json`` / ``best_fsdp2.py``.
 
 Everything here is derived from the study (the source of truth) plus the pure models, so outputs
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from autotune.config import Config
 from autotune.memory import GPU_COMPONENTS, MemoryEstimate, estimate_memory, overhead_bytes
 from autotune.pareto import pareto_front
-from autotune.profile.factory import backend_class
+from autotune.backends.factory import backend_class
 from autotune.runfiles import (FRONT_FILE, TRIALS_FILE, RunData, TrialRecord, point_memory_gib, write_json,
                                write_trials_csv)
 from autotune.space import SearchSpace
@@ -164,7 +164,7 @@ def torchrun_command(cfg: Config) -> str:
 def write_fsdp2_files(run_dir: str, cfg: Config, s: Strategy, json_rel: str, py_rel: str) -> dict[str, Any]:
     """Write an fsdp2 point's layout (JSON) and snippet (Python); the keys its front.json point
     carries instead of the DeepSpeed config."""
-    from autotune.fsdp2 import snippet
+    from autotune.models.fsdp2 import snippet
 
     layout = to_fsdp2_config(s, cfg.model, cfg.training, cfg.hardware)
     os.makedirs(os.path.dirname(os.path.join(run_dir, json_rel)), exist_ok=True)

@@ -23,8 +23,8 @@ from typing import Any, Optional
 from autotune.config import Config
 from autotune.output import config_dirs, empty_front_reason, format_gib, point_memory_gib
 from autotune.errors import ConfigError
-from autotune.profile.backend import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Backend
-from autotune.profile.factory import backend_class
+from autotune.backends.base import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Backend
+from autotune.backends.factory import backend_class
 from autotune.runfiles import RunData, TrialRecord, load_run, to_float
 from autotune.spec import GIB
 

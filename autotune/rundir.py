@@ -62,14 +62,14 @@ class Run:
     def execute(self, progress: bool = True, enqueue: Optional[list] = None) -> dict[str, Any]:
         """Run (or continue) the study, then write every output; returns front.json's object."""
         from autotune.output import write_outputs
-        from autotune.profile.factory import make_backend
+        from autotune.backends.factory import make_backend
         from autotune.search import run_study
         from autotune.space import space_for
 
         space = space_for(self.cfg)
         params = None
         if self.calibration:
-            from autotune.profile.calibrate import load_calibration
+            from autotune.calibration.loop import load_calibration
 
             params = load_calibration(self.calibration, self.cfg.hardware.gpu.name)
         backend = make_backend(self.backend, self.cfg, self.run_dir, params)
@@ -113,7 +113,7 @@ class Run:
             "search wall time": f"{time.perf_counter() - start:.2f} s",
         }
         confidence = None
-        if outcome.confidence:  # sampler ehvi: how sure the front is (autotune.sampler.Assessment)
+        if outcome.confidence:  # sampler ehvi: how sure the front is (autotune.samplers.front.Assessment)
             confidence = outcome.confidence + (" (stopped early)" if outcome.stopped_early else "")
             extra["front confidence"] = confidence
         return write_outputs(self.run_dir, self.cfg, space, outcome.study, self.backend, extra, confidence)
@@ -127,7 +127,7 @@ first, and the backend counts as slow (write-through storage, heartbeat)."""
 def is_fast(backend: str) -> bool:
     """Whether the backend named ``backend`` answers in microseconds (Backend.in_memory_study): its
     study runs in memory (see run_study)."""
-    from autotune.profile.factory import backend_class
+    from autotune.backends.factory import backend_class
 
     return backend_class(backend).in_memory_study and not os.environ.get(SLOW_ENV)
 
@@ -371,7 +371,7 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
 
 def _check_before_creating(cfg: Config, backend: str) -> None:
     """Refuse what would fail as soon as the study starts, before anything is written."""
-    from autotune.profile.factory import backend_class
+    from autotune.backends.factory import backend_class
     from autotune.space import space_for
 
     space = space_for(cfg)  # a bad search space is refused here

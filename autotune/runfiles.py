@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from autotune.errors import ConfigError
 from autotune.memory import GPU_COMPONENTS
-from autotune.profile.backend import FAIL_STATUSES
+from autotune.backends.base import FAIL_STATUSES
 from autotune import knobs
 from autotune.strategy import KNOBS, Strategy, knob_choices
 

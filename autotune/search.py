@@ -19,7 +19,7 @@ from autotune.claim import (KEY_ATTR, abandon, ask, claim, fail_stale, fail_stat
 from autotune.config import Config
 from autotune.memory import estimate_memory
 from autotune.pareto import pareto_front
-from autotune.profile.backend import Backend, Measurement, fail_reason_text
+from autotune.backends.base import Backend, Measurement, fail_reason_text
 from autotune.screen import Screened, predicted_front, screen, spread  # noqa: F401  (spread: public here too)
 from autotune.signals import StopFlag
 from autotune.simulate import simulate
@@ -37,7 +37,7 @@ def make_sampler(name: str, seed: int, context: Optional[dict] = None) -> Any:
     scipy and is built for continuous spaces; per-trial costs in docs/accuracy.md, "Figures moved
     from code").
 
-    ``ehvi``: autotune.sampler.FrontSampler (calibrated simulator + residual GP, expected hypervolume
+    ``ehvi``: autotune.samplers.front.FrontSampler (calibrated simulator + residual GP, expected hypervolume
     improvement), built from ``context`` (cfg, space, screened, headroom, calibrator).
 
     ``sweep``: Optuna's BruteForceSampler, every combination of the space's knobs once (in random
@@ -45,7 +45,7 @@ def make_sampler(name: str, seed: int, context: Optional[dict] = None) -> Any:
     import optuna
 
     if name == "ehvi":
-        from autotune.sampler import FrontSampler
+        from autotune.samplers.front import FrontSampler
 
         ctx = dict(context or {})
         return FrontSampler(ctx["cfg"], ctx["space"], ctx["screened"], headroom=ctx["headroom"],
@@ -222,7 +222,7 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
     by_key = {s.strategy.key(): s for s in screened}
     outcome = StudyOutcome(study=study, screened=screened)
     # sampler ehvi re-predicts every candidate before each trial: no front seeding, no re-seeding,
-    # and its stopping rule may end the run before n_trials (autotune.sampler)
+    # and its stopping rule may end the run before n_trials (autotune.samplers.front)
     chooses_front = getattr(study.sampler, "chooses_front", False)
     cache: dict[tuple, _Outcome] = {}  # strategy key -> how its first trial ended
     oom_at: dict[tuple, tuple[int, int]] = {}  # strategy-without-mbs -> (smallest OOM mbs, trial number)

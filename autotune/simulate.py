@@ -19,7 +19,7 @@ The model (one optimizer step = ``gas`` micro-batches + optimizer step + fixed o
 * offload: PCIe traffic for gradients/parameters, CPU-Adam and NVMe time (ZeRO-Offload/Infinity).
 * optimizer step on GPU: HBM-bound pass over the local shard; fixed per-step and per-layer overheads.
 
-The efficiency parameters (``EFFICIENCY_KEYS``) are fitted per GPU by autotune.calibration on
+The efficiency parameters (``EFFICIENCY_KEYS``) are fitted per GPU by autotune.calibration.fit on
 measured runs and stored in the GPU presets; uncalibrated GPUs use ``default_efficiency``.
 """
 

@@ -138,7 +138,7 @@ class Strategy:
         return list(range(min(num_layers, self.num_checkpointed(num_layers))))
 
     def checkpoint_selection(self, num_layers: int) -> "int | list[int]":
-        """Which blocks to checkpoint, as autotune.checkpointing.apply_checkpointing takes it: the
+        """Which blocks to checkpoint, as autotune.models.checkpointing.apply_checkpointing takes it: the
         number of first blocks, or (checkpoint_every) the list of block indices."""
         if self.checkpoint_every is not None and self.checkpointing != "none":
             return self.checkpointed_blocks(num_layers)

@@ -1,10 +1,10 @@
 """How long does one re-fit of the simulator take inside the profiling loop? (target: < 0.2 s on 2 cores)
 
-A Calibrator (autotune.profile.calibrate) is fed 60 "measurements" one by one, as the profiling loop
+A Calibrator (autotune.calibration.loop) is fed 60 "measurements" one by one, as the profiling loop
 feeds it: llama2-7b on 8 x A100-80GB, candidates of the default space in a fixed random order, their
 throughput simulated with efficiency parameters unlike the preset's (GEMM x0.8, attention x0.7,
 communication x0.6, overlap x0.7) times seeded 5% log-normal noise. After every measurement the
-calibrator re-fits incrementally (autotune.profile.calibrate.FAST_NFEV trust-region steps from the
+calibrator re-fits incrementally (autotune.calibration.loop.FAST_NFEV trust-region steps from the
 previous fit). Reported: wall and CPU seconds per re-fit (the first, which imports scipy, excluded),
 and the out-of-sample |error| of the predictions before / after, so speed is not bought with accuracy.
 The full multi-start fit on the same 60 runs is timed for comparison.
@@ -25,8 +25,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from autotune.config import load_config  # noqa: E402
-from autotune.profile.backend import Measurement  # noqa: E402
-from autotune.profile.calibrate import FAST_NFEV, Calibrator  # noqa: E402
+from autotune.backends.base import Measurement  # noqa: E402
+from autotune.calibration.loop import FAST_NFEV, Calibrator  # noqa: E402
 from autotune.search import screen  # noqa: E402
 from autotune.simulate import efficiency_params, simulate  # noqa: E402
 from autotune.space import space_for  # noqa: E402

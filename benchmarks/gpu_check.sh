@@ -16,7 +16,7 @@
 #
 # The cases (ZeRO 0/1/2/3, ZeRO-3 with optimizer and parameter CPU offload, checkpointing none and
 # full, gradient accumulation 1 and 4; a reference Llama decoder and one Hugging Face model) each
-# run through autotune.profile.deepspeed_backend (torchrun, worker in its own process group, killed
+# run through autotune.backends.profiled (torchrun, worker in its own process group, killed
 # after its timeout), so a failing case is a row with its status instead of the end of the script.
 # The result is ONE file, DIR/gpu_check.md: predicted vs measured peak allocated and reserved
 # memory, tokens/s per GPU and MFU, with the signed error of each (negative = under-predicted).
@@ -188,7 +188,7 @@ from pathlib import Path
 from autotune import presets
 from autotune.config import Config, ProfileSection, hf_config_fields, load_config
 from autotune.memory import estimate_memory
-from autotune.profile.deepspeed_backend import DeepSpeedBackend
+from autotune.backends.profiled import DeepSpeedBackend
 from autotune.simulate import simulate
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy

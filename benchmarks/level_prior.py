@@ -1,5 +1,5 @@
 """How wrong the simulator's between-level ratios have been: the prior of the residual model's level
-offsets (autotune._levels.LEVEL_PRIOR_SD, docs/search.md "The level prior").
+offsets (autotune.samplers._levels.LEVEL_PRIOR_SD, docs/search.md "The level prior").
 
 For each measured table in data/measured/ (every strategy of its space measured), the residual of
 each row is log(measured tokens/s / simulated tokens/s) with the job file's own simulator parameters
@@ -27,7 +27,7 @@ def level_errors(measured_dir: Optional[str] = None) -> list[tuple[str, str, flo
     """(table, knob, sd of the level means of the log residual) for every table and knob."""
     from tables import load_measured
 
-    from autotune._levels import level_sd_estimate
+    from autotune.samplers._levels import level_sd_estimate
     from autotune.simulate import simulate
 
     root = measured_dir or os.path.join(ROOT, "data", "measured")
@@ -49,7 +49,7 @@ def prior_sd(errors: list[tuple[str, str, float]]) -> float:
 
 
 def main() -> int:
-    from autotune._levels import LEVEL_PRIOR_SD
+    from autotune.samplers._levels import LEVEL_PRIOR_SD
 
     errors = level_errors()
     print(f"{'table':<34} {'knob':<24} sd of level offsets (log)")

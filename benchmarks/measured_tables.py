@@ -13,7 +13,7 @@ beside a test run)
 
 then ``python benchmarks/measured_tables.py /tmp/measure/<name> data/measured/<name>`` copies the run's
 trials.csv (only measured rows: COMPLETE and FAIL, no repeats or pruned rows) and adds
-``tokens_per_s_spread`` (autotune.profile.calibrate.throughput_spread of the trial's measured step
+``tokens_per_s_spread`` (autotune.calibration.loop.throughput_spread of the trial's measured step
 times, from trials/<n>/measurement.json) and ``step_times_s``; provenance.json records the command,
 dates, commit and versions.
 """
@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from autotune.profile.calibrate import throughput_spread  # noqa: E402
+from autotune.calibration.loop import throughput_spread  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -22,13 +22,13 @@ norm's backward), and 49 at long sequences (``LONG_ROWS``: seq 1024-4096 on thre
 h = 64, every ZeRO stage x none/full/op, 1 and 2 ranks, mbs 1-2, bf16/fp32; a 64-token vocabulary, where
 the final norm's backward is the peak; Mistral's sliding window at and below the sequence; two rows at
 seq 512/256). Every config runs
-``autotune.profile.worker`` in fresh processes (``python`` for 1 rank, ``torchrun
+``autotune.worker.main`` in fresh processes (``python`` for 1 rank, ``torchrun
 --nproc_per_node 2`` with gloo for 2) with a torch AdamW (fused, like DeepSpeed's FusedAdam)
 passed to ``deepspeed.initialize``, the usual loop (``outputs = engine(**batch);
 engine.backward(outputs.loss); engine.step()``), 2 warm-up and 2 measured optimizer steps.
 
 Measured: the peak tensor bytes from torch.profiler's allocation events (c10's tally made to count
-every thread, ``autotune.profile.cpu_memory.track_all_threads``), the max over the measured optimizer
+every thread, ``autotune.worker.cpu_memory.track_all_threads``), the max over the measured optimizer
 steps (all their micro-steps) and over ranks: what a job runs out of memory at. Predicted:
 ``estimate_memory(..., device="cpu").gpu["peak"]`` for the same model, strategy and data-parallel
 size. Prints every row, then the rows again worst (most under-predicted) first, then the signed
@@ -180,14 +180,14 @@ GRANULARITY_ROWS = [("hf-llama", 2, 2, 2, 2, 256, "attention", "bf16"), ("hf-gpt
                     ("hf-phi3", 3, 2, 1, 2, 256, "mlp", "bf16"), ("hf-gemma2", 0, 1, 4, 2, 256, "attention", "fp32"),
                     ("hf-neox", 2, 1, 1, 4, 128, "attention", "fp32"), ("hf-qwen3", 0, 2, 2, 4, 128, "mlp", "bf16"),
                     ("llama-m", 3, 2, 2, 4, 128, "attention", "bf16"), ("gpt2-s", 1, 1, 2, 2, 256, "mlp", "bf16"),
-                    # op-level selective checkpointing (torchtitan's policy, autotune.checkpointing.op_sac_context)
+                    # op-level selective checkpointing (torchtitan's policy, autotune.models.checkpointing.op_sac_context)
                     ("hf-llama", 0, 1, 2, 2, 256, "op", "bf16"), ("hf-qwen2", 3, 2, 1, 4, 128, "op", "fp32"),
                     ("hf-phi3", 2, 2, 2, 2, 256, "op", "bf16"), ("hf-gpt2", 1, 2, 1, 2, 256, "op", "fp32"),
                     ("hf-gemma2", 2, 1, 2, 2, 256, "op", "bf16"), ("llama-s", 1, 1, 4, 2, 256, "op", "bf16")]
 
 
 # selective checkpointing of HF models (the attention core recomputed: the attention function wrapped
-# through transformers' AttentionInterface, autotune.checkpointing.checkpoint_attention_core)
+# through transformers' AttentionInterface, autotune.models.checkpointing.checkpoint_attention_core)
 SELECTIVE_ROWS = [("hf-llama", 0, 1, 2, 2, 256, "selective", "bf16"), ("hf-qwen3", 2, 2, 1, 4, 128, "selective", "fp32"),
                   ("hf-phi3", 2, 1, 2, 2, 256, "selective", "bf16"), ("hf-gemma2", 0, 2, 1, 2, 256, "selective", "bf16"),
                   ("hf-gpt2", 0, 1, 1, 2, 256, "selective", "fp32"), ("hf-olmo2", 3, 2, 1, 2, 256, "selective", "bf16"),
@@ -198,7 +198,7 @@ SELECTIVE_ROWS = [("hf-llama", 0, 1, 2, 2, 256, "selective", "bf16"), ("hf-qwen3
 EVERY_K_ROWS = [("hf-llama", 2, 2, 1, 2, 256, "full/2", "bf16"), ("llama-m", 0, 1, 2, 2, 128, "op/2", "fp32"),
                 ("hf-qwen3", "fsdp2", 2, 1, 2, 256, "attention/2", "bf16")]
 
-# the fsdp2 engine (autotune.fsdp2.apply: fully_shard per block + root, MixedPrecisionPolicy with
+# the fsdp2 engine (autotune.models.fsdp2.apply: fully_shard per block + root, MixedPrecisionPolicy with
 # param_dtype = precision, AdamW foreach): stage "fsdp2" (reshard_after_forward), "fsdp2-keep"
 # (reshard_after_forward False), "fsdp2-rbf16" (reduce_dtype bf16)
 FSDP2_ROWS = [("llama-s", "fsdp2", 1, 1, 1, 256, "none", "bf16"), ("llama-s", "fsdp2", 2, 2, 2, 256, "none", "bf16"),
@@ -218,7 +218,7 @@ FSDP2_ROWS = [("llama-s", "fsdp2", 1, 1, 1, 256, "none", "bf16"), ("llama-s", "f
 # gradients have moved into the reduce buckets), or in a later micro-step's backward. 8 measured
 # optimizer steps, not 2: the CPU measurement once let gloo's worker thread hold the flat all-reduced
 # copy past the partition's allocation in about 1 reduce in 4 to 1 in 30 (now the worker yields to it,
-# autotune.profile.engines._yield_after_collectives); more steps show that no such step is left
+# autotune.worker.engines._yield_after_collectives); more steps show that no such step is left
 GA_ROWS = [("llama-s", stage, 2, ga, 1, 128, "full" if ga in (1, 4) else "none", prec)
            for stage in (1, 2) for prec in ("fp32", "bf16") for ga in (1, 2, 4, 8)]
 GA_ROWS_STEPS = 8
@@ -321,10 +321,10 @@ def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
     (d / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if row["nproc"] == 1:
-        cmd = [sys.executable, "-m", "autotune.profile.worker", str(d / "job.json")]
+        cmd = [sys.executable, "-m", "autotune.worker.main", str(d / "job.json")]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(row["nproc"]),
-               "--master_port", str(29500 + (hash(str(d)) % 2000)), "-m", "autotune.profile.worker", str(d / "job.json")]
+               "--master_port", str(29500 + (hash(str(d)) % 2000)), "-m", "autotune.worker.main", str(d / "job.json")]
     t0 = time.time()
     out = dict(row)
     try:

@@ -71,8 +71,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from autotune.config import load_config  # noqa: E402
 from autotune.pareto import hypervolume, pareto_front  # noqa: E402
-from autotune.profile.backend import Measurement  # noqa: E402
-from autotune.profile.replay import ReplayBackend  # noqa: E402
+from autotune.backends.base import Measurement  # noqa: E402
+from autotune.backends.replay import ReplayBackend  # noqa: E402
 from autotune.search import run_study, screen  # noqa: E402
 from autotune.space import load_space  # noqa: E402
 from autotune.strategy import Strategy  # noqa: E402
@@ -85,7 +85,7 @@ def _point(m: Measurement) -> Optional[tuple[float, float, float]]:
     """A profiled measurement as (GiB, tokens/s, relative spread; 0 when unknown), None if not ok."""
     if not m.ok:
         return None
-    from autotune.profile.calibrate import throughput_spread
+    from autotune.calibration.loop import throughput_spread
 
     return m.peak_memory_bytes / GIB, m.tokens_per_s_per_gpu, throughput_spread(m) or 0.0
 
@@ -245,8 +245,8 @@ class Targets:
 
 def run_table(label: str, cfg: Any, space: Any, table: str, rows: list, seeds: int, budget: int,
               baseline_budget: int, out: list, earlier: bool = True) -> None:
-    import autotune.sampler as sampler_mod
-    from autotune.profile.calibrate import Calibrator
+    import autotune.samplers.front as sampler_mod
+    from autotune.calibration.loop import Calibrator
 
     headroom = cfg.search.headroom
     ref = (cfg.hardware.gpu.memory_bytes * (1 - headroom) / GIB, 0.0)

@@ -31,9 +31,9 @@ import search_cost as sc  # noqa: E402
 def trajectory(folder: str, trials: int) -> list[dict[str, Any]]:
     """Replay ``folder`` (a data/measured table) through the ehvi tuner for ``trials`` trials; one dict
     per profiled trial."""
-    import autotune.sampler as sampler_mod
-    from autotune.profile.calibrate import Calibrator
-    from autotune.profile.replay import ReplayBackend
+    import autotune.samplers.front as sampler_mod
+    from autotune.calibration.loop import Calibrator
+    from autotune.backends.replay import ReplayBackend
 
     cfg, space, table, rows = sc.load_measured(folder)
     ref = (cfg.hardware.gpu.memory_bytes * (1 - cfg.search.headroom) / sc.GIB, 0.0)

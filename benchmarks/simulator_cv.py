@@ -2,7 +2,7 @@
 
     python benchmarks/simulator_cv.py [--csv PATH] [--k 5] [--seeds 0] [--rows] [--json]
 
-Fits the per-GPU efficiency parameters (autotune.calibration.fit_efficiency) on k-1 folds and
+Fits the per-GPU efficiency parameters (autotune.calibration.fit.fit_efficiency) on k-1 folds and
 predicts tokens_per_s_per_gpu of the held-out fold; reports median / p90 / max absolute relative
 error overall and per GPU (out-of-fold only, never the fit error), then the parameters fitted on
 all rows (the values stored in autotune/presets.py). Rows that are excluded are listed with why.
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autotune.calibration import cross_validate, fit_efficiency, load_llmfoundry_csv  # noqa: E402
+from autotune.calibration.fit import cross_validate, fit_efficiency, load_llmfoundry_csv  # noqa: E402
 
 DEFAULT_CSV = ROOT / "data" / "reference" / "llmfoundry-calibration.csv"
 

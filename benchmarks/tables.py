@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from autotune.config import load_config  # noqa: E402
-from autotune.profile.replay import ReplayBackend  # noqa: E402
+from autotune.backends.replay import ReplayBackend  # noqa: E402
 from autotune.runfiles import CSV_COLUMNS, STRATEGY_COLUMNS  # noqa: E402
 from autotune.simulate import efficiency_params, simulate  # noqa: E402
 from autotune.strategy import Strategy  # noqa: E402

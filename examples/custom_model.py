@@ -1,6 +1,6 @@
 """An example ``model: {python: "custom_model:build_model"}`` factory (see examples/custom-model.yaml).
 
-The contract (autotune.profile.user_models): ``build_model(spec, training) -> (module, batch_fn)``;
+The contract (autotune.models.sources): ``build_model(spec, training) -> (module, batch_fn)``;
 the module is built on the CPU in fp32 (DeepSpeed casts and moves it), ``batch_fn(micro_batch_size,
 seq_len, device)`` returns the keyword arguments of ``module(**batch)``, and the module returns a
 scalar loss (or an object with ``.loss``). ``set_checkpointing(granularity, num_layers)`` is optional:

@@ -15,8 +15,8 @@ import pytest
 
 from autotune.config import load_config
 from autotune.errors import ConfigError
-from autotune.profile.backend import Measurement
-from autotune.profile.calibrate import Calibrator, load_calibration
+from autotune.backends.base import Measurement
+from autotune.calibration.loop import Calibrator, load_calibration
 from autotune.simulate import EFFICIENCY_KEYS, efficiency_params, simulate
 from autotune.strategy import Strategy
 
@@ -141,7 +141,7 @@ def test_memory_is_calibrated_per_family(cfg, truth, tmp_path):
 
 
 def test_spread_is_recorded_and_noise_is_its_median(cfg, truth, tmp_path):
-    from autotune.profile.calibrate import throughput_spread
+    from autotune.calibration.loop import throughput_spread
 
     cal = Calibrator(cfg, str(tmp_path))
     for s, times in zip(STRATEGIES[:3], ([1.0, 1.1, 0.9], [2.0, 2.0, 2.2], [1.0, 1.0, 1.0])):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.calibration import MeasuredRun, cross_validate, fit_efficiency, load_llmfoundry_csv, mpt_model, predict
+from autotune.calibration.fit import MeasuredRun, cross_validate, fit_efficiency, load_llmfoundry_csv, mpt_model, predict
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.simulate import EFFICIENCY_KEYS, default_efficiency, simulate
 from autotune.spec import HardwareSpec, TrainingSpec

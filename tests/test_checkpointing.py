@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import autotune  # noqa: E402
-from autotune.checkpointing import apply_checkpointing  # noqa: E402
+from autotune.models.checkpointing import apply_checkpointing  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -80,7 +80,7 @@ def test_refusals_are_value_errors_that_say_what_to_do():
 
 def test_reference_decoder_uses_its_own_set_checkpointing():
     from autotune.presets import model_from_name
-    from autotune.profile.models import build_model
+    from autotune.models.reference import build_model
 
     model = build_model(model_from_name("tiny-llama"))
     apply_checkpointing(model, "selective", 1)
@@ -187,7 +187,7 @@ def test_module_granularities_keep_gradients_and_save_less(granularity):
     gradients, less saved for backward."""
     transformers = pytest.importorskip("transformers")
     from autotune.presets import model_from_name
-    from autotune.profile.models import build_model
+    from autotune.models.reference import build_model
 
     ids = torch.randint(0, 128, (2, 16))
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

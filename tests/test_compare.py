@@ -189,7 +189,7 @@ def test_baseline_seeds_are_enqueued_first(runs):
     import optuna
 
     from autotune.config import load_config
-    from autotune.profile.backend import SimulateBackend
+    from autotune.backends.base import SimulateBackend
     from autotune.search import run_study, trial_strategy
     from autotune.space import load_space
 

@@ -94,7 +94,7 @@ def test_hf_selective_checkpointing_is_searched_and_says_how_to_apply_it(tmp_pat
 
     rows = list(csv.DictReader(open(tmp_path / "runs" / "hf" / "trials.csv")))
     selective = [r for r in rows if r["checkpointing"] == "selective"]
-    # Hugging Face models take selective checkpointing (autotune.checkpointing.checkpoint_attention_core)
+    # Hugging Face models take selective checkpointing (autotune.models.checkpointing.checkpoint_attention_core)
     assert selective and any(r["state"] == "COMPLETE" for r in selective)
     assert not any("Hugging Face" in (r["prune_reason"] or "") for r in rows)
     listed = [q for p in front["front"] for q in (p, *p["equivalents"])]
@@ -160,7 +160,7 @@ def test_no_user_visible_text_speaks_project_jargon():
     texts = [build_parser().format_help()]
     for sub in build_parser()._subparsers._group_actions[0].choices.values():
         texts.append(sub.format_help())
-    from autotune import snapshot
+    from autotune.worker import snapshot
 
     texts += [cause + remedy for cause, remedy in snapshot.OOM_ADVICE.values()]
     assert not any("the seed" in t.lower() for t in texts)

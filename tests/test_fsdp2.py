@@ -1,4 +1,4 @@
-"""autotune.fsdp2: a real fully_shard on a 1-process gloo group (CPU), real training steps, and the
+"""autotune.models.fsdp2: a real fully_shard on a 1-process gloo group (CPU), real training steps, and the
 ready-to-paste snippet (compiled, and executed on the same group)."""
 
 import math
@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import autotune  # noqa: E402
-from autotune import fsdp2  # noqa: E402
+from autotune.models import fsdp2  # noqa: E402
 from autotune.presets import gpu_from_name  # noqa: E402
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec  # noqa: E402
 from autotune.strategy import Strategy  # noqa: E402
@@ -21,7 +21,7 @@ TRAINING = TrainingSpec(seq_len=32, global_batch_size=4)
 
 
 def _model():
-    from autotune.profile.models import build_model, synthetic_batch
+    from autotune.models.reference import build_model, synthetic_batch
 
     torch.manual_seed(0)
     model = build_model(TINY)

@@ -15,7 +15,7 @@ import optuna
 import pytest
 
 from autotune.config import load_config
-from autotune.profile.backend import SimulateBackend
+from autotune.backends.base import SimulateBackend
 from autotune.search import run_study
 from autotune.space import load_space
 from autotune.storage import make_storage

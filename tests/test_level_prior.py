@@ -1,5 +1,5 @@
 """No level is trusted unmeasured (issue 22): each level of each categorical knob has its own offset in
-the ehvi sampler's residual model (autotune._levels), and the stopping rule does not call a front
+the ehvi sampler's residual model (autotune.samplers._levels), and the stopping rule does not call a front
 stable while a level that could reach it was never measured."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from autotune import _levels
-from autotune.sampler import gp_posterior
+from autotune.samplers import _levels
+from autotune.samplers.front import gp_posterior
 from autotune.strategy import Strategy, knob_choices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,8 +69,8 @@ def test_a_mispredicted_level_is_measured_and_never_called_stable_unmeasured(mis
     from search_cost import load_measured
 
     from autotune.pareto import hypervolume
-    from autotune.profile.calibrate import Calibrator
-    from autotune.profile.replay import ReplayBackend
+    from autotune.calibration.loop import Calibrator
+    from autotune.backends.replay import ReplayBackend
     from autotune.search import run_study, trial_strategy
 
     cfg, space, table, rows = load_measured(misstated)

@@ -31,7 +31,7 @@ LLAMA = dict(name="tiny-llama-192", num_hidden_layers=4, hidden_size=192, num_at
 
 @pytest.mark.parametrize("spec", [GPT2, LLAMA, dict(LLAMA, bias=True, norm="layernorm", tie_word_embeddings=True)])
 def test_parameter_order_is_the_reference_decoders(spec):
-    from autotune.profile.models import build_model
+    from autotune.models.reference import build_model
 
     m = ModelSpec(**spec)
     with torch.device("meta"):
@@ -105,8 +105,8 @@ def test_cpu_zero3_reduce_scatter_copy_only_on_cpu():
 def _measure(tmp_path: Path, model: dict, seq: int, strategy: Strategy, nproc: int = 2) -> int:
     """The worst step of the worst rank, global batch 16 (gradient accumulation 8 at mbs 1, as the
     measured tables ran)."""
-    from autotune.profile.launch import free_port
-    from autotune.profile.worker import result_path_for_rank
+    from autotune.backends.launch import free_port
+    from autotune.worker.main import result_path_for_rank
 
     job = {"model": model, "training": {"seq_len": seq, "global_batch_size": 16, "precision": "fp32"},
            "strategy": strategy.as_dict(), "warmup_steps": 2, "measure_steps": 2, "device": "cpu",
@@ -115,7 +115,7 @@ def _measure(tmp_path: Path, model: dict, seq: int, strategy: Strategy, nproc: i
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), "-m", "autotune.profile.worker", str(tmp_path / "job.json")]
+           str(free_port()), "-m", "autotune.worker.main", str(tmp_path / "job.json")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     path = result_path_for_rank(tmp_path / "result.json", 0)
     assert path.exists(), proc.stderr[-3000:]
@@ -149,7 +149,7 @@ def test_quiet_tables_recomputed(table):
     import csv
 
     from autotune.config import load_config
-    from autotune.profile.replay import STRATEGY_FIELDS, _cell
+    from autotune.backends.replay import STRATEGY_FIELDS, _cell
     from autotune.spec import GIB
 
     d = Path(ROOT) / "data" / "measured" / table

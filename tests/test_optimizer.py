@@ -130,8 +130,8 @@ TINY = ModelSpec(name="tiny", num_hidden_layers=2, hidden_size=64, num_attention
 def test_fsdp2_snippet_builds_and_clips_with_the_jobs_optimizer(group, optimizer):
     import torch
 
-    from autotune import fsdp2
-    from autotune.profile.models import build_model, synthetic_batch
+    from autotune.models import fsdp2
+    from autotune.models.reference import build_model, synthetic_batch
 
     training = TrainingSpec(seq_len=16, global_batch_size=2, optimizer=OptimizerSpec(**optimizer))
     layout = to_fsdp2_config(Strategy(engine="fsdp2", micro_batch_size=2), TINY, training,
@@ -157,7 +157,7 @@ def test_fsdp2_snippet_builds_and_clips_with_the_jobs_optimizer(group, optimizer
 
 
 def test_layout_with_a_foreign_optimizer_is_refused():
-    from autotune import fsdp2
+    from autotune.models import fsdp2
 
     layout = to_fsdp2_config(Strategy(engine="fsdp2"), MODEL, _training({}), HW8)
     with pytest.raises(ValueError, match="optimizer type"):
@@ -192,7 +192,7 @@ def _run_worker(tmp_path: Path, strategy: Strategy, optimizer: dict) -> dict:
     (tmp_path / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "autotune.profile.worker", str(tmp_path / "job.json")], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "autotune.worker.main", str(tmp_path / "job.json")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=180)
     assert (tmp_path / "result.json").exists(), proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
@@ -218,7 +218,7 @@ def test_worker_engines_train_with_the_jobs_optimizer(tmp_path, strategy, optimi
 def test_the_deepspeed_workers_torch_optimizer_reads_the_configs_section(optimizer):
     """On CPU the DeepSpeed engine gets a torch optimizer built from the config's optimizer section
     (which a profile's ds_config_overrides may change): the job's, as DeepSpeed itself reads it."""
-    from autotune.profile.engines import torch_optimizer_of
+    from autotune.worker.engines import torch_optimizer_of
 
     spec = OptimizerSpec(**optimizer)
     ds = to_deepspeed_config(Strategy(zero_stage=1), MODEL, _training(optimizer), HW8)

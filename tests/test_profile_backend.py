@@ -17,8 +17,8 @@ import time
 import pytest
 
 from autotune.config import load_config
-from autotune.profile.factory import make_backend
-from autotune.profile.launch import LaunchResult, _BoundedPump, alive, build_command, failure_of, launch
+from autotune.backends.factory import make_backend
+from autotune.backends.launch import LaunchResult, _BoundedPump, alive, build_command, failure_of, launch
 from autotune.strategy import Strategy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +35,7 @@ def tiny_cfg(nproc: int = 1, *, timeout_s: float = 120.0, launcher: str = "torch
 
 
 def backend(cfg, tmp_path, **kw):
-    from autotune.profile.deepspeed_backend import DeepSpeedBackend
+    from autotune.backends.profiled import DeepSpeedBackend
 
     return DeepSpeedBackend(cfg, str(tmp_path / "run"), device="cpu", **kw)
 
@@ -58,7 +58,7 @@ def assert_nothing_left(m_or_res) -> None:
 
 
 def test_make_backend_profile_does_not_import_torch():
-    code = ("import sys, autotune.cli, autotune.profile.factory as b; from autotune.config import load_config; "
+    code = ("import sys, autotune.cli, autotune.backends.factory as b; from autotune.config import load_config; "
             f"b.make_backend('profile', load_config({TINY!r}), '/tmp/x'); "
             "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
@@ -76,7 +76,7 @@ def test_make_backend_unknown_and_replay_without_csv():
 
 def test_profile_is_the_engine_neutral_name_and_an_fsdp2_job_has_no_deepspeed_config(tmp_path):
     from autotune.config import BACKENDS
-    from autotune.profile.deepspeed_backend import DeepSpeedBackend
+    from autotune.backends.profiled import DeepSpeedBackend
 
     assert BACKENDS == ("simulate", "profile", "replay")
     cfg = load_config(TINY)
@@ -116,8 +116,8 @@ def test_profile_backend_deepspeed_in_a_job_file_is_refused_naming_the_key(tmp_p
 def test_capabilities_not_names_decide(tmp_path):
     """The auto sampler, the in-memory study, the outputs' 'predicted' and the install check read the
     backend's class attributes: a backend of another name that measures gets ehvi."""
-    from autotune.profile.backend import Backend, SimulateBackend
-    from autotune.profile.factory import backend_class
+    from autotune.backends.base import Backend, SimulateBackend
+    from autotune.backends.factory import backend_class
     from autotune.search import run_study
     from autotune.space import space_for
 
@@ -152,7 +152,7 @@ def test_capabilities_not_names_decide(tmp_path):
 def test_build_command_launchers():
     cmd = build_command("torchrun", 2, "/j/job.json")
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    assert cmd[-3:] == ["-m", "autotune.profile.launch", "/j/job.json"]
+    assert cmd[-3:] == ["-m", "autotune.backends.launch", "/j/job.json"]
     ds = build_command("deepspeed", 4, "/j/job.json", master_port=1234)
     assert ["--num_gpus", "4"] == ds[ds.index("--num_gpus"):ds.index("--num_gpus") + 2]
     assert ds[ds.index("--hostfile") + 1] == os.devnull  # one node: never /job/hostfile, no ssh
@@ -271,7 +271,7 @@ def test_relative_run_dir_from_another_working_directory(tmp_path, monkeypatch):
             json.dump({"status": "error", "reason": "fake worker reached its result path"}, fh)
     """)
     monkeypatch.chdir(tmp_path)
-    from autotune.profile.deepspeed_backend import DeepSpeedBackend
+    from autotune.backends.profiled import DeepSpeedBackend
 
     m = DeepSpeedBackend(tiny_cfg(1, timeout_s=60), "runs/rel", device="cpu", worker_entry=entry).evaluate(
         Strategy(micro_batch_size=4))

@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-import autotune.profile.worker as worker
+import autotune.worker.main as worker
 from autotune.config import load_config
-from autotune.profile.deepspeed_backend import DeepSpeedBackend
-from autotune.profile.protocol import WorkerJob, WorkerResult
+from autotune.backends.profiled import DeepSpeedBackend
+from autotune.worker.protocol import WorkerJob, WorkerResult
 from autotune.strategy import Strategy
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from autotune.config import load_config
 from autotune.errors import ConfigError
-from autotune.profile.factory import make_backend
-from autotune.profile.replay import ReplayBackend
+from autotune.backends.factory import make_backend
+from autotune.backends.replay import ReplayBackend
 from autotune.strategy import Strategy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,7 +125,7 @@ def test_replays_a_real_trials_csv(tmp_path):
     pytest.importorskip("autotune.memory", reason="memory model not in this checkout yet")
     from autotune.output import write_outputs
     from autotune.runfiles import STRATEGY_COLUMNS as OUT_COLUMNS
-    from autotune.profile.backend import SimulateBackend
+    from autotune.backends.base import SimulateBackend
     from autotune.search import run_study, trial_strategy
     from autotune.space import load_space
 

@@ -214,10 +214,10 @@ def test_chromium_check_catches_console_errors_and_missing_points(run, tmp_path)
     assert result["points"] == 0
 
 
-# ---------------------------------------------------------------- memory snapshots (autotune.snapshot)
+# ---------------------------------------------------------------- memory snapshots (autotune.worker.snapshot)
 
 def test_oom_note_follows_the_seed_table():
-    from autotune.snapshot import oom_note
+    from autotune.worker.snapshot import oom_note
 
     assert oom_note("init").startswith("OOM in init: the model states do not fit") and "ZeRO-3" in oom_note("init")
     assert "activation checkpointing" in oom_note("forward")
@@ -226,7 +226,7 @@ def test_oom_note_follows_the_seed_table():
 
 
 def test_snapshot_module_does_not_import_torch():
-    code = "import sys, autotune.snapshot; assert 'torch' not in sys.modules"
+    code = "import sys, autotune.worker.snapshot; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
@@ -241,7 +241,7 @@ def _cuda():
 def test_snapshot_is_a_no_op_without_cuda(tmp_path):
     if _cuda():
         pytest.skip("CUDA present: covered by the CUDA test")
-    from autotune.snapshot import memory_snapshot
+    from autotune.worker.snapshot import memory_snapshot
 
     with memory_snapshot(str(tmp_path / "s.pickle")) as info:
         pass
@@ -252,7 +252,7 @@ def test_snapshot_is_a_no_op_without_cuda(tmp_path):
 def test_snapshot_records_allocations_and_survives_oom(tmp_path):
     import torch
 
-    from autotune.snapshot import memory_snapshot, summarize
+    from autotune.worker.snapshot import memory_snapshot, summarize
 
     path = str(tmp_path / "s.pickle")
     with memory_snapshot(path) as info:

@@ -62,7 +62,7 @@ def test_a_failed_trial_keeps_its_status_through_trials_csv(tmp_path):
 
     from autotune.config import load_config
     from autotune.output import collect_rows, failure_summary, write_outputs
-    from autotune.profile.replay import ReplayBackend
+    from autotune.backends.replay import ReplayBackend
     from autotune.search import run_study
     from autotune.space import load_space
 

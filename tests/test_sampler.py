@@ -1,4 +1,4 @@
-"""The ehvi sampler (autotune/sampler.py): closed-form EHVI, the choice it makes, stopping, resume."""
+"""The ehvi sampler (autotune/samplers/front.py): closed-form EHVI, the choice it makes, stopping, resume."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from autotune.config import load_config
 from autotune.pareto import hypervolume as hv_pareto
-from autotune.profile.backend import SimulateBackend
-from autotune.sampler import (FrontSampler, _staircase_area, expected_hvi, expected_remaining_gain, gp_posterior,
+from autotune.backends.base import SimulateBackend
+from autotune.samplers.front import (FrontSampler, _staircase_area, expected_hvi, expected_remaining_gain, gp_posterior,
                               hypervolume)
 from autotune.search import run_study, screen, trial_strategy
 from autotune.space import load_space
@@ -162,7 +162,7 @@ def test_resume_keeps_the_measurements_and_never_reprofiles(job, tmp_path):
 def test_auto_is_ehvi_for_profiling_backends_and_nsga2_for_simulate(job, tmp_path):
     import optuna
 
-    from autotune.profile.replay import ReplayBackend
+    from autotune.backends.replay import ReplayBackend
 
     cfg, space = job
     sim = run_study(cfg, space, SimulateBackend(cfg.model, cfg.training, cfg.hardware), storage=None,

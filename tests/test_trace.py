@@ -193,7 +193,7 @@ def test_hf_llama_gqa_trace_matches_the_analytic_saved_activations(tmp_path):
 
 
 def test_hf_selective_trace_recomputes_the_attention_core_and_matches_the_analytic(tmp_path):
-    """selective on an HF model in the traced tier (autotune.checkpointing.checkpoint_attention_core):
+    """selective on an HF model in the traced tier (autotune.models.checkpointing.checkpoint_attention_core):
     the checkpointed layer's attention core runs again in backward, the others do not, and the
     saved activations agree with the analytic model."""
     pytest.importorskip("transformers")

@@ -111,7 +111,7 @@ def test_profile_backend_without_torch_names_it(monkeypatch):
 
 
 def test_a_crash_names_the_exception_from_the_log(tmp_path):
-    from autotune.profile.launch import LaunchResult, failure_of
+    from autotune.backends.launch import LaunchResult, failure_of
 
     (tmp_path / "stderr.log").write_text(
         "Traceback (most recent call last):\n  File \"<frozen runpy>\", line 189, in _run_module_as_main\n"

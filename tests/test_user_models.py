@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from autotune.config import load_config  # noqa: E402
-from autotune.profile.user_models import (  # noqa: E402
+from autotune.models.sources import (  # noqa: E402
     UserModelError, build_factory_model, build_for_job, is_oom, load_factory, loss_of, set_checkpointing)
 from autotune.spec import ModelSpec, TrainingSpec  # noqa: E402
 from autotune.strategy import Strategy  # noqa: E402
@@ -182,7 +182,7 @@ def test_hf_source_from_config_with_partial_checkpointing(tmp_path):
 
 def _backend(cfg, tmp_path, **kw):
     pytest.importorskip("deepspeed")
-    from autotune.profile.deepspeed_backend import DeepSpeedBackend
+    from autotune.backends.profiled import DeepSpeedBackend
 
     cfg = dataclasses.replace(cfg, profile=dataclasses.replace(cfg.profile, timeout_s=120, warmup_steps=1,
                                                                measure_steps=2))
@@ -230,7 +230,7 @@ def test_hf_llama_from_config_through_deepspeed(tmp_path):
 
 
 def test_job_for_carries_model_source_and_snapshot_only_for_the_chosen_trial(tmp_path):
-    from autotune.profile.deepspeed_backend import DeepSpeedBackend
+    from autotune.backends.profiled import DeepSpeedBackend
 
     cfg = load_config(EXAMPLE)
     be = DeepSpeedBackend(cfg, str(tmp_path / "run"), device="cpu", snapshot_trial=3)
@@ -247,7 +247,7 @@ def test_job_for_carries_model_source_and_snapshot_only_for_the_chosen_trial(tmp
 @pytest.mark.slow
 def test_cli_run_snapshot_option_reaches_the_trial_worker(tmp_path):
     """`autotune run --backend profile --snapshot 0`: trial 0's job asks for the snapshot; on the
-    CPU the worker notes that it wrote none (the CUDA path is autotune.snapshot.memory_snapshot)."""
+    CPU the worker notes that it wrote none (the CUDA path is autotune.worker.snapshot.memory_snapshot)."""
     import subprocess
 
     cmd = [sys.executable, "-m", "autotune.cli", "run", EXAMPLE, "--backend", "profile", "--trials", "1",

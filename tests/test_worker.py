@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autotune.memory import estimate_memory
-from autotune.profile.launch import free_port, kill_launch
+from autotune.backends.launch import free_port, kill_launch
 from autotune.presets import gpu_from_name
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -30,12 +30,12 @@ def _run(tmp_path: Path, job: dict, nproc: int = 1, timeout: float = 120) -> lis
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if nproc == 1:
-        cmd = [sys.executable, "-m", "autotune.profile.worker", str(tmp_path / "job.json")]
+        cmd = [sys.executable, "-m", "autotune.worker.main", str(tmp_path / "job.json")]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), "-m", "autotune.profile.worker", str(tmp_path / "job.json")]
+               str(free_port()), "-m", "autotune.worker.main", str(tmp_path / "job.json")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    from autotune.profile.worker import result_path_for_rank
+    from autotune.worker.main import result_path_for_rank
 
     out = []
     for r in range(nproc):
@@ -103,7 +103,7 @@ def test_zero3_two_processes_matches_model(tmp_path):
 
 
 def test_live_totals_drop_blocks_freed_on_unprofiled_threads():
-    from autotune.profile.cpu_memory import live_totals as _live_totals
+    from autotune.worker.cpu_memory import live_totals as _live_totals
 
     # 100 B at address 1 is freed on a thread the profiler does not see (no event); the allocator
     # then hands address 1 out again: the old block must not be counted twice
@@ -212,10 +212,10 @@ def test_fsdp2_hybrid_over_two_nodes_replicates_the_states(tmp_path):
     logs = [tmp_path / f"agent{n}.log" for n in (0, 1)]
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
                                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
-                               "-m", "autotune.profile.worker", str(tmp_path / "job.json")],
+                               "-m", "autotune.worker.main", str(tmp_path / "job.json")],
                               cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
              for n, log in zip((0, 1), logs)]
-    from autotune.profile.worker import result_path_for_rank
+    from autotune.worker.main import result_path_for_rank
 
     results = [result_path_for_rank(tmp_path / "result.json", r) for r in (0, 1)]
     deadline = time.monotonic() + 240
@@ -248,7 +248,7 @@ def test_reference_model_parameter_count_is_exact(preset):
     import torch
 
     from autotune.presets import model_from_name
-    from autotune.profile.models import build_model, count_parameters, synthetic_batch
+    from autotune.models.reference import build_model, count_parameters, synthetic_batch
 
     full = model_from_name(preset)
     gqa = full.num_key_value_heads < full.num_attention_heads
@@ -268,7 +268,7 @@ def test_reference_model_parameter_count_is_exact(preset):
 def test_checkpointing_keeps_loss_and_gradients(granularity):
     import torch
 
-    from autotune.profile.models import build_model, synthetic_batch
+    from autotune.models.reference import build_model, synthetic_batch
 
     spec = ModelSpec(**TINY).replace(attn_implementation="eager")
     torch.manual_seed(0)
@@ -310,7 +310,7 @@ def test_cpu_collectives_give_gloos_thread_a_moment_once_and_only_when_blocking(
     import time
     import types
 
-    from autotune.profile.engines import _yield_after_collectives
+    from autotune.worker.engines import _yield_after_collectives
 
     calls, sleeps = [], []
     monkeypatch.setattr(time, "sleep", sleeps.append)

@@ -1,4 +1,4 @@
-"""The profile-backend interface and the ``simulate`` backend (the factory is profile/factory.py).
+"""The profile-backend interface and the ``simulate`` backend (the factory is backends/factory.py).
 
 A backend turns one strategy into a Measurement: the peak GPU memory and the throughput it
 measured (or, for ``simulate``, predicted). The search only talks to this interface.
@@ -62,9 +62,9 @@ class Measurement:
 
 class Backend:
     """Measures one strategy. Implementations: SimulateBackend here; DeepSpeedBackend (profile) and
-    ReplayBackend in profile/. What a backend can do is said by its class attributes below; the
+    ReplayBackend in backends/. What a backend can do is said by its class attributes below; the
     search, the run directory, the outputs and the report read these, never the backend's name
-    (profile/factory.py is the one place that maps names to classes)."""
+    (backends/factory.py is the one place that maps names to classes)."""
 
     name: ClassVar[str] = ""
     """The name a job file or ``--backend`` gives it (profile.backend)."""

@@ -2,7 +2,7 @@
 say what it can do (heavy backends are imported only when chosen).
 
 This module is the one place that knows the backends' names; everything else reads the class
-attributes of autotune.profile.backend.Backend. Kept apart from profile/backend.py, the interface
+attributes of autotune.backends.base.Backend. Kept apart from backends/base.py, the interface
 every backend imports, so that the interface does not import its implementations.
 """
 
@@ -12,12 +12,12 @@ import importlib
 from typing import Optional
 
 from autotune.config import Config, check_backend
-from autotune.profile.backend import Backend, SimulateBackend
+from autotune.backends.base import Backend, SimulateBackend
 
 BACKEND_CLASSES: dict[str, str] = {
-    "simulate": "autotune.profile.backend:SimulateBackend",
-    "replay": "autotune.profile.replay:ReplayBackend",
-    "profile": "autotune.profile.deepspeed_backend:DeepSpeedBackend",
+    "simulate": "autotune.backends.base:SimulateBackend",
+    "replay": "autotune.backends.replay:ReplayBackend",
+    "profile": "autotune.backends.profiled:DeepSpeedBackend",
 }
 """Backend name (config.BACKENDS) -> ``module:class``; the modules import no torch (the profile
 backend's workers do, in their own processes)."""
@@ -39,7 +39,7 @@ def make_backend(name: str, cfg: Config, run_dir: str, params: Optional[dict] = 
     if cls is SimulateBackend:
         return SimulateBackend(cfg.model, cfg.training, cfg.hardware, params)
     from autotune.errors import ConfigError
-    from autotune.profile.calibrate import Calibrator
+    from autotune.calibration.loop import Calibrator
 
     if name == "replay":
         if not cfg.profile.replay_csv:
@@ -47,7 +47,7 @@ def make_backend(name: str, cfg: Config, run_dir: str, params: Optional[dict] = 
         # the profiling loop's test double: the same calibrator as the profile backend
         return cls(cfg.profile.replay_csv, cfg, calibrator=Calibrator(cfg, run_dir, initial=params))
     # Imports only the launcher side here; torch and deepspeed load in the launched workers.
-    from autotune.profile.deepspeed_backend import default_memory_limit
+    from autotune.backends.profiled import default_memory_limit
 
     return cls(cfg, run_dir, memory_limit_bytes=default_memory_limit(), params=params,
                calibrator=Calibrator(cfg, run_dir, initial=params))

@@ -3,14 +3,14 @@
 ``launch(job_path, nproc=N, ...)`` runs::
 
     python -m torch.distributed.run --standalone --nproc_per_node N \\
-        -m autotune.profile.launch JOB.json            # launcher "torchrun" (one node)
+        -m autotune.backends.launch JOB.json            # launcher "torchrun" (one node)
     python -m deepspeed.launcher.runner --num_gpus N --master_port P --no_local_rank \\
-        --module autotune.profile.launch JOB.json      # launcher "deepspeed" (one node: no pdsh/ssh)
+        --module autotune.backends.launch JOB.json      # launcher "deepspeed" (one node: no pdsh/ssh)
     ... --hostfile H --num_nodes K --master_addr A      # launcher "deepspeed", several nodes
 
 in a new session (``start_new_session=True``, so the launcher is the leader of its own process
-group). Each rank runs this module's *rank shim* (``python -m autotune.profile.launch JOB.json``,
-stdlib only), which starts the real worker ``python -m autotune.profile.worker JOB.json`` as its
+group). Each rank runs this module's *rank shim* (``python -m autotune.backends.launch JOB.json``,
+stdlib only), which starts the real worker ``python -m autotune.worker JOB.json`` as its
 child (with the optional address-space limit set by ``resource.setrlimit(RLIMIT_AS)`` in a
 ``preexec_fn`` and PR_SET_PDEATHSIG so it dies with the shim), then writes the worker's exit
 status to ``exit.rank<r>.json``. That is where a crash's reason comes from: torchrun itself only
@@ -26,7 +26,7 @@ Logs: stdout/stderr of all ranks go to ``stdout.log`` / ``stderr.log`` (first an
 
 Failure is data: :func:`failure_of` turns the per-rank result and exit JSON, the launcher's exit status
 and the timeout flag into ``(status, reason)``; a rank dead without a result adds its log's last
-exception line (autotune.profile.logs).
+exception line (autotune.backends.logs).
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from autotune.profile.logs import last_error_line
+from autotune.backends.logs import last_error_line
 
 LAUNCH_ENV = "AUTOTUNE_LAUNCH_ID"
 MEMORY_ENV = "AUTOTUNE_WORKER_RLIMIT_AS"
 ENTRY_ENV = "AUTOTUNE_WORKER_ENTRY"
 """Test hook: the shim runs ``python <this script> JOB.json`` instead of the worker module."""
 LOG_LIMIT_BYTES = 1 << 20
-WORKER_MODULE = "autotune.profile.worker"
+WORKER_MODULE = "autotune.worker"
 
 _LIVE: dict[str, "subprocess.Popen[bytes]"] = {}
 _LIVE_LOCK = threading.Lock()
@@ -73,7 +73,7 @@ class LaunchResult:
     elapsed_s: float
     log_dir: str
     results: dict[int, dict] = field(default_factory=dict)
-    """rank -> result JSON written by the worker (autotune.profile.worker docstring)."""
+    """rank -> result JSON written by the worker (autotune.worker.main docstring)."""
     exits: dict[int, dict] = field(default_factory=dict)
     """rank -> {"returncode": int, "signal": name|None} written by the rank shim."""
     aborted: str = ""
@@ -159,7 +159,7 @@ def build_command(launcher: str, nproc: int, job_path: str, *, num_nodes: int = 
     """The launcher command line that runs the rank shim on ``nproc`` processes per node."""
     if nproc < 1 or num_nodes < 1:
         raise ValueError(f"need nproc >= 1 and num_nodes >= 1, but got {nproc} and {num_nodes}")
-    shim = ["autotune.profile.launch", str(job_path)]
+    shim = ["autotune.backends.launch", str(job_path)]
     if launcher == "torchrun":
         if num_nodes > 1:
             raise ValueError("launcher torchrun runs one node here; use launcher deepspeed with a hostfile")
@@ -344,7 +344,7 @@ def job_result_path(job_path: Path, job: dict) -> Path:
 
 
 def rank_file(result_path: Path, kind: str, rank: int) -> Path:
-    """Rank ``rank``'s result file (as autotune.profile.worker names it) or the shim's exit file."""
+    """Rank ``rank``'s result file (as autotune.worker.main names it) or the shim's exit file."""
     if kind == "exit":
         return result_path.with_name(f"exit.rank{rank}.json")
     return result_path if rank == 0 else result_path.with_name(f"{result_path.stem}.rank{rank}{result_path.suffix}")
@@ -465,7 +465,7 @@ def _worker_preexec(limit: Optional[int]):
 def shim_main(argv: Sequence[str]) -> int:
     """One rank: run the worker as a child, forward SIGTERM/SIGINT, record how it exited."""
     if len(argv) != 1:
-        print("usage: python -m autotune.profile.launch JOB.json", file=sys.stderr)
+        print("usage: python -m autotune.backends.launch JOB.json", file=sys.stderr)
         return 2
     _set_pdeathsig(signal.SIGTERM)
     if os.getppid() == 1:  # the launcher died before prctl took effect

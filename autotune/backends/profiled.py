@@ -1,9 +1,9 @@
 """The ``profile`` backend: every candidate is trained for real, in its own launched process group,
-with the strategy's engine (DeepSpeed, or FSDP2's ``fully_shard``: autotune.profile.worker picks it
+with the strategy's engine (DeepSpeed, or FSDP2's ``fully_shard``: autotune.worker.main picks it
 from ``strategy.engine``; an fsdp2 job carries no DeepSpeed config).
 
 ``DeepSpeedBackend(cfg, run_dir).evaluate(strategy)`` writes ``runs/<name>/trials/<n>/job.json``
-(the schema of autotune.profile.worker), launches it through autotune.profile.launch (torchrun or
+(the schema of autotune.worker.main), launches it through autotune.backends.launch (torchrun or
 DeepSpeed's launcher, ``hardware.gpus_per_node`` ranks; on a CPU-only machine the same number of
 ranks over gloo), and turns the per-rank results into a Measurement:
 
@@ -18,10 +18,10 @@ ranks over gloo), and turns the per-rank results into a Measurement:
   directory, reserved bytes, the phase of the peak or of the OOM, per-rank peaks, losses.
 
 Failures (oom, nan, crash, timeout, error) come from the structured results and exit statuses
-(autotune.profile.launch.failure_of); the logs stay under the trial directory.
+(autotune.backends.launch.failure_of); the logs stay under the trial directory.
 
 The job names the model source (``hf_config`` or ``model_factory`` + ``python_path`` from the config,
-see autotune.profile.user_models) and, for trial ``snapshot_trial`` (``--snapshot TRIAL``), the path
+see autotune.models.sources) and, for trial ``snapshot_trial`` (``--snapshot TRIAL``), the path
 of the CUDA memory snapshot (``trials/<n>/memory_snapshot.pickle``); the worker's notes, model source
 and snapshot path are copied into ``extra``.
 """
@@ -34,10 +34,10 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from autotune.profile.backend import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Backend, Measurement
+from autotune.backends.base import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Backend, Measurement
 from autotune.config import Config
-from autotune.profile.launch import LaunchResult, failure_of, launch
-from autotune.profile.protocol import WorkerJob, WorkerResult
+from autotune.backends.launch import LaunchResult, failure_of, launch
+from autotune.worker.protocol import WorkerJob, WorkerResult
 from autotune.strategy import Strategy
 from autotune.engine_configs import to_deepspeed_config
 
@@ -72,9 +72,9 @@ class DeepSpeedBackend(Backend):
         self.params = params
         """Simulator efficiency parameters for the predicted tokens/s (None: the GPU preset's)."""
         self.calibrator = calibrator
-        """Optional autotune.profile.calibrate.Calibrator fed with every measurement."""
+        """Optional autotune.calibration.loop.Calibrator fed with every measurement."""
         self.worker_entry = worker_entry
-        """Test hook: a Python script run by each rank instead of autotune.profile.worker."""
+        """Test hook: a Python script run by each rank instead of autotune.worker.main."""
         self.ds_config_overrides = ds_config_overrides or {}
         """Deep-merged into the generated DeepSpeed config (e.g. the optimizer's learning rate)."""
         self.snapshot_trial = snapshot_trial
@@ -110,7 +110,7 @@ class DeepSpeedBackend(Backend):
             source = {"hf_config": os.path.abspath(cfg.hf_config)}
         snapshot = None
         if self.snapshot_trial is not None and trial_number == self.snapshot_trial:
-            from autotune.snapshot import SNAPSHOT_FILE
+            from autotune.worker.snapshot import SNAPSHOT_FILE
 
             snapshot = str(trial_dir / SNAPSHOT_FILE)
         return WorkerJob(

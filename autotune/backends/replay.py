@@ -9,7 +9,7 @@ from its ``fail_reason``; PRUNED rows and rows marked ``duplicate_of`` were
 never measured and are skipped. A strategy with no measured row answers
 ``Measurement(status="error", reason="not in replay table")``. The first measured row of a strategy
 wins, so the answers are deterministic. An optional ``tokens_per_s_spread`` column (relative
-step-to-step spread of the measured throughput, see autotune.profile.calibrate.throughput_spread)
+step-to-step spread of the measured throughput, see autotune.calibration.loop.throughput_spread)
 is passed on in ``extra``.
 
 Replay is the profiling loop's test double: ``make_backend("replay", ...)`` gives it the same
@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from autotune.config import Config
 from autotune.errors import ConfigError
-from autotune.profile.backend import FAIL_STATUSES, Backend, Measurement, fail_detail
+from autotune.backends.base import FAIL_STATUSES, Backend, Measurement, fail_detail
 from autotune.runfiles import ADDED_KNOBS, fail_status_of, knob_value
 from autotune.spec import GIB
 from autotune.strategy import Strategy, knob_choices
@@ -68,7 +68,7 @@ class ReplayBackend(Backend):
         self.csv_path = csv_path
         self.cfg = cfg
         self.calibrator = calibrator
-        """Optional autotune.profile.calibrate.Calibrator fed with every answer (as DeepSpeedBackend)."""
+        """Optional autotune.calibration.loop.Calibrator fed with every answer (as DeepSpeedBackend)."""
         self.columns: list[str] = list(REQUIRED_COLUMNS)
         self.table: dict[tuple, Measurement] = {}
         self.calls = 0

@@ -6,7 +6,7 @@ simulator's efficiency parameters from the measured trials.
 * ``add(strategy, measurement)`` records the trial with the prediction made *before* it was
   measured (memory model peak and simulated tokens/s with the parameters current at that time, so
   the reported errors are out-of-sample), then re-fits the parameters on every ``ok`` trial so far
-  with ``autotune.calibration.fit_efficiency`` (MAP fit with a prior towards the GPU preset's
+  with ``autotune.calibration.fit.fit_efficiency`` (MAP fit with a prior towards the GPU preset's
   parameters, or ``initial``);
 * ``current_params()`` is the dict to pass to ``simulate(..., params=...)`` for the candidates not
   yet profiled;
@@ -43,7 +43,7 @@ from autotune.strategy import Strategy
 FILE_NAME = "calibration.json"
 FORMAT_VERSION = 2
 FAST_NFEV = 6
-"""Trust-region steps of one incremental re-fit (see autotune.calibration.fit_efficiency)."""
+"""Trust-region steps of one incremental re-fit (see autotune.calibration.fit.fit_efficiency)."""
 
 
 def family(strategy: Strategy) -> tuple:
@@ -113,7 +113,7 @@ class Calibrator:
         self.min_runs = min_runs
         self.autosave = autosave and run_dir is not None
         self.comparisons: list[Comparison] = []
-        self._runs: list[Any] = []  # autotune.calibration.MeasuredRun of the ok trials
+        self._runs: list[Any] = []  # autotune.calibration.fit.MeasuredRun of the ok trials
         self._params: Optional[dict] = None
         self._memory: dict[tuple, list[tuple[int, int]]] = {}  # family -> [(predicted, measured) peak]
         self._spreads: list[float] = []
@@ -207,7 +207,7 @@ class Calibrator:
         if spread is not None:
             self._spreads.append(spread)
         if ok:
-            from autotune.calibration import MeasuredRun
+            from autotune.calibration.fit import MeasuredRun
 
             cfg = self.cfg
             self._runs.append(MeasuredRun(cfg.model, cfg.training, cfg.hardware, strategy,
@@ -227,7 +227,7 @@ class Calibrator:
         if not self._runs:
             raise ValueError("no measured trials to fit")
         try:
-            from autotune.calibration import fit_efficiency
+            from autotune.calibration.fit import fit_efficiency
             import scipy  # noqa: F401
         except ImportError:
             return self.current_params()

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     from autotune.config import check_backend, load_config
     from autotune.errors import ConfigError
-    from autotune.profile.factory import make_backend
+    from autotune.backends.factory import make_backend
     from autotune.rundir import slowed
     from autotune.search import run_study
     from autotune.space import space_for

@@ -102,7 +102,7 @@ def _attention_sublayer_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, dev
         n += (8 if m.norm == "rmsnorm_fp32" else 4 + p) * width + 4 * vectors
     if m.fused_qkv and m.position_embedding == "rope" and (core != "selective" or m.implementation == "hf"):
         # rotary makes new q and k, v stays a view of the fused projection's output: attention (or
-        # the checkpoint of HF's selective, autotune.checkpointing.checkpoint_attention_core, which
+        # the checkpoint of HF's selective, autotune.models.checkpointing.checkpoint_attention_core, which
         # keeps its inputs) keeps that whole output (q + 2 kv) where separate projections keep v alone
         n += p * (m.q_size + m.kv_size)
     if m.hidden_dropout > 0:
@@ -144,7 +144,7 @@ def _block_linears(m: ModelSpec, zero3_linear: bool = False) -> list[tuple[int, 
 
 
 def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False) -> float:
-    """Per token, what op-level selective checkpointing keeps of a block (``autotune.checkpointing
+    """Per token, what op-level selective checkpointing keeps of a block (``autotune.models.checkpointing
     .op_sac_context``, torchtitan's policy): the block input, the attention kernel's outputs (out
     and the fp32 log-sum-exp of sdpa's flash kernels; eager and the CPU math path are recomputed)
     and the output of every other ``aten.mm`` in the block's order (1st, 3rd, ...; ``_block_linears``:

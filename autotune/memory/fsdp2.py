@@ -1,6 +1,6 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) per-GPU memory of one steady-state step.
 
-The layout is the one ``autotune.fsdp2.apply`` builds (torchtitan parallelize.py ``apply_fsdp``):
+The layout is the one ``autotune.models.fsdp2.apply`` builds (torchtitan parallelize.py ``apply_fsdp``):
 ``fully_shard`` on every decoder block, then on the root (embeddings, final norm, head), with
 ``MixedPrecisionPolicy(param_dtype=<precision>, reduce_dtype=<reduce_dtype>)``, AdamW with
 ``foreach=True`` and ``zero_grad(set_to_none=True)``. What FSDP2 allocates, from

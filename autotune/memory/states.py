@@ -48,7 +48,7 @@ def _persistent_params(m: ModelSpec, threshold: int) -> int:
 def parameter_order(m: ModelSpec) -> list[int]:
     """Elements of each parameter tensor in ``model.parameters()`` order, the order ZeRO-1/2 flatten
     and partition them in (stage_1_and_2.py: ``bit16_groups`` from the param group, no
-    round_robin_gradients): autotune's reference decoders (autotune/profile/models.py ``Block``:
+    round_robin_gradients): autotune's reference decoders (autotune/models/reference.py ``Block``:
     norm, q, k, v, o, norm, gate, up, down) and the HF classes (modeling_llama.py and kin: attention,
     MLP, then the norms; modeling_phi3.py: o_proj before the fused qkv_proj, fused gate_up_proj;
     modeling_gpt2.py: ln_1, fused c_attn, c_proj, ln_2, c_fc, c_proj; modeling_gpt_neox.py: both

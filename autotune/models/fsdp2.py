@@ -4,7 +4,7 @@
 front point ships, so a point reproduces exactly as it was measured::
 
     import autotune
-    from autotune.fsdp2 import make_optimizer
+    from autotune.models.fsdp2 import make_optimizer
     layout = autotune.engine_configs.to_fsdp2_config(strategy, model_spec, training, hardware)
     notes = autotune.apply(model, layout)          # or a Strategy (then no optimizer settings)
     optimizer = make_optimizer(model, layout)      # the job's optimizer (training.optimizer), foreach
@@ -24,7 +24,7 @@ import json
 import os
 from typing import Any, Mapping, Optional, Union
 
-from autotune.checkpointing import SUBMODULE_NAMES
+from autotune.models.checkpointing import SUBMODULE_NAMES
 from autotune.strategy import Strategy
 from autotune.engine_configs import TORCH_DTYPES
 
@@ -37,7 +37,7 @@ def _layout(strategy_or_config: StrategyOrConfig, num_blocks: int) -> dict[str, 
     if isinstance(strategy_or_config, Strategy):
         s = strategy_or_config
         if s.engine != "fsdp2":
-            raise ValueError(f"autotune.fsdp2.apply needs engine fsdp2, but got engine {s.engine}")
+            raise ValueError(f"autotune.models.fsdp2.apply needs engine fsdp2, but got engine {s.engine}")
         blocks = s.checkpointed_blocks(num_blocks)
         return {"granularity": s.checkpointing if blocks else "none", "blocks": blocks,
                 "reshard_after_forward": s.reshard_after_forward, "hybrid": s.sharding == "hybrid",
@@ -45,7 +45,7 @@ def _layout(strategy_or_config: StrategyOrConfig, num_blocks: int) -> dict[str, 
                 "reduce_dtype": TORCH_DTYPES[s.reduce_dtype], "offload": s.offload_params == "cpu"}
     cfg = strategy_or_config
     if cfg.get("engine") != "fsdp2":
-        raise ValueError(f"autotune.fsdp2.apply needs an fsdp2 layout (to_fsdp2_config), but got engine "
+        raise ValueError(f"autotune.models.fsdp2.apply needs an fsdp2 layout (to_fsdp2_config), but got engine "
                          f"{cfg.get('engine')!r}")
     ckpt = cfg.get("activation_checkpointing") or {}
     blocks = list(ckpt.get("blocks") or [])
@@ -84,10 +84,10 @@ def apply(model: Any, strategy_or_config: StrategyOrConfig, mesh: Any = None) ->
     """Apply an fsdp2 strategy (a Strategy or a ``to_fsdp2_config`` dict) to ``model`` in place;
     returns notes on how it was applied. Needs an initialised default process group.
 
-    1. activation checkpointing (``autotune.checkpointing.apply_checkpointing``) of the strategy's
+    1. activation checkpointing (``autotune.models.checkpointing.apply_checkpointing``) of the strategy's
        blocks at its granularity, before sharding (as torchtitan does: the checkpoint wraps the
        block's forward, FSDP's hooks run inside it, so a recomputed block all-gathers again);
-    2. ``fully_shard`` on each decoder block (``autotune.checkpointing.blocks_of``: the longest
+    2. ``fully_shard`` on each decoder block (``autotune.models.checkpointing.blocks_of``: the longest
        ``nn.ModuleList``) with the strategy's ``reshard_after_forward``. Every block keeps that
        value: unlike torchtitan, the last block is *not* set to ``reshard_after_forward=False``
        (torchtitan does it because backward needs the last block's parameters at once); the
@@ -102,7 +102,7 @@ def apply(model: Any, strategy_or_config: StrategyOrConfig, mesh: Any = None) ->
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from autotune.checkpointing import apply_checkpointing, blocks_of
+    from autotune.models.checkpointing import apply_checkpointing, blocks_of
 
     blocks = list(blocks_of(model))
     lay = _layout(strategy_or_config, len(blocks))
@@ -125,13 +125,13 @@ def apply(model: Any, strategy_or_config: StrategyOrConfig, mesh: Any = None) ->
 # ------------------------------------------------------------------------------------ snippet
 
 def _checkpointing_source(name: str) -> str:
-    """The source of a function of autotune.checkpointing (``op_sac_context``: torchtitan's op-level
+    """The source of a function of autotune.models.checkpointing (``op_sac_context``: torchtitan's op-level
     policy; ``checkpoint_attention_core``: HF selective), as the profiler applied it, for the
     snippet, so the two cannot drift."""
     import inspect
     import textwrap
 
-    from autotune import checkpointing
+    from autotune.models import checkpointing
 
     return "\n\n" + textwrap.dedent(inspect.getsource(getattr(checkpointing, name)))
 

@@ -22,7 +22,7 @@ usual loop that keeps ``outputs`` keeps the logits alive exactly as with an HF m
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: ``full`` recomputes the whole
 block, ``selective`` only the attention core (Korthikanti et al. 2022, sec. 5), ``attention`` /
 ``mlp`` that module of the block (its input is the norm's output; the norms are not recomputed),
-``op`` the block with torchtitan's op-level selective policy (``autotune.checkpointing.op_sac_context``).
+``op`` the block with torchtitan's op-level selective policy (``autotune.models.checkpointing.op_sac_context``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autotune.checkpointing import op_sac_context
+from autotune.models.checkpointing import op_sac_context
 from autotune.spec import ModelSpec
 from autotune.strategy import CHECKPOINTINGS
 
@@ -198,8 +198,8 @@ class Decoder(nn.Module):
 
     def set_checkpointing(self, granularity: str, num_layers: Any = None) -> None:
         """Checkpoint blocks at ``granularity``: the first ``num_layers`` (all when None) or the
-        block indices given as a list (autotune.checkpointing.chosen_blocks)."""
-        from autotune.checkpointing import chosen_blocks
+        block indices given as a list (autotune.models.checkpointing.chosen_blocks)."""
+        from autotune.models.checkpointing import chosen_blocks
 
         if granularity not in CHECKPOINTINGS:
             raise ValueError(f"bad checkpointing {granularity!r} x {num_layers}")

@@ -1,6 +1,6 @@
 """Which nn.Module the profiling worker trains, and how it is fed: reference, Hugging Face or user factory.
 
-Three sources, chosen from the job (autotune.profile.worker's JSON, filled by DeepSpeedBackend.job_for):
+Three sources, chosen from the job (autotune.worker.main's JSON, filled by DeepSpeedBackend.job_for):
 
 * ``model_factory: "package.module:function"`` (``model: {python: ...}`` in the config): the user's
   factory, called ``build_model(spec: ModelSpec, training: TrainingSpec)`` and returning
@@ -12,7 +12,7 @@ Three sources, chosen from the job (autotune.profile.worker's JSON, filled by De
     ``module(**batch)`` (tensors already on ``device``); called a few times before the timed steps;
   - ``module(**batch)`` returns a scalar loss tensor, or an object / dict with a ``loss``.
 
-  Checkpointing: ``autotune.checkpointing.apply_checkpointing``: the module's own
+  Checkpointing: ``autotune.models.checkpointing.apply_checkpointing``: the module's own
   ``set_checkpointing(granularity, num_layers)`` if it has one; otherwise HF-style
   ``gradient_checkpointing_enable`` for ``full``; otherwise the first N blocks of its longest
   ``nn.ModuleList`` are wrapped in non-reentrant ``torch.utils.checkpoint``. ``selective`` needs
@@ -24,9 +24,9 @@ Three sources, chosen from the job (autotune.profile.worker's JSON, filled by De
   ``{input_ids, labels=input_ids, use_cache=False}`` (HF shifts the labels itself).
   Checkpointing: ``full`` = non-reentrant ``gradient_checkpointing_enable``, on the first N layers
   through the per-layer ``gradient_checkpointing`` flags; ``selective`` = the attention function
-  wrapped in a checkpoint through transformers' AttentionInterface (autotune.checkpointing).
+  wrapped in a checkpoint through transformers' AttentionInterface (autotune.models.checkpointing).
   Without transformers the reference decoder built from the same ModelSpec is used (with a note).
-* otherwise the reference decoder of autotune.profile.models.
+* otherwise the reference decoder of autotune.models.reference.
 
 Every contract violation raises :class:`UserModelError` with one short sentence; the worker turns it
 into ``status: "error"``. This module imports torch lazily (only the builders need it).
@@ -209,7 +209,7 @@ def build_hf_model(hf_config: str, seed: int = 0) -> BuiltModel:
 
 
 def build_reference_model(spec: Any, seed: int = 0) -> BuiltModel:
-    from autotune.profile.models import build_model, synthetic_batch
+    from autotune.models.reference import build_model, synthetic_batch
 
     module = build_model(spec)
 
@@ -240,7 +240,7 @@ def build_for_job(job: dict, spec: Any, training: Any, seed: int = 0) -> BuiltMo
 
 def set_checkpointing(built: BuiltModel, granularity: str, n: Any, num_layers: int) -> None:
     """Apply the strategy's activation checkpointing: the first ``n`` of ``num_layers`` layers, or
-    the layer indices ``n`` lists (autotune.checkpointing.Blocks)."""
+    the layer indices ``n`` lists (autotune.models.checkpointing.Blocks)."""
     model = built.module
     if hasattr(model, "set_checkpointing"):
         try:
@@ -251,7 +251,7 @@ def set_checkpointing(built: BuiltModel, granularity: str, n: Any, num_layers: i
         return
     if granularity == "none" or not n:
         return
-    from autotune.checkpointing import apply_checkpointing
+    from autotune.models.checkpointing import apply_checkpointing
 
     try:
         built.notes += apply_checkpointing(model, granularity, n)

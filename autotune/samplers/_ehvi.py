@@ -1,4 +1,4 @@
-"""Expected hypervolume improvement and the 2-D hypervolume for the ehvi sampler (autotune.sampler's
+"""Expected hypervolume improvement and the 2-D hypervolume for the ehvi sampler (autotune.samplers.front's
 module docstring gives the formulas and their sources)."""
 
 from __future__ import annotations

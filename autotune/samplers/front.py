@@ -6,14 +6,14 @@ dashboard work unchanged). Before each trial it rebuilds its state from the stud
 * every feasible candidate of the screened space (the memory model's verdict) is a choice;
 * the measured trials (COMPLETE: peak memory and tokens/s; FAIL with an ``oom`` reason: larger
   micro-batches of that strategy are left out, as the search prunes them) are folded into the
-  calibrator (autotune.profile.calibrate.Calibrator: simulator re-fit, per-family memory
+  calibrator (autotune.calibration.loop.Calibrator: simulator re-fit, per-family memory
   correction, measured noise), including trials that other processes or an earlier run measured;
 * throughput of each unprofiled candidate: log tokens/s ~ Normal(mu, s^2) with mu = log of the
   calibrated simulator's prediction + the posterior mean of a Gaussian process on the residuals
   log(measured / predicted) over strategy features, and s^2 its posterior variance plus the
   residual noise (Rasmussen & Williams 2006, eq. 2.22-2.24; hyper-parameters by marginal likelihood
   over a small grid, eq. 2.30); each level of each categorical knob adds its own offset, prior sd
-  autotune._levels.LEVEL_PRIOR_SD (docs/search.md), so one level's residuals do not shrink another's;
+  autotune.samplers._levels.LEVEL_PRIOR_SD (docs/search.md), so one level's residuals do not shrink another's;
 * memory of each unprofiled candidate: the memory model's peak times its family's measured ratio;
 * EHVI: with the memory coordinate known, the hypervolume improvement of a new point (x, Y) over the
   current measured front is sum_j len_j(x) * max(0, Y - h_j) over the front's staircase segments j
@@ -30,7 +30,7 @@ hypervolume improvement of profiling *every* remaining candidate (Monte Carlo ov
 predictive distributions, widened by ``sd_scale`` where the model's recent errors exceeded the sd it
 stated, draws lowered by the noise), as a fraction of the current hypervolume; the search stops when
 it falls below ``stop_gain`` (``--trials`` stays the hard budget) and states it ("front stable: ...").
-A level never measured whose candidates could reach the front (autotune._levels.reachable) is
+A level never measured whose candidates could reach the front (autotune.samplers._levels.reachable) is
 measured first, and until it is the front is not stable ("front not stable: precision=fp32 never
 measured, could reach the front; ...").
 """
@@ -44,8 +44,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from optuna.samplers import BaseSampler
 
-from autotune import _levels
-from autotune._ehvi import _staircase_area, expected_hvi, expected_remaining_gain, hypervolume  # noqa: F401
+from autotune.samplers import _levels
+from autotune.samplers._ehvi import _staircase_area, expected_hvi, expected_remaining_gain, hypervolume  # noqa: F401
 from autotune.claim import fail_status, has_result
 from autotune.config import Config
 from autotune.space import SearchSpace
@@ -91,7 +91,7 @@ class Assessment:
     """Largest expected hypervolume improvement of one unprofiled candidate / current hypervolume."""
     unmeasured: tuple[str, ...] = ()
     """Levels ("precision=fp32") no candidate was measured at, that could reach the front under the
-    level prior (autotune._levels): while there is one, the front is not stable."""
+    level prior (autotune.samplers._levels): while there is one, the front is not stable."""
 
     def stable(self, stop_gain: float) -> bool:
         """Nothing left to profile, or the remaining gain below ``stop_gain`` with no level unmeasured
@@ -146,7 +146,7 @@ def gp_posterior(x: np.ndarray, y: np.ndarray, xs: np.ndarray, noise_floor: floa
     """Posterior mean and variance of the *observed* residual at ``xs`` (noise included), and the
     chosen noise sd. Hyper-parameters maximise the log marginal likelihood over the grid above
     (amplitudes below ``amplitude_floor`` are replaced by it). ``g`` / ``gs``: level membership of
-    ``x`` / ``xs`` (autotune._levels.level_matrix); each level adds an independent offset of sd
+    ``x`` / ``xs`` (autotune.samplers._levels.level_matrix); each level adds an independent offset of sd
     ``level_sd`` (kernel term level_sd^2 * shared levels, an additive kernel: R&W 2006 sec. 4.2.4),
     so a level without data keeps its whole prior variance."""
     lev = level_sd * level_sd
@@ -191,7 +191,7 @@ class FrontSampler(BaseSampler):
                  calibrator: Any = None, seed: int = 0, stop_gain: Optional[float] = None) -> None:
         import optuna
 
-        from autotune.profile.calibrate import Calibrator, family
+        from autotune.calibration.loop import Calibrator, family
 
         self.cfg, self.space = cfg, space
         self.stop_gain = DEFAULT_STOP_GAIN if stop_gain is None else stop_gain
@@ -225,7 +225,7 @@ class FrontSampler(BaseSampler):
         self.history: list[Assessment] = []
         """The assessment after each measurement of this process (benchmarks/search_cost.py)."""
         self.levels, self.g = _levels.level_matrix(self.strategies)
-        """Levels of the categorical knobs, and which candidate has which (autotune._levels)."""
+        """Levels of the categorical knobs, and which candidate has which (autotune.samplers._levels)."""
         self._broken: set[int] = set()  # failed for a reason other than memory: its levels count as tried
 
     # ------------------------------------------------------------------ Optuna interface
@@ -281,7 +281,7 @@ class FrontSampler(BaseSampler):
         candidates held by running trials."""
         from optuna.trial import TrialState
 
-        from autotune.profile.backend import Measurement
+        from autotune.backends.base import Measurement
 
         running: set[int] = set()
         for t in study.get_trials(deepcopy=False):

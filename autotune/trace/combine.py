@@ -128,7 +128,7 @@ def traced_estimate(cfg: Config, strategy: Strategy, cache: Optional[TraceCache]
     mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy, headroom=h)
     cache = cache if cache is not None else TraceCache()
     if cfg.model_factory:  # the factory module may sit next to the job file, as for profiling
-        from autotune.profile.user_models import load_factory
+        from autotune.models.sources import load_factory
 
         load_factory(cfg.model_factory, [os.path.dirname(os.path.abspath(cfg.path)), os.getcwd()])
     trace = cache.get(cfg.model, cfg.training, strategy, hf_config=cfg.hf_config, model_factory=cfg.model_factory)

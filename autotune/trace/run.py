@@ -26,7 +26,7 @@ class TraceResult:
 
     model_name: str
     source: str
-    """``reference`` (autotune.profile.models), ``hf`` (transformers from_config) or ``factory:<path>``."""
+    """``reference`` (autotune.models.reference), ``hf`` (transformers from_config) or ``factory:<path>``."""
     micro_batch_size: int
     seq_len: int
     precision: str
@@ -58,9 +58,9 @@ class TraceResult:
 
 
 def _set_checkpointing(model: Any, source: str, granularity: str, n: Any, num_layers: int) -> list[str]:
-    """Apply the strategy's checkpointing to the built module (autotune.checkpointing, the same call
+    """Apply the strategy's checkpointing to the built module (autotune.models.checkpointing, the same call
     the profiler and users make); returns notes on how it was applied."""
-    from autotune.checkpointing import apply_checkpointing
+    from autotune.models.checkpointing import apply_checkpointing
 
     try:
         return apply_checkpointing(model, granularity, n)
@@ -72,7 +72,7 @@ def _loss(model: Any, batch: Optional[dict], inputs: list[Any], source: str, mod
     """The forward, returning only the loss (profile.user_models.loss_of, as the profiler reads it) so
     the logits die as early as in a training loop. Fed the factory's batch as keywords, else the
     token ids and labels (as HF-style keywords when the forward takes them)."""
-    from autotune.profile.user_models import loss_of
+    from autotune.models.sources import loss_of
 
     if batch is not None:
         return loss_of(model(**batch), f"model factory {model_factory!r}")
@@ -117,9 +117,9 @@ def trace_memory(
     """Trace one micro-batch of `strategy` (fwd + bwd + mixed-precision AdamW step) under FakeTensorMode.
 
     Source of the module: `model_factory` (``package.module:function`` following the profiling
-    contract of autotune.profile.user_models: ``build_model(spec, training) -> (module, batch_fn)``;
+    contract of autotune.models.sources: ``build_model(spec, training) -> (module, batch_fn)``;
     the batch comes from ``batch_fn``) if given, else an HF model from `hf_config` when transformers
-    is installed, else the reference decoder of ``autotune.profile.models``.
+    is installed, else the reference decoder of ``autotune.models.reference``.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
@@ -275,7 +275,7 @@ def _build_module(source: str, model_spec: ModelSpec, training: TrainingSpec, dt
     torch.set_default_dtype(dtype)
     try:
         if model_factory:
-            from autotune.profile.user_models import UserModelError, build_factory_model
+            from autotune.models.sources import UserModelError, build_factory_model
 
             try:
                 built = build_factory_model(model_factory, model_spec, training, python_path)
@@ -283,14 +283,14 @@ def _build_module(source: str, model_spec: ModelSpec, training: TrainingSpec, dt
                 raise TraceError(str(err)) from err
             model, batch_fn = built.module, built.batch_fn
         elif source == "hf":
-            from autotune.profile.user_models import UserModelError, hf_model_from_config
+            from autotune.models.sources import UserModelError, hf_model_from_config
 
             try:
                 model = hf_model_from_config(hf_config)  # type: ignore[arg-type]
             except UserModelError as err:
                 raise TraceError(str(err)) from err
         else:
-            from autotune.profile.models import build_model
+            from autotune.models.reference import build_model
 
             model = build_model(model_spec)
     finally:

@@ -1,5 +1,5 @@
 """The two training engines the profiling worker drives through one step loop: DeepSpeed
-(``deepspeed.initialize``) and FSDP2 (``autotune.fsdp2.apply``), each a small adapter with
+(``deepspeed.initialize``) and FSDP2 (``autotune.models.fsdp2.apply``), each a small adapter with
 ``init_distributed``, ``forward``, ``backward``, ``step`` and its process groups; plus the
 process-group helpers the worker's measurement needs (gloo flushing, free ports, the job's
 config for this process group)."""
@@ -12,8 +12,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from autotune.profile.cpu_memory import CpuMemoryProbe
-from autotune.profile.protocol import WorkerJob
+from autotune.worker.cpu_memory import CpuMemoryProbe
+from autotune.worker.protocol import WorkerJob
 
 
 def free_port() -> int:
@@ -138,7 +138,7 @@ class DeepSpeedEngine:
         import deepspeed
         import torch
 
-        from autotune.profile.user_models import set_checkpointing
+        from autotune.models.sources import set_checkpointing
 
         ds_config, *_ = ds_config_for_job(ctx.job, ctx.world)
         model = built.module
@@ -178,9 +178,9 @@ class DeepSpeedEngine:
 
 
 class Fsdp2Engine:
-    """The fsdp2 engine's half of the step loop: ``autotune.fsdp2.apply`` (checkpointing, fully_shard
+    """The fsdp2 engine's half of the step loop: ``autotune.models.fsdp2.apply`` (checkpointing, fully_shard
     per block and the root) with the strategy's layout (``to_fsdp2_config``, data-parallel size =
-    WORLD_SIZE), the job's optimizer (``autotune.fsdp2.make_optimizer``: training.optimizer's class and
+    WORLD_SIZE), the job's optimizer (``autotune.models.fsdp2.make_optimizer``: training.optimizer's class and
     hyper-parameters, ``foreach=True``); every micro-step
     ``(loss / GAS).backward()``, which reduce-scatters the gradients (as torchtitan's train_step does:
     no ``set_requires_gradient_sync(False)``, so no unsharded gradients accumulate); on the last
@@ -204,7 +204,7 @@ class Fsdp2Engine:
         _yield_after_collectives(dist)
 
     def __init__(self, ctx: Context, built: Any, model_spec: Any, strategy: Any, device: Any) -> None:
-        from autotune import fsdp2
+        from autotune.models import fsdp2
 
         config = fsdp2_config_for_job(ctx.job, ctx.world)
         self.model = built.module

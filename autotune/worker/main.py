@@ -1,8 +1,8 @@
-"""Run one measurement, DeepSpeed or FSDP2: ``python -m autotune.profile.worker JOB.json``.
+"""Run one measurement, DeepSpeed or FSDP2: ``python -m autotune.worker JOB.json``.
 
 The strategy's ``engine`` picks the engine adapter: deepspeed (``deepspeed.init_distributed`` and
 ``deepspeed.initialize``) or fsdp2 (``torch.distributed.init_process_group``, gloo on CPU, NCCL
-plus gloo on CUDA; ``autotune.fsdp2.apply``; ``autotune.fsdp2.make_optimizer``). Both train with the
+plus gloo on CUDA; ``autotune.models.fsdp2.apply``; ``autotune.models.fsdp2.make_optimizer``). Both train with the
 job's optimizer (``training.optimizer``, autotune.spec.OptimizerSpec) and run the
 same step loop (``_step_loop``), memory probe, result keys and failure handling.
 
@@ -56,7 +56,7 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
       "device": "auto",                         # "cuda" | "cpu" | "auto"
       "gpu": "h100-80gb",                       # GPU preset of the default deepspeed_config (none given)
       "hf_config": "path/config.json",          # build an HF model from_config (transformers installed)
-      "model_factory": "pkg.mod:build_model",   # the user's factory (contract: autotune.profile.user_models)
+      "model_factory": "pkg.mod:build_model",   # the user's factory (contract: autotune.models.sources)
       "python_path": ["dir", ...],              # put first on sys.path before importing the factory
       "snapshot": "trials/3/memory_snapshot.pickle",  # CUDA: record allocation history, dump it here
                                                 #   (also on OOM; rank r > 0: "<stem>.rank<r>.pickle");
@@ -104,7 +104,7 @@ Result JSON (one per rank)::
       "elapsed_s": float
     }
 
-An ``oom`` reason starts with autotune.snapshot.oom_note(phase) (the OOM-phase table: cause and remedy per phase).
+An ``oom`` reason starts with autotune.worker.snapshot.oom_note(phase) (the OOM-phase table: cause and remedy per phase).
 """
 
 from __future__ import annotations
@@ -120,10 +120,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-from autotune.profile.protocol import WorkerJob
-from autotune.profile.cpu_memory import PHASES, MEASURED_MARK, CpuMemoryProbe, record_phase
-from autotune.profile.engines import Context, DeepSpeedEngine, Fsdp2Engine, flush_gloo, set_dist_env
-from autotune.profile.user_models import is_oom
+from autotune.worker.protocol import WorkerJob
+from autotune.worker.cpu_memory import PHASES, MEASURED_MARK, CpuMemoryProbe, record_phase
+from autotune.worker.engines import Context, DeepSpeedEngine, Fsdp2Engine, flush_gloo, set_dist_env
+from autotune.models.sources import is_oom
 
 
 def result_path_for_rank(result_path: str | Path, rank: int) -> Path:
@@ -153,7 +153,7 @@ def run_job(job: WorkerJob, job_dir: Path, write_early: Optional[Any] = None) ->
     try:
         import torch
 
-        from autotune import snapshot
+        from autotune.worker import snapshot
 
         want = job.setting("device")
         use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
@@ -181,7 +181,7 @@ def run_job(job: WorkerJob, job_dir: Path, write_early: Optional[Any] = None) ->
         first = (str(exc).strip().splitlines() or [""])[0]
         result["reason"] = f"{type(exc).__name__}: {first[:300]}"
         if result["status"] == "oom":
-            from autotune.snapshot import oom_note
+            from autotune.worker.snapshot import oom_note
 
             result["reason"] = f"{oom_note(result.get('phase'))}; {type(exc).__name__}: {first[:200]}"
         if result["status"] == "error":
@@ -256,8 +256,8 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
          use_cuda: bool, memory_mode: str) -> None:
     import torch
 
-    from autotune.profile.models import count_parameters
-    from autotune.profile.user_models import build_for_job
+    from autotune.models.reference import count_parameters
+    from autotune.models.sources import build_for_job
     from autotune.spec import ModelSpec, TrainingSpec
     from autotune.strategy import Strategy
 
@@ -313,7 +313,7 @@ def _step_loop(ctx: Context, engine: Any, built: Any, batches: list) -> bool:
     "drop_outputs" keeps only the loss (the logits die with the forward)."""
     import torch
 
-    from autotune.profile.user_models import loss_of
+    from autotune.models.sources import loss_of
 
     job, result, probe, use_cuda = ctx.job, ctx.result, ctx.probe, ctx.use_cuda
     warmup, measure = int(job.setting("warmup_steps")), int(job.setting("measure_steps"))
@@ -383,7 +383,7 @@ def _step_loop(ctx: Context, engine: Any, built: Any, batches: list) -> bool:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m autotune.profile.worker JOB.json", file=sys.stderr)
+        print("usage: python -m autotune.worker JOB.json", file=sys.stderr)
         return 2
     job_path = Path(argv[0])
     try:
@@ -410,6 +410,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         pass
     return 1 if result["status"] == "error" else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """The launcher <-> worker protocol: ``job.json`` (WorkerJob) in, one ``result.json`` per rank
-(WorkerResult) out. The meaning of every key is in autotune.profile.worker's docstring; these are
+(WorkerResult) out. The meaning of every key is in autotune.worker.main's docstring; these are
 the typed records both sides read and write, with the JSON format unchanged: a key whose value
 is None is not written, and the worker then uses its default.
 """
@@ -20,7 +20,7 @@ WORKER_DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class WorkerJob:
-    """One measurement job (``python -m autotune.profile.worker JOB.json``)."""
+    """One measurement job (``python -m autotune.worker JOB.json``)."""
 
     model: dict[str, Any]
     """ModelSpec fields."""
@@ -47,7 +47,7 @@ class WorkerJob:
     gpu: Optional[str] = None
     """GPU preset for the default DeepSpeed config (when ``deepspeed_config`` is not given)."""
     model_factory: Optional[str] = None
-    """``package.module:function``: the user's model factory (autotune.profile.user_models)."""
+    """``package.module:function``: the user's model factory (autotune.models.sources)."""
     python_path: Optional[list[str]] = None
     """Put first on sys.path before importing the factory."""
     hf_config: Optional[str] = None
