@@ -1,7 +1,7 @@
 """Every use of Optuna's private API, in one place.
 
 Written against Optuna 5.0. Each function names the private attribute or module it relies on;
-tests/test_optuna_compat.py exercises exactly the behaviour relied on here, so an Optuna upgrade
+tests/search/test_optuna_compat.py exercises exactly the behaviour relied on here, so an Optuna upgrade
 that changes it fails there, not in a run.
 
 - ``study._storage``, ``study._study_id``, ``trial._trial_id``: the storage handle and ids behind

@@ -14,7 +14,7 @@ from autotune.spec import ModelSpec
 
 EXACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "gpt2", "gpt_neox")
 """The model_type values whose analytic description (map_hf_config) is proven to have exactly the
-parameters of the transformers model: tests/test_hf_count.py builds a published config.json of each
+parameters of the transformers model: tests/spec/test_hf_count.py builds a published config.json of each
 (tests/data/hf) on the meta device and compares. Without torch + transformers only these are
 accepted; any other model_type is refused (a MoE, MLA or other unmapped structure would be sized
 as the Llama-shaped decoder it is not)."""

@@ -2,7 +2,7 @@
 
 Without FILE it prints the table (autotune.knobs.knob_table of Strategy); with FILE it rewrites
 the part of FILE between the markers ``<!-- knobs:begin -->`` and ``<!-- knobs:end -->``.
-tests/test_knobs.py checks that the committed docs/config.md holds the table verbatim.
+tests/spec/test_knobs.py checks that the committed docs/config.md holds the table verbatim.
 """
 
 from __future__ import annotations

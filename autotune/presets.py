@@ -1,7 +1,7 @@
 """Model and GPU presets, as plain dicts, each citing its source.
 
 ``model_from_name(name, **overrides)`` and ``gpu_from_name(name, **overrides)`` build the typed
-specs. Parameter counts of every model preset are tested exactly in tests/test_presets.py.
+specs. Parameter counts of every model preset are tested exactly in tests/spec/test_presets.py.
 """
 
 from __future__ import annotations

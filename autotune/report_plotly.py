@@ -1,6 +1,6 @@
 """report.html's two interactive figures as plain plotly.js figure dicts, and the HTML that draws them.
 
-The figures are what ``plotly.graph_objects`` builds for the same traces (tests/test_report_figures.py
+The figures are what ``plotly.graph_objects`` builds for the same traces (tests/run/test_report_figures.py
 compares them with it), written as dicts so that a report costs no import of plotly's Python
 package and no validation of every point: ``plotly.io.to_html``'s div and script
 (plotly/io/_html.py, ``to_html`` with ``full_html=False, include_plotlyjs=False``) and its JSON

@@ -124,7 +124,7 @@ def _serialize_sqlite(engine: Any) -> None:
     Optuna's RDB storage does read-check-write in one session (``set_trial_state_values`` reads the
     state ``FOR UPDATE``, then writes it). SQLite ignores ``FOR UPDATE`` and pysqlite only opens the
     transaction at the first write, so two processes can both read a WAITING trial and both move it
-    to RUNNING: ``ask()`` hands the same enqueued trial to two workers (tests/test_storage.py; the
+    to RUNNING: ``ask()`` hands the same enqueued trial to two workers (tests/search/test_storage.py; the
     figure is in docs/accuracy.md, "Figures moved from code"). With the lock
     taken at ``BEGIN`` the read and the write are one atomic step, as with PostgreSQL's row locks.
     Recipe: SQLAlchemy docs, "Serializable isolation / Savepoints / Transactional DDL" (pysqlite).

@@ -33,7 +33,7 @@ steps (all their micro-steps) and over ranks: what a job runs out of memory at. 
 ``estimate_memory(..., device="cpu").gpu["peak"]`` for the same model, strategy and data-parallel
 size. Prints every row, then the rows again worst (most under-predicted) first, then the signed
 error summary. Optimizer offload is not in the grid: on a CPU-only machine "GPU" and host memory
-are one allocator, so the split cannot be measured here (tests/test_memory.py checks placement
+are one allocator, so the split cannot be measured here (tests/memory/test_memory.py checks placement
 against DeepSpeed's source and estimators).
 """
 

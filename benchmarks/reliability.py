@@ -2,7 +2,7 @@
 
     python benchmarks/reliability.py [--quick]
 
-Runs tests/test_fuzz.py (hypothesis; AUTOTUNE_FUZZ_EXAMPLES per property, default 120) and the
+Runs tests/spec/test_fuzz.py (hypothesis; AUTOTUNE_FUZZ_EXAMPLES per property, default 120) and the
 fault-injection tests (SIGINT, SIGTERM, KeyboardInterrupt in a fast in-memory run, SIGKILL of
 `autotune run` mid-profile through a real torchrun launch then --resume, 4 concurrent workers on
 SQLite and on PostgreSQL). Every fault test asserts that no finished trial is lost and no candidate
@@ -19,9 +19,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULTS = {
-    "tests/test_interrupt.py": "SIGINT, SIGTERM, KeyboardInterrupt (in-memory), SIGKILL mid-profile + resume",
-    "tests/test_workers.py": "4 workers racing on one SQLite study; worker joining a run's study",
-    "tests/test_postgres.py": "4 workers racing on one PostgreSQL study",
+    "tests/search/test_interrupt.py": "SIGINT, SIGTERM, KeyboardInterrupt (in-memory), SIGKILL mid-profile + resume",
+    "tests/search/test_workers.py": "4 workers racing on one SQLite study; worker joining a run's study",
+    "tests/search/test_postgres.py": "4 workers racing on one PostgreSQL study",
 }
 
 
@@ -42,7 +42,7 @@ def main() -> int:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     t0 = time.perf_counter()
     fuzz = Count()
-    pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_fuzz.py"], plugins=[fuzz])
+    pytest.main(["-q", "-p", "no:cacheprovider", "tests/spec/test_fuzz.py"], plugins=[fuzz])
     import test_fuzz
 
     counts = dict(test_fuzz.FUZZ_COUNTS)

@@ -396,7 +396,7 @@ def _breakdown(m: ModelSpec, s: int, b: int, precision: str, n_ck: int, gran: st
         nonblock += s * s
     if m.implementation == "hf" and n_ck:
         # the position ids (1 x s, int64) HF hands every layer: a checkpoint keeps them as an input
-        # (measured: tests/test_memory_hf_blocks.py; without checkpointing they die with the forward)
+        # (measured: tests/memory/test_memory_hf_blocks.py; without checkpointing they die with the forward)
         nonblock += 8 * s
     # forward end: logits (model dtype), their fp32 copy and log_softmax's output coexist
     loss_fwd = (p + 4) * V * tokens if p < 4 else 4 * V * tokens

@@ -15,7 +15,7 @@ from autotune.backends.factory import make_backend
 from autotune.backends.replay import ReplayBackend
 from autotune.strategy import Strategy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = float(1 << 30)
 STRATEGY_COLUMNS = ["zero_stage", "offload_optimizer", "offload_params", "micro_batch_size", "checkpointing",
                     "checkpoint_layers", "precision", "reduce_bucket_size", "allgather_bucket_size",

@@ -21,7 +21,7 @@ from autotune.space import load_space
 from autotune.storage import make_storage
 from test_workers import job
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "examples", "tiny-cpu.yaml")
 SLOW = {"AUTOTUNE_SLOW_BACKEND_S": "1.0", "AUTOTUNE_HEARTBEAT_S": "1"}
 

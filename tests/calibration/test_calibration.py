@@ -13,7 +13,7 @@ from autotune.simulate import EFFICIENCY_KEYS, default_efficiency, simulate
 from autotune.spec import HardwareSpec, TrainingSpec
 from autotune.strategy import Strategy
 
-CSV = Path(__file__).resolve().parents[1] / "data" / "reference" / "llmfoundry-calibration.csv"
+CSV = Path(__file__).resolve().parents[2] / "data" / "reference" / "llmfoundry-calibration.csv"
 
 
 def _synthetic_runs(params: dict) -> list[MeasuredRun]:

@@ -15,7 +15,7 @@ from autotune.samplers.front import (FrontSampler, _staircase_area, expected_hvi
 from autotune.search import run_study, screen, trial_strategy
 from autotune.space import load_space
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _candidates():

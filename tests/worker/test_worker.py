@@ -16,7 +16,7 @@ from autotune.presets import gpu_from_name
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(name="tiny", num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=344, vocab_size=2048, max_position_embeddings=512)
 

@@ -25,7 +25,7 @@ from autotune.config import key_name, load_config
 from autotune.errors import ConfigError
 from autotune.space import load_space
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VALID = {
     "model": {"preset": "llama2-7b"},

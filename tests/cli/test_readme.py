@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SKIPPED = (re.compile(r"^pip\s"), re.compile(r"^python -m pytest\b"), re.compile(r"benchmarks/gpu_"))
 DOCS = ("cli.md", "engines.md", "run-directory.md", "profiling.md", "config.md", "search.md", "accuracy.md",
         "reliability.md", "architecture.md")

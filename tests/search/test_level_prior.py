@@ -15,7 +15,7 @@ from autotune.samplers import _levels
 from autotune.samplers.front import gp_posterior
 from autotune.strategy import Strategy, knob_choices
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 

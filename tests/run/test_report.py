@@ -13,7 +13,7 @@ import pytest
 import autotune.cli
 from autotune.report import BREAKDOWN_DIV, PARETO_DIV, write_report
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = float(1 << 30)
 JOB = """
 model: {{preset: llama2-7b}}

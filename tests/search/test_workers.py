@@ -14,7 +14,7 @@ import pytest
 
 from autotune.storage import make_storage
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPACE = "zero_stage: [0, 1, 2, 3]\nmicro_batch_size: [1, 2, 4]\ncheckpointing: [none, full]\n"
 
 

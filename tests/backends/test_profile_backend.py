@@ -21,7 +21,7 @@ from autotune.backends.factory import make_backend
 from autotune.backends.launch import LaunchResult, _BoundedPump, alive, build_command, failure_of, launch
 from autotune.strategy import Strategy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "examples", "tiny-cpu.yaml")
 
 

@@ -25,7 +25,7 @@ try:
 except ImportError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIST = os.path.join(ROOT, "benchmarks", "gpu_bundle.txt")
 BUNDLE_SH = os.path.join(ROOT, "benchmarks", "gpu_bundle.sh")
 HOST_BASE = {"torch", "transformers", "scipy", "rich", "tqdm"}  # issue 16's typical host

@@ -20,7 +20,7 @@ from autotune.calibration.loop import Calibrator, load_calibration
 from autotune.simulate import EFFICIENCY_KEYS, efficiency_params, simulate
 from autotune.strategy import Strategy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
