@@ -12,8 +12,12 @@ that changes it fails there, not in a run.
 - ``optuna.storages._heartbeat``: ``is_heartbeat_enabled`` and ``get_heartbeat_thread``, which
   ``study.optimize`` uses and ask/tell loops must start themselves.
 - ``optuna.storages.journal._file.BaseJournalFileLock`` and JournalFileBackend's ``_lock`` /
-  ``_file_path``: for the journal backend without per-append fsync (autotune.storage).
+  ``_file_path`` / ``_log_number_offset``: for the journal backend without per-append fsync and
+  with batched appends (autotune.storage).
 - ``optuna._hypervolume.compute_hypervolume``: the hypervolume the ehvi sampler measures fronts with.
+- ``optuna.study._tell._tell_with_warning``: what ``Study.tell`` runs before deep-copying the
+  finished trial it returns (``tell``, for loops that do not read that copy).
+- ``JournalStorage._backend``: the log backend a journal storage writes through (``journal_backend``).
 """
 
 from __future__ import annotations
@@ -78,6 +82,21 @@ def heartbeat_thread(trial: Any, study: Any) -> Iterator[None]:
         yield
 
 
+def tell(study: Any, trial: Any, values: Optional[Any] = None, state: Optional[Any] = None) -> None:
+    """``study.tell(trial, values, state=state)`` without its return value, a deep copy of the
+    finished trial (user attributes included) that costs more than the tell itself in memory."""
+    from optuna.study._tell import _tell_with_warning
+
+    _tell_with_warning(study=study, trial=trial, value_or_values=values, state=state, skip_if_finished=False)
+
+
+def journal_backend(storage: Any) -> Optional[Any]:
+    """The log backend of a JournalStorage (``_backend``); None for any other storage."""
+    from optuna.storages.journal import JournalStorage
+
+    return storage._backend if isinstance(storage, JournalStorage) else None
+
+
 def journal_file_path(backend: Any) -> str:
     """The file a JournalFileBackend appends to (``_file_path``)."""
     return backend._file_path
@@ -86,6 +105,12 @@ def journal_file_path(backend: Any) -> str:
 def journal_lock(backend: Any) -> Any:
     """The lock object a JournalFileBackend was built with (``_lock``)."""
     return backend._lock
+
+
+def journal_offsets(backend: Any) -> dict[int, int]:
+    """A JournalFileBackend's log number -> byte offset of that log's line, as far as it has read
+    (``_log_number_offset``; ``read_logs`` seeks with it and fills it in as it reads)."""
+    return backend._log_number_offset
 
 
 def compute_hypervolume(points: Any, reference: Any, assume_pareto: bool = False) -> float:

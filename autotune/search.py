@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 from autotune.claim import (KEY_ATTR, abandon, ask, claim, fail_stale, fail_status, has_result, heartbeat_around,
                             heartbeat_on, key_text)
+from autotune._optuna_compat import tell
 from autotune.config import Config
 from autotune.memory import estimate_memory
 from autotune.pareto import pareto_front
@@ -25,6 +26,7 @@ from autotune.signals import StopFlag
 from autotune.simulate import simulate
 from autotune.space import SearchSpace, strategy_params, trial_strategy
 from autotune.spec import GIB
+from autotune.storage import add_trials
 from autotune.strategy import Strategy
 
 METRIC_NAMES = ["peak_memory_gib", "tokens_per_s_per_gpu"]
@@ -166,7 +168,7 @@ def run_study(
     persistent = study
     study = optuna.create_study(directions=DIRECTIONS, sampler=study.sampler)
     known = [t for t in persistent.get_trials(deepcopy=False) if t.state.is_finished()] if resume else []
-    study.add_trials(known)
+    study.add_trials(known)  # in memory
     flusher = _Flusher(study, persistent, flushed=len(known))
     try:
         outcome = _run(study, persistent, cfg, space, backend, screened, n_trials, headroom, resume, progress,
@@ -199,7 +201,7 @@ class _Flusher:
                 break
             batch.append(t)
         if batch:
-            self.persistent.add_trials(batch)
+            add_trials(self.persistent, batch)
         self.flushed += len(batch)
         self.last_flush = time.monotonic()
 
@@ -405,7 +407,7 @@ def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, bac
     def finish(state: Any, values: Optional[list[float]] = None, measured: bool = False, **attrs: Any) -> _Outcome:
         for name, value in attrs.items():
             trial.set_user_attr(name, value)
-        study.tell(trial, values, state=state)
+        tell(study, trial, values, state=state)
         return _Outcome(trial.number, state, values, attrs, constraint, measured)
 
     key = strategy.key()
@@ -420,7 +422,7 @@ def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, bac
     mem = screened.memory if screened else estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy,
                                                            headroom=headroom)
     capacity = cfg.hardware.gpu.memory_bytes * (1 - headroom)
-    constraint = (mem.gpu["peak"] + mem.gpu["overhead"] - capacity) / GIB
+    constraint = (mem.total_gpu_bytes - capacity) / GIB  # peak + overhead (a screened verdict knows it)
     trial.set_constraint("gpu_memory", constraint)
     if not mem.fits:
         return finish(TrialState.PRUNED, prune_reason="; ".join(mem.reasons) or "does not fit")

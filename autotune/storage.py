@@ -11,14 +11,16 @@ systems; for studies shared across machines use an RDB URL (PostgreSQL).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
-from typing import Any
+from typing import Any, Iterable, Iterator, Optional
 
 from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-from autotune._optuna_compat import BaseJournalFileLock, heartbeat_enabled, journal_file_path, journal_lock
+from autotune._optuna_compat import (BaseJournalFileLock, heartbeat_enabled, journal_backend, journal_file_path,
+                                     journal_lock, journal_offsets, study_storage)
 
 
 class FlockLock(BaseJournalFileLock):
@@ -45,17 +47,76 @@ class UnsyncedJournalFileBackend(JournalFileBackend):
 
     def __init__(self, file_path: str) -> None:
         super().__init__(file_path, lock_obj=FlockLock(file_path + ".lock"))
+        self._held: Optional[list[tuple[dict[str, Any], bytes]]] = None
+        """Inside ``batched()``: the logs appended and their lines, not yet written."""
+        self._file_end = 0
+        """Inside ``batched()``: the number of logs in the file."""
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
-        text = "\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n"
+        if self._held is not None:
+            self._held += [(log, _line(log)) for log in logs]
+            return
         lock = journal_lock(self)
         lock.acquire()
         try:
-            with open(journal_file_path(self), "ab") as fh:
-                fh.write(text.encode("utf-8"))
-                fh.flush()
+            self._write(b"".join(_line(log) for log in logs))
         finally:
             lock.release()
+
+    def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
+        if self._held is None:
+            yield from super().read_logs(log_number_from)
+            return
+        # in a batch the lock is held: the file ends at log _file_end and the batch's logs follow it
+        if log_number_from < self._file_end:
+            yield from super().read_logs(log_number_from)
+        for k, (log, _) in enumerate(self._held):
+            if self._file_end + k >= log_number_from:
+                yield log
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Hold the journal's lock while the block runs and write every log it appends with one
+        write at the end (also on an error). Reads inside the block see those logs after the file's,
+        as they would have without the batch: the file's lines and their order are the same."""
+        if self._held is not None:  # nested: the outer batch writes
+            yield
+            return
+        lock = journal_lock(self)
+        lock.acquire()
+        try:
+            offsets = journal_offsets(self)
+            for _ in super().read_logs(max(offsets)):  # learn where the file's last line ends
+                pass
+            self._file_end = max(offsets)
+            self._held = []
+            try:
+                yield
+            finally:
+                held, self._held = self._held, None
+                self._write(b"".join(line for _, line in held))
+                for k, (_, line) in enumerate(held):  # the next read starts after them
+                    offsets[self._file_end + k + 1] = offsets[self._file_end + k] + len(line)
+        finally:
+            lock.release()
+
+    def _write(self, data: bytes) -> None:
+        with open(journal_file_path(self), "ab") as fh:
+            fh.write(data)
+            fh.flush()
+
+
+def _line(log: dict[str, Any]) -> bytes:
+    return (json.dumps(log, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+def add_trials(study: Any, trials: Iterable[Any]) -> None:
+    """``study.add_trials(trials)``; on this module's journal file the trials' lines are written with
+    one append instead of one per trial (Optuna's JournalStorage writes and re-reads the file for
+    every trial it creates)."""
+    backend = journal_backend(study_storage(study))
+    with backend.batched() if isinstance(backend, UnsyncedJournalFileBackend) else contextlib.nullcontext():
+        study.add_trials(trials)
 
 
 HEARTBEAT_ENV = "AUTOTUNE_HEARTBEAT_S"
