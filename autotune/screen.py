@@ -3,19 +3,20 @@ simulator for those that fit), and the predicted front the study starts from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+import gc
+from typing import Callable, NamedTuple, Optional
 
 from autotune.config import Config
 from autotune.memory import MemoryEstimate, estimate_memory
+from autotune.memory._fast import verdicts
+from autotune.memory.common import DeferredEstimate
 from autotune.pareto import pareto_front
-from autotune.simulate import simulate
+from autotune.simulate import Simulator
 from autotune.space import SearchSpace
 from autotune.strategy import Strategy
 
 
-@dataclass(frozen=True)
-class Screened:
+class Screened(NamedTuple):
     """One candidate as the analytic models see it."""
 
     strategy: Strategy
@@ -28,23 +29,38 @@ def screen(cfg: Config, space: SearchSpace, headroom: float, params: Optional[di
     """Every candidate of the space through the memory model, and the feasible ones through the
     simulator (with efficiency ``params`` when given, e.g. from a calibration).
 
+    The verdicts of the whole space come from memory._fast at once (equal to estimate_memory's);
+    each candidate's MemoryEstimate is a DeferredEstimate whose figures estimate_memory computes when
+    first read.
+
     With ``search.fidelity: traced`` every candidate's activations come from a FakeTensorMode trace
     of the real model (autotune.trace; one trace per micro-batch x checkpointing pair, reused across
     ZeRO stages and offload); with ``search.trace_near_limit`` only those within that fraction of
     the usable memory are traced.
     """
+    model, training, hardware = cfg.model, cfg.training, cfg.hardware
     traced = _tracer(cfg, headroom)
-    capacity = cfg.hardware.gpu.memory_bytes * (1 - headroom)
+    capacity = hardware.gpu.memory_bytes * (1 - headroom)
     near = cfg.search.trace_near_limit * capacity
-    out = []
-    for strategy in space.candidates(cfg.model):
-        mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy, headroom=headroom)
-        if traced and (cfg.search.fidelity == "traced" or
-                       abs(mem.gpu["peak"] + mem.gpu["overhead"] - capacity) <= near):
-            mem = traced(strategy)
-        tps = simulate(cfg.model, cfg.training, cfg.hardware, strategy, params).tokens_per_s_per_gpu if mem.fits else 0.0
-        out.append(Screened(strategy, mem, tps))
-    return out
+    collecting = gc.isenabled()
+    gc.disable()  # tens of thousands of small acyclic records: the cyclic collector would rescan them
+    try:
+        strategies = list(space.candidates(model))
+        grid = verdicts(model, training, hardware, strategies, headroom=headroom) if not traced else [None] * len(strategies)
+        simulator = Simulator(model, training, hardware, params)
+        out = []
+        for strategy, verdict in zip(strategies, grid):
+            if verdict is None:  # not on the grid (or traced): the estimate itself
+                mem = estimate_memory(model, training, hardware, strategy, headroom=headroom)
+                if traced and (cfg.search.fidelity == "traced" or abs(mem.total_gpu_bytes - capacity) <= near):
+                    mem = traced(strategy)
+            else:
+                mem = DeferredEstimate.of(*verdict, estimate_memory, model, training, hardware, strategy, headroom)
+            out.append(Screened(strategy, mem, simulator(strategy).tokens_per_s_per_gpu if mem.fits else 0.0))
+        return out
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _tracer(cfg: Config, headroom: float) -> Optional[Callable[[Strategy], MemoryEstimate]]:

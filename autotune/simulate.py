@@ -176,38 +176,81 @@ def simulate(
     params: Optional[dict] = None,
 ) -> SimResult:
     """Predict one optimizer step of `strategy`; `params` overrides the GPU's efficiency dict."""
-    gpu = hardware.gpu
-    p, calibrated = efficiency_params(gpu, params)
-    prec = strategy.precision
-    peak = gpu.peak_flops(prec)
-    if peak <= 0:  # e.g. bf16 on V100: validate() rejects it; simulate the fp16 path instead
-        peak = gpu.peak_flops("fp16")
-    rates = _Rates(peak, gpu.hbm_bandwidth_gbps * 1e9 * p["hbm_eff"], BYTES_PER_ELEMENT[prec])
-    L = model.num_hidden_layers
-    b = strategy.micro_batch_size
-    T = float(b * training.seq_len)  # tokens per micro-batch per GPU (the GEMM M dimension)
-    gas = gradient_accumulation_steps(strategy, training, hardware)
+    return Simulator(model, training, hardware, params)(strategy)
 
-    mb = _micro_batch_compute(model, training.seq_len, T, rates, p)
-    compute_mb = mb.fwd + mb.bwd + mb.loss
-    recompute_mb = _recompute(strategy, L, mb)
-    fwd_window = mb.fwd
-    bwd_window = mb.bwd + recompute_mb
-    if strategy.engine == "fsdp2":
-        comm_exposed = _fsdp2_communication(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window)
-        optimizer, offload = _fsdp2_optimizer_and_offload(model, hardware, strategy, rates, p, gas,
-                                                          fwd_window + bwd_window)
-    else:
-        comm_exposed = _exposed_communication(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window)
-        optimizer, offload = _optimizer_and_offload(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window)
 
+class Simulator:
+    """``simulate`` for many strategies of one job: the efficiency parameters merged once, and one
+    micro-batch's compute once per (precision, micro-batch size), the knobs it reads."""
+
+    def __init__(self, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
+                 params: Optional[dict] = None) -> None:
+        self.model, self.training, self.hardware = model, training, hardware
+        self.p, self.calibrated = efficiency_params(hardware.gpu, params)
+        self.N = float(model.num_parameters)
+        self.flops_per_token = model.flops_per_token(training.seq_len)
+        self._compute: dict[tuple, tuple[_Rates, _MicroBatch]] = {}
+        self._buckets: dict[tuple, dict[str, int]] = {}
+
+    def buckets(self, strategy: Strategy) -> dict[str, int]:
+        """``default_buckets`` once per value of the knobs it reads (the stage, the bucket knobs)."""
+        key = (strategy.zero_stage, strategy.reduce_bucket_size, strategy.allgather_bucket_size,
+               strategy.prefetch_bucket_size, strategy.param_persistence_threshold)
+        if key not in self._buckets:
+            self._buckets[key] = default_buckets(self.model, strategy)
+        return self._buckets[key]
+
+    def micro_batch(self, strategy: Strategy) -> tuple[_Rates, _MicroBatch]:
+        """The rates at the strategy's precision and one micro-batch's compute time."""
+        key = (strategy.precision, strategy.micro_batch_size)
+        if key not in self._compute:
+            gpu, p, prec = self.hardware.gpu, self.p, strategy.precision
+            peak = gpu.peak_flops(prec)
+            if peak <= 0:  # e.g. bf16 on V100: validate() rejects it; simulate the fp16 path instead
+                peak = gpu.peak_flops("fp16")
+            rates = _Rates(peak, gpu.hbm_bandwidth_gbps * 1e9 * p["hbm_eff"], BYTES_PER_ELEMENT[prec])
+            T = float(strategy.micro_batch_size * self.training.seq_len)
+            self._compute[key] = rates, _micro_batch_compute(self.model, self.training.seq_len, T, rates, p)
+        return self._compute[key]
+
+    def __call__(self, strategy: Strategy) -> SimResult:
+        """``simulate(model, training, hardware, strategy, params)``."""
+        model, training, hardware, p = self.model, self.training, self.hardware, self.p
+        rates, mb = self.micro_batch(strategy)
+        peak = rates.peak
+        L = model.num_hidden_layers
+        b = strategy.micro_batch_size
+        T = float(b * training.seq_len)  # tokens per micro-batch per GPU (the GEMM M dimension)
+        gas = gradient_accumulation_steps(strategy, training, hardware)
+        compute_mb = mb.fwd + mb.bwd + mb.loss
+        recompute_mb = _recompute(strategy, L, mb)
+        fwd_window = mb.fwd
+        bwd_window = mb.bwd + recompute_mb
+        if strategy.engine == "fsdp2":
+            comm_exposed = _fsdp2_communication(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window,
+                                                self.N)
+            optimizer, offload = _fsdp2_optimizer_and_offload(model, hardware, strategy, rates, p, gas,
+                                                              fwd_window + bwd_window, self.N)
+        else:
+            buckets = self.buckets(strategy)
+            comm_exposed = _exposed_communication(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window,
+                                                  self.N, buckets)
+            optimizer, offload = _optimizer_and_offload(model, hardware, strategy, rates, p, gas, fwd_window,
+                                                        bwd_window, self.N)
+        return _result(self.flops_per_token, p, L, gas, T, peak, compute_mb, recompute_mb, comm_exposed, optimizer,
+                       offload, self.calibrated)
+
+
+def _result(flops_per_token: float, p: dict, L: int, gas: int, T: float, peak: float, compute_mb: float,
+            recompute_mb: float, comm_exposed: float, optimizer: float, offload: float, calibrated: bool) -> SimResult:
+    """The step's time from its parts, tokens/s, MFU and the breakdown."""
     overhead = p["step_overhead_s"] + p["layer_overhead_s"] * L * gas
     compute = gas * compute_mb
     recompute = gas * recompute_mb
     step = compute + recompute + comm_exposed + offload + optimizer + overhead
     tokens = gas * T
     tps = tokens / step
-    mfu = model.flops_per_token(training.seq_len) * tps / peak
+    mfu = flops_per_token * tps / peak
     return SimResult(
         step_time_s=step,
         tokens_per_s_per_gpu=tps,
@@ -284,19 +327,18 @@ def _recompute(strategy: Strategy, L: int, mb: _MicroBatch) -> float:
 
 
 def _exposed_communication(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, rates: _Rates, p: dict,
-                           gas: int, fwd_window: float, bwd_window: float) -> float:
-    """Collective time of one optimizer step left on the critical path (ZeRO stage's collectives)."""
+                           gas: int, fwd_window: float, bwd_window: float, N: float, buckets: dict) -> float:
+    """Collective time of one optimizer step left on the critical path (ZeRO stage's collectives);
+    ``N`` the model's parameters, ``buckets`` the strategy's (default_buckets)."""
     n = hardware.num_gpus
     if n <= 1:
         return 0.0
     L = model.num_hidden_layers
-    N = float(model.num_parameters)
     bw = _link_bandwidth(hardware, p, crosses_nodes=hardware.num_nodes > 1)
     lat = p["coll_latency_s"]
     pbytes = rates.act_bytes  # 16-bit params and grads on the wire (fp32 when training in fp32)
     ov = p["overlap"]
     z = strategy.zero_stage
-    buckets = default_buckets(model, strategy)
     P = N * pbytes
     if z == 3:
         # DeepSpeed ZeRO-3 / FSDP FULL_SHARD: all-gather params in forward and again in backward,
@@ -330,11 +372,11 @@ def _exposed_communication(model: ModelSpec, hardware: HardwareSpec, strategy: S
 
 
 def _optimizer_and_offload(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, rates: _Rates, p: dict,
-                           gas: int, fwd_window: float, bwd_window: float) -> tuple[float, float]:
-    """(GPU optimizer step, exposed offload traffic and CPU-Adam) of one optimizer step, seconds."""
+                           gas: int, fwd_window: float, bwd_window: float, N: float) -> tuple[float, float]:
+    """(GPU optimizer step, exposed offload traffic and CPU-Adam) of one optimizer step, seconds
+    (``N`` the model's parameters)."""
     gpu = hardware.gpu
     n = hardware.num_gpus
-    N = float(model.num_parameters)
     prec = strategy.precision
     pbytes = rates.act_bytes
     ov = p["overlap"]
@@ -381,7 +423,7 @@ def _link_bandwidth(hardware: HardwareSpec, p: dict, crosses_nodes: bool) -> flo
 
 
 def _fsdp2_communication(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, rates: _Rates, p: dict,
-                         gas: int, fwd_window: float, bwd_window: float) -> float:
+                         gas: int, fwd_window: float, bwd_window: float, N: float) -> float:
     """FSDP2's collectives of one optimizer step left on the critical path: per micro-batch, one
     all-gather per unit (L blocks + root) in ``param_dtype`` in forward and, resharding after
     forward, again in backward; one reduce-scatter per unit in ``reduce_dtype``; hybrid sharding
@@ -392,7 +434,6 @@ def _fsdp2_communication(model: ModelSpec, hardware: HardwareSpec, strategy: Str
     if hardware.num_gpus <= 1:
         return 0.0
     units = model.num_hidden_layers + 1
-    N = float(model.num_parameters)
     lat = p["coll_latency_s"]
     ov = p["overlap"]
     bw = _link_bandwidth(hardware, p, crosses_nodes=hardware.num_nodes > 1 and not hybrid)
@@ -411,10 +452,10 @@ def _fsdp2_communication(model: ModelSpec, hardware: HardwareSpec, strategy: Str
 
 
 def _fsdp2_optimizer_and_offload(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, rates: _Rates,
-                                 p: dict, gas: int, window: float) -> tuple[float, float]:
+                                 p: dict, gas: int, window: float, N: float) -> tuple[float, float]:
     """(GPU optimizer step, exposed offload traffic and host step) of one FSDP2 optimizer step."""
     hybrid = strategy.sharding == "hybrid" and hardware.num_nodes > 1
-    shard = float(model.num_parameters) / (hardware.gpus_per_node if hybrid else hardware.num_gpus)
+    shard = N / (hardware.gpus_per_node if hybrid else hardware.num_gpus)
     # torch AdamW foreach on the fp32 shard: read grad, param, m, v; write param, m, v; the
     # sqrt temporary written and read (torch/optim/adamw.py _multi_tensor_adamw)
     step = shard * 36.0 / rates.hbm

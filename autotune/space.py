@@ -9,6 +9,7 @@ engine_configs.default_buckets). The schema and the defaults are read off Strate
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -60,24 +61,28 @@ class SearchSpace:
     def candidates(self, model: ModelSpec) -> Iterator[Strategy]:
         """Every distinct strategy of the space (a knob varies only where it applies, see
         strategy.knob_applies; elsewhere it keeps its default), the innermost knob varying fastest."""
-        partial: list[dict[str, Any]] = [{}]
-        for knob in _ENUMERATION_ORDER:  # one level at a time, in nesting order (outermost first)
-            options, reads, applies = self.choices(knob, model), _READS[knob], {}
-            if not reads:  # applies everywhere
-                partial = [{**values, knob: value} for values in partial for value in options]
-                continue
-            grown: list[dict[str, Any]] = []
-            for values in partial:
-                # whether the knob applies depends only on the knobs its condition reads
-                key = tuple(values.get(r) for r in reads)
-                if key not in applies:
-                    applies[key] = knob_applies(knob, values)
-                if applies[key]:
-                    grown.extend({**values, knob: value} for value in options)
+        order = _ENUMERATION_ORDER
+        options = [self.choices(knob, model) for knob in order]
+        # what is chosen from level j inwards depends on the knobs chosen before only through the
+        # knobs those levels' conditions read: the same suffixes serve every prefix that agrees on them
+        inner_reads = [tuple(sorted({r for knob in order[j:] for r in _READS[knob]})) for j in range(len(order))]
+        memo: dict[tuple, list[tuple[tuple[str, Any], ...]]] = {}
+
+        def suffixes(j: int, values: dict[str, Any]) -> list[tuple[tuple[str, Any], ...]]:
+            """The (knob, value) pairs of levels j... for the knobs ``values`` chosen before."""
+            if j == len(order):
+                return [()]
+            key = (j, *map(values.get, inner_reads[j]))
+            if key not in memo:
+                knob = order[j]
+                if knob_applies(knob, values):
+                    memo[key] = [((knob, value),) + rest for value in options[j]
+                                 for rest in suffixes(j + 1, {**values, knob: value})]
                 else:  # left at its default
-                    grown.append(values)
-            partial = grown
-        return (Strategy(**values) for values in partial)
+                    memo[key] = suffixes(j + 1, values)
+            return memo[key]
+
+        return map(_strategy, suffixes(0, {}))
 
     def searched_knobs(self, strategy: "Strategy | dict[str, Any]") -> Iterator[str]:
         """The knobs, in suggestion order, that apply to ``strategy`` (a Strategy or the values chosen
@@ -106,6 +111,25 @@ _ENUMERATION_ORDER = knobs.nesting(Strategy)
 _READS = {f.name: (("engine",) if f.metadata["engine"] else ()) + (f.metadata["applies"].reads if f.metadata["applies"]
                                                                    else ()) for f in knobs.knob_fields(Strategy)}
 """Knob -> the knobs whether it applies reads (its engine, its condition's; autotune.knobs.applies)."""
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Strategy)}
+_PLAIN_INIT = (all(f.init and f.default is not dataclasses.MISSING for f in dataclasses.fields(Strategy))
+               and "__slots__" not in vars(Strategy) and hasattr(Strategy, "__post_init__"))
+
+
+def _strategy(pairs: tuple[tuple[str, Any], ...]) -> Strategy:
+    """``Strategy(**dict(pairs))``, without its generated __init__ where that only sets the fields
+    (every field has a plain default): the fields are set and ``__post_init__`` runs, which is what
+    that __init__ does, at half the cost (a screen makes one per candidate)."""
+    if not _PLAIN_INIT:
+        return Strategy(**dict(pairs))
+    s = object.__new__(Strategy)
+    d = s.__dict__
+    d.update(_FIELD_DEFAULTS)
+    d.update(pairs)
+    s.__post_init__()
+    return s
+
+
 _OF_LAYERS = {f.name for f in knobs.knob_fields(Strategy) if f.metadata["of_layers"]}
 SPACE_DEFAULTS: dict[str, tuple[Any, ...]] = {f.name: knobs.space_default(f) for f in knobs.knob_fields(Strategy)
                                               if f.name in KNOBS}

@@ -14,6 +14,7 @@ Strategies outside what the grid covers (``checkpoint_every``) are left to ``est
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -33,40 +34,31 @@ _ACT_FIELDS = ("blocks", "per_block_plain", "per_block_checkpointed", "num_check
                "hidden_grad", "checkpoint_frame_kept", "final_norm_backward_live", "mlp_backward_transient")
 
 
-def rules_key(s: Strategy) -> tuple:
-    """The knobs ``strategy.validation_errors`` reads."""
-    return (s.engine, s.zero_stage, s.micro_batch_size, s.offload_params, s.offload_optimizer, s.checkpoint_layers,
-            s.checkpoint_every, s.sharding, s.precision)
-
-
-def activation_key(s: Strategy) -> tuple:
-    """The knobs ``activation_breakdown`` reads (and whether the last block is checkpointed)."""
-    return (s.micro_batch_size, s.precision, s.checkpointing, s.checkpoint_layers, s.checkpoint_every, s.engine,
-            s.zero_stage)
-
-
-def states_key(s: Strategy) -> tuple:
-    """The knobs a DeepSpeed candidate's model states, buffers and accumulation carry read
-    (``_model_states``, ``default_buckets``, ``_accumulation_carry``, the logits kept)."""
-    return (s.engine, s.zero_stage, s.offload_optimizer, s.offload_params, s.precision, s.micro_batch_size,
-            s.reduce_bucket_size, s.allgather_bucket_size, s.prefetch_bucket_size, s.param_persistence_threshold)
-
-
-def units_key(s: Strategy) -> tuple:
-    """The knobs an FSDP2 candidate's layout reads (``fsdp2._units``, the accumulation, the logits kept)."""
-    return (s.engine, s.precision, s.reduce_dtype, s.offload_params, s.sharding, s.micro_batch_size,
-            s.reshard_after_forward)
+rules_key = attrgetter("engine", "zero_stage", "micro_batch_size", "offload_params", "offload_optimizer",
+                       "checkpoint_layers", "checkpoint_every", "sharding", "precision")
+"""The knobs ``strategy.validation_errors`` reads."""
+activation_key = attrgetter("micro_batch_size", "precision", "checkpointing", "checkpoint_layers", "checkpoint_every",
+                            "engine", "zero_stage")
+"""The knobs ``activation_breakdown`` reads (and whether the last block is checkpointed)."""
+states_key = attrgetter("zero_stage", "offload_optimizer", "offload_params", "precision", "micro_batch_size",
+                        "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
+"""The knobs a DeepSpeed candidate's ``states_row`` reads (``_model_states``, ``default_buckets``,
+``_accumulation_carry``, the logits kept)."""
+units_key = attrgetter("precision", "reduce_dtype", "offload_params", "sharding", "micro_batch_size",
+                       "reshard_after_forward")
+"""The knobs an FSDP2 candidate's ``units_row`` reads (``fsdp2._units``, the accumulation, the logits kept)."""
 
 
 def covered(s: Strategy) -> bool:
-    """Whether the grid computes this strategy (else: estimate_memory)."""
+    """Whether the grid computes this strategy (else: estimate_memory): the first n blocks
+    checkpointed, not every k-th."""
     return s.checkpoint_every is None
 
 
 class _Table:
     """Distinct keys -> a row of values, and each candidate's row index."""
 
-    def __init__(self, make: Callable[[Strategy], Sequence[float]]) -> None:
+    def __init__(self, make: Callable[[Strategy], list[float]]) -> None:
         self.make, self.rows, self.index = make, [], {}
         self.of: list[int] = []
 
@@ -91,25 +83,40 @@ def verdicts(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s
     rules: dict[tuple, bool] = {}
     out: list[Optional[tuple[bool, Optional[int]]]] = [None] * len(strategies)
     groups: dict[str, list[int]] = {"deepspeed": [], "fsdp2": []}
+    broken = (False, None)
     for i, s in enumerate(strategies):
-        if not covered(s):
+        if s.checkpoint_every is not None:  # not covered()
             continue
         key = rules_key(s)
         ok = rules.get(key)
         if ok is None:
             ok = rules[key] = not validate(s, model, training, hardware)
-        if not ok:
-            out[i] = (False, None)
-            continue
-        groups[s.engine].append(i)
+        if ok:
+            groups[s.engine].append(i)
+        else:
+            out[i] = broken
     for engine, idx in groups.items():
         if not idx:
             continue
         walk = _deepspeed if engine == "deepspeed" else _fsdp2
-        fits, total = walk(model, training, hardware, [strategies[i] for i in idx], headroom, device, loop)
+        fits, total, _ = walk(model, training, hardware, [strategies[i] for i in idx], headroom, device, loop)
         for i, f, t in zip(idx, fits.tolist(), total.tolist()):
             out[i] = (f, t)
     return out
+
+
+def phase_peaks(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
+                engine: str, *, device: str = "cuda",
+                loop: str = "keep_outputs") -> tuple[dict[str, list[int]], list[int]]:
+    """``MemoryEstimate.phases`` and ``activation_peak`` of each strategy (all of ``engine``, all
+    covered), from the grid's walk: what the tests compare with estimate_memory instant by phase."""
+    walk = _deepspeed if engine == "deepspeed" else _fsdp2
+    w = walk(model, training, hardware, strategies, 0.0, device, loop)[2]
+    stacked = [np.stack(c) for c in zip(*w.items)]
+    phases = {phase: np.trunc(stacked[0][[i for i, ph in enumerate(w.phases) if ph == phase]].max(axis=0))
+              .astype(np.int64).tolist() for phase in dict.fromkeys(w.phases)}
+    alive = np.where(np.isfinite(stacked[0]), stacked[2] + stacked[3], -np.inf)
+    return phases, np.trunc(alive.max(axis=0)).astype(np.int64).tolist()
 
 
 class _Walk:
@@ -118,11 +125,14 @@ class _Walk:
     def __init__(self, n: int) -> None:
         self.n = n
         self.items: list[tuple[Any, ...]] = []
+        self.phases: list[str] = []
 
-    def add(self, total: Any, grads: Any, activations: Any, logits: Any, buffers: Any, valid: Any = True) -> None:
+    def add(self, phase: str, total: Any, grads: Any, activations: Any, logits: Any, buffers: Any,
+            valid: Any = True) -> None:
         full = lambda x: np.broadcast_to(np.asarray(x, dtype=np.float64), (self.n,))  # noqa: E731
         self.items.append((np.where(valid, full(total), -np.inf), full(grads), full(activations), full(logits),
                            full(buffers)))
+        self.phases.append(phase)
 
     def best(self) -> tuple[np.ndarray, ...]:
         """grads, activations, logits, buffers of each candidate's largest instant (the first on a
@@ -180,18 +190,19 @@ def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarra
     return L - 1 - i, saved, a_mlp + a["mlp_backward_transient"], saved + attn_delta, frame
 
 
+def activation_row(model: ModelSpec, training: TrainingSpec, s: Strategy, device: str) -> list[float]:
+    """The activation terms of a candidate (``_ACT_FIELDS``), whether its granularity is ``attention``
+    and whether its last block is checkpointed (fsdp2's forward)."""
+    L = model.num_hidden_layers
+    act: ActivationBreakdown = activation_breakdown(model, training, s, device)
+    return [float(getattr(act, f)) for f in _ACT_FIELDS] + [float(act.granularity == "attention"),
+                                                             float((L - 1) in s.checkpointed_blocks(L))]
+
+
 def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[Strategy],
                  device: str) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """The activation terms per candidate (one breakdown per distinct activation_key), whether its
-    granularity is ``attention``, and whether its last block is checkpointed."""
-    L = model.num_hidden_layers
-
-    def row(s: Strategy) -> list[float]:
-        act: ActivationBreakdown = activation_breakdown(model, training, s, device)
-        return [float(getattr(act, f)) for f in _ACT_FIELDS] + [float(act.granularity == "attention"),
-                                                                 float((L - 1) in s.checkpointed_blocks(L))]
-
-    table = _Table(row)
+    """The activation terms per candidate (one activation_row per distinct activation_key)."""
+    table = _Table(lambda s: activation_row(model, training, s, device))
     for s in strategies:
         table.add(activation_key(s), s)
     cols = table.columns()
@@ -206,27 +217,31 @@ _ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffer
 _DS = _ST + ("p", "tokens", "kept", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
 
 
+def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, device: str,
+               loop: str) -> list[float]:
+    """A DeepSpeed candidate's model states (``_ST``) and the walk's other per-strategy terms (``_DS``)."""
+    head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
+    st = _model_states(m, training, hardware, s, device)
+    p = BYTES_PER_ELEMENT[s.precision]
+    tokens = training.seq_len * s.micro_batch_size
+    carry, grow = _accumulation_carry(m, hardware, s, gradient_accumulation_steps(s, training, hardware))
+    bucket = st.partition_after or 0
+    blocked = bool(bucket and block_params)
+    # estimate._blocks_backward: blocks done before the gradient partition exists, before the second reduce
+    k = int(max(0.0, bucket - head) // block_params) if blocked else 0
+    k2 = int(max(0.0, 2 * bucket - head) // block_params) if blocked else 0
+    return [float(getattr(st, f)) for f in _ST] + [
+        p, tokens, p * V * tokens if loop == "keep_outputs" else 0.0, carry, float(grow),
+        st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0, float(s.zero_stage == 1),
+        float(s.zero_stage == 0), k, k2, float(blocked)]
+
+
 def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
-               headroom: float, device: str, loop: str) -> tuple[np.ndarray, np.ndarray]:
+               headroom: float, device: str, loop: str) -> tuple[np.ndarray, np.ndarray, _Walk]:
     """estimate.estimate_memory's walk (deepspeed engine) over the candidates."""
     m, L = model, model.num_hidden_layers
     head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
-
-    def row(s: Strategy) -> list[float]:
-        st = _model_states(m, training, hardware, s, device)
-        p = BYTES_PER_ELEMENT[s.precision]
-        tokens = training.seq_len * s.micro_batch_size
-        carry, grow = _accumulation_carry(m, hardware, s, gradient_accumulation_steps(s, training, hardware))
-        bucket = st.partition_after or 0
-        blocked = bool(bucket and block_params)
-        k = int(max(0.0, bucket - head) // block_params) if blocked else 0
-        k2 = int(max(0.0, 2 * bucket - head) // block_params) if blocked else 0
-        return [float(getattr(st, f)) for f in _ST] + [
-            p, tokens, p * V * tokens if loop == "keep_outputs" else 0.0, carry, float(grow),
-            st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0, float(s.zero_stage == 1),
-            float(s.zero_stage == 0), k, k2, float(blocked)]
-
-    table = _Table(row)
+    table = _Table(lambda s: states_row(m, training, hardware, s, device, loop))
     for s in strategies:
         table.add(states_key(s), s)
     c = dict(zip(_DS, table.columns()))
@@ -243,7 +258,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         if phase != "optimizer":
             grads = np.where(grow, grads + carry - np.minimum(carry_ipg, buffers),
                              np.maximum(grads - pending, carry) + pending)
-        w.add(fixed + grads + activations + logits + buffers, grads, activations, logits, buffers, valid)
+        w.add(phase, fixed + grads + activations + logits + buffers, grads, activations, logits, buffers, valid)
 
     saved_blocks, logits_saved = a["blocks"], a["logits_saved"]
     other_saved = a["nonblock"] - logits_saved
@@ -291,30 +306,31 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     add("backward", grads=np.where(m.num_parameters > bucket, c["grads"], 0.0) - moved,
         buffers=c["buffers_bwd"] + reduce_flat, valid=reduce_flat != 0)
     add("optimizer", grads=c["grads"], buffers=c["buffers_step"])
-    return _verdict(w.best(), hardware, headroom, params=c["params"], optimizer=c["optimizer"],
-                    resident_grads=c["grad_buffer"], resident_buffers=c["resident_buffers"], cpu_per_gpu=c["cpu"],
-                    nvme_per_gpu=c["nvme"])
+    return (*_verdict(w.best(), hardware, headroom, params=c["params"], optimizer=c["optimizer"],
+                      resident_grads=c["grad_buffer"], resident_buffers=c["resident_buffers"], cpu_per_gpu=c["cpu"],
+                      nvme_per_gpu=c["nvme"]), w)
 
 
 _U = ("n", "p", "r", "per_block", "root", "on_gpu", "u_root", "u_block", "flat", "cast_in", "grad_block", "all_grads",
       "mlp_params")
 
 
+def units_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, loop: str) -> list[float]:
+    """An FSDP2 candidate's layout (``_U``) and the walk's other per-strategy terms."""
+    u = _units(m, s, hardware)
+    tokens = training.seq_len * s.micro_batch_size
+    gas = gradient_accumulation_steps(s, training, hardware)
+    return [float(getattr(u, f)) for f in _U] + [
+        tokens, u.p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0, u.all_grads if gas > 1 else 0.0,
+        float(s.reshard_after_forward), float(s.offload_params == "cpu")]
+
+
 def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
-           headroom: float, device: str, loop: str) -> tuple[np.ndarray, np.ndarray]:
+           headroom: float, device: str, loop: str) -> tuple[np.ndarray, np.ndarray, _Walk]:
     """fsdp2.estimate_fsdp2's walk over the candidates."""
     m, L, V = model, model.num_hidden_layers, model.vocab_size
     k_opt = training.optimizer.state_bytes_per_parameter
-
-    def row(s: Strategy) -> list[float]:
-        u = _units(m, s, hardware)
-        tokens = training.seq_len * s.micro_batch_size
-        gas = gradient_accumulation_steps(s, training, hardware)
-        return [float(getattr(u, f)) for f in _U] + [
-            tokens, u.p * V * tokens if loop == "keep_outputs" else 0.0, u.all_grads if gas > 1 else 0.0,
-            float(s.reshard_after_forward), float(s.offload_params == "cpu")]
-
-    table = _Table(row)
+    table = _Table(lambda s: units_row(m, training, hardware, s, loop))
     for s in strategies:
         table.add(units_key(s), s)
     u = dict(zip(_U + ("tokens", "kept", "carry", "reshard", "host"), table.columns()))
@@ -333,7 +349,8 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
         if phase != "optimizer":
             sharded = np.maximum(sharded, carry)
         grads = sharded + unsharded
-        w.add(params + optimizer + grads + activations + logits + buffers, grads, activations, logits, buffers, valid)
+        w.add(phase, params + optimizer + grads + activations + logits + buffers, grads, activations, logits, buffers,
+              valid)
 
     saved_blocks, logits_saved = a["blocks"], a["logits_saved"]
     other_saved = a["nonblock"] - logits_saved
@@ -384,5 +401,5 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     add("optimizer", sharded=u["all_grads"], buffers=on_gpu * 4 * shard)
     host = np.where(u["host"] > 0, (4 + 4 + k_opt + 4) * shard, 0.0)
     side_pool = np.where((un > 1) & (device == "cuda"), u_root + 2 * u_block, 0.0)
-    return _verdict(w.best(), hardware, headroom, params=params, optimizer=optimizer, resident_grads=0.0,
-                    resident_buffers=0.0, cpu_per_gpu=host, nvme_per_gpu=0.0, reserved_elsewhere=side_pool)
+    return (*_verdict(w.best(), hardware, headroom, params=params, optimizer=optimizer, resident_grads=0.0,
+                      resident_buffers=0.0, cpu_per_gpu=host, nvme_per_gpu=0.0, reserved_elsewhere=side_pool), w)
