@@ -17,6 +17,7 @@ from typing import Any, Literal, Mapping, Optional
 from autotune import presets
 from autotune.checks import (Checker, bool_, check_section, choice, float_, int_, key_name, mapping, optional,
                              read_yaml, show, str_)
+from autotune.backends.script_command import check_command
 from autotune.errors import ConfigError
 from autotune.hf_config import check_exact_count, map_hf_config, read_hf_config
 from autotune.spec import OPTIMIZER_TYPES, GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, OptimizerSpec, TrainingSpec
@@ -51,9 +52,9 @@ class SearchSection:
 class ProfileSection:
     """``profile:`` — how surviving candidates are measured."""
 
-    backend: Literal["simulate", "profile", "replay"] = "simulate"
-    """simulate (throughput simulator), profile (real runs of either engine) or replay (answers from a
-    CSV)."""
+    backend: Literal["simulate", "profile", "replay", "script"] = "simulate"
+    """simulate (throughput simulator), profile (real runs of either engine), replay (answers from a
+    CSV) or script (real runs of the user's own training command, ``command``)."""
     warmup_steps: int = 2
     """Optimizer steps run before measuring."""
     measure_steps: int = 3
@@ -64,6 +65,9 @@ class ProfileSection:
     """How worker processes are started."""
     replay_csv: Optional[str] = None
     """For backend replay: a CSV of measured results (same columns as trials.csv)."""
+    command: Optional[str] = None
+    """For backend script: the training command run per trial, with placeholders
+    (autotune.backends.script_command.PLACEHOLDERS; docs/profiling.md)."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +270,7 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "timeout_s": float_(0.0, 7 * 86400.0, low_open=True),
     "launcher": choice(*LAUNCHERS),
     "replay_csv": str_,
+    "command": check_command,
 }
 
 TOP_SCHEMA = ("model", "training", "hardware", "strategy", "search", "profile")
@@ -307,6 +312,8 @@ def _load(path: str) -> Config:
     profile = ProfileSection(**profile_raw)
     if profile.backend == "replay" and not profile.replay_csv:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
+    if profile.backend == "script" and not profile.command:
+        raise ConfigError("backend script needs profile.command, the training command to run", path="profile.command")
     return Config(path=path, model=model, training=training, hardware=hardware, strategy=strategy,
                   search=search, profile=profile, model_factory=factory, hf_config=hf_path)
 

@@ -18,6 +18,7 @@ BACKEND_CLASSES: dict[str, str] = {
     "simulate": "autotune.backends.base:SimulateBackend",
     "replay": "autotune.backends.replay:ReplayBackend",
     "profile": "autotune.backends.profiled:DeepSpeedBackend",
+    "script": "autotune.backends.script:ScriptBackend",
 }
 """Backend name (config.BACKENDS) -> ``module:class``; the modules import no torch (the profile
 backend's workers do, in their own processes)."""
@@ -46,6 +47,8 @@ def make_backend(name: str, cfg: Config, run_dir: str, params: Optional[dict] = 
             raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
         # the profiling loop's test double: the same calibrator as the profile backend
         return cls(cfg.profile.replay_csv, cfg, calibrator=Calibrator(cfg, run_dir, initial=params))
+    if name == "script" and not cfg.profile.command:
+        raise ConfigError("backend script needs profile.command, the training command to run", path="profile.command")
     # Imports only the launcher side here; torch and deepspeed load in the launched workers.
     from autotune.backends.profiled import default_memory_limit
 

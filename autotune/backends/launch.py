@@ -65,8 +65,7 @@ _LIVE_LOCK = threading.Lock()
 class LaunchResult:
     """What one launch left behind."""
 
-    nproc: int
-    """Processes (ranks) started."""
+    nproc: int  # processes (ranks) started
     returncode: Optional[int]
     """The launcher's exit status (negative: killed by that signal; None: never exited)."""
     timed_out: bool
@@ -81,8 +80,7 @@ class LaunchResult:
     command: list[str] = field(default_factory=list)
     launch_id: str = ""
     """Value of AUTOTUNE_LAUNCH_ID in every process of the launch (see alive())."""
-    pid: int = 0
-    """The launcher's pid (= its process-group id)."""
+    pid: int = 0  # the launcher's pid (= its process-group id)
 
 
 def signal_name(code: int) -> str:
@@ -362,10 +360,11 @@ def _rank_files(result_path: Path, kind: str, nproc: int) -> dict[int, dict]:
 def launch(job_path: str, *, nproc: int, log_dir: str, timeout_s: float, launcher: str = "torchrun",
            memory_limit_bytes: Optional[int] = None, num_nodes: int = 1, hostfile: Optional[str] = None,
            env: Optional[dict[str, str]] = None, log_limit_bytes: int = LOG_LIMIT_BYTES,
-           kill_grace_s: float = 5.0, abort_grace_s: float = 20.0,
-           worker_entry: Optional[str] = None) -> LaunchResult:
+           kill_grace_s: float = 5.0, abort_grace_s: float = 20.0, worker_entry: Optional[str] = None,
+           command: Optional[Sequence[str]] = None, cwd: Optional[str] = None) -> LaunchResult:
     """Run the job file ``job_path`` (its ``result_path``, default ``result.json`` beside it) on
-    ``nproc`` ranks; never raises for a failing job, only for bad arguments."""
+    ``nproc`` ranks; never raises for a failing job, only for bad arguments. ``command``: run it (in
+    ``cwd``, under the memory limit) instead of launcher + rank shim; its ranks write the results."""
     job_path = str(Path(job_path).resolve())
     job = json.loads(Path(job_path).read_text())
     result_path = job_result_path(Path(job_path), job)
@@ -373,7 +372,8 @@ def launch(job_path: str, *, nproc: int, log_dir: str, timeout_s: float, launche
         for kind in ("result", "exit"):
             rank_file(result_path, kind, rank).unlink(missing_ok=True)
     os.makedirs(log_dir, exist_ok=True)
-    cmd = build_command(launcher, nproc, job_path, num_nodes=num_nodes, hostfile=hostfile)
+    cmd = list(command) if command else build_command(launcher, nproc, job_path, num_nodes=num_nodes,
+                                                      hostfile=hostfile)
     launch_id = uuid.uuid4().hex
     penv = dict(os.environ)
     penv.update(env or {})
@@ -392,8 +392,8 @@ def launch(job_path: str, *, nproc: int, log_dir: str, timeout_s: float, launche
     _install_exit_handlers()
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=penv, cwd=str(Path(job_path).parent), start_new_session=True,
-                            preexec_fn=lambda: _set_pdeathsig(signal.SIGTERM))
+                            env=penv, cwd=cwd or str(Path(job_path).parent), start_new_session=True,
+                            preexec_fn=_worker_preexec(memory_limit_bytes if command else None, signal.SIGTERM))
     with _LIVE_LOCK:
         _LIVE[launch_id] = proc
     pumps = [_BoundedPump(proc.stdout, os.path.join(log_dir, "stdout.log"), log_limit_bytes),
@@ -451,9 +451,9 @@ def _set_pdeathsig(sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def _worker_preexec(limit: Optional[int]):
+def _worker_preexec(limit: Optional[int], sig: int = signal.SIGKILL):
     def preexec() -> None:
-        _set_pdeathsig()
+        _set_pdeathsig(sig)
         if limit:
             import resource
 
