@@ -270,7 +270,16 @@ text-align:left}th{background:#f4f4f4}td.num{text-align:right}.muted{color:#777}
 
 
 def render_html(run: RunData, capacity: Optional[float], headroom: Optional[float]) -> str:
-    from autotune.report_plotly import figure_div, plotly_js, plotly_version
+    """report.html's text."""
+    from autotune.report_plotly import plotly_js
+
+    head, tail = _html_around_plotly_js(run, capacity, headroom)
+    return head + plotly_js() + tail
+
+
+def _html_around_plotly_js(run: RunData, capacity: Optional[float], headroom: Optional[float]) -> tuple[str, str]:
+    """report.html's text before and after the embedded plotly.js (which write_report copies as bytes)."""
+    from autotune.report_plotly import figure_div, plotly_version
 
     esc = html.escape
     f = run.front
@@ -339,7 +348,8 @@ def render_html(run: RunData, capacity: Optional[float], headroom: Optional[floa
     data = {"trials": len(run.trials), "front": len(f["front"]), "pareto_div": PARETO_DIV}
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>autotune report: {esc(run.name)}</title><style>{_CSS}</style>"
-            f"<script type=\"text/javascript\">{plotly_js()}</script>"
+            "<script type=\"text/javascript\">",
+            "</script>"
             f'<script type="application/json" id="autotune-summary">{json.dumps(data)}</script>'
             "</head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
 
@@ -360,9 +370,14 @@ def write_report(run_dir: str, cfg: Optional[Config] = None) -> Optional[str]:
               file=sys.stderr)
         path = None
     else:
+        from autotune.report_plotly import plotly_js_bytes
+
+        head, tail = _html_around_plotly_js(run, capacity, headroom)
         tmp = f"{path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(render_html(run, capacity, headroom))
+        with open(tmp, "wb") as fh:  # render_html's text, encoded: plotly.js is copied as the file's bytes
+            fh.write(head.encode("utf-8"))
+            fh.write(plotly_js_bytes())
+            fh.write(tail.encode("utf-8"))
         os.replace(tmp, path)
     if importlib.util.find_spec("PIL") is None:
         print("autotune: front.png skipped: Pillow is not installed (pip install 'autotune[report]')",

@@ -37,7 +37,12 @@ def plotly_dir() -> Optional[str]:
 
 def plotly_js() -> str:
     """plotly.min.js as shipped in the plotly package (what plotly.offline.get_plotlyjs returns)."""
-    with open(os.path.join(plotly_dir() or "", "package_data", "plotly.min.js"), encoding="utf-8") as fh:
+    return plotly_js_bytes().decode("utf-8")
+
+
+def plotly_js_bytes() -> bytes:
+    """plotly.min.js's file, UTF-8."""
+    with open(os.path.join(plotly_dir() or "", "package_data", "plotly.min.js"), "rb") as fh:
         return fh.read()
 
 

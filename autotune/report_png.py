@@ -14,7 +14,7 @@ import os
 from typing import Any, Optional, Sequence
 
 WIDTH_IN, HEIGHT_IN, DPI = 8, 5, 110
-SUPERSAMPLE = 3
+SUPERSAMPLE = 2
 PX = DPI / 72 * SUPERSAMPLE
 """Pixels (of the supersampled canvas) per point."""
 MARGIN = 0.05
@@ -227,9 +227,9 @@ def write_front_png(pts: dict[str, list[dict[str, Any]]], labels: dict[str, str]
     if legend:
         _legend(cv, legend, (left, top, right, bottom),
                 [(X(p["memory_gib"]), Y(p["tokens_per_s"])) for ps in pts.values() for p in ps])
-    out = cv.img.reduce(SUPERSAMPLE)  # box filter: each pixel the mean of its 3 x 3
+    out = cv.img.reduce(SUPERSAMPLE)  # box filter: each pixel the mean of its 2 x 2
     tmp = f"{path}.tmp"
-    out.save(tmp, format="PNG")
+    out.save(tmp, format="PNG", compress_level=3)  # zlib level 3: a third faster than 6, 1% larger here
     os.replace(tmp, path)
     return path
 

@@ -334,8 +334,14 @@ def _initialise(study: Any, persistent: Any, cfg: Config, space: SearchSpace, sc
     if seed_front:
         front = [s.strategy for s in predicted_front(screened)]
         seeds += spread(front, max(1, n_trials - len(seeds)) if n_trials else len(front))
+    enqueued: list[dict] = []
     for strategy in seeds[:n_trials or len(seeds)]:  # n_trials 0: a worker only initialising
-        study.enqueue_trial(strategy_params(strategy, space, cfg.model), skip_if_exists=True)
+        params = strategy_params(strategy, space, cfg.model)
+        if study is persistent:  # in storage other workers may share: Optuna's check against every trial
+            study.enqueue_trial(params, skip_if_exists=True)
+        elif params not in enqueued:  # a new in-memory study holds only these: the same check, without
+            enqueued.append(params)   # Optuna's np.isclose per value and trial (the knobs are discrete)
+            study.enqueue_trial(params)
     # Set last: a joining worker treats a study with num_candidates as initialised.
     persistent.set_user_attr("num_feasible", sum(s.memory.fits for s in screened))
     persistent.set_user_attr("num_candidates", len(screened))
