@@ -137,15 +137,9 @@ def to_deepspeed_config(
     if "nvme" in (s.offload_optimizer, s.offload_params):
         cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
                       "single_submit": False, "overlap_events": True}
-    n_ckpt = s.num_checkpointed(model.num_hidden_layers)
-    if n_ckpt:
-        # Consumed by deepspeed.checkpointing users; autotune's worker applies torch.utils.checkpoint
-        # (non-reentrant) to the first `number_checkpoints` blocks at the chosen granularity.
-        cfg["activation_checkpointing"] = {
-            "partition_activations": False, "cpu_checkpointing": False,
-            "contiguous_memory_optimization": False, "number_checkpoints": n_ckpt,
-            "synchronize_checkpoint_boundary": False, "profile": False,
-        }
+    # No activation_checkpointing section: that section configures deepspeed.checkpointing, which a
+    # model calls itself; autotune's checkpointing is applied to the model (front.json
+    # ``checkpointing``, autotune.apply_checkpointing), so the section would only contradict it.
     return cfg
 
 

@@ -3,6 +3,8 @@
 An fsdp2 front point gets ``fsdp2_configs/<k>.json`` (autotune.engine_configs.to_fsdp2_config) and
 ``fsdp2_configs/<k>.py`` (autotune.models.fsdp2.snippet, ready to paste) instead of ``ds_configs/<k>.json``,
 and a torchrun launch line; the best point's files are ``best_fsdp2_config.json`` / ``best_fsdp2.py``.
+Every front point also gets ``trainers/<k>/``: its files for HF Trainer, accelerate, Lightning and
+(fsdp2) torchtitan, and the checkpointing the plain-DeepSpeed launch line passes (autotune.trainers).
 
 Everything here is derived from the study (the source of truth) plus the pure models, so outputs
 can be rewritten at any time (``autotune show`` does) without re-running anything.
@@ -24,6 +26,7 @@ from autotune.space import SearchSpace
 from autotune.spec import GIB
 from autotune.strategy import Strategy, fsdp_equivalent, fsdp_equivalent_text
 from autotune.engine_configs import gradient_accumulation_steps, to_deepspeed_config, to_fsdp2_config
+from autotune.trainers import checkpointing_call, deepspeed_launch, write_trainer_files
 
 
 @dataclass(frozen=True)
@@ -144,14 +147,6 @@ def pick_best(front: list[TrialRow], memory: Memory = allocated_gib) -> Optional
     return max(front, key=lambda r: (r.tokens_per_s_per_gpu, -memory(r)))
 
 
-def launch_command(cfg: Config, ds_config_file: str) -> str:
-    hw = cfg.hardware
-    if hw.num_nodes > 1:
-        return (f"deepspeed --hostfile hostfile --num_nodes {hw.num_nodes} --num_gpus {hw.gpus_per_node} "
-                f"train.py --deepspeed {ds_config_file}")
-    return f"deepspeed --num_gpus {hw.gpus_per_node} train.py --deepspeed {ds_config_file}"
-
-
 def torchrun_command(cfg: Config) -> str:
     """The launch line of an fsdp2 point (torchrun; several nodes: a c10d rendezvous)."""
     hw = cfg.hardware
@@ -213,15 +208,15 @@ def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str], equivalents: 
         "cpu_memory_gib_per_node": mem.cpu_bytes_per_node / GIB,
         "fsdp": fsdp_equivalent(s, cfg.hardware),
         "ds_config": ds_file,
-        "launch": launch_command(cfg, ds_file) if ds_file else None,
+        "launch": None,  # write_trainer_files: the example script's line
         "checkpointing": checkpointing_call(cfg, s),
         "equivalents": [equivalent_dict(cfg, r, predicted) for r in equivalents],
     }
 
 
 def config_dirs(front: dict[str, Any]) -> list[str]:
-    """The engine config folders a front.json's points use (``ds_configs``, ``fsdp2_configs``), in that order."""
-    return [d for d, key in (("ds_configs", "ds_config"), ("fsdp2_configs", "fsdp2_config"))
+    """The config folders a front.json's points use (``ds_configs``, ``fsdp2_configs``, ``trainers``), in that order."""
+    return [d for d, key in (("ds_configs", "ds_config"), ("fsdp2_configs", "fsdp2_config"), ("trainers", "trainers"))
             if any(p.get(key) for p in front["front"])]
 
 
@@ -246,13 +241,16 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
             point = point_dict(cfg, row, None, equivalents, predicted)
             point.update(write_fsdp2_files(run_dir, cfg, row.strategy, f"fsdp2_configs/{k}.json",
                                            f"fsdp2_configs/{k}.py"))
+            point.update(write_trainer_files(run_dir, cfg, row.strategy, k, f"fsdp2_configs/{k}.json"))
             points.append(point)
             continue
         rel = f"ds_configs/{k}.json"
         os.makedirs(os.path.join(run_dir, "ds_configs"), exist_ok=True)  # only when a DeepSpeed point needs it
         write_json(os.path.join(run_dir, rel), to_deepspeed_config(row.strategy, cfg.model, cfg.training,
                                                                      cfg.hardware))
-        points.append(point_dict(cfg, row, rel, equivalents, predicted))
+        point = point_dict(cfg, row, rel, equivalents, predicted)
+        point.update(write_trainer_files(run_dir, cfg, row.strategy, k, rel))  # HF, accelerate, Lightning files
+        points.append(point)
     best = pick_best([rep for rep, _ in collapsed], memory=needed_gib)
     front_obj = {
         "config": os.path.abspath(cfg.path),
@@ -282,7 +280,8 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, bac
         write_json(os.path.join(run_dir, "best_ds_config.json"),
                     to_deepspeed_config(best.strategy, cfg.model, cfg.training, cfg.hardware))
         write_json(os.path.join(run_dir, "best.json"), {**best_point, "ds_config": "best_ds_config.json",
-                                                         "launch": launch_command(cfg, "best_ds_config.json")})
+                                                         "launch": deepspeed_launch(run_dir, cfg, "best_ds_config.json",
+                                                                                    best_point["trainers"])})
     _write_summary(os.path.join(run_dir, "summary.md"), cfg, space, front_obj, rows, extra_summary or {})
     return front_obj
 
@@ -322,17 +321,6 @@ def why_recommended(best: dict[str, Any], points: list[dict[str, Any]], usable_g
 def format_gib(gib: float) -> str:
     """A memory figure in GiB, or in MiB below a quarter GiB (tiny models would read 0.00 GiB)."""
     return f"{gib:.2f} GiB" if abs(gib) >= 0.25 else f"{gib * 1024:.1f} MiB"
-
-
-def checkpointing_call(cfg: Config, s: Strategy) -> str:
-    """The model-side call that reproduces the strategy's activation checkpointing (the DeepSpeed
-    config does not carry it)."""
-    n = s.num_checkpointed(cfg.model.num_hidden_layers)
-    if n == 0:
-        return "none"
-    if cfg.model.implementation == "hf" and s.checkpointing == "full" and n >= cfg.model.num_hidden_layers:
-        return 'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
-    return f"autotune.apply_checkpointing(model, {s.checkpointing!r}, num_layers={s.checkpoint_selection(cfg.model.num_hidden_layers)})"
 
 
 def _trial_records(cfg: Config, rows: list[TrialRow], on_front: set[int], predicted: bool) -> Iterator[TrialRecord]:

@@ -1,0 +1,111 @@
+"""Train a few steps with a front point's DeepSpeed config: the script front.json's ``launch`` line names.
+
+    deepspeed --num_gpus 8 examples/train_deepspeed.py --job JOB.yaml \
+        --deepspeed RUN/ds_configs/0.json --checkpointing RUN/trainers/0/checkpointing.json
+
+It builds the job's model as autotune profiles it (autotune.models.sources.build_for_job: the
+reference decoder, the Hugging Face model of ``model.hf_config``, or the user's ``model.python``
+factory, with synthetic batches), applies the point's activation checkpointing
+(``autotune.apply_checkpointing``: no DeepSpeed config carries it), and runs ``--steps`` optimizer
+steps of ``gradient_accumulation_steps`` micro-batches through ``deepspeed.initialize(config=...)``.
+Replace the model and the batches with yours; the config and the checkpointing call stay.
+
+Without a launcher (``python examples/train_deepspeed.py ...``) it runs as one process over gloo,
+which is how it runs on a CPU (``DS_ACCELERATOR=cpu``). A config written for more GPUs than the
+processes that run it keeps its micro-batch and accumulation; ``train_batch_size`` is then
+recomputed by DeepSpeed for the world size at hand (said on stdout). On a CPU DeepSpeed has no fused
+Adam: the config's optimizer section is built as its torch.optim class (autotune's worker does the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--job", required=True, help="the autotune job file the run was made from")
+    ap.add_argument("--deepspeed", required=True, help="the front point's DeepSpeed config (ds_configs/<k>.json)")
+    ap.add_argument("--checkpointing", help="the point's trainers/<k>/checkpointing.json (none: no checkpointing)")
+    ap.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default 2)")
+    ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                    help="set by the deepspeed launcher")
+    return ap.parse_args(argv)
+
+
+def one_process_env() -> None:
+    """torchrun's variables for a plain ``python`` run: a 1-process group on a free local port."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    one_process_env()
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    import autotune
+    from autotune.config import load_config
+    from autotune.models.sources import build_for_job, loss_of
+    from autotune.worker.engines import torch_optimizer_of
+
+    cuda = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", args.local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    cfg = load_config(args.job)
+    with open(args.deepspeed) as fh:
+        ds_config = json.load(fh)
+    job_dir = os.path.dirname(os.path.abspath(args.job))
+    built = build_for_job({"model_factory": cfg.model_factory, "hf_config": cfg.hf_config,
+                           "python_path": [job_dir, os.getcwd()]}, cfg.model, cfg.training)
+    model = built.module
+    if args.checkpointing:
+        with open(args.checkpointing) as fh:
+            ckpt = json.load(fh)
+        if ckpt["granularity"] != "none":
+            notes = autotune.apply_checkpointing(model, ckpt["granularity"], ckpt["num_layers"])
+            if rank == 0:
+                print(f"checkpointing: {ckpt['call']}" + "".join(f"; {n}" for n in notes))
+
+    mbs, gas = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
+    if ds_config.get("train_batch_size") != mbs * gas * world:
+        if rank == 0:
+            print(f"train_batch_size {ds_config.get('train_batch_size')} is for another world size; DeepSpeed "
+                  f"recomputes it for {world} process(es): {mbs} x {gas} x {world}")
+        ds_config.pop("train_batch_size", None)
+    optimizer = None
+    if not cuda:  # DeepSpeed's Adam needs its CUDA ops: the same optimizer as a torch.optim class
+        name, kwargs = torch_optimizer_of(ds_config.pop("optimizer", None) or {})
+        optimizer = getattr(torch.optim, name)(model.parameters(), **kwargs)
+        ds_config["zero_allow_untested_optimizer"] = True
+        ds_config["zero_force_ds_cpu_optimizer"] = False
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                      model_parameters=None if optimizer is not None else model.parameters())
+    seq_len = cfg.training.seq_len
+    for step in range(args.steps):
+        for _ in range(gas):
+            loss = loss_of(engine(**built.batch_fn(mbs, seq_len, engine.device)))
+            engine.backward(loss)
+            engine.step()
+        if rank == 0:
+            print(f"step {step}: loss {loss.item():.4f} ({mbs} x {gas} micro-batches of {seq_len} tokens per rank)")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
