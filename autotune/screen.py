@@ -4,6 +4,7 @@ simulator for those that fit), and the predicted front the study starts from."""
 from __future__ import annotations
 
 import gc
+from functools import partial
 from typing import Callable, NamedTuple, Optional
 
 from autotune.config import Config
@@ -46,16 +47,18 @@ def screen(cfg: Config, space: SearchSpace, headroom: float, params: Optional[di
     gc.disable()  # tens of thousands of small acyclic records: the cyclic collector would rescan them
     try:
         strategies = list(space.candidates(model))
-        grid = verdicts(model, training, hardware, strategies, headroom=headroom) if not traced else [None] * len(strategies)
+        grid = verdicts(model, training, hardware, strategies, headroom=headroom) if not traced else \
+            [None] * len(strategies)
         simulator = Simulator(model, training, hardware, params)
+        estimate = partial(estimate_memory, model, training, hardware, headroom=headroom)
         out = []
         for strategy, verdict in zip(strategies, grid):
             if verdict is None:  # not on the grid (or traced): the estimate itself
-                mem = estimate_memory(model, training, hardware, strategy, headroom=headroom)
+                mem = estimate(strategy)
                 if traced and (cfg.search.fidelity == "traced" or abs(mem.total_gpu_bytes - capacity) <= near):
                     mem = traced(strategy)
             else:
-                mem = DeferredEstimate.of(*verdict, estimate_memory, model, training, hardware, strategy, headroom)
+                mem = DeferredEstimate.of(*verdict, estimate, strategy)
             out.append(Screened(strategy, mem, simulator(strategy).tokens_per_s_per_gpu if mem.fits else 0.0))
         return out
     finally:

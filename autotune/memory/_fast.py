@@ -283,7 +283,8 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     blocked = c["blocked"] > 0
     k, k2 = c["k"].astype(np.int64), c["k2"].astype(np.int64)
     none = np.full(n, -1, dtype=np.int64)
-    extra = [np.where(blocked, L - 1 - k, none), np.where(blocked, L - 2 - k, none), np.where(blocked, L - 2 - k2, none)]
+    extra = [np.where(blocked, L - 1 - k, none), np.where(blocked, L - 2 - k, none),
+             np.where(blocked, L - 2 - k2, none)]
     reduce_flat, reduce_clone = c["reduce_flat"], c["reduce_clone"]
     reducing = blocked & (reduce_flat != 0)
     r_true, r_false = L - 2 - k2, L - 2 - k  # {L-2-k2: True, L-2-k: False}, the later key winning

@@ -75,17 +75,16 @@ class DeferredEstimate(MemoryEstimate):
     @classmethod
     def of(cls, fits: bool, total_gpu_bytes: Optional[int], build: Callable[..., MemoryEstimate], *args: Any,
            ) -> "DeferredEstimate":
-        """The verdict and total known; ``build(*args)`` (the last argument ``headroom``) the whole estimate."""
+        """The verdict and total known; ``build(*args)`` the whole estimate."""
         est = object.__new__(cls)
         est.__dict__.update(fits=fits, _total=total_gpu_bytes, _build=build, _args=args)
         return est
 
     def __getattr__(self, name: str) -> Any:  # a field not built yet
-        build = self.__dict__.pop("_build", None)
+        build = None if name.startswith("__") else self.__dict__.pop("_build", None)  # (not for copy's probes)
         if build is None:
             raise AttributeError(name)
-        *args, headroom = self.__dict__.pop("_args")
-        full = build(*args, headroom=headroom)
+        full = build(*self.__dict__.pop("_args"))
         total = self.__dict__.pop("_total")
         if full.fits != self.fits or total not in (None, full.total_gpu_bytes):
             raise AssertionError(f"screen verdict {self.fits}, {total} != estimate_memory's {full.fits}, "

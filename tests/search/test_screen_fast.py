@@ -4,6 +4,7 @@ is keyed on exactly the knobs it reads."""
 
 import dataclasses
 import os
+from functools import partial
 
 import pytest
 
@@ -96,7 +97,7 @@ def test_screen_equals_estimate_memory_and_simulate_per_candidate(job):
 def test_deferred_estimate_checks_the_verdict_it_was_given():
     cfg = _cfg("examples/llama2-7b.yaml")
     s = Strategy(zero_stage=3, micro_batch_size=1, checkpointing="full")
-    args = (estimate_memory, cfg.model, cfg.training, cfg.hardware, s, 0.05)
+    args = (partial(estimate_memory, headroom=0.05), cfg.model, cfg.training, cfg.hardware, s)
     real = estimate_memory(cfg.model, cfg.training, cfg.hardware, s, headroom=0.05)
     assert DeferredEstimate.of(real.fits, real.total_gpu_bytes, *args).gpu == real.gpu
     with pytest.raises(AssertionError, match="screen verdict"):
