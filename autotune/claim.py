@@ -14,12 +14,16 @@ import contextlib
 import json
 import time
 import warnings
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
 from autotune._optuna_compat import heartbeat_enabled, heartbeat_thread, pop_waiting_trial, stored_trial, study_storage
 from autotune.config import Config
 from autotune.space import SearchSpace, trial_strategy
 from autotune.strategy import Strategy
+
+if TYPE_CHECKING:  # optuna is imported where a study is used, not at import
+    from optuna import Study
+    from optuna.trial import FrozenTrial, Trial
 
 KEY_ATTR = "strategy_key"
 """User attr set right after ask(): the trial's claim on its strategy (see claim)."""
@@ -32,7 +36,7 @@ def key_text(strategy: Strategy) -> str:
     return json.dumps(list(strategy.key()))
 
 
-def has_result(t: Any) -> bool:
+def has_result(t: FrozenTrial) -> bool:
     """Finished with an outcome that repeats may reuse: COMPLETE, PRUNED, or FAIL with a reason from
     the backend. A FAIL without fail_reason is a lost trial (interrupted, or its process died and
     the heartbeat failed it): it is re-run, never reused."""
@@ -43,7 +47,7 @@ def has_result(t: Any) -> bool:
     return t.state == TrialState.FAIL and "fail_reason" in t.user_attrs
 
 
-def fail_status(t: Any) -> str:
+def fail_status(t: FrozenTrial) -> str:
     """How a FAIL trial's evaluation ended (a backend Status other than ok), from its ``fail_status``
     attr; "" for other trials and when nothing was measured. Trials stored before that attr existed
     have the same status in their ``measurement`` attr (and so does a trial lost after its
@@ -55,8 +59,8 @@ def fail_status(t: Any) -> str:
     return t.user_attrs.get("fail_status") or (t.user_attrs.get("measurement") or {}).get("status") or ""
 
 
-def claim(study: Any, trial: Any, strategy: Strategy, space: SearchSpace, cfg: Config,
-          heartbeat: bool) -> Optional[Any]:
+def claim(study: Study, trial: Trial, strategy: Strategy, space: SearchSpace, cfg: Config,
+          heartbeat: bool) -> Optional[FrozenTrial]:
     """Decide whether this trial evaluates its strategy or repeats an earlier trial's.
 
     The protocol (race-free because the storage assigns trial numbers atomically): every trial
@@ -101,7 +105,7 @@ def claim(study: Any, trial: Any, strategy: Strategy, space: SearchSpace, cfg: C
         delay = min(0.5, delay * 1.5)
 
 
-def key_of(t: Any, space: SearchSpace, cfg: Config) -> Optional[str]:
+def key_of(t: FrozenTrial, space: SearchSpace, cfg: Config) -> Optional[str]:
     key = t.user_attrs.get(KEY_ATTR)
     if key is None and t.state.is_finished() and t.params:
         try:
@@ -111,7 +115,7 @@ def key_of(t: Any, space: SearchSpace, cfg: Config) -> Optional[str]:
     return key
 
 
-def abandon(study: Any, trial: Any, err: BaseException) -> None:
+def abandon(study: Study, trial: Trial, err: BaseException) -> None:
     """The trial in flight is cut short (SIGTERM, second Ctrl-C, an error): record it as FAIL without
     a result (so it is never reused) and, when interrupted, queue its parameters again so that a
     resumed run or another worker re-runs it."""
@@ -131,7 +135,7 @@ def abandon(study: Any, trial: Any, err: BaseException) -> None:
         pass
 
 
-def ask(study: Any) -> Any:
+def ask(study: Study) -> Trial:
     """``study.ask()``, except that re-queued trials go first.
 
     Optuna pops WAITING trials oldest first, so the retry of a lost trial (the heartbeat's
@@ -144,12 +148,12 @@ def ask(study: Any) -> Any:
     return retry if retry is not None else study.ask()
 
 
-def heartbeat_on(study: Any) -> bool:
+def heartbeat_on(study: Study) -> bool:
     """Whether the study's storage records trial heartbeats."""
     return heartbeat_enabled(study_storage(study))
 
 
-def fail_stale(study: Any) -> None:
+def fail_stale(study: Study) -> None:
     """Optuna's own stale-trial handling: FAIL + RetryHeartbeatStaleTrialCallback re-queues it."""
     import optuna
 
@@ -158,7 +162,7 @@ def fail_stale(study: Any) -> None:
         optuna.storages.fail_stale_trials(study)
 
 
-def heartbeat_around(trial: Any, study: Any, enabled: bool) -> Any:
+def heartbeat_around(trial: Trial, study: Study, enabled: bool) -> ContextManager[Any]:
     """Optuna's heartbeat thread for an ask/tell trial while the block runs (study.optimize starts it
     itself), or nothing when the storage has no heartbeat."""
     return heartbeat_thread(trial, study) if enabled else contextlib.nullcontext()

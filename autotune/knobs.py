@@ -11,9 +11,18 @@ copy of Strategy with one more field yields artefacts with one more knob.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Optional
+
+Feature = tuple[Literal["levels", "switch", "set", "log2", "blocks"], float]
+"""How the search's residual model sees a knob (``features``): (kind, weight). levels: weight per
+Literal level (one-hot); switch: weight when not the default; set: weight when not None; log2: the
+value's log2 over the space's span; blocks: the fraction of blocks checkpointed, per non-default level."""
+
+ONE_HOT = 1 / math.sqrt(2)
+"""The one-hot weight that puts two levels of a knob at unit distance."""
 
 Getter = Callable[[str], Any]
 """Reads one knob's value from a strategy or from the values chosen so far (None: not chosen)."""
@@ -37,7 +46,7 @@ def knob(default: Any, *, help: str, search_order: Optional[int], nest: Optional
          engine: Optional[str] = None, applies: Optional[When] = None,
          int_range: Optional[tuple[int, Optional[int]]] = None, buffer: bool = False,
          space: Optional[tuple[Any, ...]] = None, of_layers: bool = False, added: bool = False,
-         from_training: Optional[str] = None) -> Any:
+         from_training: Optional[str] = None, feature: Optional[Feature] = None) -> Any:
     """A strategy field. ``help``: what it does (CLI help, docs). ``search_order``: its place in
     the knobs a search space varies (the order Optuna is asked and the trials.csv columns; None:
     not searched); ``nest``: its place in the nesting of the space's candidates (outermost first,
@@ -49,12 +58,13 @@ def knob(default: Any, *, help: str, search_order: Optional[int], nest: Optional
     takes (default: the field's default alone). ``of_layers``: a number of blocks (a space may
     give ``all`` or fractions of the model's blocks). ``added``: added after the first trials.csv
     format (a record without it means the default). ``from_training``: a job file (strategy
-    section, search space) that omits it takes this field of its training section instead."""
+    section, search space) that omits it takes this field of its training section instead.
+    ``feature``: how the search's residual model sees it (None: not at all, or through another knob)."""
     return dataclasses.field(default=default, metadata={
         "help": " ".join(help.split()), "search_order": search_order,
         "nest": search_order if nest is None else nest, "flag": flag, "engine": engine, "applies": applies,
         "int_range": int_range, "buffer": buffer, "space": space, "of_layers": of_layers, "added": added,
-        "from_training": from_training})
+        "from_training": from_training, "feature": feature})
 
 
 def knob_fields(cls: type) -> tuple[dataclasses.Field, ...]:
@@ -117,6 +127,37 @@ def space_default(field: dataclasses.Field) -> tuple[Any, ...]:
     """The values of a search space that does not list the knob."""
     space = field.metadata["space"]
     return space if space is not None else (field.default,)
+
+
+def feature_spans(cls: type, strategies: "list[Any]") -> dict[str, tuple[float, float]]:
+    """knob -> (low, high) over ``strategies`` of every ``log2`` knob (``features``' spans)."""
+    names = [f.name for f in knob_fields(cls) if (f.metadata["feature"] or ("",))[0] == "log2"]
+    return {k: (min(v), max(v)) for k in names for v in [[getattr(s, k) for s in strategies] or [1]]}
+
+
+def features(cls: type, strategy: Any, num_blocks: int, spans: Mapping[str, tuple[float, float]]) -> list[float]:
+    """A strategy's numeric features for the residual model, read off the searched knobs' ``feature``
+    (field order); ``spans``: knob -> (low, high) of the ``log2`` knobs over the candidates."""
+    choices = literal_choices(cls)
+    out: list[float] = []
+    for f in knob_fields(cls):
+        if f.metadata["search_order"] is None or f.metadata["feature"] is None:
+            continue
+        kind, w = f.metadata["feature"]
+        v = getattr(strategy, f.name)
+        if kind == "levels":
+            out += [w * (v == level) for level in choices[f.name]]
+        elif kind == "switch":
+            out.append(w * (v != f.default))
+        elif kind == "set":
+            out.append(w * (v is not None))
+        elif kind == "log2":
+            lo, hi = spans[f.name]
+            out.append(w * (math.log2(v) - math.log2(lo)) / max(1e-9, math.log2(hi) - math.log2(lo)))
+        else:  # blocks
+            frac = strategy.num_checkpointed(num_blocks) / max(1, num_blocks)
+            out += [w * frac * (v == level) for level in choices[f.name] if level != f.default]
+    return out
 
 
 def getter(values: "Mapping[str, Any] | Any") -> Getter:

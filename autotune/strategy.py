@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, get_args
 
 from autotune import knobs
-from autotune.knobs import When, knob
+from autotune.knobs import ONE_HOT, When, knob
 from autotune.spec import HardwareSpec, ModelSpec, Precision, TrainingSpec
 
 Engine = Literal["deepspeed", "fsdp2"]
@@ -57,14 +57,14 @@ _ZERO = {"1-3": When("zero_stage >= 1", ("zero_stage",), lambda get: get("zero_s
 class Strategy:
     """How one training job is laid out on the GPUs."""
 
-    engine: Engine = knob("deepspeed", search_order=0, flag=True, added=True, help="""Training engine: deepspeed
+    engine: Engine = knob("deepspeed", search_order=0, feature=("switch", ONE_HOT), flag=True, added=True, help="""Training engine: deepspeed
         (ZeRO stages 0-3) or fsdp2 (PyTorch fully_shard on every decoder layer plus the root; parameters,
         gradients and optimizer states always sharded).""")
-    zero_stage: ZeroStage = knob(0, search_order=1, flag=True, engine="deepspeed", space=(0, 1, 2, 3), help="""
+    zero_stage: ZeroStage = knob(0, search_order=1, feature=("levels", ONE_HOT), flag=True, engine="deepspeed", space=(0, 1, 2, 3), help="""
         ZeRO stage 0-3 (0 = plain data parallel); fsdp2 is always 3, fully sharded.""")
-    micro_batch_size: int = knob(1, search_order=4, flag=True, int_range=(1, 1 << 20), space=(1, 2, 4, 8),
+    micro_batch_size: int = knob(1, search_order=4, feature=("log2", 1.0), flag=True, int_range=(1, 1 << 20), space=(1, 2, 4, 8),
                                  help="Sequences per GPU per forward/backward.")
-    checkpointing: Checkpointing = knob("none", search_order=5, flag=True, space=("none", "full"), help="""
+    checkpointing: Checkpointing = knob("none", search_order=5, feature=("blocks", 1.0), flag=True, space=("none", "full"), help="""
         Activation checkpointing granularity: selective = attention core recomputed (Korthikanti et al. 2022
         sec. 5); attention / mlp = that module of the block recomputed, the other kept (module-level selective
         recompute, the norms stay outside); op = torchtitan's op-level selective checkpointing of the block
@@ -78,32 +78,32 @@ class Strategy:
                                             applies=_CKPT_ON & _NO_EVERY, space=("all",), of_layers=True, help="""
         Number of blocks checkpointed, the first ones, 0..num_layers (unset: all of them). Not with
         checkpoint_every.""")
-    offload_optimizer: Offload = knob("none", search_order=2, flag=True, engine="deepspeed", help="""Where
+    offload_optimizer: Offload = knob("none", search_order=2, feature=("levels", ONE_HOT), flag=True, engine="deepspeed", help="""Where
         optimizer states and fp32 master weights live (ZeRO >= 1; fsdp2: follows offload_params, as
         CPUOffloadPolicy moves both).""")
-    offload_params: Offload = knob("none", search_order=3, flag=True, help="""Where the sharded parameters
+    offload_params: Offload = knob("none", search_order=3, feature=("levels", ONE_HOT), flag=True, help="""Where the sharded parameters
         live between uses (deepspeed: ZeRO-3 only; fsdp2: cpu = CPUOffloadPolicy, sharded parameters,
         gradients and the optimizer step on the host).""")
-    precision: Precision = knob("bf16", search_order=8, nest=6, flag=True, from_training="precision", help="""
+    precision: Precision = knob("bf16", search_order=8, feature=("levels", ONE_HOT), nest=6, flag=True, from_training="precision", help="""
         Compute precision (unset: the job's training.precision); fp16 adds dynamic loss scaling (fsdp2: MixedPrecisionPolicy.param_dtype;
         the sharded parameters stay fp32).""")
-    reshard_after_forward: Literal[True, False] = knob(True, search_order=9, flag=True, engine="fsdp2",
+    reshard_after_forward: Literal[True, False] = knob(True, search_order=9, feature=("switch", 0.5), flag=True, engine="fsdp2",
                                                        added=True, help="""Free each layer's unsharded
         parameters after its forward and all-gather them again for its backward (ZeRO-3-like); false keeps
         them from forward to backward (ZeRO-2-like).""")
-    sharding: Sharding = knob("full", search_order=10, flag=True, engine="fsdp2", added=True, help="""full =
+    sharding: Sharding = knob("full", search_order=10, feature=("switch", 0.5), flag=True, engine="fsdp2", added=True, help="""full =
         shard over every GPU; hybrid = shard within a node and replicate across nodes (HSDP, a 2-D device
         mesh; needs more than one node).""")
-    reduce_dtype: ReduceDtype = knob("fp32", search_order=11, flag=True, engine="fsdp2", added=True, help="""
+    reduce_dtype: ReduceDtype = knob("fp32", search_order=11, feature=("switch", 0.5), flag=True, engine="fsdp2", added=True, help="""
         Dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype).""")
-    reduce_bucket_size: Optional[int] = knob(None, search_order=12, flag=False, engine="deepspeed",
+    reduce_bucket_size: Optional[int] = knob(None, search_order=12, feature=("set", 0.5), flag=False, engine="deepspeed",
                                              applies=_ZERO["1-3"], int_range=(1, None), buffer=True, help="""
         Elements per gradient reduce bucket (auto: autotune's choice, see default_buckets).""")
-    allgather_bucket_size: Optional[int] = knob(None, search_order=13, flag=False, engine="deepspeed",
+    allgather_bucket_size: Optional[int] = knob(None, search_order=13, feature=("set", 0.5), flag=False, engine="deepspeed",
                                                 applies=_ZERO["1-2"], int_range=(1, None), buffer=True,
                                                 help="Elements per parameter all-gather bucket (auto: autotune's "
                                                 "choice).")
-    prefetch_bucket_size: Optional[int] = knob(None, search_order=14, flag=False, engine="deepspeed",
+    prefetch_bucket_size: Optional[int] = knob(None, search_order=14, feature=("set", 0.5), flag=False, engine="deepspeed",
                                                applies=_ZERO["3"], int_range=(1, None), buffer=True,
                                                help="Elements prefetched ahead of use (auto: autotune's choice).")
     param_persistence_threshold: Optional[int] = knob(None, search_order=None, flag=False, engine="deepspeed",
@@ -204,6 +204,10 @@ FLAG_KNOBS: tuple[str, ...] = knobs.flagged(Strategy)
 
 BUCKET_KNOBS: tuple[str, ...] = tuple(k for k in KNOBS if _FIELDS[k].metadata["buffer"])
 """The searched DeepSpeed buffer sizes (KNOBS order)."""
+
+MEMORY_FAMILY: tuple[str, ...] = ("zero_stage", "offload_optimizer", "offload_params", "precision", "engine")
+"""The knobs that lay the model states out: candidates sharing their values share the memory model's
+error (the calibration's per-family correction, the sampler's families)."""
 
 _CHOICES = knobs.literal_choices(Strategy)
 

@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--ignore-knobs", default="", metavar="K1,K2",
                        help="strategy knobs added since the golden was recorded (left at their defaults): "
                        "compared as if absent")
+        q.add_argument("--show", type=int, default=40, metavar="N", help="differences printed (default 40)")
     args = p.parse_args(argv)
     if args.cmd == "record":
         data = record()
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             b = json.load(f)
     ignored = tuple(k for k in args.ignore_knobs.split(",") if k)
     problems = diff(drop_knobs(a, ignored), drop_knobs(b, ignored))
-    for line in problems[:40]:
+    for line in problems[:args.show]:
         print(line)
     print(f"golden: {counts(a)}: " + ("IDENTICAL" if not problems else f"{len(problems)} DIFFERENCES"))
     return 0 if not problems else 1

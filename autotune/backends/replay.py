@@ -40,7 +40,8 @@ ADDED_KNOBS lacks those: deepspeed strategies)."""
 
 def _cell(column: str, raw: Optional[str]) -> Any:
     value = knob_value(column, raw)
-    integer = knob_choices(column) is None or column == "zero_stage"
+    choices = knob_choices(column)
+    integer = choices is None or all(type(c) is int for c in choices)
     if value is not None and integer and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"{column} must be an integer, but got {raw!r}")
     return value

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from autotune.config import Config
 from autotune.errors import ConfigError
-from autotune.strategy import Strategy
+from autotune.strategy import MEMORY_FAMILY, Strategy
 
 FILE_NAME = "calibration.json"
 FORMAT_VERSION = 2
@@ -47,9 +47,8 @@ FAST_NFEV = 6
 
 
 def family(strategy: Strategy) -> tuple:
-    """Candidates whose memory-model error is shared: same engine, ZeRO stage, offload and precision."""
-    return (strategy.zero_stage, strategy.offload_optimizer, strategy.offload_params, strategy.precision,
-            strategy.engine)
+    """Candidates whose memory-model error is shared: the same values of MEMORY_FAMILY's knobs."""
+    return tuple(getattr(strategy, k) for k in MEMORY_FAMILY)
 
 
 def throughput_spread(measurement: Any) -> Optional[float]:
@@ -250,8 +249,8 @@ class Calibrator:
         params = self.current_params()
         fit_errs = [_err(simulate(r.model, r.training, r.hardware, r.strategy, params).tokens_per_s_per_gpu,
                          r.tokens_per_s_per_gpu) for r in self._runs]
-        corrections = [{"zero_stage": f[0], "offload_optimizer": f[1], "offload_params": f[2], "precision": f[3],
-                        "engine": f[4], "n": len(pairs), "factor": round(statistics.median(m / p for p, m in pairs), 5)}
+        corrections = [{**dict(zip(MEMORY_FAMILY, f)), "n": len(pairs),
+                        "factor": round(statistics.median(m / p for p, m in pairs), 5)}
                        for f, pairs in sorted(self._memory.items(), key=lambda kv: str(kv[0]))]
         return {
             "memory_correction": corrections,

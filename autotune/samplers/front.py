@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 from optuna.samplers import BaseSampler
@@ -49,7 +49,13 @@ from autotune.samplers._ehvi import _staircase_area, expected_hvi, expected_rema
 from autotune.claim import fail_status, has_result
 from autotune.config import Config
 from autotune.space import SearchSpace
-from autotune.strategy import BUCKET_KNOBS, OFFLOADS, PRECISIONS, ZERO_STAGES
+from autotune import knobs
+from autotune.strategy import Strategy
+
+if TYPE_CHECKING:
+    from optuna import Study
+    from optuna.distributions import BaseDistribution
+    from optuna.trial import FrozenTrial, TrialState
 
 GIB = float(1 << 30)
 DEFAULT_STOP_GAIN = 0.01
@@ -109,28 +115,10 @@ class Assessment:
                 f"{self.profiled} of {self.feasible} feasible candidates profiled")
 
 
-def features(strategy: Any, num_layers: int, mbs_range: tuple[int, int]) -> list[float]:
-    """Strategy -> numeric features for the residual model (each knob spans at most ~1 unit)."""
-    h = 1.0 / math.sqrt(2.0)
-    lo, hi = mbs_range
-    span = max(1e-9, math.log2(hi) - math.log2(lo))
-    frac = strategy.num_checkpointed(num_layers) / max(1, num_layers)
-    return [
-        *(h * (strategy.zero_stage == z) for z in ZERO_STAGES),
-        (math.log2(strategy.micro_batch_size) - math.log2(lo)) / span,
-        frac if strategy.checkpointing == "full" else 0.0,
-        frac if strategy.checkpointing == "selective" else 0.0,
-        *(h * (strategy.offload_optimizer == o) for o in OFFLOADS),
-        *(h * (strategy.offload_params == o) for o in OFFLOADS),
-        *(h * (strategy.precision == p) for p in PRECISIONS),
-        *(0.5 * (getattr(strategy, k) is not None) for k in BUCKET_KNOBS),
-        # the other granularities, and the fsdp2 engine with its knobs (all 0 for DeepSpeed)
-        *(frac if strategy.checkpointing == g else 0.0 for g in ("attention", "mlp", "op")),
-        h * (strategy.engine == "fsdp2"),
-        0.5 * (not strategy.reshard_after_forward),
-        0.5 * (strategy.reduce_dtype != "fp32"),
-        0.5 * (strategy.sharding == "hybrid"),
-    ]
+def features(strategy: Any, num_layers: int, spans: dict[str, tuple[float, float]]) -> list[float]:
+    """Strategy -> numeric features for the residual model (each knob spans at most ~1 unit), as the
+    knobs' ``feature`` metadata says (autotune.knobs.features)."""
+    return knobs.features(Strategy, strategy, num_layers, spans)
 
 
 def _matern52(a: np.ndarray, b: np.ndarray, length: float) -> np.ndarray:
@@ -203,9 +191,9 @@ class FrontSampler(BaseSampler):
         self.index = {s.key(): i for i, s in enumerate(self.strategies)}
         self.pred_mem = np.array([s.memory.gpu["peak"] / GIB for s in feasible])
         self.families = [family(s) for s in self.strategies]
-        mbs = [s.micro_batch_size for s in self.strategies] or [1]
         L = cfg.model.num_hidden_layers
-        self.x = np.array([features(s, L, (min(mbs), max(mbs))) for s in self.strategies]).reshape(len(feasible), -1)
+        spans = knobs.feature_spans(Strategy, self.strategies)
+        self.x = np.array([features(s, L, spans) for s in self.strategies]).reshape(len(feasible), -1)
         self.ref_x = cfg.hardware.gpu.memory_bytes * (1 - headroom) / GIB
         self._params: dict[int, dict] = {}
         self._chosen: dict[int, int] = {}
@@ -230,13 +218,14 @@ class FrontSampler(BaseSampler):
 
     # ------------------------------------------------------------------ Optuna interface
 
-    def infer_relative_search_space(self, study: Any, trial: Any) -> dict:
+    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict:
         return {}
 
-    def sample_relative(self, study: Any, trial: Any, search_space: dict) -> dict:
+    def sample_relative(self, study: Study, trial: FrozenTrial, search_space: dict) -> dict:
         return {}
 
-    def sample_independent(self, study: Any, trial: Any, param_name: str, param_distribution: Any) -> Any:
+    def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: BaseDistribution) -> Any:
         idx = self._chosen.get(trial.number)
         if idx is None:
             idx = self._choose(study, trial.number)
@@ -250,10 +239,11 @@ class FrontSampler(BaseSampler):
                 return params[param_name]
         return self._fallback.sample_independent(study, trial, param_name, param_distribution)
 
-    def before_trial(self, study: Any, trial: Any) -> None:
+    def before_trial(self, study: Study, trial: FrozenTrial) -> None:
         self._fallback.before_trial(study, trial)
 
-    def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+    def after_trial(self, study: Study, trial: FrozenTrial, state: TrialState,
+                    values: Optional[Sequence[float]]) -> None:
         self._fallback.after_trial(study, trial, state, values)
 
     def reseed_rng(self) -> None:
@@ -268,7 +258,7 @@ class FrontSampler(BaseSampler):
             self._params[idx] = strategy_params(self.strategies[idx], self.space, self.cfg.model)
         return self._params[idx]
 
-    def _strategy_of(self, t: Any) -> Optional[Any]:
+    def _strategy_of(self, t: FrozenTrial) -> Optional[Strategy]:
         import optuna
 
         try:
@@ -276,7 +266,7 @@ class FrontSampler(BaseSampler):
         except Exception:  # incomplete params (a trial still being sampled) or another space
             return None
 
-    def observe(self, study: Any) -> set[int]:
+    def observe(self, study: Study) -> set[int]:
         """Fold finished trials into the measured / failed sets and the calibrator; returns the
         candidates held by running trials."""
         from optuna.trial import TrialState
@@ -432,7 +422,7 @@ class FrontSampler(BaseSampler):
             levels.sort(key=lambda j: -float(np.max(np.where(reach & (self.g[:, j] > 0), ehvi, -1.0))))
         return levels, reach
 
-    def _choose(self, study: Any, number: int) -> int:
+    def _choose(self, study: Study, number: int) -> int:
         running = self.observe(study)
         eligible, ehvi, _, _ = self._score(running, honest=True)
         # levels never measured that could reach the front are measured first: a candidate that could
@@ -452,7 +442,7 @@ class FrontSampler(BaseSampler):
         rest = [i for i in range(len(self.strategies)) if i not in self.measured and i not in self.failed]
         return int(self._rng.choice(rest)) if rest else -1
 
-    def assess(self, study: Any) -> Assessment:
+    def assess(self, study: Study) -> Assessment:
         """The stopping statistic after the measurements so far (see the module docstring)."""
         running = self.observe(study)
         eligible, ehvi, hv, noise = self._score(running, honest=True)
@@ -469,7 +459,7 @@ class FrontSampler(BaseSampler):
         return Assessment(gain=gain, hypervolume=hv, profiled=profiled, feasible=len(self.strategies),
                           remaining=int(eligible.sum()), noise=noise, best=best, unmeasured=unmeasured)
 
-    def should_stop(self, study: Any) -> tuple[bool, Assessment]:
+    def should_stop(self, study: Study) -> tuple[bool, Assessment]:
         a = self.assess(study)
         self.history.append(a)
         return (len(self.measured) >= MIN_PROFILED and a.stable(self.stop_gain)) or a.remaining == 0, a
