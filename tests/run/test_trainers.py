@@ -171,7 +171,10 @@ def _literal_ok(cls, key: str, value) -> bool:
 def check_torchtitan(folder: Path, cfg, s: Strategy) -> None:
     """ConfigManager.parse_args(["--job.config_file", toml]) (unknown keys refused by its
     _dict_to_dataclass), every Literal field within its choices, and the parsed job = the point."""
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: torchtitan's own dependency
+        import tomli as tomllib
 
     path = folder / FILES["torchtitan"]
     job = torchtitan_config_manager()().parse_args(["--job.config_file", str(path)])
