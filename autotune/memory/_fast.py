@@ -55,23 +55,15 @@ def covered(s: Strategy) -> bool:
     return s.checkpoint_every is None
 
 
-class _Table:
-    """Distinct keys -> a row of values, and each candidate's row index."""
-
-    def __init__(self, make: Callable[[Strategy], list[float]]) -> None:
-        self.make, self.rows, self.index = make, [], {}
-        self.of: list[int] = []
-
-    def add(self, key: tuple, s: Strategy) -> None:
-        i = self.index.get(key)
-        if i is None:
-            i = self.index[key] = len(self.rows)
-            self.rows.append(self.make(s))
-        self.of.append(i)
-
-    def columns(self) -> np.ndarray:
-        """(fields, candidates) float64: the rows gathered per candidate, one field per row."""
-        return np.array(self.rows, dtype=np.float64)[np.array(self.of, dtype=np.intp)].T
+def _table(strategies: Sequence[Strategy], key: Callable[[Strategy], tuple],
+           make: Callable[[Strategy], list[float]]) -> np.ndarray:
+    """(fields, candidates) float64: ``make``'s row once per distinct ``key`` (any strategy of a key
+    stands for all of them), gathered per candidate, one field per row."""
+    keys = list(map(key, strategies))
+    distinct = dict(zip(keys, strategies))
+    index = {k: i for i, k in enumerate(distinct)}
+    rows = np.array([make(s) for s in distinct.values()], dtype=np.float64)
+    return rows[np.fromiter(map(index.__getitem__, keys), dtype=np.intp, count=len(keys))].T
 
 
 def verdicts(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy], *,
@@ -80,28 +72,19 @@ def verdicts(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s
     """Per strategy: (fits, total_gpu_bytes) as ``estimate_memory(..., headroom, device, loop)`` gives
     them; (False, None) for one that breaks a rule (it never fits; its figures are not computed);
     None for one the grid does not cover (``covered``)."""
-    rules: dict[tuple, bool] = {}
-    out: list[Optional[tuple[bool, Optional[int]]]] = [None] * len(strategies)
-    groups: dict[str, list[int]] = {"deepspeed": [], "fsdp2": []}
+    keys = list(map(rules_key, strategies))
+    valid = {k: not validate(s, model, training, hardware) for k, s in dict(zip(keys, strategies)).items()}
+    ok = list(map(valid.__getitem__, keys))
     broken = (False, None)
-    for i, s in enumerate(strategies):
-        if s.checkpoint_every is not None:  # not covered()
-            continue
-        key = rules_key(s)
-        ok = rules.get(key)
-        if ok is None:
-            ok = rules[key] = not validate(s, model, training, hardware)
-        if ok:
-            groups[s.engine].append(i)
-        else:
-            out[i] = broken
-    for engine, idx in groups.items():
-        if not idx:
-            continue
-        walk = _deepspeed if engine == "deepspeed" else _fsdp2
-        fits, total, _ = walk(model, training, hardware, [strategies[i] for i in idx], headroom, device, loop)
-        for i, f, t in zip(idx, fits.tolist(), total.tolist()):
-            out[i] = (f, t)
+    out: list[Optional[tuple[bool, Optional[int]]]] = [
+        None if s.checkpoint_every is not None else (None if good else broken) for s, good in zip(strategies, ok)]
+    for engine, walk in (("deepspeed", _deepspeed), ("fsdp2", _fsdp2)):
+        idx = [i for i, (s, good) in enumerate(zip(strategies, ok))
+               if good and s.engine == engine and s.checkpoint_every is None]  # covered()
+        if idx:
+            fits, total, _ = walk(model, training, hardware, [strategies[i] for i in idx], headroom, device, loop)
+            for i, f, t in zip(idx, fits.tolist(), total.tolist()):
+                out[i] = (f, t)
     return out
 
 
@@ -202,10 +185,7 @@ def activation_row(model: ModelSpec, training: TrainingSpec, s: Strategy, device
 def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[Strategy],
                  device: str) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """The activation terms per candidate (one activation_row per distinct activation_key)."""
-    table = _Table(lambda s: activation_row(model, training, s, device))
-    for s in strategies:
-        table.add(activation_key(s), s)
-    cols = table.columns()
+    cols = _table(strategies, activation_key, lambda s: activation_row(model, training, s, device))
     a = {f: cols[k] for k, f in enumerate(_ACT_FIELDS)}
     a["num_checkpointed"] = a["num_checkpointed"].astype(np.int64)
     return a, cols[len(_ACT_FIELDS)] > 0, cols[len(_ACT_FIELDS) + 1] > 0
@@ -241,10 +221,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     """estimate.estimate_memory's walk (deepspeed engine) over the candidates."""
     m, L = model, model.num_hidden_layers
     head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
-    table = _Table(lambda s: states_row(m, training, hardware, s, device, loop))
-    for s in strategies:
-        table.add(states_key(s), s)
-    c = dict(zip(_DS, table.columns()))
+    c = dict(zip(_DS, _table(strategies, states_key, lambda s: states_row(m, training, hardware, s, device, loop))))
     a, attention_gran, _ = _activations(m, training, strategies, device)
     n = len(strategies)
     p, kept, carry, grow, carry_ipg = c["p"], c["kept"], c["carry"], c["grow"] > 0, c["carry_ipg"]
@@ -331,10 +308,8 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     """fsdp2.estimate_fsdp2's walk over the candidates."""
     m, L, V = model, model.num_hidden_layers, model.vocab_size
     k_opt = training.optimizer.state_bytes_per_parameter
-    table = _Table(lambda s: units_row(m, training, hardware, s, loop))
-    for s in strategies:
-        table.add(units_key(s), s)
-    u = dict(zip(_U + ("tokens", "kept", "carry", "reshard", "host"), table.columns()))
+    u = dict(zip(_U + ("tokens", "kept", "carry", "reshard", "host"),
+                 _table(strategies, units_key, lambda s: units_row(m, training, hardware, s, loop))))
     a, attention_gran, last_ck = _activations(m, training, strategies, device)
     n = len(strategies)
     un, up, ur, kept, carry, reshard = u["n"], u["p"], u["r"], u["kept"], u["carry"], u["reshard"] > 0
