@@ -21,8 +21,8 @@ def add_parser(sub: Any) -> None:
                        "best.json, summary.md).")
     p.add_argument("config", help="job file (YAML)")
     p.add_argument("--backend", metavar="{" + ",".join(BACKENDS) + "}",
-                     help="how survivors are measured: simulate, profile (real training steps of either engine) or "
-                     "replay (default: the config's profile.backend, else simulate)")
+                     help="how survivors are measured: simulate, profile (real training steps of either engine), "
+                     "replay or script (your profile.command) (default: the config's profile.backend, else simulate)")
     p.add_argument("--trials", type=int, metavar="N",
                      help="candidates to evaluate with the backend (default: search.trials); pruned candidates and "
                      "repeats do not count")
