@@ -87,8 +87,25 @@ def map_hf_config(cfg: dict, path: str) -> dict[str, Any]:
     name = str(cfg.get("_name_or_path") or kind)
     family = {"gpt2": _gpt2, "mpt": _mpt, "gpt_neox": _gpt_neox}.get(kind, _llama_like)
     out = family(cfg, get, name, kind)
+    sliding = _qwen_sliding_layers(cfg, kind, int(out["num_hidden_layers"]))
+    if sliding:
+        raise ConfigError(f"{path}: model_type {kind} with use_sliding_window: true slides {sliding} of "
+                          f"{out['num_hidden_layers']} layers (those from max_window_layers on); their masks "
+                          f"are not modelled, so it cannot be sized exactly: set use_sliding_window: false",
+                          path="model.hf_config")
     out["implementation"] = "hf"  # trained as the transformers class of this model_type
     return out
+
+
+def _qwen_sliding_layers(cfg: dict, kind: str, layers: int) -> int:
+    """Layers of a Qwen2/Qwen3 config that use sliding-window attention: with use_sliding_window, every
+    layer from max_window_layers on (transformers models/qwen2/configuration_qwen2.py ``layer_types``),
+    or those its explicit ``layer_types`` name."""
+    if kind not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window") or cfg.get("sliding_window", 4096) is None:
+        return 0
+    if cfg.get("layer_types"):
+        return sum(t == "sliding_attention" for t in cfg["layer_types"])
+    return max(0, layers - int(cfg.get("max_window_layers", 28)))
 
 
 def _gpt2(cfg: dict, get: _Getter, name: str, kind: str) -> dict[str, Any]:
