@@ -78,7 +78,7 @@ def test_profile_is_the_engine_neutral_name_and_an_fsdp2_job_has_no_deepspeed_co
     from autotune.config import BACKENDS
     from autotune.backends.profiled import DeepSpeedBackend
 
-    assert BACKENDS == ("simulate", "profile", "replay")
+    assert BACKENDS == ("simulate", "profile", "replay", "script")
     cfg = load_config(TINY)
     assert type(make_backend("profile", cfg, str(tmp_path))) is DeepSpeedBackend
     b = DeepSpeedBackend(cfg, str(tmp_path))
