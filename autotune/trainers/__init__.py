@@ -65,7 +65,7 @@ def trainer_files(point: Point) -> dict[str, Any]:
         out[FILES["torchtitan"]] = torchtitan_toml.toml_text(
             torchtitan_toml.torchtitan_sections(point),
             [f"autotune front point: {s.describe(point.layers)}"]
-            + [f"not expressible: {d}" for d in torchtitan_toml.differences(point)])
+            + [f"not expressible: {d}" for d in torchtitan_toml.differences(point)] + [torchtitan_toml.YOURS])
     out[FILES["readme"]] = _readme(point, out)
     return out
 
@@ -112,7 +112,7 @@ def _readme(p: Point, files: dict[str, Any]) -> str:
     lines += [f"- {d}" for d in lightning_args.differences(p)] + [""]
     if FILES["torchtitan"] in files:
         lines += ["## torchtitan", "", f"`torchrun ... -m torchtitan.train --job.config_file {FILES['torchtitan']}`"]
-        lines += [f"- {d}" for d in torchtitan_toml.differences(p)] + [""]
+        lines += [f"- {d}" for d in (*torchtitan_toml.differences(p), torchtitan_toml.YOURS)] + [""]
     if s.engine == "deepspeed":
         lines += ["## Plain DeepSpeed", "", f"`{EXAMPLE_SCRIPT}` (front.json `launch`): `deepspeed.initialize` with "
                   "the point's config, its checkpointing from checkpointing.json."]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.trainers.common import Point, all_layers, checkpointing_call, mixed_precision
+from autotune.trainers.common import WRAPPED_LAYER_NOTE, Point, all_layers, checkpointing_call, mixed_precision
 
 
 def accelerate_config(p: Point) -> dict[str, Any]:
@@ -65,6 +65,8 @@ def differences(p: Point) -> list[str]:
     if s.num_checkpointed(p.layers) and not fsdp_ckpt:
         out.append(f"checkpointing: call `{checkpointing_call(p.cfg, s)}` on the model before `accelerator.prepare`")
     if s.engine == "fsdp2":
+        if not p.hf_model:
+            out.append(WRAPPED_LAYER_NOTE)
         if s.precision != "fp32" and s.reduce_dtype == "fp32":
             out.append("FSDP2 reduce dtype fp32: accelerate's mixed_precision reduces in the compute dtype; for the "
                        "point's fp32 reduce pass `fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, "

@@ -85,6 +85,12 @@ def all_layers(p: Point) -> bool:
     return p.strategy.num_checkpointed(p.layers) >= p.layers
 
 
+WRAPPED_LAYER_NOTE = ("the layers FSDP2 shards are the model's `_no_split_modules` (every transformers model names "
+                      "its decoder layer there); for a model without it name the block class "
+                      "(`transformer_layer_cls_to_wrap` / `fsdp_transformer_layer_cls_to_wrap`)")
+"""How the files name the wrapped layer (HF Trainer and accelerate fall back to _no_split_modules)."""
+
+
 def mixed_precision(s: Strategy) -> str:
     """accelerate's ``mixed_precision`` name of the point's precision."""
     return {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[s.precision]

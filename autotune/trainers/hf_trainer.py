@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
-from autotune.trainers.common import Point, all_layers, checkpointing_call, every_k_full
+from autotune.trainers.common import WRAPPED_LAYER_NOTE, Point, all_layers, checkpointing_call, every_k_full
 
 AUTO = "auto"
 _AUTO_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
@@ -116,6 +116,8 @@ def differences(p: Point) -> list[str]:
         out.append(f"checkpointing: Trainer cannot express {s.checkpointing} on these layers; call `{call}` on the "
                    "model before `Trainer(model=model, ...)`")
     if s.engine == "fsdp2":
+        if not p.hf_model:
+            out.append(WRAPPED_LAYER_NOTE)
         if s.precision in ("bf16", "fp16") and s.reduce_dtype == "fp32":
             out.append("FSDP2 gradient reduce dtype: Trainer's mixed precision reduces in the compute dtype "
                        f"({s.precision}); the point reduced in fp32 (less gradient memory in Trainer, not more)")

@@ -73,8 +73,11 @@ def differences(p: Point) -> list[str]:
         out.append(f"reduce dtype {s.reduce_dtype}: torchtitan reduces in float32 (more gradient memory than measured)")
     if opt.type not in TITAN_OPTIMIZERS:
         out.append(f"optimizer {opt.type}: torchtitan builds Adam or AdamW only; the file says AdamW")
-    out.append("[model] (name, flavor, hf_assets_path) and the dataset are yours: add them to the file")
     return out
+
+
+YOURS = "[model] (name, flavor, hf_assets_path), the dataset and the step count are yours: add them"
+"""What the TOML leaves to the user (torchtitan builds its own model and data loader)."""
 
 
 def toml_text(sections: dict[str, dict[str, Any]], header: list[str]) -> str:
