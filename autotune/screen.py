@@ -52,14 +52,15 @@ def screen(cfg: Config, space: SearchSpace, headroom: float, params: Optional[di
         simulator = Simulator(model, training, hardware, params)
         estimate = partial(estimate_memory, model, training, hardware, headroom=headroom)
         out = []
+        deferred, new = DeferredEstimate.of, tuple.__new__  # (Screened's own __new__, without its call)
         for strategy, verdict in zip(strategies, grid):
             if verdict is None:  # not on the grid (or traced): the estimate itself
                 mem = estimate(strategy)
                 if traced and (cfg.search.fidelity == "traced" or abs(mem.total_gpu_bytes - capacity) <= near):
                     mem = traced(strategy)
             else:
-                mem = DeferredEstimate.of(*verdict, estimate, strategy)
-            out.append(Screened(strategy, mem, simulator(strategy).tokens_per_s_per_gpu if mem.fits else 0.0))
+                mem = deferred(verdict[0], verdict[1], estimate, strategy)
+            out.append(new(Screened, (strategy, mem, simulator(strategy).tokens_per_s_per_gpu if mem.fits else 0.0)))
         return out
     finally:
         if collecting:

@@ -77,7 +77,7 @@ class DeferredEstimate(MemoryEstimate):
            ) -> "DeferredEstimate":
         """The verdict and total known; ``build(*args)`` the whole estimate."""
         est = object.__new__(cls)
-        est.__dict__.update(fits=fits, _total=total_gpu_bytes, _build=build, _args=args)
+        object.__setattr__(est, "__dict__", {"fits": fits, "_total": total_gpu_bytes, "_build": build, "_args": args})
         return est
 
     def __getattr__(self, name: str) -> Any:  # a field not built yet
