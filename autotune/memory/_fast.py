@@ -32,6 +32,7 @@ _ACT_FIELDS = ("blocks", "per_block_plain", "per_block_checkpointed", "num_check
                "loss_forward_transient", "loss_backward_transient", "mlp_saved_per_block",
                "attention_backward_transient", "final_norm_saved", "forward_only_masks", "final_norm_forward_extra",
                "hidden_grad", "checkpoint_frame_kept", "final_norm_backward_live", "mlp_backward_transient")
+_act_fields = attrgetter(*_ACT_FIELDS)
 
 
 rules_key = attrgetter("engine", "zero_stage", "micro_batch_size", "offload_params", "offload_optimizer",
@@ -56,7 +57,7 @@ def covered(s: Strategy) -> bool:
 
 
 def _table(strategies: Sequence[Strategy], key: Callable[[Strategy], tuple],
-           make: Callable[[Strategy], list[float]]) -> np.ndarray:
+           make: Callable[[Strategy], list[Any]]) -> np.ndarray:
     """(fields, candidates) float64: ``make``'s row once per distinct ``key`` (any strategy of a key
     stands for all of them), gathered per candidate, one field per row."""
     keys = list(map(key, strategies))
@@ -173,13 +174,12 @@ def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarra
     return L - 1 - i, saved, a_mlp + a["mlp_backward_transient"], saved + attn_delta, frame
 
 
-def activation_row(model: ModelSpec, training: TrainingSpec, s: Strategy, device: str) -> list[float]:
+def activation_row(model: ModelSpec, training: TrainingSpec, s: Strategy, device: str) -> list[Any]:
     """The activation terms of a candidate (``_ACT_FIELDS``), whether its granularity is ``attention``
     and whether its last block is checkpointed (fsdp2's forward)."""
     L = model.num_hidden_layers
     act: ActivationBreakdown = activation_breakdown(model, training, s, device)
-    return [float(getattr(act, f)) for f in _ACT_FIELDS] + [float(act.granularity == "attention"),
-                                                             float((L - 1) in s.checkpointed_blocks(L))]
+    return [*_act_fields(act), act.granularity == "attention", (L - 1) in s.checkpointed_blocks(L)]
 
 
 def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[Strategy],
@@ -194,11 +194,12 @@ def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[
 _ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffers_step", "buffers_fwd",
        "grad_per_block", "grad_buffer", "resident_buffers", "partition_after", "reduce_flat", "reduce_clone", "cpu",
        "nvme")
+_st_fields = attrgetter(*_ST)
 _DS = _ST + ("p", "tokens", "kept", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
 
 
 def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, device: str,
-               loop: str) -> list[float]:
+               loop: str) -> list[Any]:
     """A DeepSpeed candidate's model states (``_ST``) and the walk's other per-strategy terms (``_DS``)."""
     head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
     st = _model_states(m, training, hardware, s, device)
@@ -210,10 +211,9 @@ def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: 
     # estimate._blocks_backward: blocks done before the gradient partition exists, before the second reduce
     k = int(max(0.0, bucket - head) // block_params) if blocked else 0
     k2 = int(max(0.0, 2 * bucket - head) // block_params) if blocked else 0
-    return [float(getattr(st, f)) for f in _ST] + [
-        p, tokens, p * V * tokens if loop == "keep_outputs" else 0.0, carry, float(grow),
-        st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0, float(s.zero_stage == 1),
-        float(s.zero_stage == 0), k, k2, float(blocked)]
+    return [*_st_fields(st), p, tokens, p * V * tokens if loop == "keep_outputs" else 0.0, carry, grow,
+            st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0, s.zero_stage == 1, s.zero_stage == 0, k, k2,
+            blocked]
 
 
 def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
@@ -291,16 +291,16 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
 
 _U = ("n", "p", "r", "per_block", "root", "on_gpu", "u_root", "u_block", "flat", "cast_in", "grad_block", "all_grads",
       "mlp_params")
+_u_fields = attrgetter(*_U)
 
 
-def units_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, loop: str) -> list[float]:
+def units_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, loop: str) -> list[Any]:
     """An FSDP2 candidate's layout (``_U``) and the walk's other per-strategy terms."""
     u = _units(m, s, hardware)
     tokens = training.seq_len * s.micro_batch_size
     gas = gradient_accumulation_steps(s, training, hardware)
-    return [float(getattr(u, f)) for f in _U] + [
-        tokens, u.p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0, u.all_grads if gas > 1 else 0.0,
-        float(s.reshard_after_forward), float(s.offload_params == "cpu")]
+    return [*_u_fields(u), tokens, u.p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0,
+            u.all_grads if gas > 1 else 0.0, s.reshard_after_forward, s.offload_params == "cpu"]
 
 
 def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
