@@ -196,3 +196,11 @@ def test_the_example_scripts_are_profiled_for_real(tmp_path, example, engine):
         error = m["extra"]["predicted_peak_bytes"] / m["peak_memory_bytes"] - 1
         assert -0.02 <= error <= 0.20, (row["strategy"], error)
     assert "measured in your script" in (run / "report.html").read_text()
+
+
+def test_backend_script_on_the_command_line_needs_a_command(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "autotune", "run", str(ROOT / "examples" / "tiny-cpu.yaml"),
+                           "--backend", "script", "--out", str(tmp_path / "runs")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "profile.command" in proc.stderr and not list((tmp_path / "runs").glob("*"))  # no run folder
