@@ -59,7 +59,11 @@ def check_hf(folder: Path, cfg, s: Strategy, tmp: Path) -> None:
         args = TrainingArguments(output_dir=str(tmp / "hf"), use_cpu=True, **kwargs)  # use_cpu: bf16 on this CPU
         assert args.per_device_train_batch_size * args.gradient_accumulation_steps == \
             s.micro_batch_size * gradient_accumulation_steps(s, cfg.training, cfg.hardware)
-        assert args.learning_rate == cfg.training.optimizer.lr and args.max_grad_norm == cfg.training.optimizer.gradient_clipping
+        opt = cfg.training.optimizer  # the job's optimizer settings
+        assert (args.learning_rate, args.weight_decay, args.max_grad_norm) == (opt.lr, opt.weight_decay,
+                                                                               opt.gradient_clipping)
+        if opt.type != "sgd":
+            assert (args.adam_beta1, args.adam_beta2, args.adam_epsilon) == (*opt.betas, opt.eps)
         if s.engine == "fsdp2":
             plugin = args.fsdp_plugin_args
             assert plugin["fsdp_version"] == 2 and plugin["reshard_after_forward"] == s.reshard_after_forward
@@ -194,6 +198,10 @@ def check_torchtitan(folder: Path, cfg, s: Strategy) -> None:
     assert tr.global_batch_size // (tr.local_batch_size * hw.num_gpus) == gradient_accumulation_steps(
         s, cfg.training, hw)
     assert tr.enable_cpu_offload == (s.offload_params == "cpu")
+    opt, o = cfg.training.optimizer, job.optimizer  # the job's optimizer settings
+    assert (o.lr, o.eps, o.weight_decay, tr.max_norm) == (opt.lr, opt.eps, opt.weight_decay, opt.gradient_clipping)
+    assert (o.beta1, o.beta2) == opt.betas
+    assert o.name == {"adamw": "AdamW", "adam": "Adam"}.get(opt.type) or "optimizer sgd" in path.read_text()
     ac = job.activation_checkpoint
     n = s.num_checkpointed(cfg.model.num_hidden_layers)
     if n == 0:
@@ -275,7 +283,7 @@ training:
   seq_len: 4096
   global_batch_size: 64
   precision: bf16
-  optimizer: {{type: adamw, lr: 3.0e-4, betas: [0.9, 0.99], eps: 1.0e-6, weight_decay: 0.05, gradient_clipping: 0.5}}
+  optimizer: {optimizer}
 hardware:
   gpu: a100-80gb
   gpus_per_node: 8
@@ -283,16 +291,21 @@ hardware:
 """
 
 
-@pytest.mark.parametrize("job", ["llama2-7b", "qwen-hf"])
+OPTIMIZERS = {"adamw": "{type: adamw, lr: 3.0e-4, betas: [0.9, 0.99], eps: 1.0e-6, weight_decay: 0.05, "
+                       "gradient_clipping: 0.5}",
+              "sgd": "{type: sgd, lr: 0.02, momentum: 0.9, weight_decay: 0.0, gradient_clipping: 2.0}"}
+
+
+@pytest.mark.parametrize("job", ["llama2-7b", "qwen-hf", "llama2-7b-sgd"])
 def test_a_grid_of_strategies_loads_in_each_trainer(job, tmp_path, monkeypatch, write):
     """Every engine, ZeRO stage, offload, precision and checkpointing granularity (fsdp2: sharding,
     resharding, reduce dtype, every-k-th checkpointing), 2 nodes x 8 GPUs, for a preset and for a
     Hugging Face model (Trainer's own checkpointing)."""
-    model = ("preset: llama2-7b" if job == "llama2-7b" else
+    model = ("preset: llama2-7b" if job.startswith("llama2-7b") else
              f"hf_config: {ROOT / 'tests' / 'data' / 'hf' / 'qwen2-0.5b.json'}")
-    path = write(JOB.format(model=model))
+    path = write(JOB.format(model=model, optimizer=OPTIMIZERS["sgd" if job.endswith("sgd") else "adamw"]))
     cfg = load_config(str(path))
-    assert cfg.hardware.num_nodes == 2 and cfg.training.optimizer.lr == 3e-4
+    assert cfg.hardware.num_nodes == 2 and cfg.training.optimizer.lr in (3e-4, 0.02)
     run = tmp_path / "run"
     checked = 0
     for k, s in enumerate(_grid()):
