@@ -137,6 +137,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "linear_addmm": bool_,
     "num_attention_masks": int_(1, 16),
     "sliding_window": optional(int_(1, 1 << 24)),
+    "sliding_window_layers": optional(int_(0, 10_000)),
     "attn_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
     "final_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
 }
@@ -301,6 +302,7 @@ def _load(path: str) -> Config:
     base_dir = os.path.dirname(os.path.abspath(path))
     model, factory, hf_path = _model(top["model"], base_dir)
     training = _training(top["training"])
+    check_model_training(model, training)
     hardware = _hardware(top["hardware"])
     given = check_section(top.get("strategy") or {}, "strategy", STRATEGY_SCHEMA)
     strategy = Strategy(**{**from_training(training), **given})
@@ -367,6 +369,18 @@ def _model(raw: Any, base_dir: str) -> tuple[ModelSpec, Optional[str], Optional[
             f"hidden_size ({merged['hidden_size']}) must be a multiple of num_attention_heads "
             f"({merged['num_attention_heads']}) unless head_dim is given", path="model.hidden_size")
     return ModelSpec(**merged), factory, hf_path
+
+
+def check_model_training(model: ModelSpec, training: TrainingSpec) -> None:
+    """What the memory model cannot size for this model at this training setup: one-line error."""
+    mixed = model.sliding_window_layers is not None and model.sliding_window_layers < model.num_hidden_layers
+    if mixed and model.sliding_window is not None and training.seq_len >= model.sliding_window:
+        # transformers masking_utils.py _ignore_causal_mask_sdpa: from this length the sliding layers'
+        # masks are built (the full layers' are not); activations.py sizes them for all layers or none
+        raise ConfigError(
+            f"{model.sliding_window_layers} of {model.num_hidden_layers} layers slide over {model.sliding_window} "
+            f"tokens: at seq_len {training.seq_len} transformers builds their masks and not the other layers'; "
+            f"that mix is not modelled: use seq_len < {model.sliding_window}", path="training.seq_len")
 
 
 def hf_config_fields(path: str, exact_check: bool = True) -> dict[str, Any]:

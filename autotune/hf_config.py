@@ -12,7 +12,8 @@ from autotune.errors import ConfigError
 from autotune.spec import ModelSpec
 
 
-EXACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "gpt2", "gpt_neox")
+EXACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2",
+                  "gpt_neox")
 """The model_type values whose analytic description (map_hf_config) is proven to have exactly the
 parameters of the transformers model: tests/spec/test_hf_count.py builds a published config.json of each
 (tests/data/hf) on the meta device and compares. Without torch + transformers only these are
@@ -26,6 +27,37 @@ HF_EXTRA = "pip install 'autotune[hf]'"
 def model_type(cfg: dict) -> str:
     """A config.json's model_type (transformers' default family, llama, when absent)."""
     return str(cfg.get("model_type") or "llama")
+
+
+NESTED_TEXT = {"gemma3": "gemma3_text"}
+"""Multimodal model_type values whose config.json nests the language model under ``text_config``,
+with the model_type that ``text_config`` takes when it names none (transformers
+models/gemma3/configuration_gemma3.py: Gemma3Config.sub_configs["text_config"] = Gemma3TextConfig)."""
+
+
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072),
+}
+"""Architecture defaults of the families whose published files leave them out (Gemma-3's nested
+text_config names only what differs): transformers models/gemma3/configuration_gemma3.py
+Gemma3TextConfig's field defaults."""
+
+
+def text_model_config(cfg: dict, path: str) -> dict:
+    """The language model's config of a config.json: ``text_config`` (with its model_type) for a
+    multimodal file that nests it, else the file itself. The job sizes and trains the text model;
+    a nested file without a known text model_type is refused in one line."""
+    nested = cfg.get("text_config")
+    if not isinstance(nested, dict):
+        return cfg
+    kind = nested.get("model_type") or NESTED_TEXT.get(model_type(cfg))
+    if not kind:
+        raise ConfigError(f"{path}: text_config names no model_type and {show(model_type(cfg))} is not among the "
+                          f"multimodal families whose text model is known ({', '.join(NESTED_TEXT)})",
+                          path="model.hf_config")
+    return {**nested, "model_type": kind}
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -49,6 +81,7 @@ def check_exact_count(cfg: dict, fields_: dict, path: str) -> None:
     EXACT_FAMILIES is refused in one line naming the hf extra. Never silently mis-sized."""
     from autotune.hf_count import HFCountError, describe_difference, hf_parameter_count
 
+    cfg = text_model_config(cfg, path)
     spec = ModelSpec(**{"name": "hf", **fields_})
     kind = model_type(cfg)
     try:
@@ -74,7 +107,10 @@ when None: a one-line error names the file and the keys)."""
 def map_hf_config(cfg: dict, path: str) -> dict[str, Any]:
     """ModelSpec fields of a Hugging Face config.json object (unchecked values; autotune.config
     checks them like explicit fields)."""
+    cfg = text_model_config(cfg, path)
     kind = model_type(cfg)
+    defaults = FAMILY_DEFAULTS.get(kind, {})
+    cfg = {**defaults, **{k: v for k, v in cfg.items() if not (v is None and k in defaults)}}
 
     def get(*keys: str, default: Any = None) -> Any:
         for k in keys:
@@ -87,6 +123,8 @@ def map_hf_config(cfg: dict, path: str) -> dict[str, Any]:
     name = str(cfg.get("_name_or_path") or kind)
     family = {"gpt2": _gpt2, "mpt": _mpt, "gpt_neox": _gpt_neox}.get(kind, _llama_like)
     out = family(cfg, get, name, kind)
+    if kind == "gemma3_text":
+        out.update(_gemma3_layers(cfg, path, int(out["num_hidden_layers"])))
     sliding = _qwen_sliding_layers(cfg, kind, int(out["num_hidden_layers"]))
     if sliding:
         raise ConfigError(f"{path}: model_type {kind} with use_sliding_window: true slides {sliding} of "
@@ -171,8 +209,8 @@ def _llama_like(cfg: dict, get: _Getter, name: str, kind: str) -> dict[str, Any]
                position_embedding="rope", max_position_embeddings=get("max_position_embeddings", default=4096),
                attention_dropout=float(cfg.get("attention_dropout") or 0.0),
                hidden_dropout=float(max(cfg.get("resid_pdrop") or 0.0, cfg.get("embd_pdrop") or 0.0)))
-    if kind in ("gemma", "gemma2", "olmo2"):
-        out["norm"] = "rmsnorm_fp32"  # GemmaRMSNorm / Olmo2RMSNorm: weight applied in fp32
+    if kind in ("gemma", "gemma2", "gemma3_text", "olmo2"):
+        out["norm"] = "rmsnorm_fp32"  # GemmaRMSNorm / Gemma3RMSNorm / Olmo2RMSNorm: weight applied in fp32
     if kind == "mistral" and cfg.get("sliding_window", 4096):  # MistralConfig's default: 4096
         out["sliding_window"] = int(cfg.get("sliding_window", 4096))
     if kind == "phi3":
@@ -192,6 +230,31 @@ def _llama_like(cfg: dict, get: _Getter, name: str, kind: str) -> dict[str, Any]
         out["qk_norm"] = "full"  # q_norm: RMSNorm(heads * head_dim), k_norm: RMSNorm(kv_heads * head_dim)
     if cfg.get("head_dim"):
         out["head_dim"] = cfg["head_dim"]
-    elif kind in ("gemma", "gemma2"):
-        out["head_dim"] = 256  # GemmaConfig / Gemma2Config default
+    elif kind in ("gemma", "gemma2", "gemma3_text"):
+        out["head_dim"] = 256  # GemmaConfig / Gemma2Config / Gemma3TextConfig default
+    return out
+
+
+def _gemma3_layers(cfg: dict, path: str, layers: int) -> dict[str, Any]:
+    """Gemma-3's blocks (transformers models/gemma3/modeling_gemma3.py Gemma3DecoderLayer: four
+    norms; configuration_gemma3.py: ``layer_types``, by default every ``sliding_window_pattern``-th
+    layer (6) full and the others sliding over ``sliding_window`` (4096) tokens)."""
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if cfg.get(key):
+            raise ConfigError(f"{path}: model_type gemma3_text with {key}: its attention is not modelled "
+                              f"(set {key}: null)",
+                          path="model.hf_config")
+    types = cfg.get("layer_types")
+    if not isinstance(types, list):
+        pattern = int(cfg.get("_sliding_window_pattern") or cfg.get("sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    sliding = sum(t == "sliding_attention" for t in types[:layers])
+    out: dict[str, Any] = dict(norms_per_block=4)  # input, post_attention, pre_feedforward, post_feedforward
+    if cfg.get("final_logit_softcapping"):  # Gemma3TextConfig's default: None
+        out["final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
+    window = cfg.get("sliding_window", 4096)  # null: no window, the sliding layers attend fully
+    if sliding and window is not None:
+        out.update(sliding_window=int(window), sliding_window_layers=sliding)
+        if sliding < layers:
+            out["num_attention_masks"] = 2  # a sliding_attention and a full_attention mask per forward
     return out

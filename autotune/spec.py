@@ -101,6 +101,11 @@ class ModelSpec:
     """Sliding-window attention span of every layer (HF Mistral's ``sliding_window``). Under HF sdpa
     a sequence at least this long makes transformers build the attention mask (s x s) instead of
     relying on ``is_causal``, and every layer's attention keeps an additive copy of it."""
+    sliding_window_layers: Optional[int] = None
+    """How many layers attend over ``sliding_window`` (HF ``layer_types``' sliding_attention
+    entries; Gemma-3: five in six); None: every layer (Mistral). The memory model sizes the
+    sliding masks of every layer or of none, so autotune.config refuses a model whose layers
+    differ at a sequence long enough to build them."""
     attn_logit_softcapping: Optional[float] = None
     """``cap * tanh(scores / cap)`` on the attention scores before the softmax (Gemma2, eager
     attention): tanh keeps its s x s output for backward."""

@@ -170,6 +170,9 @@ def hf_model_from_config(hf_config: str) -> Any:
         raise UserModelError("hf source needs transformers (pip install transformers)") from err
     with open(hf_config, encoding="utf-8") as fh:
         raw = json.load(fh)
+    from autotune.hf_config import text_model_config
+
+    raw = dict(text_model_config(raw, hf_config))  # a multimodal file: the text model it nests (what is sized)
     kind = raw.pop("model_type", "llama")
     for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path"):
         raw.pop(key, None)
