@@ -23,7 +23,10 @@ from autotune.config import Config
 from autotune.engine_configs import to_deepspeed_config
 from autotune.runfiles import write_json
 from autotune.strategy import Strategy
-from autotune.trainers import accelerate_config, hf_trainer, lightning_args, torchtitan_toml
+import autotune.trainers.accelerate_config as accelerate_config
+import autotune.trainers.hf_trainer as hf_trainer
+import autotune.trainers.lightning_args as lightning_args
+import autotune.trainers.torchtitan_toml as torchtitan_toml
 from autotune.trainers.common import Point, checkpointing_call, checkpointing_spec
 
 TRAINERS_DIR = "trainers"
