@@ -20,6 +20,7 @@ from autotune.checks import (Checker, bool_, check_section, choice, float_, int_
 from autotune.backends.script_command import check_command
 from autotune.errors import ConfigError
 from autotune.hf_config import check_exact_count, map_hf_config, read_hf_config
+from autotune.model_rules import check_model_training, check_modelled, int_tuple
 from autotune.spec import OPTIMIZER_TYPES, GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, OptimizerSpec, TrainingSpec
 from autotune.knobs import getter, knob_fields, literal_choices
 from autotune.strategy import Strategy, validation_errors
@@ -108,6 +109,8 @@ _MODEL_CHOICES = literal_choices(ModelSpec)
 # ---------------------------------------------------------------- sections
 
 _POS = int_(1)
+
+
 MODEL_FIELDS: dict[str, Checker] = {
     "name": str_,
     "num_hidden_layers": int_(1, 10_000),
@@ -140,6 +143,21 @@ MODEL_FIELDS: dict[str, Checker] = {
     "sliding_window_layers": optional(int_(0, 10_000)),
     "attn_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
     "final_logit_softcapping": optional(float_(0.0, 1e6, low_open=True)),
+    "num_experts": int_(0, 1 << 16),
+    "num_experts_per_tok": int_(0, 1 << 16),
+    "moe_intermediate_size": optional(int_(1, 1 << 24)),
+    "shared_expert_intermediate_size": int_(0, 1 << 24),
+    "shared_expert_gate": bool_,
+    "dense_layers": int_tuple(0, 10_000),
+    "router_bias": bool_,
+    "expert_bias": bool_,
+    "q_lora_rank": optional(int_(1, 1 << 20)),
+    "kv_lora_rank": optional(int_(1, 1 << 20)),
+    "qk_rope_head_dim": int_(0, 1 << 16),
+    "qk_nope_head_dim": int_(0, 1 << 16),
+    "v_head_dim": optional(int_(1, 1 << 16)),
+    "attention_sinks": bool_,
+    "lm_head_bias": bool_,
 }
 MODEL_SCHEMA: dict[str, Checker] = {"preset": choice(*presets.model_names()), "hf_config": str_, "python": str_,
                                     **MODEL_FIELDS}
@@ -368,19 +386,9 @@ def _model(raw: Any, base_dir: str) -> tuple[ModelSpec, Optional[str], Optional[
         raise ConfigError(
             f"hidden_size ({merged['hidden_size']}) must be a multiple of num_attention_heads "
             f"({merged['num_attention_heads']}) unless head_dim is given", path="model.hidden_size")
-    return ModelSpec(**merged), factory, hf_path
-
-
-def check_model_training(model: ModelSpec, training: TrainingSpec) -> None:
-    """What the memory model cannot size for this model at this training setup: one-line error."""
-    mixed = model.sliding_window_layers is not None and model.sliding_window_layers < model.num_hidden_layers
-    if mixed and model.sliding_window is not None and training.seq_len >= model.sliding_window:
-        # transformers masking_utils.py _ignore_causal_mask_sdpa: from this length the sliding layers'
-        # masks are built (the full layers' are not); activations.py sizes them for all layers or none
-        raise ConfigError(
-            f"{model.sliding_window_layers} of {model.num_hidden_layers} layers slide over {model.sliding_window} "
-            f"tokens: at seq_len {training.seq_len} transformers builds their masks and not the other layers'; "
-            f"that mix is not modelled: use seq_len < {model.sliding_window}", path="training.seq_len")
+    spec = ModelSpec(**merged)
+    check_modelled(spec, hf_path)
+    return spec, factory, hf_path
 
 
 def hf_config_fields(path: str, exact_check: bool = True) -> dict[str, Any]:

@@ -9,11 +9,12 @@ from typing import Any, Callable
 
 from autotune.checks import show
 from autotune.errors import ConfigError
+from autotune.hf_moe import MOE_FAMILIES, moe_fields
 from autotune.spec import ModelSpec
 
 
 EXACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2",
-                  "gpt_neox")
+                  "gpt_neox") + MOE_FAMILIES
 """The model_type values whose analytic description (map_hf_config) is proven to have exactly the
 parameters of the transformers model: tests/spec/test_hf_count.py builds a published config.json of each
 (tests/data/hf) on the meta device and compares. Without torch + transformers only these are
@@ -125,6 +126,8 @@ def map_hf_config(cfg: dict, path: str) -> dict[str, Any]:
     out = family(cfg, get, name, kind)
     if kind == "gemma3_text":
         out.update(_gemma3_layers(cfg, path, int(out["num_hidden_layers"])))
+    if kind in MOE_FAMILIES:
+        out.update(moe_fields(cfg, kind, out, path))
     sliding = _qwen_sliding_layers(cfg, kind, int(out["num_hidden_layers"]))
     if sliding:
         raise ConfigError(f"{path}: model_type {kind} with use_sliding_window: true slides {sliding} of "
@@ -139,7 +142,7 @@ def _qwen_sliding_layers(cfg: dict, kind: str, layers: int) -> int:
     """Layers of a Qwen2/Qwen3 config that use sliding-window attention: with use_sliding_window, every
     layer from max_window_layers on (transformers models/qwen2/configuration_qwen2.py ``layer_types``),
     or those its explicit ``layer_types`` name."""
-    if kind not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window") or cfg.get("sliding_window", 4096) is None:
+    if kind not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not cfg.get("use_sliding_window") or cfg.get("sliding_window", 4096) is None:
         return 0
     if cfg.get("layer_types"):
         return sum(t == "sliding_attention" for t in cfg["layer_types"])

@@ -111,6 +111,43 @@ class ModelSpec:
     attention): tanh keeps its s x s output for backward."""
     final_logit_softcapping: Optional[float] = None
     """``cap * tanh(logits / cap)`` before the loss (Gemma2); its intermediates are kept for backward."""
+    # ---- mixture-of-experts, latent attention (defaults: a dense decoder) ----
+    num_experts: int = 0
+    """Routed experts per MoE block (HF ``num_local_experts`` / ``num_experts`` /
+    ``n_routed_experts``); 0: every block has the dense MLP."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: Optional[int] = None
+    """Width of one routed expert's (gated) MLP; None: intermediate_size (Mixtral, OLMoE, phimoe)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared-expert MLP every token of a MoE block also passes (Qwen2-MoE's
+    ``shared_expert_intermediate_size``; DeepSeek: ``n_shared_experts x moe_intermediate_size``,
+    built as one MLP); 0: none."""
+    shared_expert_gate: bool = False
+    """A sigmoid gate ``Linear(d, 1)`` scales the shared expert's output (Qwen2-MoE)."""
+    dense_layers: tuple[int, ...] = ()
+    """Indices of the blocks of a MoE model that keep the dense MLP of intermediate_size (DeepSeek's
+    first ``first_k_dense_replace``; Qwen-MoE's ``mlp_only_layers`` and the blocks off its
+    ``decoder_sparse_step``)."""
+    router_bias: bool = False
+    """The router ``Linear(d, num_experts)`` has a bias (gpt-oss)."""
+    expert_bias: bool = False
+    """Each routed expert's projections have biases (gpt-oss ``gate_up_proj_bias``, ``down_proj_bias``)."""
+    q_lora_rank: Optional[int] = None
+    """Multi-head latent attention (DeepSeek-V2/V3): rank of the query down-projection (with an
+    RMSNorm of that width); None with kv_lora_rank set: a plain q_proj."""
+    kv_lora_rank: Optional[int] = None
+    """MLA's compressed key/value width (``kv_a_proj_with_mqa`` -> RMSNorm -> ``kv_b_proj``); None: not MLA."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key width that carries the rotary embedding (the key's is shared by all heads)."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key width without the rotary embedding."""
+    v_head_dim: Optional[int] = None
+    """MLA: per-head value width (None: head_size)."""
+    attention_sinks: bool = False
+    """A learned per-head sink logit in every attention softmax (gpt-oss ``self_attn.sinks``)."""
+    lm_head_bias: bool = False
+    """The LM head has a bias of vocab_size (phimoe ``lm_head_bias``)."""
     source: str = ""
     """Where the numbers come from (config URL or file)."""
 
@@ -142,8 +179,27 @@ class ModelSpec:
         """Parameters of one norm layer (weight, plus bias for a biased LayerNorm)."""
         return self.hidden_size * (2 if (self.norm == "layernorm" and self.bias) else 1)
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    def _mla_params(self) -> int:
+        """DeepSeek-V2/V3 attention (transformers models/deepseek_v2/modeling_deepseek_v2.py
+        DeepseekV2Attention, no biases): q_proj or q_a_proj + q_a_layernorm + q_b_proj,
+        kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj, o_proj."""
+        d, a, r = self.hidden_size, self.num_attention_heads, self.qk_rope_head_dim
+        qk, v, kv = self.qk_nope_head_dim + r, (self.v_head_dim or self.head_size), int(self.kv_lora_rank or 0)
+        q = d * a * qk if self.q_lora_rank is None else self.q_lora_rank * (d + 1 + a * qk)
+        return q + d * (kv + r) + kv + kv * a * (self.qk_nope_head_dim + v) + a * v * d
+
     def attention_params(self) -> int:
         d = self.hidden_size
+        if self.is_mla:
+            return self._mla_params()
         n = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
         if self.bias or self.qkv_bias:
             n += self.q_size + 2 * self.kv_size
@@ -153,6 +209,8 @@ class ModelSpec:
             n += 2 * self.head_size
         elif self.qk_norm == "full":
             n += self.q_size + self.kv_size
+        if self.attention_sinks:
+            n += self.num_attention_heads
         return n
 
     def mlp_params(self) -> int:
@@ -163,9 +221,28 @@ class ModelSpec:
             n += num_in * f + d
         return n
 
-    def block_params(self) -> int:
-        """Parameters of one transformer block (attention, MLP, its norms)."""
-        return self.attention_params() + self.mlp_params() + self.norms_per_block * self.norm_params()
+    def moe_params(self) -> int:
+        """One MoE block's feed-forward: router, routed experts (gated, no bias unless
+        expert_bias), shared expert and its gate (transformers models/mixtral, qwen2_moe,
+        deepseek_v3, gpt_oss modeling files: the router, ``experts.gate_up_proj`` / ``down_proj``)."""
+        d, e = self.hidden_size, self.num_experts
+        f = self.moe_intermediate_size or self.intermediate_size
+        n = e * d + (e if self.router_bias else 0)
+        n += e * (3 * d * f + ((2 * f + d) if self.expert_bias else 0))
+        n += 3 * d * self.shared_expert_intermediate_size + (d if self.shared_expert_gate else 0)
+        return n
+
+    def block_params(self, moe: Optional[bool] = None) -> int:
+        """Parameters of one transformer block (attention, MLP or MoE feed-forward, its norms);
+        ``moe`` (default: whether the model is a MoE) picks the feed-forward of a MoE model's block."""
+        ffn = self.moe_params() if (self.is_moe if moe is None else moe) else self.mlp_params()
+        return self.attention_params() + ffn + self.norms_per_block * self.norm_params()
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Blocks with the dense MLP: all of a dense model, the dense_layers of a MoE one."""
+        L = self.num_hidden_layers
+        return sum(1 for i in set(self.dense_layers) if 0 <= i < L) if self.is_moe else L
 
     def embedding_params(self) -> int:
         n = self.vocab_size * self.hidden_size
@@ -174,17 +251,17 @@ class ModelSpec:
         return n
 
     def lm_head_params(self) -> int:
-        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        bias = self.vocab_size if self.lm_head_bias else 0
+        return bias + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
 
     @property
     def num_parameters(self) -> int:
         """Exact trainable parameter count (tied embeddings counted once)."""
-        return (
-            self.embedding_params()
-            + self.num_hidden_layers * self.block_params()
-            + self.norm_params()
-            + self.lm_head_params()
-        )
+        dense = self.num_dense_layers
+        blocks = dense * self.block_params(False)
+        if dense < self.num_hidden_layers:
+            blocks += (self.num_hidden_layers - dense) * self.block_params(True)
+        return self.embedding_params() + blocks + self.norm_params() + self.lm_head_params()
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per trained token, llm-foundry's definition: 6N + 12*L*d*S.

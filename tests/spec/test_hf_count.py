@@ -19,11 +19,8 @@ from conftest import BASE, ROOT
 HF_DIR = os.path.join(ROOT, "tests", "data", "hf")
 FILES = sorted(glob.glob(os.path.join(HF_DIR, "*.json")))
 KIND = {f: json.load(open(f))["model_type"] for f in FILES}
-# published config.json of families autotune does not describe (MoE, MLA): never sized as a dense
-# decoder; their totals as transformers builds them on the meta device (the model cards' rounded
-# totals: Mixtral 46.7 B, DeepSeek-V3 671 B without its multi-token-prediction layer, Qwen3 30.5 B)
-UNPROVEN = {"mixtral-8x7b-v0.1": 46_702_792_704, "deepseek-v3": 671_026_404_352,
-            "qwen3-30b-a3b": 30_532_122_624}
+MOE_DIR = os.path.join(HF_DIR, "moe")  # mixture-of-experts / MLA families: tests/spec/test_hf_moe.py
+MOE_KINDS = {json.load(open(f))["model_type"] for f in glob.glob(os.path.join(MOE_DIR, "*.json"))}
 
 # published totals (model cards / papers), independent of autotune and of transformers
 PUBLISHED = {"gemma-7b": 8_537_680_896, "gpt2": 124_439_808, "pythia-160m": 162_322_944,
@@ -32,8 +29,8 @@ PUBLISHED = {"gemma-7b": 8_537_680_896, "gpt2": 124_439_808, "pythia-160m": 162_
 
 def test_the_proven_families_are_the_files_in_the_repo():
     """EXACT_FAMILIES (what the light install accepts) and the families proven below cannot drift."""
-    assert set(KIND.values()) == set(EXACT_FAMILIES)
-    assert not set(EXACT_FAMILIES) & {json.load(open(_unproven(n)))["model_type"] for n in UNPROVEN}
+    assert set(KIND.values()) | MOE_KINDS == set(EXACT_FAMILIES)
+    assert not set(KIND.values()) & MOE_KINDS
 
 
 @pytest.mark.parametrize("path", FILES, ids=[os.path.basename(f) for f in FILES])
@@ -44,7 +41,7 @@ def test_analytic_count_without_torch_matches_published(path):
         assert spec.num_parameters == PUBLISHED[name]
 
 
-@pytest.mark.parametrize("family", EXACT_FAMILIES)
+@pytest.mark.parametrize("family", sorted(set(KIND.values())))
 def test_analytic_count_equals_meta_device_model(family):
     """Every family the light install accepts, proven on its published config.json."""
     pytest.importorskip("transformers")
@@ -56,8 +53,8 @@ def test_analytic_count_equals_meta_device_model(family):
         assert _meta_count(raw) == spec.num_parameters
 
 
-def _unproven(name: str) -> str:
-    return os.path.join(HF_DIR, "unproven", f"{name}.json")
+def _moe(name: str) -> str:
+    return os.path.join(MOE_DIR, f"{name}.json")
 
 
 def _meta_count(raw: dict) -> int:
@@ -91,7 +88,7 @@ def test_layers_that_differ_are_counted_as_built(monkeypatch, full_build_layers)
     pytest.importorskip("transformers")
     from autotune import hf_count
 
-    raw = json.load(open(_unproven("deepseek-v3")))
+    raw = json.load(open(_moe("deepseek-v3")))
     small = dict(raw, num_hidden_layers=5, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                  n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, num_attention_heads=4,
                  num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -100,39 +97,12 @@ def test_layers_that_differ_are_counted_as_built(monkeypatch, full_build_layers)
     assert hf_count.hf_parameter_count(small, 5) == _meta_count(small)
 
 
-@pytest.mark.parametrize("name", sorted(UNPROVEN))
-def test_unproven_family_refused_with_the_meta_device_count(name, write, tmp_path, capsys):
-    """With transformers: refused, and the number printed is the whole model on the meta device."""
-    pytest.importorskip("transformers")
-    path = write(BASE.replace("preset: llama2-7b", f"hf_config: {_unproven(name)}"))
-    assert _meta_count(json.load(open(_unproven(name)))) == UNPROVEN[name]
-    assert main(["estimate", path]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"autotune: error: {path}: model.hf_config: {_unproven(name)}")
-    assert f"transformers builds {UNPROVEN[name]:,} " in err[0]
-
-
 def _block_transformers(monkeypatch) -> None:
     """The light install: ``import transformers`` fails (ImportError), as when it is not installed."""
     monkeypatch.setitem(sys.modules, "transformers", None)
     from autotune.hf_count import hf_parameter_count
 
     assert hf_parameter_count({"model_type": "llama"}, 2) is None
-
-
-@pytest.mark.parametrize("name", sorted(UNPROVEN))
-def test_light_install_refuses_unproven_families(name, monkeypatch, write, capsys):
-    """Without transformers, mixtral was sized as a 7.24 B dense decoder (46.7 B), deepseek_v3 as
-    38.6 B (671 B), qwen3_moe as 3.3 B (30.5 B): exit 0 and a front. Now: one line, exit 2."""
-    _block_transformers(monkeypatch)
-    path = write(BASE.replace("preset: llama2-7b", f"hf_config: {_unproven(name)}"))
-    assert main(["estimate", path]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    kind = json.load(open(_unproven(name)))["model_type"]
-    assert len(err) == 1 and err[0].startswith(f"autotune: error: {path}: model.hf_config: {_unproven(name)}: ")
-    assert f"model_type '{kind}'" in err[0] and "pip install 'autotune[hf]'" in err[0]
-    with pytest.raises(ConfigError, match="autotune\\[hf\\]"):
-        hf_config_fields(_unproven(name))
 
 
 @pytest.mark.parametrize("path", FILES, ids=[os.path.basename(f) for f in FILES])
@@ -177,12 +147,7 @@ def test_without_torch_presets_and_hf_files_still_load(tmp_path):
             "assert spec.num_parameters == 8_537_680_896, spec.num_parameters\n"
             "assert hf_parameter_count({'model_type': 'llama'}, 2) is None\n"
             "from autotune.errors import ConfigError\n"
-            "try:\n"
-            f"    hf_config_fields({_unproven('mixtral-8x7b-v0.1')!r})\n"
-            "except ConfigError as err:\n"
-            "    assert \"model_type 'mixtral'\" in str(err) and 'autotune[hf]' in str(err), err\n"
-            "else:\n"
-            "    raise AssertionError('mixtral accepted without transformers')\n"
+            f"assert ModelSpec(**hf_config_fields({_moe('mixtral-8x7b-v0.1')!r})).num_parameters == 46_702_792_704\n"
             "assert model_from_name('llama2-7b').num_parameters == 6_738_415_616\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]

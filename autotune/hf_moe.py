@@ -1,0 +1,105 @@
+"""Mixture-of-experts and latent-attention families of a Hugging Face config.json as ModelSpec
+fields (on top of autotune.hf_config's Llama-shaped mapping): routed and shared experts, the
+router, dense blocks, MLA, gpt-oss's sinks and biases. Each default below is the family's
+transformers configuration class default (models/<kind>/configuration_<kind>.py), used only when
+the file leaves the key out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotune.errors import ConfigError
+
+_UNSET = object()
+
+# model_type -> (experts key, its default, top-k default, expert-width key or None (intermediate_size))
+_ROUTED: dict[str, tuple[str, int, int, Any]] = {
+    "mixtral": ("num_local_experts", 8, 2, None),
+    "phimoe": ("num_local_experts", 16, 2, None),
+    "granitemoe": ("num_local_experts", 8, 2, None),
+    "gpt_oss": ("num_local_experts", 128, 4, None),
+    "olmoe": ("num_experts", 64, 8, None),
+    "qwen2_moe": ("num_experts", 60, 4, ("moe_intermediate_size", 1408)),
+    "qwen3_moe": ("num_experts", 128, 8, ("moe_intermediate_size", 768)),
+    "deepseek_v2": ("n_routed_experts", 64, 0, ("moe_intermediate_size", 1407)),
+    "deepseek_v3": ("n_routed_experts", 256, 8, ("moe_intermediate_size", 2048)),
+}
+MOE_FAMILIES = tuple(_ROUTED)
+"""The mixture-of-experts model_type values described here (tests/data/hf/moe: one published
+config.json of each, counted exactly against the meta-device model)."""
+
+_MLA_DEFAULTS = {  # DeepseekV2Config / DeepseekV3Config
+    "deepseek_v2": dict(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                        v_head_dim=128, n_shared_experts=2, first_k_dense_replace=0),
+    "deepseek_v3": dict(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                        v_head_dim=128, n_shared_experts=1, first_k_dense_replace=3),
+}
+
+
+def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str, Any]:
+    """The MoE / MLA fields of a ``kind`` in MOE_FAMILIES, given the Llama-shaped fields ``out``."""
+
+    def val(key: str, default: Any = _UNSET) -> Any:
+        if key in cfg:  # an explicit null is a value (DeepSeek-V2-Lite's q_lora_rank: null)
+            return cfg[key]
+        if default is _UNSET:
+            raise ConfigError(f"{path} has no {key} (model_type {kind})", path="model.hf_config")
+        return default
+
+    def refuse(key: str, why: str) -> None:
+        raise ConfigError(f"{path}: model_type {kind} with {key}: {why}; not described", path="model.hf_config")
+
+    experts_key, experts, top_k, width = _ROUTED[kind]
+    layers = int(out["num_hidden_layers"])
+    top_k = val("num_experts_per_tok", top_k or _UNSET)
+    new: dict[str, Any] = dict(num_experts=val(experts_key, experts), num_experts_per_tok=top_k)
+    if width is not None:
+        new["moe_intermediate_size"] = val(*width)
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        # modeling_qwen2_moe.py / modeling_qwen3_moe.py Qwen*DecoderLayer: a sparse block unless
+        # layer_idx in mlp_only_layers or (layer_idx + 1) % decoder_sparse_step != 0
+        only = set(val("mlp_only_layers", None) or [])
+        step = int(val("decoder_sparse_step", 1))
+        new["dense_layers"] = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    if kind == "qwen2_moe":
+        new.update(shared_expert_intermediate_size=val("shared_expert_intermediate_size", 5632),
+                   shared_expert_gate=True, qkv_bias=bool(val("qkv_bias", True)))
+    if kind == "qwen3_moe":
+        new["qk_norm"] = "head"  # Qwen3MoeAttention q_norm / k_norm: RMSNorm(head_dim)
+    if kind == "olmoe":
+        new["qk_norm"] = "full"  # OlmoeAttention q_norm: RMSNorm(q_size), k_norm: RMSNorm(kv_size)
+    if kind == "phimoe":
+        # modeling_phimoe.py: LayerNorms with bias, q/k/v/o biased by attention_bias, lm_head_bias
+        if not val("attention_bias", False):  # the LayerNorms keep their bias, ModelSpec.bias ties them
+            refuse("attention_bias: false", "unbiased linears beside biased LayerNorms")
+        new.update(norm="layernorm", bias=True,
+                   lm_head_bias=bool(val("lm_head_bias", False)))
+    if kind == "gpt_oss":
+        # modeling_gpt_oss.py: biased q/k/v/o (attention_bias), per-head sinks, router and expert
+        # biases; layer_types alternate sliding_attention / full_attention over sliding_window
+        new.update(bias=bool(val("attention_bias", True)), attention_sinks=True, router_bias=True,
+                   expert_bias=True)
+        types = val("layer_types", None) or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                             for i in range(layers)]
+        window = val("sliding_window", 128)
+        sliding = sum(t == "sliding_attention" for t in types[:layers])
+        if sliding and window is not None:
+            new.update(sliding_window=int(window), sliding_window_layers=sliding)
+    if kind in ("mixtral", "phimoe") and cfg.get("sliding_window"):
+        new["sliding_window"] = int(cfg["sliding_window"])
+    if kind in _MLA_DEFAULTS:
+        d = _MLA_DEFAULTS[kind]
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                refuse(key, "the biases of latent attention and its MLPs")
+        new.update(q_lora_rank=val("q_lora_rank", d["q_lora_rank"]), kv_lora_rank=val("kv_lora_rank", d["kv_lora_rank"]),
+                   qk_rope_head_dim=val("qk_rope_head_dim", d["qk_rope_head_dim"]),
+                   qk_nope_head_dim=val("qk_nope_head_dim", d["qk_nope_head_dim"]),
+                   v_head_dim=val("v_head_dim", d["v_head_dim"]))
+        # modeling_deepseek_v2.py / _v3.py DecoderLayer: MoE from layer_idx >= first_k_dense_replace
+        # (transformers reads no moe_layer_freq); the shared experts are one MLP of n_shared x width
+        first = int(val("first_k_dense_replace", d["first_k_dense_replace"]) or 0)
+        new["dense_layers"] = tuple(range(min(first, layers)))
+        new["shared_expert_intermediate_size"] = int(val("n_shared_experts", d["n_shared_experts"]) or 0) * int(
+            new["moe_intermediate_size"])
+    return new

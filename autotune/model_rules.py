@@ -1,0 +1,55 @@
+"""What the memory model can size of a described model: the rules autotune.config applies to the
+model section (a mixture-of-experts or latent-attention model is refused; a mix of sliding and full
+layers at a sequence that builds the sliding masks is refused), and the model section's list checker."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from autotune.checks import Checker, int_, show
+from autotune.errors import ConfigError
+from autotune.spec import ModelSpec, TrainingSpec
+
+
+def int_tuple(low: int, high: int) -> Checker:
+    """A list of integers in [low, high] as a tuple (ModelSpec is frozen and hashed)."""
+    item = int_(low, high)
+
+    def check(value: Any, path: str) -> tuple[int, ...]:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"expected a list of integers, but got {show(value)}"[:200], path=path)
+        return tuple(item(v, f"{path}[{i}]") for i, v in enumerate(value))
+
+    return check
+
+
+def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
+    """A mixture-of-experts or latent-attention model is described exactly (its parameter count)
+    but the memory model does not size its activations (routed tokens, MLA's saved tensors):
+    refused in one line, never sized as the dense decoder it is not."""
+    parts = []
+    if spec.is_moe:
+        parts.append(f"mixture-of-experts ({spec.num_experts} experts, top-{spec.num_experts_per_tok})")
+    if spec.is_mla:
+        parts.append(f"multi-head latent attention (kv_lora_rank {spec.kv_lora_rank})")
+    if parts:
+        where = f"{hf_path}: " if hf_path else ""
+        raise ConfigError(f"{where}{' with '.join(parts)} is described exactly ({spec.num_parameters:,} parameters) "
+                          f"but its activations are not modelled yet",
+                          path="model.hf_config" if hf_path else ("model.num_experts" if spec.is_moe
+                                                                  else "model.kv_lora_rank"))
+
+
+def check_model_training(model: ModelSpec, training: TrainingSpec) -> None:
+    """What the memory model cannot size for this model at this training setup: one-line error."""
+    from autotune.memory.activations import _sliding_mask_built
+
+    mixed = model.sliding_window_layers is not None and model.sliding_window_layers < model.num_hidden_layers
+    if mixed and _sliding_mask_built(model, training.seq_len):
+        # HF sdpa from this length builds the sliding layers' masks and passes is_causal to the full
+        # layers (transformers masking_utils.py _ignore_causal_mask_sdpa); activations.py sizes a mask
+        # for every layer or for none. Eager attention's masks are num_attention_masks, exact.
+        raise ConfigError(
+            f"{model.sliding_window_layers} of {model.num_hidden_layers} layers slide over {model.sliding_window} "
+            f"tokens: at seq_len {training.seq_len} transformers builds their masks and not the other layers'; "
+            f"that mix is not modelled: use seq_len < {model.sliding_window}", path="training.seq_len")
