@@ -421,6 +421,9 @@ def recommendation_lines(best: Optional[dict[str, Any]], run_dir: str) -> list[s
                      f"{os.path.join(run_dir, best['fsdp2_snippet'])}")
     if best.get("checkpointing"):
         lines.append(f"  checkpointing in the model: {best['checkpointing']}")
+    if best.get("trainers"):
+        lines.append(f"  HF Trainer, accelerate, Lightning files: {os.path.join(run_dir, best['trainers'])}/ "
+                     "(docs/trainers.md)")
     if best.get("launch"):
         lines.append(f"  launch: {best['launch']}")
     return lines
