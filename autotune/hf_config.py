@@ -16,10 +16,11 @@ from autotune.spec import ModelSpec
 EXACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2",
                   "gpt_neox") + MOE_FAMILIES
 """The model_type values whose analytic description (map_hf_config) is proven to have exactly the
-parameters of the transformers model: tests/spec/test_hf_count.py builds a published config.json of each
-(tests/data/hf) on the meta device and compares. Without torch + transformers only these are
-accepted; any other model_type is refused (a MoE, MLA or other unmapped structure would be sized
-as the Llama-shaped decoder it is not)."""
+parameters of the transformers model: tests/spec/test_hf_count.py and test_hf_moe.py build a published
+config.json of each (tests/data/hf, tests/data/hf/moe) on the meta device and compare. Without torch +
+transformers only these are accepted; any other model_type is refused (an unmapped structure would be
+sized as the Llama-shaped decoder it is not). The MoE / MLA ones are then refused by
+autotune.model_rules.check_modelled, with their exact count, until the memory model sizes them."""
 
 HF_EXTRA = "pip install 'autotune[hf]'"
 """The install command of the optional dependencies that build a config.json's model (pyproject.toml)."""
