@@ -1,7 +1,7 @@
 """Sharing one study between processes (``autotune worker``, write-through runs): each candidate
 is evaluated once, and trials lost to a killed process or an interruption are re-run.
 
-Every trial records its strategy key (``KEY_ATTR``) right after ``ask()`` and ``claim`` decides
+Every trial records its strategy key (TrialAttrs.strategy_key) right after ``ask()`` and ``claim`` decides
 whether it evaluates the strategy or repeats an earlier trial's; a trial cut short is recorded
 as a FAIL without a result and re-queued (``abandon``), re-queued trials are asked first
 (``ask``), and trials of dead processes are failed and re-queued by Optuna's heartbeat
@@ -20,19 +20,19 @@ from autotune._optuna_compat import heartbeat_enabled, heartbeat_thread, pop_wai
 from autotune.config import Config
 from autotune.space import SearchSpace, trial_strategy
 from autotune.strategy import Strategy
+from autotune.trial_attrs import TrialAttrs, encode, put
 
 if TYPE_CHECKING:  # optuna is imported where a study is used, not at import
     from optuna import Study
     from optuna.trial import FrozenTrial, Trial
 
-KEY_ATTR = "strategy_key"
 """User attr set right after ask(): the trial's claim on its strategy (see claim)."""
 CLAIM_WAIT_S = 300.0
 """Longest wait for a lower-numbered trial to record its key (without a heartbeat to fail it)."""
 
 
 def key_text(strategy: Strategy) -> str:
-    """Strategy.key as the text stored in KEY_ATTR."""
+    """Strategy.key as the text stored in TrialAttrs.strategy_key."""
     return json.dumps(list(strategy.key()))
 
 
@@ -44,7 +44,7 @@ def has_result(t: FrozenTrial) -> bool:
 
     if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
         return True
-    return t.state == TrialState.FAIL and "fail_reason" in t.user_attrs
+    return t.state == TrialState.FAIL and TrialAttrs.of(t).fail_reason is not None
 
 
 def fail_status(t: FrozenTrial) -> str:
@@ -56,7 +56,8 @@ def fail_status(t: FrozenTrial) -> str:
 
     if t.state != TrialState.FAIL:
         return ""
-    return t.user_attrs.get("fail_status") or (t.user_attrs.get("measurement") or {}).get("status") or ""
+    attrs = TrialAttrs.of(t)
+    return attrs.fail_status or (attrs.measurement or {}).get("status") or ""
 
 
 def claim(study: Study, trial: Trial, strategy: Strategy, space: SearchSpace, cfg: Config,
@@ -78,8 +79,8 @@ def claim(study: Study, trial: Trial, strategy: Strategy, space: SearchSpace, cf
     delay = 0.02
     while True:
         trials = study.get_trials(deepcopy=False)
-        pending = [t for t in trials if t.number < me and t.state == TrialState.RUNNING and KEY_ATTR not in
-                   t.user_attrs and "duplicate_of" not in t.user_attrs]
+        pending = [t for t in trials if t.number < me and t.state == TrialState.RUNNING
+                   and TrialAttrs.of(t).strategy_key is None and TrialAttrs.of(t).duplicate_of is None]
         if pending and (heartbeat or time.monotonic() < deadline):
             if heartbeat:
                 fail_stale(study)
@@ -93,7 +94,7 @@ def claim(study: Study, trial: Trial, strategy: Strategy, space: SearchSpace, cf
         owner = min(owners, key=lambda t: t.number)
         if has_result(owner):
             # a repeat of a repeat carries the first trial's number
-            first = owner.user_attrs.get("duplicate_of")
+            first = TrialAttrs.of(owner).duplicate_of
             if first is not None:
                 origin = [t for t in trials if t.number == first]
                 if origin and has_result(origin[0]):
@@ -106,7 +107,7 @@ def claim(study: Study, trial: Trial, strategy: Strategy, space: SearchSpace, cf
 
 
 def key_of(t: FrozenTrial, space: SearchSpace, cfg: Config) -> Optional[str]:
-    key = t.user_attrs.get(KEY_ATTR)
+    key = TrialAttrs.of(t).strategy_key
     if key is None and t.state.is_finished() and t.params:
         try:
             key = key_text(trial_strategy(t, space, cfg))
@@ -125,12 +126,12 @@ def abandon(study: Study, trial: Trial, err: BaseException) -> None:
         frozen = stored_trial(study, trial)
         if frozen.state.is_finished():
             return
-        trial.set_user_attr("interrupted", type(err).__name__)
+        put(trial, interrupted=type(err).__name__)
         study.tell(trial, state=TrialState.FAIL)
         if isinstance(err, KeyboardInterrupt) and frozen.params:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                study.enqueue_trial(dict(frozen.params), user_attrs={"retry_of": trial.number})
+                study.enqueue_trial(dict(frozen.params), user_attrs=encode(TrialAttrs, retry_of=trial.number))
     except Exception:  # the storage itself is gone: a resumed run's heartbeat check recovers it
         pass
 
@@ -144,7 +145,7 @@ def ask(study: Study) -> Trial:
     that was in flight never re-run. A retry is claimed first (_optuna_compat.pop_waiting_trial),
     then ``ask()`` as usual.
     """
-    retry = pop_waiting_trial(study, lambda t: "failed_trial" in t.system_attrs or "retry_of" in t.user_attrs)
+    retry = pop_waiting_trial(study, lambda t: "failed_trial" in t.system_attrs or TrialAttrs.of(t).retry_of is not None)
     return retry if retry is not None else study.ask()
 
 

@@ -27,6 +27,7 @@ from autotune.spec import GIB
 from autotune.strategy import Strategy, fsdp_equivalent, fsdp_equivalent_text
 from autotune.engine_configs import gradient_accumulation_steps, to_deepspeed_config, to_fsdp2_config
 from autotune.trainers import checkpointing_call, deepspeed_launch, write_trainer_files
+from autotune.trial_attrs import TrialAttrs
 
 
 @dataclass(frozen=True)
@@ -60,17 +61,18 @@ def collect_rows(study: Any, space: SearchSpace, cfg: Config) -> list[TrialRow]:
         try:
             strategy = trial_strategy(t, space, cfg)
         except ValueError:
-            if t.user_attrs.get("interrupted"):  # cut short while its knobs were being chosen: nothing ran
+            if TrialAttrs.of(t).interrupted:  # cut short while its knobs were being chosen: nothing ran
                 continue
             raise
-        meas = t.user_attrs.get("measurement") or {}
+        attrs = TrialAttrs.of(t)
+        meas = attrs.measurement or {}
         values = t.values if t.state.name == "COMPLETE" else None
         rows.append(TrialRow(
             number=t.number, state=t.state.name, strategy=strategy,
             peak_memory_gib=values[0] if values else None, tokens_per_s_per_gpu=values[1] if values else None,
             step_time_s=meas.get("step_time_s"), mfu=meas.get("mfu"),
-            prune_reason=t.user_attrs.get("prune_reason", ""), fail_reason=t.user_attrs.get("fail_reason", ""),
-            duplicate_of=t.user_attrs.get("duplicate_of"),
+            prune_reason=attrs.prune_reason or "", fail_reason=attrs.fail_reason or "",
+            duplicate_of=attrs.duplicate_of,
             fail_status=fail_status(t),
             log_dir=(meas.get("extra") or {}).get("log_dir") or "",
         ))

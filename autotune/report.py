@@ -27,6 +27,7 @@ from autotune.backends.base import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Backen
 from autotune.backends.factory import backend_class
 from autotune.runfiles import RunData, TrialRecord, load_run, to_float
 from autotune.spec import GIB
+from autotune.trial_attrs import TrialAttrs
 
 COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
 """Memory-breakdown components, bottom to top (memory.GPU_COMPONENTS; the front.json keys win)."""
@@ -91,7 +92,7 @@ def measurement_extras(run: RunData) -> dict[int, dict[str, Any]]:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.load_study(study_name=run.name, storage=make_storage(storage))
-        return {t.number: t.user_attrs.get("measurement") or {} for t in study.get_trials(deepcopy=False)}
+        return {t.number: TrialAttrs.of(t).measurement or {} for t in study.get_trials(deepcopy=False)}
     except Exception:
         return {}
 

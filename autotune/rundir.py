@@ -308,13 +308,14 @@ def evaluations_done(storage_url: str, study_name: str) -> int:
     from optuna.trial import TrialState
 
     from autotune.claim import has_result
+    from autotune.trial_attrs import TrialAttrs
 
     try:
         study = optuna.load_study(study_name=study_name, storage=open_storage(storage_url))
     except KeyError:
         return 0
     return sum(1 for t in study.get_trials(deepcopy=False)
-               if has_result(t) and t.state != TrialState.PRUNED and "duplicate_of" not in t.user_attrs)
+               if has_result(t) and t.state != TrialState.PRUNED and TrialAttrs.of(t).duplicate_of is None)
 
 
 def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storage: Optional[str],

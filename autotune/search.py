@@ -14,7 +14,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from autotune.claim import (KEY_ATTR, abandon, ask, claim, fail_stale, fail_status, has_result, heartbeat_around,
+from autotune.trial_attrs import OUTCOME_KEYS, StudyAttrs, TrialAttrs, put
+from autotune.claim import (abandon, ask, claim, fail_stale, fail_status, has_result, heartbeat_around,
                             heartbeat_on, key_text)
 from autotune._optuna_compat import tell
 from autotune.config import Config
@@ -159,7 +160,7 @@ def run_study(
         sampler=make_sampler(sampler, seed, context), load_if_exists=resume or join,
     )
     if write_through:
-        if join and "num_candidates" not in study.user_attrs:
+        if join and StudyAttrs.of(study).num_candidates is None:
             resume = False  # the first worker of a new study initialises it
         elif join:
             resume = True
@@ -285,7 +286,7 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
                 elif calibrator is not None and calibrator.fitted:
                     _enqueue_recalibrated(study, space, cfg, screened, calibrator.current_params(), cache)
     if outcome.confidence is not None:
-        persistent.set_user_attr("front_confidence", outcome.confidence)
+        put(persistent, front_confidence=outcome.confidence)
     outcome.evaluated = {k: o.number for k, o in cache.items()}
     outcome.evaluations = evaluations
     return outcome
@@ -304,7 +305,7 @@ def _one_trial(study: Any, trial: Any, space: SearchSpace, cfg: Config, backend:
     try:
         strategy = space.suggest(trial, cfg.model)
         if shared:
-            trial.set_user_attr(KEY_ATTR, key_text(strategy))
+            put(trial, strategy_key=key_text(strategy))
             owner = claim(study, trial, strategy, space, cfg, heartbeat)
             if owner is not None:
                 cache.setdefault(strategy.key(), _Outcome.of(owner))
@@ -324,9 +325,7 @@ def _initialise(study: Any, persistent: Any, cfg: Config, space: SearchSpace, sc
     with warnings.catch_warnings():  # "experimental" since Optuna 3.2, still the API in 5.0
         warnings.simplefilter("ignore")
         persistent.set_metric_names(METRIC_NAMES)
-    persistent.set_user_attr("space", space.path)
-    persistent.set_user_attr("headroom", headroom)
-    persistent.set_user_attr("config", cfg.path)
+    put(persistent, space=space.path, headroom=headroom, config=cfg.path)
     # Caller-given seeds (e.g. a nightly baseline's front) come first, then the analytic front:
     # the whole space was screened in well under a second, so the study starts from the
     # predicted-best points and explores from there.
@@ -343,8 +342,8 @@ def _initialise(study: Any, persistent: Any, cfg: Config, space: SearchSpace, sc
             enqueued.append(params)   # Optuna's np.isclose per value and trial (the knobs are discrete)
             study.enqueue_trial(params)
     # Set last: a joining worker treats a study with num_candidates as initialised.
-    persistent.set_user_attr("num_feasible", sum(s.memory.fits for s in screened))
-    persistent.set_user_attr("num_candidates", len(screened))
+    put(persistent, num_feasible=sum(s.memory.fits for s in screened))
+    put(persistent, num_candidates=len(screened))  # last: a study that has it is initialised
 
 
 def _record_oom(oom_at: dict, strategy: Strategy, number: int) -> None:
@@ -366,7 +365,7 @@ def _sync(study: Any, space: SearchSpace, cfg: Config, seen: set, cache: dict, o
         if t.number in seen or not has_result(t):
             continue
         seen.add(t.number)
-        if "duplicate_of" in t.user_attrs:
+        if TrialAttrs.of(t).duplicate_of is not None:
             continue
         strategy = trial_strategy(t, space, cfg)
         cache.setdefault(strategy.key(), _Outcome.of(t))
@@ -401,7 +400,7 @@ class _Outcome:
     @classmethod
     def of(cls, trial: Any) -> "_Outcome":
         return cls(trial.number, trial.state, trial.values,
-                   {k: v for k, v in trial.user_attrs.items() if k in ("prune_reason", "fail_status", "fail_reason")},
+                   {k: v for k, v in trial.user_attrs.items() if k in OUTCOME_KEYS},
                    trial.system_attrs.get("constraints:gpu_memory"))
 
 
@@ -411,8 +410,7 @@ def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, bac
     from optuna.trial import TrialState
 
     def finish(state: Any, values: Optional[list[float]] = None, measured: bool = False, **attrs: Any) -> _Outcome:
-        for name, value in attrs.items():
-            trial.set_user_attr(name, value)
+        put(trial, **attrs)
         tell(study, trial, values, state=state)
         return _Outcome(trial.number, state, values, attrs, constraint, measured)
 
@@ -422,7 +420,7 @@ def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, bac
         constraint = first.constraint
         if constraint is not None:
             trial.set_constraint("gpu_memory", constraint)
-        trial.set_user_attr("duplicate_of", first.number)
+        put(trial, duplicate_of=first.number)
         return finish(first.state, first.values, **first.attrs)  # measured=False: reused
     screened = by_key.get(key)
     mem = screened.memory if screened else estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy,
@@ -437,7 +435,7 @@ def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, bac
         mbs, number = oom_at[no_mbs]
         return finish(TrialState.PRUNED, prune_reason=f"out of memory at micro_batch_size {mbs} (trial {number})")
     result: Measurement = backend.evaluate(strategy, trial_number=trial.number)
-    trial.set_user_attr("measurement", _json_safe(result.as_dict()))
+    put(trial, measurement=_json_safe(result.as_dict()))
     if not result.ok:
         if result.status == "oom":
             _record_oom(oom_at, strategy, trial.number)

@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     import optuna
 
     from autotune.config import check_backend, load_config
+    from autotune.trial_attrs import StudyAttrs
     from autotune.errors import ConfigError
     from autotune.backends.factory import make_backend
     from autotune.rundir import slowed
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     config = args.config
     if config is None:
         try:
-            config = optuna.load_study(study_name=args.study, storage=storage).user_attrs.get("config")
+            config = StudyAttrs.of(optuna.load_study(study_name=args.study, storage=storage)).config
         except KeyError:
             config = None
         if not config:

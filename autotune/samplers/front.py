@@ -51,6 +51,7 @@ from autotune.config import Config
 from autotune.space import SearchSpace
 from autotune import knobs
 from autotune.strategy import Strategy
+from autotune.trial_attrs import TrialAttrs
 
 if TYPE_CHECKING:
     from optuna import Study
@@ -283,7 +284,8 @@ class FrontSampler(BaseSampler):
             if t.number in self._folded or not t.state.is_finished():
                 continue
             self._folded.add(t.number)
-            if "duplicate_of" in t.user_attrs:
+            attrs = TrialAttrs.of(t)
+            if attrs.duplicate_of is not None:
                 continue
             s = self._strategy_of(t)
             if s is None:
@@ -295,7 +297,7 @@ class FrontSampler(BaseSampler):
                 self.oom_at[no_mbs] = min(s.micro_batch_size, self.oom_at.get(no_mbs, s.micro_batch_size))
             if idx is None:
                 continue
-            m = t.user_attrs.get("measurement") or {}
+            m = attrs.measurement or {}
             if t.state == TrialState.COMPLETE and t.values:
                 self.measured[idx] = (float(t.values[0]), float(t.values[1]))
                 meas = Measurement(status="ok", peak_memory_bytes=int(t.values[0] * GIB),
@@ -304,7 +306,7 @@ class FrontSampler(BaseSampler):
                 self.failed.add(idx)
                 if status != "oom":
                     self._broken.add(idx)
-                meas = Measurement(status=status or "error", reason=t.user_attrs["fail_reason"])
+                meas = Measurement(status=status or "error", reason=attrs.fail_reason or "")
             else:  # pruned, or lost (re-run later)
                 if t.state == TrialState.PRUNED:
                     self.failed.add(idx)
