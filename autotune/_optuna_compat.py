@@ -23,27 +23,32 @@ that changes it fails there, not in a run.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from optuna.storages.journal._file import BaseJournalFileLock  # noqa: F401  (re-exported: autotune.storage)
 
+if TYPE_CHECKING:
+    from optuna import Study
+    from optuna.storages import BaseStorage
+    from optuna.trial import FrozenTrial, Trial, TrialState
 
-def study_storage(study: Any) -> Any:
+
+def study_storage(study: Study) -> BaseStorage:
     """The storage a study reads and writes (``Study._storage``)."""
     return study._storage
 
 
-def trial_id(trial: Any) -> int:
+def trial_id(trial: Trial) -> int:
     """The storage id of a Trial or FrozenTrial (``_trial_id``; ``number`` is per study, not per storage)."""
     return trial._trial_id
 
 
-def stored_trial(study: Any, trial: Any) -> Any:
+def stored_trial(study: Study, trial: Trial) -> FrozenTrial:
     """The trial as the storage holds it now (a FrozenTrial), bypassing the study's trial cache."""
     return study._storage.get_trial(trial._trial_id)
 
 
-def pop_waiting_trial(study: Any, accept: Callable[[Any], bool]) -> Optional[Any]:
+def pop_waiting_trial(study: Study, accept: Callable[[FrozenTrial], bool]) -> Optional[Trial]:
     """Claim the oldest WAITING trial for which ``accept(frozen_trial)`` holds, the way
     ``Study._pop_waiting_trial_id`` claims any waiting trial: WAITING -> RUNNING in storage (atomic;
     a trial another process claimed first is skipped), then the study's trial cache is dropped.
@@ -65,7 +70,7 @@ def pop_waiting_trial(study: Any, accept: Callable[[Any], bool]) -> Optional[Any
     return None
 
 
-def heartbeat_enabled(storage: Any) -> bool:
+def heartbeat_enabled(storage: BaseStorage) -> bool:
     """Whether ``storage`` records trial heartbeats (an RDB storage opened with heartbeat_interval)."""
     from optuna.storages._heartbeat import is_heartbeat_enabled
 
@@ -73,7 +78,7 @@ def heartbeat_enabled(storage: Any) -> bool:
 
 
 @contextlib.contextmanager
-def heartbeat_thread(trial: Any, study: Any) -> Iterator[None]:
+def heartbeat_thread(trial: Trial, study: Study) -> Iterator[None]:
     """Record ``trial``'s heartbeat in the background while the block runs (what ``study.optimize``
     does around each trial; an ask/tell loop has to do it itself)."""
     from optuna.storages._heartbeat import get_heartbeat_thread
@@ -82,7 +87,8 @@ def heartbeat_thread(trial: Any, study: Any) -> Iterator[None]:
         yield
 
 
-def tell(study: Any, trial: Any, values: Optional[Any] = None, state: Optional[Any] = None) -> None:
+def tell(study: Study, trial: Trial, values: Optional[Sequence[float]] = None,
+         state: Optional[TrialState] = None) -> None:
     """``study.tell(trial, values, state=state)`` without its return value, a deep copy of the
     finished trial (user attributes included) that costs more than the tell itself in memory."""
     from optuna.study._tell import _tell_with_warning
@@ -90,7 +96,7 @@ def tell(study: Any, trial: Any, values: Optional[Any] = None, state: Optional[A
     _tell_with_warning(study=study, trial=trial, value_or_values=values, state=state, skip_if_finished=False)
 
 
-def journal_backend(storage: Any) -> Optional[Any]:
+def journal_backend(storage: BaseStorage) -> Optional[Any]:
     """The log backend of a JournalStorage (``_backend``); None for any other storage."""
     from optuna.storages.journal import JournalStorage
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from autotune.config import Config
 from autotune.memory import GPU_COMPONENTS, MemoryEstimate, estimate_memory, overhead_bytes
@@ -28,6 +28,9 @@ from autotune.strategy import Strategy, fsdp_equivalent, fsdp_equivalent_text
 from autotune.engine_configs import gradient_accumulation_steps, to_deepspeed_config, to_fsdp2_config
 from autotune.trainers import checkpointing_call, deepspeed_launch, write_trainer_files
 from autotune.trial_attrs import TrialAttrs
+
+if TYPE_CHECKING:
+    from optuna import Study
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class TrialRow:
     """Where the backend kept the evaluation's logs ("" when it keeps none)."""
 
 
-def collect_rows(study: Any, space: SearchSpace, cfg: Config) -> list[TrialRow]:
+def collect_rows(study: Study, space: SearchSpace, cfg: Config) -> list[TrialRow]:
     from autotune.claim import fail_status
     from autotune.search import trial_strategy
 
@@ -222,7 +225,7 @@ def config_dirs(front: dict[str, Any]) -> list[str]:
             if any(p.get(key) for p in front["front"])]
 
 
-def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Any, backend: str,
+def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, backend: str,
                   extra_summary: Optional[dict[str, Any]] = None, confidence: Optional[str] = None) -> dict[str, Any]:
     """Write every output file; returns the front.json object. ``confidence``: how sure the sampler
     is of the front, in words (front.json ``front_confidence``), when it says."""

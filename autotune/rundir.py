@@ -13,10 +13,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from autotune.config import Config
 from autotune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from optuna.storages import BaseStorage
 
 RUN_FILE = "run.json"
 JOURNAL = "study.journal"
@@ -157,7 +160,7 @@ def default_storage(run_dir: str, backend: str) -> str:
         os.path.join(run_dir, SQLITE))
 
 
-def wait_for_stale_trials(storage: Any, study_name: str) -> None:
+def wait_for_stale_trials(storage: BaseStorage, study_name: str) -> None:
     """--resume of a killed run: wait (at most the heartbeat grace period) until its RUNNING trials
     have gone stale, so that they are failed and re-queued before the study continues."""
     import optuna

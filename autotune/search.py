@@ -12,7 +12,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from autotune.trial_attrs import OUTCOME_KEYS, StudyAttrs, TrialAttrs, put
 from autotune.claim import (abandon, ask, claim, fail_stale, fail_status, has_result, heartbeat_around,
@@ -29,6 +29,10 @@ from autotune.space import SearchSpace, strategy_params, trial_strategy
 from autotune.spec import GIB
 from autotune.storage import add_trials
 from autotune.strategy import Strategy
+
+if TYPE_CHECKING:
+    from optuna import Study
+    from optuna.trial import FrozenTrial, Trial, TrialState
 
 METRIC_NAMES = ["peak_memory_gib", "tokens_per_s_per_gpu"]
 DIRECTIONS = ["minimize", "maximize"]
@@ -77,7 +81,8 @@ def _sweep_sampler(seed: int) -> Any:
     import optuna
 
     class SweepSampler(optuna.samplers.BruteForceSampler):
-        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+        def after_trial(self, study: Study, trial: FrozenTrial, state: TrialState,
+                        values: Optional[Sequence[float]]) -> None:
             pass
 
     with warnings.catch_warnings():  # "experimental" since Optuna 3.1, unchanged through 5.0
@@ -184,7 +189,7 @@ class _Flusher:
     """Appends the finished trials of an in-memory study to its persistent one (every FLUSH_EVERY_S,
     and at the end), so a SIGKILLed fast run loses at most the last couple of seconds of work."""
 
-    def __init__(self, study: Any, persistent: Any, flushed: int) -> None:
+    def __init__(self, study: Study, persistent: Study, flushed: int) -> None:
         self.study, self.persistent = study, persistent
         self.flushed = flushed
         """Trials of ``study`` already in ``persistent`` (its first ones)."""
@@ -211,7 +216,7 @@ FLUSH_EVERY_S = 1.0
 """In-memory (fast backend) studies are appended to storage at least this often."""
 
 
-def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: Backend, screened: list[Screened],
+def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backend: Backend, screened: list[Screened],
          n_trials: int, headroom: float, resume: bool, progress: Optional[Callable[[int, int], None]],
          enqueue: Optional[list[Strategy]], seed_predicted_front: bool, shared: bool = False,
          after_trial: Optional[Callable[[], None]] = None) -> StudyOutcome:
@@ -292,7 +297,7 @@ def _run(study: Any, persistent: Any, cfg: Config, space: SearchSpace, backend: 
     return outcome
 
 
-def _one_trial(study: Any, trial: Any, space: SearchSpace, cfg: Config, backend: Backend, headroom: float,
+def _one_trial(study: Study, trial: Trial, space: SearchSpace, cfg: Config, backend: Backend, headroom: float,
                by_key: dict, cache: dict, oom_at: dict, shared: bool,
                heartbeat: bool) -> Optional[tuple[Strategy, "_Outcome"]]:
     """Choose the asked trial's strategy, claim it (shared studies) and finish the trial; returns the
@@ -319,7 +324,7 @@ def _one_trial(study: Any, trial: Any, space: SearchSpace, cfg: Config, backend:
     return strategy, ended
 
 
-def _initialise(study: Any, persistent: Any, cfg: Config, space: SearchSpace, screened: list[Screened],
+def _initialise(study: Study, persistent: Study, cfg: Config, space: SearchSpace, screened: list[Screened],
                 n_trials: int, headroom: float, enqueue: Optional[list[Strategy]], seed_front: bool) -> None:
     """A new study: metric names and the attributes outputs read, then the seeds enqueued."""
     with warnings.catch_warnings():  # "experimental" since Optuna 3.2, still the API in 5.0
@@ -354,12 +359,12 @@ def _record_oom(oom_at: dict, strategy: Strategy, number: int) -> None:
         oom_at[no_mbs] = (strategy.micro_batch_size, number)
 
 
-def _note_oom(t: Any, strategy: Strategy, oom_at: dict) -> None:
+def _note_oom(t: FrozenTrial, strategy: Strategy, oom_at: dict) -> None:
     if fail_status(t) == "oom":
         _record_oom(oom_at, strategy, t.number)
 
 
-def _sync(study: Any, space: SearchSpace, cfg: Config, seen: set, cache: dict, oom_at: dict) -> None:
+def _sync(study: Study, space: SearchSpace, cfg: Config, seen: set, cache: dict, oom_at: dict) -> None:
     """Fold outcomes that other processes wrote into the local cache (first trial per key wins)."""
     for t in study.get_trials(deepcopy=False):
         if t.number in seen or not has_result(t):
@@ -372,7 +377,7 @@ def _sync(study: Any, space: SearchSpace, cfg: Config, seen: set, cache: dict, o
         _note_oom(t, strategy, oom_at)
 
 
-def _enqueue_recalibrated(study: Any, space: SearchSpace, cfg: Config, screened: list[Screened],
+def _enqueue_recalibrated(study: Study, space: SearchSpace, cfg: Config, screened: list[Screened],
                           params: dict, cache: dict) -> None:
     """Re-predict the feasible candidates with re-fitted simulator parameters and enqueue the
     predicted-front points that have not been evaluated yet (so the front improves as it runs)."""
@@ -398,13 +403,13 @@ class _Outcome:
     """Whether the backend was called (repeats and pruned candidates are not)."""
 
     @classmethod
-    def of(cls, trial: Any) -> "_Outcome":
+    def of(cls, trial: FrozenTrial) -> "_Outcome":
         return cls(trial.number, trial.state, trial.values,
                    {k: v for k, v in trial.user_attrs.items() if k in OUTCOME_KEYS},
                    trial.system_attrs.get("constraints:gpu_memory"))
 
 
-def _evaluate_trial(study: Any, trial: Any, strategy: Strategy, cfg: Config, backend: Backend, headroom: float,
+def _evaluate_trial(study: Study, trial: Trial, strategy: Strategy, cfg: Config, backend: Backend, headroom: float,
                     by_key: dict, cache: dict, oom_at: dict) -> _Outcome:
     """Finish one asked trial: reuse, prune, or evaluate it; returns how it ended."""
     from optuna.trial import TrialState

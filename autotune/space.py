@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from autotune import knobs
 from autotune.checks import check_section, choice, int_, mapping, read_yaml, show
@@ -21,6 +21,9 @@ from autotune.errors import ConfigError
 from autotune.knobs import literal_choices
 from autotune.spec import ModelSpec
 from autotune.strategy import KNOBS, Strategy, knob_applies
+
+if TYPE_CHECKING:
+    from optuna.trial import FixedTrial, FrozenTrial, Trial
 
 SPACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "search_spaces")
 """Shipped spaces (default, no-offload, single-gpu, ...): search_spaces/ at the repository root, which
@@ -91,7 +94,7 @@ class SearchSpace:
             if knob_applies(knob, strategy):
                 yield knob
 
-    def suggest(self, trial: Any, model: ModelSpec) -> Strategy:
+    def suggest(self, trial: "Trial | FixedTrial", model: ModelSpec) -> Strategy:
         """Ask an Optuna trial for one strategy (define-by-run; conditional knobs only when they apply)."""
         values: dict[str, Any] = {}
         for knob in self.searched_knobs(values):
@@ -154,7 +157,7 @@ def strategy_params(strategy: Strategy, space: SearchSpace, model: ModelSpec) ->
             if len(space.choices(knob, model)) > 1}
 
 
-def trial_strategy(trial: Any, space: SearchSpace, cfg: Config) -> Strategy:
+def trial_strategy(trial: "Trial | FrozenTrial", space: SearchSpace, cfg: Config) -> Strategy:
     """The strategy a finished trial evaluated (rebuilt from its params)."""
     import optuna
 

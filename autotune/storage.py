@@ -15,12 +15,17 @@ import contextlib
 import fcntl
 import json
 import os
-from typing import Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 from optuna.storages.journal import JournalFileBackend, JournalStorage
 
 from autotune._optuna_compat import (BaseJournalFileLock, heartbeat_enabled, journal_backend, journal_file_path,
                                      journal_lock, journal_offsets, study_storage)
+
+if TYPE_CHECKING:
+    from optuna import Study
+    from optuna.storages import BaseStorage
+    from optuna.trial import FrozenTrial
 
 
 class FlockLock(BaseJournalFileLock):
@@ -110,7 +115,7 @@ def _line(log: dict[str, Any]) -> bytes:
     return (json.dumps(log, separators=(",", ":")) + "\n").encode("utf-8")
 
 
-def add_trials(study: Any, trials: Iterable[Any]) -> None:
+def add_trials(study: Study, trials: Iterable[FrozenTrial]) -> None:
     """``study.add_trials(trials)``; on this module's journal file the trials' lines are written with
     one append instead of one per trial (Optuna's JournalStorage writes and re-reads the file for
     every trial it creates)."""
@@ -215,7 +220,7 @@ def _postgres_driver(url: str) -> str:
     return f"postgresql://{rest}"
 
 
-def has_heartbeat(storage: Any) -> bool:
+def has_heartbeat(storage: BaseStorage) -> bool:
     """Whether ``storage`` records trial heartbeats (make_storage with heartbeat=True, RDB only)."""
     return heartbeat_enabled(storage)
 
