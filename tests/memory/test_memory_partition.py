@@ -105,7 +105,7 @@ def test_cpu_zero3_reduce_scatter_copy_only_on_cpu():
 def _measure(tmp_path: Path, model: dict, seq: int, strategy: Strategy, nproc: int = 2) -> int:
     """The worst step of the worst rank, global batch 16 (gradient accumulation 8 at mbs 1, as the
     measured tables ran)."""
-    from autotune.backends.launch import free_port
+    from autotune.backends.launch import WORKER_MODULE, free_port
     from autotune.worker.main import result_path_for_rank
 
     job = {"model": model, "training": {"seq_len": seq, "global_batch_size": 16, "precision": "fp32"},
@@ -115,7 +115,7 @@ def _measure(tmp_path: Path, model: dict, seq: int, strategy: Strategy, nproc: i
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), "-m", "autotune.worker.main", str(tmp_path / "job.json")]
+           str(free_port()), "-m", WORKER_MODULE, str(tmp_path / "job.json")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     path = result_path_for_rank(tmp_path / "result.json", 0)
     assert path.exists(), proc.stderr[-3000:]

@@ -17,6 +17,7 @@ from autotune.memory import estimate_memory
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.spec import HardwareSpec, ModelSpec, OptimizerSpec, TrainingSpec
 from autotune.strategy import Strategy
+from autotune.backends.launch import WORKER_MODULE
 from autotune.engine_configs import to_deepspeed_config, to_fsdp2_config
 from conftest import BASE, ROOT
 
@@ -192,7 +193,7 @@ def _run_worker(tmp_path: Path, strategy: Strategy, optimizer: dict) -> dict:
     (tmp_path / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "autotune.worker.main", str(tmp_path / "job.json")], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", WORKER_MODULE, str(tmp_path / "job.json")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=180)
     assert (tmp_path / "result.json").exists(), proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())

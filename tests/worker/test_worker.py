@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autotune.memory import estimate_memory
-from autotune.backends.launch import free_port, kill_launch
+from autotune.backends.launch import WORKER_MODULE, free_port, kill_launch
 from autotune.presets import gpu_from_name
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -30,10 +30,10 @@ def _run(tmp_path: Path, job: dict, nproc: int = 1, timeout: float = 120) -> lis
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if nproc == 1:
-        cmd = [sys.executable, "-m", "autotune.worker.main", str(tmp_path / "job.json")]
+        cmd = [sys.executable, "-m", WORKER_MODULE, str(tmp_path / "job.json")]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), "-m", "autotune.worker.main", str(tmp_path / "job.json")]
+               str(free_port()), "-m", WORKER_MODULE, str(tmp_path / "job.json")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     from autotune.worker.main import result_path_for_rank
 
@@ -212,7 +212,7 @@ def test_fsdp2_hybrid_over_two_nodes_replicates_the_states(tmp_path):
     logs = [tmp_path / f"agent{n}.log" for n in (0, 1)]
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
                                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
-                               "-m", "autotune.worker.main", str(tmp_path / "job.json")],
+                               "-m", WORKER_MODULE, str(tmp_path / "job.json")],
                               cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
              for n, log in zip((0, 1), logs)]
     from autotune.worker.main import result_path_for_rank
