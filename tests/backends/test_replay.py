@@ -122,7 +122,6 @@ def test_make_backend_replay(table):
 
 def test_replays_a_real_trials_csv(tmp_path):
     """A simulate study's trials.csv, replayed, gives back every completed trial exactly."""
-    pytest.importorskip("autotune.memory", reason="memory model not in this checkout yet")
     from autotune.output import write_outputs
     from autotune.runfiles import STRATEGY_COLUMNS as OUT_COLUMNS
     from autotune.backends.base import SimulateBackend
