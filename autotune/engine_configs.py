@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
+from autotune.spec import HardwareSpec, ModelSpec, OptimizerSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size
 
 
@@ -78,6 +78,26 @@ def default_buckets(model: ModelSpec, strategy: Strategy) -> dict[str, int]:
     return out
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine's config carries beyond the strategy's knobs, one object read by
+    to_deepspeed_config, to_fsdp2_config and the memory model (autotune.memory.states), so what is
+    sized is what is configured."""
+
+    optimizer: OptimizerSpec
+    """The job's optimizer and its hyper-parameters (TrainingSpec.optimizer)."""
+    buffers: DeepSpeedBuffers
+    """DeepSpeed's model-independent buffer settings (DEEPSPEED_BUFFERS)."""
+    buckets: dict[str, int]
+    """DeepSpeed bucket sizes resolved for the model and strategy (default_buckets; empty for fsdp2)."""
+
+
+def engine_settings(model: ModelSpec, training: TrainingSpec, strategy: Strategy) -> EngineSettings:
+    """The settings an engine config of ``strategy`` carries for this model and job."""
+    buckets = default_buckets(model, strategy) if strategy.engine == "deepspeed" else {}
+    return EngineSettings(training.optimizer, DEEPSPEED_BUFFERS, buckets)
+
+
 def to_deepspeed_config(
     strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec
 ) -> dict[str, Any]:
@@ -85,8 +105,8 @@ def to_deepspeed_config(
     if strategy.engine != "deepspeed":
         raise ValueError(f"to_deepspeed_config needs engine deepspeed, but got engine {strategy.engine}")
     s = strategy
-    buf = DEEPSPEED_BUFFERS
-    opt = training.optimizer
+    settings = engine_settings(model, training, s)
+    buf, opt, buckets = settings.buffers, settings.optimizer, settings.buckets
     gas = gradient_accumulation_steps(s, training, hardware)
     cfg: dict[str, Any] = {
         "train_batch_size": s.micro_batch_size * gas * data_parallel_size(hardware),
@@ -105,7 +125,6 @@ def to_deepspeed_config(
     elif s.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
                        "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
-    buckets = default_buckets(model, s)
     zero: dict[str, Any] = {"stage": s.zero_stage}
     if s.zero_stage in (1, 2):
         zero.update(
@@ -157,6 +176,7 @@ def to_fsdp2_config(
     if strategy.engine != "fsdp2":
         raise ValueError(f"to_fsdp2_config needs engine fsdp2, but got engine {strategy.engine}")
     s = strategy
+    opt = engine_settings(model, training, s).optimizer
     n_ckpt = s.num_checkpointed(model.num_hidden_layers)
     hybrid = s.sharding == "hybrid"
     return {
@@ -172,9 +192,8 @@ def to_fsdp2_config(
         "micro_batch_size": s.micro_batch_size,
         "gradient_accumulation_steps": gradient_accumulation_steps(s, training, hardware),
         "loss_scaling": s.precision == "fp16",
-        "optimizer": {"type": training.optimizer.torch_class, "foreach": True,
-                      "params": training.optimizer.torch_kwargs()},
-        "gradient_clipping": training.optimizer.gradient_clipping,
+        "optimizer": {"type": opt.torch_class, "foreach": True, "params": opt.torch_kwargs()},
+        "gradient_clipping": opt.gradient_clipping,
     }
 
 

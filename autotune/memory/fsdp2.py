@@ -41,7 +41,7 @@ from autotune.memory.common import MemoryEstimate
 from autotune.memory.walk import Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
-from autotune.engine_configs import gradient_accumulation_steps, shard_group_size
+from autotune.engine_configs import engine_settings, gradient_accumulation_steps, shard_group_size
 
 
 class _Units(NamedTuple):
@@ -94,7 +94,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     m, s = model, strategy
     L = m.num_hidden_layers
     u = _units(m, s, hardware)
-    k_opt = training.optimizer.state_bytes_per_parameter
+    k_opt = engine_settings(m, training, s).optimizer.state_bytes_per_parameter
     shard = m.num_parameters / u.n
     params = u.on_gpu * 4 * shard
     optimizer = u.on_gpu * k_opt * shard

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from autotune.memory.common import _partition
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size
-from autotune.engine_configs import DEEPSPEED_BUFFERS, default_buckets, gradient_accumulation_steps
+from autotune.engine_configs import EngineSettings, engine_settings, gradient_accumulation_steps
 
 
 def _largest_param(m: ModelSpec) -> int:
@@ -136,16 +136,17 @@ class _States:
 def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy,
                   device: str = "cuda") -> _States:
     """Model states and DeepSpeed's buffers of one GPU for the strategy's ZeRO stage."""
-    k_opt = training.optimizer.state_bytes_per_parameter  # adam: two moments; sgd: momentum or none
+    es = engine_settings(m, training, s)
     if s.zero_stage == 0:
-        return _zero0_states(m, s, k_opt)
+        return _zero0_states(m, s, es)
     if s.zero_stage in (1, 2):
-        return _zero12_states(m, training, hardware, s, k_opt)
-    return _zero3_states(m, hardware, s, k_opt, device)
+        return _zero12_states(m, training, hardware, s, es)
+    return _zero3_states(m, hardware, s, es, device)
 
 
-def _zero0_states(m: ModelSpec, s: Strategy, k_opt: int) -> _States:
+def _zero0_states(m: ModelSpec, s: Strategy, es: EngineSettings) -> _States:
     """Plain data parallel: full params, grads, master weights and moments on every GPU."""
+    k_opt = es.optimizer.state_bytes_per_parameter  # adam: two moments; sgd: momentum or none
     psi = m.num_parameters
     p = BYTES_PER_ELEMENT[s.precision]
     out = _States()
@@ -153,7 +154,7 @@ def _zero0_states(m: ModelSpec, s: Strategy, k_opt: int) -> _States:
     out.grads = p * psi
     master = 4 * psi if p < 4 else 0
     out.optimizer = (k_opt * psi) + master
-    bucket = min(DEEPSPEED_BUFFERS.allreduce_bucket_size, psi)
+    bucket = min(es.buffers.allreduce_bucket_size, psi)
     out.buffers_bwd_end = p * bucket  # allreduce_bucket flattens the grads (even on one rank)
     out.buffers_step = 4 * psi if p < 4 else 0  # flattened fp32 grads
     out.grad_per_block = p * m.block_params()
@@ -161,8 +162,9 @@ def _zero0_states(m: ModelSpec, s: Strategy, k_opt: int) -> _States:
 
 
 def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy,
-                   k_opt: int) -> _States:
+                   es: EngineSettings) -> _States:
     """ZeRO-1/2 (DeepSpeedZeroOptimizer), with or without optimizer offload."""
+    k_opt = es.optimizer.state_bytes_per_parameter
     psi = m.num_parameters
     dp = data_parallel_size(hardware)
     p = BYTES_PER_ELEMENT[s.precision]
@@ -170,7 +172,7 @@ def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     part = _partition(psi, dp)
     off_opt = s.offload_optimizer != "none"
     out.params = p * psi
-    bucket = min(default_buckets(m, s)["reduce_bucket_size"], psi)
+    bucket = min(es.buckets["reduce_bucket_size"], psi)
     # grads_in_partition (allocated when the first bucket is reduced): the whole parameters that
     # overlap the rank's partition, the worst rank's (grad_partition_elements)
     out.grads = p * grad_partition_elements(m, dp)
@@ -207,15 +209,16 @@ def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     return out
 
 
-def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, k_opt: int, device: str) -> _States:
+def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, es: EngineSettings, device: str) -> _States:
     """ZeRO-3 (DeepSpeedZeroOptimizer_Stage3), with optimizer and parameter offload."""
+    k_opt = es.optimizer.state_bytes_per_parameter
     psi = m.num_parameters
     dp = data_parallel_size(hardware)
     p = BYTES_PER_ELEMENT[s.precision]
     out = _States()
     part = _partition(psi, dp)
     off_opt = s.offload_optimizer != "none"
-    buckets = default_buckets(m, s)
+    buckets = es.buckets
     host = 0.0
     thr = buckets["param_persistence_threshold"]
     persist = _persistent_params(m, thr)
@@ -230,7 +233,7 @@ def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, k_opt: int,
     # fetched to the GPU, one rank or many
     # (on DeepSpeed's CPU accelerator "fetching" a host partition to the device is no copy)
     fetch_copies = dp > 1 or (off_par and device != "cpu")
-    live = p * min(psi - persist, DEEPSPEED_BUFFERS.max_live_parameters + prefetch) if fetch_copies else 0.0
+    live = p * min(psi - persist, es.buffers.max_live_parameters + prefetch) if fetch_copies else 0.0
     out.params = (0 if off_par else p * part) + p * persist
     # the reduce bucket (ipg buffer) is allocated at init on the GPU (stage3.py
     # _setup_for_real_optimizer: "bucket.buffer = torch.empty(self.reduce_bucket_size, ...)")
@@ -260,7 +263,7 @@ def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, k_opt: int,
             # pinned gradient partitions and buffer_count (4) pinned fp32 swap buffers of one
             # sub group (autotune writes sub_group_size 1e9)
             out.nvme += (4 + k_opt + 4) * part
-            buf = DEEPSPEED_BUFFERS
+            buf = es.buffers
             host += p * part + buf.optimizer_nvme_buffer_count * 4 * min(buf.sub_group_size, part)
     else:
         # the 16-bit gradient partition is allocated once, at init, on the GPU (stage3.py
@@ -274,7 +277,7 @@ def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, k_opt: int,
         # partitions swap to NVMe through buffer_count (5) x buffer_size (1e8) pinned buffers
         # (autotune's offload_param config; AsyncPartitionedParameterSwapper)
         out.nvme += p * part
-        host += DEEPSPEED_BUFFERS.param_nvme_buffer_count * DEEPSPEED_BUFFERS.param_nvme_buffer_size * p
+        host += es.buffers.param_nvme_buffer_count * es.buffers.param_nvme_buffer_size * p
     out.cpu = host
     return out
 
