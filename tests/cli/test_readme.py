@@ -39,8 +39,17 @@ def test_every_docs_page_is_run_and_the_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= README_MAX_LINES
     for page in ["README.md"] + [f"docs/{name}" for name in DOCS]:  # relative links point at files
         text = (ROOT / page).read_text()
-        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
-            assert (ROOT / page).parent.joinpath(target).exists(), (page, target)
+        for target, anchor in re.findall(r"\]\(([^)#:]*)(?:#([^)]*))?\)", text):
+            path = (ROOT / page).parent.joinpath(target) if target else ROOT / page
+            assert path.exists(), (page, target)
+            if anchor and path.suffix == ".md":  # the heading exists, as GitHub slugs it
+                assert anchor in _slugs(path.read_text()), (page, target, anchor)
+
+
+def _slugs(markdown: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation but - and _ dropped, spaces -."""
+    heads = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", markdown, flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
 def readme_commands(text: str) -> list[str]:
