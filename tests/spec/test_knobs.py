@@ -16,9 +16,9 @@ from autotune.knob_docs import BEGIN, END
 from autotune.knobs import knob, knob_fields, knob_table, nesting, searched
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.runfiles import CSV_COLUMNS, csv_columns, strategy_from_record
-from autotune.space import SPACE_SCHEMA, load_space, space_schema
+from autotune.space import load_space, space_schema
 from autotune.spec import HardwareSpec, TrainingSpec
-from autotune.strategy import CHECKPOINTINGS, FLAG_KNOBS, KNOBS, OFFLOADS, Strategy, ZERO_STAGES, knob_applies, knob_choices
+from autotune.strategy import CHECKPOINTINGS, FLAG_KNOBS, KNOBS, Strategy, ZERO_STAGES, knob_applies, knob_choices
 from autotune.engine_configs import to_deepspeed_config
 from conftest import BASE, ROOT
 
@@ -78,18 +78,26 @@ def test_a_space_file_takes_every_searched_knob(write):
         space = load_space(write("\n".join(lines) + "\n", "space.yaml"))
         cands = [s for s in space.candidates(LLAMA) if knob_applies(name, s)]
         assert cands and all(getattr(s, name) == _other_value(name) for s in cands), name
-    assert set(SPACE_SCHEMA) == set(KNOBS) and "param_persistence_threshold" not in SPACE_SCHEMA
+    # a field that is not searched is not a space file's key: refused, naming it
+    with pytest.raises(ConfigError) as err:
+        load_space(write("param_persistence_threshold: [100]\n", "space.yaml"))
+    assert err.value.path == "param_persistence_threshold" and "unknown key" in str(err.value)
 
 
 def test_estimate_flags_are_the_flag_knobs_with_their_literal_choices():
+    """``autotune estimate`` parses each flag knob's other value from its text to the knob's typed
+    value, refuses a value outside its type or Literal, and prints the field's help under --help."""
     estimate = build_parser()._subparsers._group_actions[0].choices["estimate"]
-    flags = {a.dest: a for a in estimate._actions if a.dest in FIELDS}
-    assert list(flags) == list(FLAG_KNOBS)
-    assert tuple(flags["zero_stage"].choices) == ZERO_STAGES
-    assert tuple(flags["checkpointing"].choices) == CHECKPOINTINGS
-    assert tuple(flags["offload_params"].choices) == OFFLOADS
-    assert flags["micro_batch_size"].type is int and flags["micro_batch_size"].choices is None
-    assert all(flags[k].help == Strategy.__dataclass_fields__[k].metadata["help"] for k in FLAG_KNOBS)
+    for name in FLAG_KNOBS:
+        value, choices = _other_value(name), knob_choices(name)
+        flag = "--" + name.replace("_", "-")
+        args = estimate.parse_args(["job.yaml", flag, str(value).lower()])
+        assert getattr(args, name) == value and type(getattr(args, name)) is type(value), name
+        bad = "maybe" if isinstance(value, bool) else "5" if choices and isinstance(choices[0], int) else "two"
+        with pytest.raises(SystemExit):
+            estimate.parse_args(["job.yaml", flag, bad])
+    shown = " ".join(estimate.format_help().split())
+    assert all(" ".join(Strategy.__dataclass_fields__[k].metadata["help"].split()) in shown for k in FLAG_KNOBS)
 
 
 def test_a_knob_applies_exactly_where_the_deepspeed_config_carries_it():
