@@ -87,6 +87,32 @@ def completed(run_dir: Path) -> list[dict[str, str]]:
     return [r for r in csv.DictReader(open(run_dir / "trials.csv")) if r["state"] == "COMPLETE"]
 
 
+def check_fsdp2_profile_run(run: Path) -> None:
+    """An FSDP2 example profiled with --trials 2: measured memory from both ranks, fsdp2_configs/<k>.json
+    + .py per front point, a torchrun launch line, no DeepSpeed files."""
+    assert json.loads((run / "run.json").read_text())["backend"] == "profile"
+    front = json.loads((run / "front.json").read_text())
+    assert front["backend"] == "profile" and front["trials"]["complete"] == 2
+    rows = list(csv.DictReader(open(run / "trials.csv")))
+    assert [r["engine"] for r in rows] == ["fsdp2", "fsdp2"]
+    assert all(r["state"] == "COMPLETE" and float(r["peak_memory_gib"]) > 0 for r in rows)
+    for k, point in enumerate(front["front"]):
+        assert point["ds_config"] is None and point["fsdp2_config"] == f"fsdp2_configs/{k}.json"
+        layout = json.loads((run / point["fsdp2_config"]).read_text())
+        assert layout["engine"] == "fsdp2" and layout["mesh"]["shape"] == [2]
+        assert layout["fully_shard"]["reshard_after_forward"] == point["strategy"]["reshard_after_forward"]
+        compile((run / point["fsdp2_snippet"]).read_text(), point["fsdp2_snippet"], "exec")
+        assert point["launch"] == "torchrun --nproc_per_node 2 train.py"
+    assert not (run / "ds_configs").exists()  # no DeepSpeed point, no empty DeepSpeed folder
+    best = json.loads((run / "best.json").read_text())
+    assert best["fsdp2_config"] == "best_fsdp2_config.json" and (run / "best_fsdp2.py").is_file()
+    assert json.loads((run / "best_fsdp2_config.json").read_text()) == json.loads(
+        (run / front["front"][[p["trial"] for p in front["front"]].index(best["trial"])]["fsdp2_config"]).read_text())
+    measurement = json.loads((run / "trials" / "0" / "measurement.json").read_text())
+    assert measurement["extra"]["optimizer"] == "AdamW" and measurement["peak_memory_bytes"] > 0
+    assert len(measurement["extra"]["per_rank_peak_bytes"]) == 2
+
+
 @pytest.mark.slow
 def test_readme_commands_run_verbatim(tmp_path):
     commands = all_commands()
@@ -122,6 +148,10 @@ def test_readme_commands_run_verbatim(tmp_path):
             m = json.loads((run_dir / "trials" / row["number"] / "measurement.json").read_text())
             assert m["status"] == "ok" and m["peak_memory_bytes"] > 0 and m["tokens_per_s_per_gpu"] > 0
         assert (run_dir / "study.db").is_file()
+    # docs/profiling.md's `autotune run examples/tiny-cpu-fsdp2.yaml --backend profile --trials 2`
+    # (default name): real FSDP2 trials on 2 CPU ranks, the one end-to-end run of this path
+    (fsdp2_run,) = runs.glob("tiny-cpu-fsdp2-2*")
+    check_fsdp2_profile_run(fsdp2_run)
     # the profiled tiny example: the memory model's prediction within 2% of every measured peak (the
     # reference decoder it predicts is the model that ran; the custom model is the user's own)
     for row in completed(tiny):
