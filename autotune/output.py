@@ -12,6 +12,7 @@ can be rewritten at any time (``autotune show`` does) without re-running anythin
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
@@ -187,18 +188,29 @@ def gpu_memory_gib(cfg: Config, row: TrialRow, predicted: bool, mem: Optional[Me
     return row.peak_memory_gib + overhead_bytes(cfg.hardware, row.peak_memory_gib * GIB) / GIB
 
 
-def equivalent_dict(cfg: Config, row: TrialRow, predicted: bool) -> dict[str, Any]:
+Estimator = Callable[[Strategy], MemoryEstimate]
+"""The job's estimate_memory of one strategy."""
+
+
+def estimator(cfg: Config) -> Estimator:
+    """The job's estimate_memory, once per strategy: writing a run's files reads each trial's estimate
+    several times (front, points, trials.csv), and trials repeat strategies."""
+    return functools.lru_cache(maxsize=None)(lambda s: estimate_memory(cfg.model, cfg.training, cfg.hardware, s))
+
+
+def equivalent_dict(cfg: Config, row: TrialRow, predicted: bool, est: Estimator) -> dict[str, Any]:
     """A front point's near-identical twin (see collapse_front), as front.json lists it."""
     return {"trial": row.number, "strategy": row.strategy.as_dict(),
             "strategy_text": row.strategy.describe(cfg.model.num_hidden_layers),
-            "peak_memory_gib": row.peak_memory_gib, "gpu_memory_gib": gpu_memory_gib(cfg, row, predicted),
+            "peak_memory_gib": row.peak_memory_gib,
+            "gpu_memory_gib": gpu_memory_gib(cfg, row, predicted, est(row.strategy) if predicted else None),
             "tokens_per_s_per_gpu": row.tokens_per_s_per_gpu}
 
 
-def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str], equivalents: Sequence[TrialRow] = (),
-               predicted: bool = False) -> dict[str, Any]:
+def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str], equivalents: Sequence[TrialRow], predicted: bool,
+               est: Estimator) -> dict[str, Any]:
     s = row.strategy
-    mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, s)
+    mem = est(s)
     return {
         "trial": row.number,
         "strategy": s.as_dict(),
@@ -215,7 +227,7 @@ def point_dict(cfg: Config, row: TrialRow, ds_file: Optional[str], equivalents: 
         "ds_config": ds_file,
         "launch": None,  # write_trainer_files: the example script's line
         "checkpointing": checkpointing_call(cfg, s),
-        "equivalents": [equivalent_dict(cfg, r, predicted) for r in equivalents],
+        "equivalents": [equivalent_dict(cfg, r, predicted, est) for r in equivalents],
     }
 
 
@@ -231,7 +243,8 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
     is of the front, in words (front.json ``front_confidence``), when it says."""
     rows = collect_rows(study, space, cfg)
     predicted = not backend_class(backend).measures  # the objective values are the models' predictions
-    needed = {r.number: gpu_memory_gib(cfg, r, predicted) for r in rows
+    est = estimator(cfg)
+    needed = {r.number: gpu_memory_gib(cfg, r, predicted, est(r.strategy) if predicted else None) for r in rows
               if r.state == "COMPLETE" and r.peak_memory_gib is not None}
 
     def needed_gib(r: TrialRow) -> float:  # what the GPU must hold: the figure the front is drawn on
@@ -243,7 +256,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
     points = []
     for k, (row, equivalents) in enumerate(collapsed):
         if row.strategy.engine == "fsdp2":
-            point = point_dict(cfg, row, None, equivalents, predicted)
+            point = point_dict(cfg, row, None, equivalents, predicted, est)
             point.update(write_fsdp2_files(run_dir, cfg, row.strategy, f"fsdp2_configs/{k}.json",
                                            f"fsdp2_configs/{k}.py"))
             point.update(write_trainer_files(run_dir, cfg, row.strategy, k, f"fsdp2_configs/{k}.json"))
@@ -253,7 +266,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
         os.makedirs(os.path.join(run_dir, "ds_configs"), exist_ok=True)  # only when a DeepSpeed point needs it
         write_json(os.path.join(run_dir, rel), to_deepspeed_config(row.strategy, cfg.model, cfg.training,
                                                                      cfg.hardware))
-        point = point_dict(cfg, row, rel, equivalents, predicted)
+        point = point_dict(cfg, row, rel, equivalents, predicted, est)
         point.update(write_trainer_files(run_dir, cfg, row.strategy, k, rel))  # HF, accelerate, Lightning files
         points.append(point)
     best = pick_best([rep for rep, _ in collapsed], memory=needed_gib)
@@ -276,7 +289,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
     if front_obj["best"] is not None:
         front_obj["best"]["why"] = why_recommended(front_obj["best"], points, front_obj["usable_gpu_memory_gib"])
     write_json(os.path.join(run_dir, FRONT_FILE), front_obj)
-    write_trials_csv(os.path.join(run_dir, TRIALS_FILE), _trial_records(cfg, rows, on_front, predicted))
+    write_trials_csv(os.path.join(run_dir, TRIALS_FILE), _trial_records(cfg, rows, on_front, predicted, est))
     if best is not None and best.strategy.engine == "fsdp2":
         write_json(os.path.join(run_dir, "best.json"), {**front_obj["best"], **write_fsdp2_files(
             run_dir, cfg, best.strategy, "best_fsdp2_config.json", "best_fsdp2.py")})
@@ -328,10 +341,11 @@ def format_gib(gib: float) -> str:
     return f"{gib:.2f} GiB" if abs(gib) >= 0.25 else f"{gib * 1024:.1f} MiB"
 
 
-def _trial_records(cfg: Config, rows: list[TrialRow], on_front: set[int], predicted: bool) -> Iterator[TrialRecord]:
+def _trial_records(cfg: Config, rows: list[TrialRow], on_front: set[int], predicted: bool,
+                   est: Estimator) -> Iterator[TrialRecord]:
     """trials.csv records: each trial's strategy, predicted memory breakdown and outcome."""
     for r in rows:
-        mem = estimate_memory(cfg.model, cfg.training, cfg.hardware, r.strategy)
+        mem = est(r.strategy)
         yield TrialRecord(
             number=r.number, state=r.state, strategy=r.strategy,
             predicted_gib={k: mem.gpu[k] / GIB for k in (*GPU_COMPONENTS, "peak")},
