@@ -16,6 +16,7 @@ from autotune.hf_config import map_hf_config
 from autotune.hf_moe import MOE_FAMILIES
 from autotune.spec import ModelSpec
 from conftest import BASE, ROOT
+from test_hf_count import _meta_count  # the meta-device build, one definition
 
 MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
 FILES = sorted(glob.glob(os.path.join(MOE_DIR, "*.json")))
@@ -25,18 +26,6 @@ NAMES = [os.path.basename(f)[:-5] for f in FILES]
 PUBLISHED_B = {"mixtral-8x7b-v0.1": 46.7, "deepseek-v3": 671.0, "qwen3-30b-a3b": 30.5, "qwen1.5-moe-a2.7b": 14.3,
                "qwen2-57b-a14b": 57.4, "deepseek-v2-lite": 15.7, "olmoe-1b-7b-0924": 6.9, "phi-3.5-moe": 41.9,
                "gpt-oss-20b": 20.9}
-
-
-def _meta_count(raw: dict) -> int:
-    """The whole model built on the meta device, independently of autotune.hf_count."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version",
-                                                      "torch_dtype")}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw["model_type"], **cfg))
-    return sum({id(p): p.numel() for p in model.parameters()}.values())
 
 
 def test_every_family_has_a_published_file():
