@@ -61,7 +61,7 @@ def test_make_backend_profile_does_not_import_torch():
     code = ("import sys, autotune.cli, autotune.backends.factory as b; from autotune.config import load_config; "
             f"b.make_backend('profile', load_config({TINY!r}), '/tmp/x'); "
             "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'heavy import'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 
 
 def test_make_backend_unknown_and_replay_without_csv():

@@ -64,7 +64,7 @@ def test_every_option_has_help():
 
 def test_help_exits_zero():
     for args in (["--help"], ["estimate", "--help"], ["run", "--help"]):
-        proc = subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "usage: autotune" in proc.stdout
 
 
@@ -101,7 +101,8 @@ def test_tiny_model_estimate_in_mib(capsys):
 def test_version():
     from autotune import __version__
 
-    proc = subprocess.run([sys.executable, "-m", "autotune", "--version"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "autotune", "--version"], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == f"autotune {__version__}"
 
 
@@ -111,6 +112,6 @@ def test_trace_without_torch_is_one_line(tmp_path):
     blocker.write_text("raise ImportError('no torch in this install')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "autotune", "estimate", LLAMA, "--trace"], capture_output=True,
-                          text=True, env=env)
+                          text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "error: --trace: needs torch" in proc.stderr and "[profile]" in proc.stderr

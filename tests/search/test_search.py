@@ -190,7 +190,7 @@ def test_simulate_path_does_not_import_torch(tmp_path):
             f"rc = main(['run', {LLAMA!r}, '--out', {str(tmp_path)!r}, '--trials', '5', '--json']); "
             "assert rc == 0; bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; "
             "assert not bad, bad")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

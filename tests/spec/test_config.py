@@ -91,7 +91,7 @@ def test_hf_config_llama_and_gpt2(write, tmp_path):
 
 def test_python_m_and_console_script_agree(write):
     path = write(BASE.replace("gpu: a100-80gb", "gpu: a100-90gb"))
-    outs = [subprocess.run(cmd + ["estimate", path], capture_output=True, text=True)
+    outs = [subprocess.run(cmd + ["estimate", path], capture_output=True, text=True, timeout=120)
             for cmd in ([sys.executable, "-m", "autotune"], [sys.executable, "-c",
                         "import sys; from autotune.cli import main; sys.exit(main())"])]
     assert {o.returncode for o in outs} == {2}

@@ -149,5 +149,6 @@ def test_without_torch_presets_and_hf_files_still_load(tmp_path):
             "from autotune.errors import ConfigError\n"
             f"assert ModelSpec(**hf_config_fields({_moe('mixtral-8x7b-v0.1')!r})).num_parameters == 46_702_792_704\n"
             "assert model_from_name('llama2-7b').num_parameters == 6_738_415_616\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
