@@ -19,9 +19,6 @@ strategy/spec; README "Where things are" maps every file):
 Importing ``autotune`` never imports torch or deepspeed.
 """
 
-from importlib.metadata import PackageNotFoundError as _NotInstalled
-from importlib.metadata import version as _version
-
 from autotune.models.checkpointing import apply_checkpointing
 from autotune.errors import ConfigError
 from autotune.models.fsdp2 import apply
@@ -30,10 +27,19 @@ from autotune.spec import GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, TrainingSp
 from autotune.engine_configs import to_deepspeed_config
 from autotune.strategy import Strategy
 
-try:
-    __version__ = _version("autotune")
-except _NotInstalled:  # imported from a source tree that was never installed
-    __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> str:
+    """``__version__``, read from the installed metadata when first asked (importlib.metadata costs
+    tens of milliseconds of every command's start otherwise)."""
+    if name != "__version__":
+        raise AttributeError(f"module 'autotune' has no attribute {name!r}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autotune")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "0.1.0"
 
 __all__ = [
     "ConfigError",
