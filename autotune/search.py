@@ -113,6 +113,11 @@ class StudyOutcome:
 MAX_ASKS_PER_EVALUATION = 20
 """Bound on Optuna trials (pruned and repeats included) per evaluation budget unit."""
 
+STALL_ASKS = 20
+"""Consecutive asks repeating an evaluated candidate after which the best-predicted candidate that fits and was
+never evaluated is queued (a sampler that keeps proposing evaluated candidates of a small space would
+otherwise spend MAX_ASKS_PER_EVALUATION x n_trials asks, minutes in NSGA-II, before stopping)."""
+
 
 def run_study(
     cfg: Config,
@@ -243,7 +248,7 @@ def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backe
                     seed_predicted_front and not chooses_front)
     feasible = {k for k, s in by_key.items() if s.memory.fits}
     calibrator = getattr(backend, "calibrator", None)
-    evaluations = asks = 0
+    evaluations = asks = stalled = 0
     # ask/tell with a heartbeat storage: Optuna warns that heartbeats are meant for optimize(); here
     # the heartbeat thread is started around each evaluation (claim.heartbeat_around), as optimize does.
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
@@ -274,9 +279,14 @@ def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backe
             if done is None:
                 continue
             strategy, ended = done
+            repeat = strategy.key() in cache  # the sampler proposed an evaluated (or pruned) candidate again
             cache.setdefault(strategy.key(), ended)
             if after_trial is not None:
                 after_trial()
+            stalled = stalled + 1 if repeat else 0
+            if stalled >= STALL_ASKS and not chooses_front:
+                _enqueue_unevaluated(study, space, cfg, by_key, feasible - cache.keys())
+                stalled = 0
             if ended.measured:
                 evaluations += 1
                 if progress:
@@ -375,6 +385,13 @@ def _sync(study: Study, space: SearchSpace, cfg: Config, seen: set, cache: dict,
         strategy = trial_strategy(t, space, cfg)
         cache.setdefault(strategy.key(), _Outcome.of(t))
         _note_oom(t, strategy, oom_at)
+
+
+def _enqueue_unevaluated(study: Study, space: SearchSpace, cfg: Config, by_key: dict, left: set) -> None:
+    """Queue the never-evaluated candidate that fits with the highest predicted throughput."""
+    if left:
+        best = max(left, key=lambda k: (by_key[k].tokens_per_s_per_gpu, str(k)))
+        study.enqueue_trial(strategy_params(by_key[best].strategy, space, cfg.model))
 
 
 def _enqueue_recalibrated(study: Study, space: SearchSpace, cfg: Config, screened: list[Screened],
