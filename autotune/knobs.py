@@ -11,6 +11,7 @@ copy of Strategy with one more field yields artefacts with one more knob.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass
@@ -131,32 +132,37 @@ def space_default(field: dataclasses.Field) -> tuple[Any, ...]:
 
 def feature_spans(cls: type, strategies: "list[Any]") -> dict[str, tuple[float, float]]:
     """knob -> (low, high) over ``strategies`` of every ``log2`` knob (``features``' spans)."""
-    names = [f.name for f in knob_fields(cls) if (f.metadata["feature"] or ("",))[0] == "log2"]
+    names = [name for name, kind, *_ in _feature_plan(cls) if kind == "log2"]
     return {k: (min(v), max(v)) for k in names for v in [[getattr(s, k) for s in strategies] or [1]]}
+
+
+@functools.lru_cache(maxsize=None)
+def _feature_plan(cls: type) -> tuple[tuple[str, str, float, Any, tuple[Any, ...]], ...]:
+    """(name, kind, weight, default, Literal choices) of each searched knob with a ``feature``, field
+    order: read once per class (features runs for every candidate the sampler scores)."""
+    choices = literal_choices(cls)
+    return tuple((f.name, *f.metadata["feature"], f.default, choices[f.name] or ()) for f in knob_fields(cls)
+                 if f.metadata["search_order"] is not None and f.metadata["feature"] is not None)
 
 
 def features(cls: type, strategy: Any, num_blocks: int, spans: Mapping[str, tuple[float, float]]) -> list[float]:
     """A strategy's numeric features for the residual model, read off the searched knobs' ``feature``
     (field order); ``spans``: knob -> (low, high) of the ``log2`` knobs over the candidates."""
-    choices = literal_choices(cls)
     out: list[float] = []
-    for f in knob_fields(cls):
-        if f.metadata["search_order"] is None or f.metadata["feature"] is None:
-            continue
-        kind, w = f.metadata["feature"]
-        v = getattr(strategy, f.name)
+    for name, kind, w, default, levels in _feature_plan(cls):
+        v = getattr(strategy, name)
         if kind == "levels":
-            out += [w * (v == level) for level in choices[f.name]]
+            out += [w * (v == level) for level in levels]
         elif kind == "switch":
-            out.append(w * (v != f.default))
+            out.append(w * (v != default))
         elif kind == "set":
             out.append(w * (v is not None))
         elif kind == "log2":
-            lo, hi = spans[f.name]
+            lo, hi = spans[name]
             out.append(w * (math.log2(v) - math.log2(lo)) / max(1e-9, math.log2(hi) - math.log2(lo)))
         else:  # blocks
             frac = strategy.num_checkpointed(num_blocks) / max(1, num_blocks)
-            out += [w * frac * (v == level) for level in choices[f.name] if level != f.default]
+            out += [w * frac * (v == level) for level in levels if level != default]
     return out
 
 
