@@ -60,6 +60,12 @@ def fail_status(t: FrozenTrial) -> str:
     return attrs.fail_status or (attrs.measurement or {}).get("status") or ""
 
 
+def _unkeyed(t: FrozenTrial) -> bool:
+    """A running trial that has not recorded its strategy key yet (nor is a repeat)."""
+    attrs = TrialAttrs.of(t)
+    return attrs.strategy_key is None and attrs.duplicate_of is None
+
+
 def claim(study: Study, trial: Trial, strategy: Strategy, space: SearchSpace, cfg: Config,
           heartbeat: bool) -> Optional[FrozenTrial]:
     """Decide whether this trial evaluates its strategy or repeats an earlier trial's.
@@ -79,8 +85,7 @@ def claim(study: Study, trial: Trial, strategy: Strategy, space: SearchSpace, cf
     delay = 0.02
     while True:
         trials = study.get_trials(deepcopy=False)
-        pending = [t for t in trials if t.number < me and t.state == TrialState.RUNNING
-                   and TrialAttrs.of(t).strategy_key is None and TrialAttrs.of(t).duplicate_of is None]
+        pending = [t for t in trials if t.number < me and t.state == TrialState.RUNNING and _unkeyed(t)]
         if pending and (heartbeat or time.monotonic() < deadline):
             if heartbeat:
                 fail_stale(study)

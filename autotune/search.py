@@ -421,9 +421,9 @@ class _Outcome:
 
     @classmethod
     def of(cls, trial: FrozenTrial) -> "_Outcome":
-        return cls(trial.number, trial.state, trial.values,
-                   {k: v for k, v in trial.user_attrs.items() if k in OUTCOME_KEYS},
-                   trial.system_attrs.get("constraints:gpu_memory"))
+        attrs = TrialAttrs.of(trial)
+        ended = {k: getattr(attrs, k) for k in OUTCOME_KEYS if getattr(attrs, k) is not None}
+        return cls(trial.number, trial.state, trial.values, ended, trial.system_attrs.get("constraints:gpu_memory"))
 
 
 def _evaluate_trial(study: Study, trial: Trial, strategy: Strategy, cfg: Config, backend: Backend, headroom: float,

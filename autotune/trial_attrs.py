@@ -36,8 +36,7 @@ class TrialAttrs:
 
     @classmethod
     def of(cls, trial: "Union[FrozenTrial, Trial]") -> "TrialAttrs":
-        attrs = trial.user_attrs
-        return cls(**{k: attrs[k] for k in _TRIAL_KEYS if k in attrs})
+        return _read(cls, trial.user_attrs)
 
 
 @dataclass(frozen=True)
@@ -59,12 +58,15 @@ class StudyAttrs:
 
     @classmethod
     def of(cls, study: "Study") -> "StudyAttrs":
-        attrs = study.user_attrs
-        return cls(**{k: attrs[k] for k in _STUDY_KEYS if k in attrs})
+        return _read(cls, study.user_attrs)
 
 
-_TRIAL_KEYS = tuple(f.name for f in dataclasses.fields(TrialAttrs))
-_STUDY_KEYS = tuple(f.name for f in dataclasses.fields(StudyAttrs))
+_KEYS = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in (TrialAttrs, StudyAttrs)}
+"""Each record's keys: its fields."""
+
+
+def _read(cls: type, attrs: dict[str, Any]) -> Any:
+    return cls(**{k: v for k, v in attrs.items() if k in _KEYS[cls]})
 
 OUTCOME_KEYS = ("prune_reason", "fail_status", "fail_reason")
 """The TrialAttrs that say how a trial ended (copied to the trials that repeat its strategy)."""
@@ -73,8 +75,7 @@ OUTCOME_KEYS = ("prune_reason", "fail_status", "fail_reason")
 def encode(cls: type, **values: Any) -> dict[str, Any]:
     """``values`` as user attributes of ``cls`` (TrialAttrs or StudyAttrs); a name that is not one of
     its fields is a programming error."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
+    unknown = sorted(set(values) - _KEYS[cls])
     if unknown:
         raise KeyError(f"not {cls.__name__} fields: {', '.join(unknown)}")
     return values
