@@ -23,12 +23,13 @@ search: {{space: {space}, trials: {trials}, headroom: 0.05, seed: 1}}
 """
 
 
-def make_run(tmp, name, gpus=8, space="default", trials=80, status=0):
+def make_run(tmp, name, gpus=8, space="default", trials=80, status=0, report=True):
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(JOB.format(gpus=gpus, space=space, trials=trials))
     assert autotune.cli.main(["run", str(cfg), "--out", str(tmp / "runs"), "--name", name, "--json"]) == status
     run_dir = str(tmp / "runs" / name)
-    write_report(run_dir)
+    if report:
+        write_report(run_dir)
     return run_dir
 
 

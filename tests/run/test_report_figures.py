@@ -7,25 +7,17 @@ import re
 
 import pytest
 
-import autotune.cli
 from autotune import report, report_plotly
 from autotune.report import BREAKDOWN_DIV, PARETO_DIV, load_run
 
-go = pytest.importorskip("plotly.graph_objects")
+import test_report
 
-JOB = """
-model: {{preset: llama2-7b}}
-training: {{seq_len: 4096, global_batch_size: 64}}
-hardware: {{gpu: a100-80gb, gpus_per_node: {gpus}, cpu_memory_gib: 1024}}
-search: {{space: {space}, trials: {trials}, headroom: 0.05, seed: 1}}
-"""
+go = pytest.importorskip("plotly.graph_objects")
 
 
 def make_run(tmp, name, gpus=8, space="default", trials=40, status=0):
-    cfg = tmp / f"{name}.yaml"
-    cfg.write_text(JOB.format(gpus=gpus, space=space, trials=trials))
-    assert autotune.cli.main(["run", str(cfg), "--out", str(tmp / "runs"), "--name", name, "--json"]) == status
-    return str(tmp / "runs" / name)
+    """test_report's run (its job text and CLI call), without writing the report."""
+    return test_report.make_run(tmp, name, gpus, space, trials, status, report=False)
 
 
 @pytest.fixture(scope="module")
