@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.spec import HardwareSpec, ModelSpec, OptimizerSpec, TrainingSpec
-from autotune.strategy import Strategy, data_parallel_size
+from autotune.strategy import Strategy, batch_ranks, data_parallel_size
 
 
 def shard_group_size(strategy: Strategy, hardware: HardwareSpec) -> int:
@@ -19,8 +19,9 @@ def shard_group_size(strategy: Strategy, hardware: HardwareSpec) -> int:
 
 
 def gradient_accumulation_steps(strategy: Strategy, training: TrainingSpec, hardware: HardwareSpec) -> int:
-    """global batch / (micro batch x data-parallel size); callers check divisibility with validate()."""
-    return max(1, training.global_batch_size // (strategy.micro_batch_size * data_parallel_size(hardware)))
+    """global batch / (micro batch x data-parallel size, the GPUs over the sequence split); callers
+    check divisibility with validate()."""
+    return max(1, training.global_batch_size // (strategy.micro_batch_size * batch_ranks(hardware, strategy)))
 
 
 
@@ -109,7 +110,7 @@ def to_deepspeed_config(
     buf, opt, buckets = settings.buffers, settings.optimizer, settings.buckets
     gas = gradient_accumulation_steps(s, training, hardware)
     cfg: dict[str, Any] = {
-        "train_batch_size": s.micro_batch_size * gas * data_parallel_size(hardware),
+        "train_batch_size": s.micro_batch_size * gas * batch_ranks(hardware, s),
         "train_micro_batch_size_per_gpu": s.micro_batch_size,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": opt.gradient_clipping,

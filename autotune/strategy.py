@@ -24,11 +24,25 @@ Offload = Literal["none", "cpu", "nvme"]
 Checkpointing = Literal["none", "selective", "attention", "mlp", "op", "full"]
 Sharding = Literal["full", "hybrid"]
 ReduceDtype = Literal["fp32", "bf16"]
+ActivationOffload = Literal["none", "cpu"]
 
 
 def data_parallel_size(hardware: HardwareSpec) -> int:
-    """Every GPU is a data-parallel rank (autotune does not search tensor/pipeline parallelism)."""
+    """The ranks the model states shard over: every GPU (autotune does not search tensor/pipeline
+    parallelism; ZeRO shards over the sequence-parallel ranks too, deepspeed/utils/groups.py
+    ``_get_sequence_data_parallel_group``, and torchtitan's FSDP2 over its ``dp_shard_cp`` mesh)."""
     return hardware.num_gpus
+
+
+def sequence_shards(strategy: "Strategy") -> int:
+    """The GPUs one sequence is split over: the Ulysses or context-parallel degree (1: none)."""
+    return strategy.sequence_parallel_size * strategy.context_parallel_size
+
+
+def batch_ranks(hardware: HardwareSpec, strategy: "Strategy") -> int:
+    """The ranks that each take their own micro-batches: every GPU over the sequence split (the
+    batch arithmetic: global batch = micro-batch x accumulation steps x this)."""
+    return max(1, hardware.num_gpus // sequence_shards(strategy))
 
 ENGINES: tuple[Engine, ...] = get_args(Engine)
 ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
@@ -46,6 +60,7 @@ FSDP_NO_EQUIVALENT = "none: FSDP has no optimizer-state-only sharding (ZeRO-1)"
 """What ``fsdp_equivalent`` says where FSDP_SHARDING has no equivalent."""
 
 _CKPT_ON = When("checkpointing != none", ("checkpointing",), lambda get: get("checkpointing") != "none")
+_CKPT_FULL = When("checkpointing full", ("checkpointing",), lambda get: get("checkpointing") == "full")
 _NO_EVERY = When("checkpoint_every unset", ("checkpoint_every",), lambda get: get("checkpoint_every") is None)
 _ZERO = {"1-3": When("zero_stage >= 1", ("zero_stage",), lambda get: get("zero_stage") >= 1),
          "1-2": When("zero_stage 1 or 2", ("zero_stage",), lambda get: get("zero_stage") in (1, 2)),
@@ -109,13 +124,35 @@ class Strategy:
     param_persistence_threshold: Optional[int] = knob(None, search_order=None, flag=False, engine="deepspeed",
                                                       applies=_ZERO["3"], int_range=(0, None), buffer=True, help="""
         Parameters smaller than this stay unpartitioned (auto: autotune's choice).""")
+    sequence_parallel_size: int = knob(1, search_order=15, feature=("log2", 1.0), flag=True, engine="deepspeed",
+                                       int_range=(1, 1 << 16), added=True, help="""DeepSpeed Ulysses sequence
+        parallelism (ALST, arXiv 2506.13996; deepspeed/runtime/sequence_parallel/ulysses_sp.py): each group of
+        this many GPUs splits every sequence into equal shards and exchanges the attention heads by
+        all-to-all around attention; data parallel = GPUs / this. ZeRO still shards over every GPU.""")
+    context_parallel_size: int = knob(1, search_order=16, feature=("log2", 1.0), flag=True, engine="fsdp2",
+                                      int_range=(1, 1 << 16), added=True, help="""torch context parallelism
+        (torch/distributed/tensor/experimental/_attention.py, ring attention; torchtitan's cp degree): each group
+        of this many GPUs splits every sequence into 2 x this load-balanced chunks and passes key/value
+        chunks around a ring inside attention; data parallel = GPUs / this; FSDP2 shards over every GPU.""")
+    tiled_loss: Literal[False, True] = knob(False, search_order=17, feature=("switch", 0.5), flag=True, added=True,
+                                            help="""Compute the head's logits and the loss in sequence tiles
+        (DeepSpeed TiledFusedLogitsLoss), each tile's forward and backward at once: the full logits never
+        exist.""")
+    tiled_mlp: Literal[False, True] = knob(False, search_order=18, feature=("switch", 0.5), flag=True, added=True,
+                                           help="""Run each block's MLP over sequence tiles of hidden_size
+        tokens (DeepSpeed TiledMLP): only the MLP input is saved, each tile recomputed in backward.""")
+    activation_offload: ActivationOffload = knob("none", search_order=19, feature=("switch", 0.5), flag=True, added=True,
+                                       applies=_CKPT_FULL, help="""Where the checkpointed blocks' saved inputs
+        live between forward and backward (cpu: host memory, copied back before each block's
+        recomputation; ALST's activation checkpoint offload).""")
 
     def __post_init__(self) -> None:
         # knobs that do not apply to the engine take one fixed value, so a strategy has one
         # identity (``key``) whatever the caller passed for them
         if self.engine == "fsdp2":
             fixed: dict[str, Any] = {"zero_stage": 3, "offload_optimizer": self.offload_params,
-                                     **{k: None for k in _DEEPSPEED_BUFFERS}}
+                                     **{k: None for k in _DEEPSPEED_BUFFERS},
+                                     **{k: _DEFAULTS[k] for k in _DEEPSPEED_LAYOUT}}
         else:
             fixed = {k: _DEFAULTS[k] for k in _FSDP2_ONLY}
         for name, value in fixed.items():
@@ -167,6 +204,10 @@ class Strategy:
                 parts.append(f"optimizer->{self.offload_optimizer}")
             if self.offload_params != "none":
                 parts.append(f"params->{self.offload_params}")
+        if self.sequence_parallel_size > 1:
+            parts.append(f"Ulysses SP {self.sequence_parallel_size}")
+        if self.context_parallel_size > 1:
+            parts.append(f"CP {self.context_parallel_size}")
         parts.append(f"mbs {self.micro_batch_size}")
         if self.checkpointing == "none":
             parts.append("no ckpt")
@@ -175,6 +216,9 @@ class Strategy:
             of = f" {n}/{num_layers}" if num_layers else (f" {n}" if n is not None else "")
             every = f" every {self.checkpoint_every}" if self.checkpoint_every is not None else ""
             parts.append(f"{self.checkpointing} ckpt{every}{of}")
+        if self.activation_offload != "none" and self.checkpointing != "none":
+            parts.append(f"activations->{self.activation_offload}")
+        parts += [name for name, on in (("tiled loss", self.tiled_loss), ("tiled MLP", self.tiled_mlp)) if on]
         parts.append(self.precision)
         if self.engine == "fsdp2" and self.reduce_dtype != "fp32":
             parts.append(f"reduce {self.reduce_dtype}")
@@ -194,6 +238,10 @@ _FSDP2_ONLY = tuple(k for k, f in _FIELDS.items() if f.metadata["engine"] == "fs
 """Knobs of the fsdp2 engine (fixed at their defaults for deepspeed)."""
 _DEEPSPEED_BUFFERS = tuple(k for k, f in _FIELDS.items() if f.metadata["buffer"])
 """DeepSpeed's buffer sizes (None for fsdp2)."""
+_DEEPSPEED_LAYOUT = tuple(k for k, f in _FIELDS.items() if f.metadata["engine"] == "deepspeed"
+                          and not f.metadata["buffer"] and k not in ("zero_stage", "offload_optimizer"))
+"""DeepSpeed's other knobs (fixed at their defaults for fsdp2; zero_stage and offload_optimizer
+take fsdp2's own values)."""
 
 KNOBS: tuple[str, ...] = knobs.searched(Strategy)
 """The knobs a search space varies, in the order they are suggested to Optuna; also the strategy
@@ -240,12 +288,15 @@ def validation_errors(
         errors.append(("zero_stage", f"zero_stage must be one of 0-3, but got {s.zero_stage}"))
     if s.micro_batch_size < 1:
         errors.append(("micro_batch_size", f"micro_batch_size must be >= 1, but got {s.micro_batch_size}"))
-    else:
-        per_step = s.micro_batch_size * data_parallel_size(hardware)
+    split = _sequence_split_errors(s, model, training, hardware)
+    errors += split
+    if s.micro_batch_size >= 1 and not split:
+        dp = batch_ranks(hardware, s)
+        per_step = s.micro_batch_size * dp
         if training.global_batch_size % per_step:
             errors.append(("micro_batch_size",
                 f"micro_batch_size x data-parallel size must divide global_batch_size, but got "
-                f"{s.micro_batch_size} x {data_parallel_size(hardware)} = {per_step} for {training.global_batch_size}"
+                f"{s.micro_batch_size} x {dp} = {per_step} for {training.global_batch_size}"
             ))
     if s.offload_params != "none" and s.zero_stage != 3:
         errors.append(("offload_params",
@@ -271,8 +322,56 @@ def validation_errors(
         if s.sharding == "hybrid" and hardware.num_nodes < 2:
             errors.append(("sharding", f"sharding=hybrid (shard within a node, replicate across nodes) needs more than "
                            f"one node, but got num_nodes {hardware.num_nodes}"))
+    if s.activation_offload != "none" and s.checkpointing != "full":
+        errors.append(("activation_offload", f"activation_offload={s.activation_offload} moves the inputs of "
+                       f"fully checkpointed blocks, so it needs checkpointing full, but got {s.checkpointing}"))
     if s.precision == "bf16" and hardware.gpu.peak_tflops_bf16 <= 0:
         errors.append(("precision", f"precision bf16 is not supported by {hardware.gpu.name}"))
+    return errors
+
+
+def _sequence_split_errors(s: Strategy, model: ModelSpec, training: TrainingSpec,
+                           hardware: HardwareSpec) -> list[tuple[str, str]]:
+    """The rules of splitting a sequence over GPUs: Ulysses (DeepSpeed's UlyssesSPAttentionHF
+    checks: heads divisible by the degree, kv heads divisible by it or it by them; the data-loader
+    adapter's equal shards) and torch's context parallel (2 x degree load-balanced chunks,
+    torch/distributed/tensor/experimental/_attention.py ``_HeadTailLoadBalancer``; sdpa only)."""
+    errors: list[tuple[str, str]] = []
+    n = hardware.num_gpus
+    for key, d in (("sequence_parallel_size", s.sequence_parallel_size), ("context_parallel_size",
+                                                                         s.context_parallel_size)):
+        if d < 1:
+            errors.append((key, f"{key} must be >= 1, but got {d}"))
+        elif d > 1 and n % d:
+            errors.append((key, f"{key} must divide the number of GPUs, but got {d} for {n} GPUs"))
+    if errors:
+        return errors
+    sp, cp = s.sequence_parallel_size, s.context_parallel_size
+    a, kv = model.num_attention_heads, model.num_key_value_heads
+    if sp > 1:
+        if a % sp:
+            errors.append(("sequence_parallel_size", f"sequence_parallel_size must divide num_attention_heads, "
+                           f"but got {sp} for {a} heads"))
+        elif kv % sp and sp % kv:
+            errors.append(("sequence_parallel_size", f"sequence_parallel_size and num_key_value_heads must divide "
+                           f"one another, but got {sp} and {kv}"))
+        elif training.seq_len % sp:
+            errors.append(("sequence_parallel_size", f"sequence_parallel_size must divide seq_len, but got {sp} "
+                           f"for seq_len {training.seq_len}"))
+        elif model.attn_implementation == "eager":
+            errors.append(("sequence_parallel_size", "sequence_parallel_size > 1 needs attn_implementation sdpa "
+                           "(UlyssesSPAttentionHF refuses eager, which builds a 4-D mask), but got eager"))
+    if sp * cp > 1 and model.sliding_window is not None:
+        key = "sequence_parallel_size" if sp > 1 else "context_parallel_size"
+        errors.append((key, f"{key} > 1 with sliding-window attention (sliding_window {model.sliding_window}) is "
+                       "not sized: each shard's window mask is not modelled"))
+    if cp > 1:
+        if training.seq_len % (2 * cp):
+            errors.append(("context_parallel_size", f"context_parallel_size: 2 x it must divide seq_len (load-"
+                           f"balanced chunks), but got 2 x {cp} for seq_len {training.seq_len}"))
+        elif model.attn_implementation != "sdpa":
+            errors.append(("context_parallel_size", f"context_parallel_size > 1 needs attn_implementation sdpa "
+                           f"(ring attention replaces sdpa's kernels), but got {model.attn_implementation}"))
     return errors
 
 

@@ -11,8 +11,11 @@ from autotune.samplers.front import features
 from autotune.strategy import KNOBS, Strategy
 
 
+SPANS = {**knobs.feature_spans(Strategy, [Strategy()]), "micro_batch_size": (1, 8)}
+
+
 def _dist(a, b):
-    return math.dist(features(a, 32, {"micro_batch_size": (1, 8)}), features(b, 32, {"micro_batch_size": (1, 8)}))
+    return math.dist(features(a, 32, SPANS), features(b, 32, SPANS))
 
 
 def test_every_searched_knob_but_the_block_counts_has_a_feature():
@@ -45,7 +48,7 @@ def test_a_knob_added_to_a_copy_of_strategy_gets_its_features():
     s = extended(tensor_parallel=2, chunks=4)
     spans = knobs.feature_spans(extended, [s, extended(chunks=16)])
     assert spans["chunks"] == (4, 16)
-    base = knobs.features(Strategy, Strategy(), 32, {"micro_batch_size": (1, 1)})
-    got = knobs.features(extended, s, 32, {**spans, "micro_batch_size": (1, 1)})
+    base = knobs.features(Strategy, Strategy(), 32, {**SPANS, "micro_batch_size": (1, 1)})
+    got = knobs.features(extended, s, 32, {**SPANS, **spans, "micro_batch_size": (1, 1)})
     assert len(got) == len(base) + 3 + 1
     assert got[-4:] == [0.0, ONE_HOT, 0.0, 0.0]

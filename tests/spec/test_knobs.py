@@ -31,7 +31,8 @@ def _other_value(name):
     choices = knob_choices(name)
     if choices is not None:
         return next(c for c in choices if c != Strategy.__dataclass_fields__[name].default)
-    return {"micro_batch_size": 2, "checkpoint_every": 4, "checkpoint_layers": 8}.get(name, 12345)
+    return {"micro_batch_size": 2, "checkpoint_every": 4, "checkpoint_layers": 8, "sequence_parallel_size": 2,
+            "context_parallel_size": 2}.get(name, 12345)
 
 
 def _context(name):
@@ -40,7 +41,8 @@ def _context(name):
     if knob_applies(name, {"engine": "fsdp2"}) and not knob_applies(name, {}):
         return {"engine": "fsdp2"}
     context = {} if name in ("engine", "zero_stage") else {"zero_stage": 2 if name == "allgather_bucket_size" else 3}
-    return {**context, **({"checkpointing": "full"} if name.startswith("checkpoint_") else {})}
+    ckpt = name.startswith("checkpoint_") or name == "activation_offload"
+    return {**context, **({"checkpointing": "full"} if ckpt else {})}
 
 
 def test_every_knob_round_trips_through_a_trials_csv_cell():
@@ -121,8 +123,8 @@ def test_a_field_added_to_a_copy_of_strategy_reaches_every_artefact(write):
     one) gets them in the job-file checkers, the space schema, the CLI flags, the trials.csv
     columns, the candidates' nesting and the docs table."""
     extended = dataclasses.make_dataclass("Extended", [
-        ("tensor_parallel", Literal[1, 2, 4], knob(1, search_order=15, flag=True, help="Tensor-parallel degree.")),
-        ("chunks", int, knob(1, search_order=16, flag=True, int_range=(1, 64), engine="fsdp2",
+        ("tensor_parallel", Literal[1, 2, 4], knob(1, search_order=25, flag=True, help="Tensor-parallel degree.")),
+        ("chunks", int, knob(1, search_order=26, flag=True, int_range=(1, 64), engine="fsdp2",
                              help="Loss chunks.")),
     ], bases=(Strategy,), frozen=True)
     new = ("tensor_parallel", "chunks")
