@@ -10,7 +10,8 @@ which ``estimate_memory(...).fits`` holds is found by bisection, in steps the st
 of sequence_parallel_size, of 2 x context_parallel_size), with the headroom ``autotune run`` keeps by default
 (``search.headroom``) and the row's training loop. Printed: published max, predicted max, their ratio
 (predicted / published; the issue's target: 0.8-1.35), what stops the model one step further, worst ratio
-first. Figures: docs/long-context.md.
+first; then, at the published length, what the model says the GPU and the host need, next to the memory
+the source reports. Figures: docs/long-context.md.
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def predict(row: dict) -> dict:
     job = Job.of(row)
     published = int(row["published_max_seq"])
     job.check(published)
+    memory_seq = int(row["published_memory_seq"] or published)  # where the source read its memory
+    at_published = job.estimate(memory_seq)
     seq = job.longest()
     beyond = job.estimate(seq + step_of(job.strategy))
     gpu = beyond.gpu
@@ -141,7 +144,10 @@ def predict(row: dict) -> dict:
     return {"run": row["run"], "published": published, "predicted": seq, "ratio": seq / published,
             "in_test": row["in_test"] == "true", "limit": "+".join(limits),
             "largest": f"{largest} {gpu[largest] / GIB:.1f}", "need_gib": beyond.total_gpu_bytes / GIB,
-            "host_gib": beyond.cpu_bytes_per_node / GIB, "phase": beyond.peak_phase}
+            "host_gib": beyond.cpu_bytes_per_node / GIB, "phase": beyond.peak_phase,
+            "published_need_gib": at_published.total_gpu_bytes / GIB,
+            "published_host_gib": at_published.cpu_bytes_per_node / GIB, "published_memory": row["published_memory"],
+            "memory_seq": memory_seq}
 
 
 def _log_distance(ratio: float) -> float:
@@ -164,6 +170,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{x['run']:<34}{x['published']:>11,}{x['predicted']:>11,}{x['ratio']:>7.2f}  "
               f"{'yes' if x['in_test'] else 'no':<5}{x['limit']:<13}{x['need_gib']:>9.1f}{x['host_gib']:>10.1f}  "
               f"{x['largest']}, {x['phase']}")
+    print("\nat the published length (published_memory_seq where the memory was read at another one): what the "
+          "model says the GPU needs (peak + overhead) and host RAM per node, next to the memory the source reports")
+    print(f"{'run':<34}{'seq':>11}{'need GiB':>9}{'host GiB':>10}  published memory")
+    for x in results:
+        print(f"{x['run']:<34}{x['memory_seq']:>11,}{x['published_need_gib']:>9.1f}{x['published_host_gib']:>10.1f}  "
+              f"{x['published_memory'] or '-'}")
     skipped = [r["run"] for r in chosen if not predictable(r)]
     if skipped:
         print(f"not predicted (no model autotune can build; note column): {', '.join(skipped)}")
