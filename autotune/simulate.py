@@ -18,6 +18,8 @@ The model (one optimizer step = ``gas`` micro-batches + optimizer step + fixed o
   non-overlappable first/last bucket; only the exposed part is charged.
 * offload: PCIe traffic for gradients/parameters, CPU-Adam and NVMe time (ZeRO-Offload/Infinity).
 * optimizer step on GPU: HBM-bound pass over the local shard; fixed per-step and per-layer overheads.
+* long context (autotune.simulate_long): each GPU computes seq_len / (sp x cp) tokens of every sequence;
+  Ulysses all-to-alls, the context-parallel k/v exchange, tiled MLP / loss and activation offload.
 
 The efficiency parameters (``EFFICIENCY_KEYS``) are fitted per GPU by autotune.calibration.fit on
 measured runs and stored in the GPU presets; uncalibrated GPUs use ``default_efficiency``.
@@ -30,8 +32,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from autotune.spec import BYTES_PER_ELEMENT, GPUSpec, HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import Strategy
+from autotune.strategy import Strategy, sequence_shards
 from autotune.engine_configs import default_buckets, gradient_accumulation_steps
+from autotune.simulate_comm import _exposed, _link_bandwidth, _ring_time
+from autotune.simulate_long import long_context_terms, uses_long_context
 
 EFFICIENCY_KEYS = (
     "gemm_eff",          # fraction of dense peak a large GEMM reaches
@@ -114,24 +118,8 @@ class SimResult:
         }
 
 
-def _ring_time(volume_bytes: float, n: int, bw: float, lat: float) -> float:
-    """Ring all-gather / reduce-scatter of a buffer of volume_bytes over n ranks.
-
-    Source: Thakur et al. 2005 / NCCL docs (performance.md): time = (n-1)/n * V / busBW + (n-1)*alpha.
-    """
-    if n <= 1 or volume_bytes <= 0:
-        return 0.0
-    return (n - 1) / n * volume_bytes / bw + (n - 1) * lat
 
 
-def _exposed(comm: float, window: float, overlap: float) -> float:
-    """Communication left on the critical path when it runs concurrently with `window` of compute.
-
-    What exceeds the window is exposed; of the part that fits, (1-overlap) still costs (SM and HBM
-    contention, imperfect prefetch) - the usual overlap model of e.g. Calculon (Isaev et al. 2023, sec. 3).
-    """
-    hidden = min(comm, window)
-    return (comm - hidden) + (1.0 - overlap) * hidden
 
 
 class _MicroBatch(NamedTuple):
@@ -155,6 +143,10 @@ class _MicroBatch(NamedTuple):
     """Forward of one block's attention module: projections, core, rope/dropout."""
     mlp_module: float
     """Forward of one block's MLP module: its GEMMs and activation."""
+    mlp_gemm: float
+    """Forward GEMMs of one block's MLP (what tiled MLP runs at its tile's M)."""
+    head_gemm: float
+    """Forward GEMM of the LM head (what tiled loss runs at its tile's M)."""
 
 
 class _Rates(NamedTuple):
@@ -201,15 +193,17 @@ class Simulator:
         return self._buckets[key]
 
     def micro_batch(self, strategy: Strategy) -> tuple[_Rates, _MicroBatch]:
-        """The rates at the strategy's precision and one micro-batch's compute time."""
-        key = (strategy.precision, strategy.micro_batch_size)
+        """The rates at the strategy's precision and one micro-batch's compute time (on this GPU's
+        share of every sequence: seq_len / sequence_shards tokens of each)."""
+        shards = sequence_shards(strategy)
+        key = (strategy.precision, strategy.micro_batch_size, shards)
         if key not in self._compute:
             gpu, p, prec = self.hardware.gpu, self.p, strategy.precision
             peak = gpu.peak_flops(prec)
             if peak <= 0:  # e.g. bf16 on V100: validate() rejects it; simulate the fp16 path instead
                 peak = gpu.peak_flops("fp16")
             rates = _Rates(peak, gpu.hbm_bandwidth_gbps * 1e9 * p["hbm_eff"], BYTES_PER_ELEMENT[prec])
-            T = float(strategy.micro_batch_size * self.training.seq_len)
+            T = float(strategy.micro_batch_size * self.training.seq_len) / shards
             self._compute[key] = rates, _micro_batch_compute(self.model, self.training.seq_len, T, rates, p)
         return self._compute[key]
 
@@ -220,12 +214,22 @@ class Simulator:
         peak = rates.peak
         L = model.num_hidden_layers
         b = strategy.micro_batch_size
-        T = float(b * training.seq_len)  # tokens per micro-batch per GPU (the GEMM M dimension)
+        # tokens per micro-batch per GPU (the GEMM M dimension): with Ulysses / context parallel each
+        # GPU holds seq_len / (sp x cp) tokens of each sequence (ALST arXiv 2506.13996 sec. 3.2)
+        T = float(b * training.seq_len) / sequence_shards(strategy)
         gas = gradient_accumulation_steps(strategy, training, hardware)
         compute_mb = mb.fwd + mb.bwd + mb.loss
         recompute_mb = _recompute(strategy, L, mb)
         fwd_window = mb.fwd
         bwd_window = mb.bwd + recompute_mb
+        long = None
+        if uses_long_context(strategy):  # the issue-24 knobs; default values never get here
+            long = long_context_terms(model, hardware, strategy, rates, p, mb, training.seq_len, T, fwd_window,
+                                      bwd_window)
+            compute_mb += long.compute
+            recompute_mb += long.recompute
+            fwd_window += long.fwd_shift
+            bwd_window += long.recompute + long.compute - long.fwd_shift
         if strategy.engine == "fsdp2":
             comm_exposed = _fsdp2_communication(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window,
                                                 self.N)
@@ -237,6 +241,9 @@ class Simulator:
                                                   self.N, buckets)
             optimizer, offload = _optimizer_and_offload(model, hardware, strategy, rates, p, gas, fwd_window,
                                                         bwd_window, self.N)
+        if long is not None:
+            comm_exposed += gas * long.communication
+            offload += gas * long.offload
         return _result(self.flops_per_token, p, L, gas, T, peak, compute_mb, recompute_mb, comm_exposed, optimizer,
                        offload, self.calibrated)
 
@@ -307,7 +314,7 @@ def _micro_batch_compute(model: ModelSpec, S: int, T: float, rates: _Rates, p: d
     attn_module = T * blk_attn / rate + attn_fwd_block + T * 3 * d * act_bytes / hbm
     mlp_module = T * blk_mlp / rate + T * ((3 if model.gated_mlp else 2) * f + 3 * d) * act_bytes / hbm
     return _MicroBatch(fwd, bwd, loss_time, fwd_block, attn_fwd_block, gemm_fwd_block, elem_fwd_block, attn_module,
-                       mlp_module)
+                       mlp_module, T * blk_mlp / rate, gemm_fwd_head)
 
 
 def _recompute(strategy: Strategy, L: int, mb: _MicroBatch) -> float:
@@ -412,14 +419,6 @@ def _optimizer_and_offload(model: ModelSpec, hardware: HardwareSpec, strategy: S
     return optimizer, offload
 
 
-def _link_bandwidth(hardware: HardwareSpec, p: dict, crosses_nodes: bool) -> float:
-    """Bytes/s of one GPU's ring: NVLink inside a node; across nodes NCCL runs one ring channel per
-    NIC (rail-aligned), so the ring gets the node's aggregate NIC bandwidth per GPU, capped by
-    NVLink (nccl-tests doc/PERFORMANCE.md, busBW)."""
-    gpu = hardware.gpu
-    link = min(gpu.intra_node_bandwidth_gbps, gpu.inter_node_bandwidth_gbps * hardware.gpus_per_node) \
-        if crosses_nodes else gpu.intra_node_bandwidth_gbps
-    return link * 1e9 * p["comm_eff"]
 
 
 def _fsdp2_communication(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, rates: _Rates, p: dict,
