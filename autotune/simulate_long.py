@@ -36,6 +36,11 @@ LOGITS_TILE_BYTES = float(1 << 30)
 RING_GRAD_BYTES = 4
 """Bytes per element of the dk/dv passed around the ring (_ContextParallelOptions.convert_to_f32)."""
 
+OFFLOAD_ON_SIDE_STREAM = False
+"""Whether activation offload's copies run beside the compute. They do not: autotune.models.long_context
+``_pack`` / ``_unpack`` copy with non_blocking on the current (compute) stream, which orders them between
+the kernels, and ArcticTraining's ``arg.detach().cpu()`` is synchronous; True would model a side stream."""
+
 
 class LongTerms(NamedTuple):
     """Seconds per micro-batch on one GPU that the long-context knobs add."""
@@ -120,13 +125,16 @@ def ring_exposed_per_layer(kv_bytes: float, dkv_bytes: float, cp: int, attn_fwd:
 
 
 def offload_exposed(bytes_per_block: float, blocks: int, pcie: float, fwd_window: float, bwd_window: float,
-                    ov: float) -> float:
-    """Exposed seconds of activation offload: each checkpointed block's input copied to host during the
-    forward and back during the backward (ALST arXiv 2506.13996 sec. 3.3), overlapped with that window
-    as far as the PCIe bandwidth allows; the first block copied back cannot be prefetched."""
+                    ov: float, side_stream: bool = OFFLOAD_ON_SIDE_STREAM) -> float:
+    """Exposed seconds of activation offload: each checkpointed block's input copied to host in the
+    forward and back before its recomputation (ALST arXiv 2506.13996 sec. 3.3), bytes / PCIe each way.
+    On the compute stream all of it is exposed; on a side stream it would hide under that pass's window
+    as far as the PCIe bandwidth allows, but for the first block copied back (nothing to prefetch under)."""
     if blocks <= 0:
         return 0.0
     one = bytes_per_block / pcie
+    if not side_stream:
+        return 2.0 * blocks * one
     return _exposed(blocks * one, fwd_window, ov) + one + _exposed((blocks - 1) * one, bwd_window, ov)
 
 

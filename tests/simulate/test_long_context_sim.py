@@ -10,8 +10,9 @@ import pytest
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.simulate import Simulator, _exposed_communication, efficiency_params, simulate
 from autotune.simulate_comm import _link_bandwidth
-from autotune.simulate_long import (LongTerms, long_context_terms, ring_bytes, tiled_loss_tile_tokens,
-                                    tiled_mlp_tile_tokens, ulysses_bytes_per_layer, uses_long_context)
+from autotune.simulate_long import (LongTerms, long_context_terms, offload_exposed, ring_bytes,
+                                    tiled_loss_tile_tokens, tiled_mlp_tile_tokens, ulysses_bytes_per_layer,
+                                    uses_long_context)
 from autotune.spec import HardwareSpec, TrainingSpec
 from autotune.strategy import Strategy, validate
 
@@ -138,7 +139,8 @@ def test_tiled_mlp_adds_one_mlp_forward_per_block():
     d, plain = simulate(LLAMA3, _tr(), H100, Z3.replace(tiled_mlp=True)), simulate(LLAMA3, _tr(), H100, Z3)
     assert d.breakdown["compute"] > plain.breakdown["compute"]
     mlp = Simulator(LLAMA3, _tr(), H100).micro_batch(Z3)[1].mlp_module
-    assert 32 * mlp < d.step_time_s - plain.step_time_s < 1.1 * 32 * mlp
+    # + the tiles' slowdown (M 4096 instead of 32768: ~3%) on the MLP GEMMs' forward, backward and repeat
+    assert 32 * mlp < d.step_time_s - plain.step_time_s < 1.15 * 32 * mlp
 
 
 def test_tiled_loss_costs_only_its_tiles_gemm_efficiency():
@@ -158,19 +160,20 @@ def test_tiled_loss_costs_only_its_tiles_gemm_efficiency():
 def test_activation_offload_pcie_traffic():
     s = Z3.replace(activation_offload="cpu")
     _, _, mb, t = _terms(s)
-    one = 32768 * 4096 * 2 / (50e9)  # one block input, bf16, over the H100's PCIe figure
-    # copies hide in the windows (fast PCIe) up to the first block's copy back and (1 - overlap) of the rest
-    assert one < t.offload < 2 * 32 * one
-    slow = HardwareSpec(gpu=gpu_from_name("h100-80gb", pcie_bandwidth_gbps=0.5), gpus_per_node=8)
-    _, _, _, ts = _terms(s, hardware=slow)
-    full = 2 * 32 * 32768 * 4096 * 2 / 0.5e9
-    windows = mb.fwd + mb.bwd + 32 * mb.fwd_block  # forward, and backward with its recomputation
+    one = 32768 * 4096 * 2 / 50e9  # one block input, bf16, over the H100's PCIe figure
+    # the copies run on the compute stream: every byte each way is on the critical path
+    assert t.offload == pytest.approx(2 * 32 * one, rel=1e-12)
+    r = simulate(LLAMA3, _tr(), H100, s)
+    assert r.breakdown["offload"] == pytest.approx(t.offload, rel=1e-12)  # gas 1
+    assert r.step_time_s == pytest.approx(simulate(LLAMA3, _tr(), H100, Z3).step_time_s + t.offload, rel=1e-12)
+    # on a side stream they would hide under the forward / backward as far as PCIe allows
+    fwd, bwd = mb.fwd, mb.bwd + 32 * mb.fwd_block
     overlap = efficiency_params(H100.gpu)[0]["overlap"]
-    # PCIe-bound: all of it exposed but what the windows hide (overlap x window)
-    assert ts.offload == pytest.approx(full - overlap * windows, rel=1e-9)
-    r = simulate(LLAMA3, _tr(), slow, s)
-    assert r.breakdown["offload"] == pytest.approx(ts.offload, rel=1e-12)  # gas 1
-    assert r.step_time_s > simulate(LLAMA3, _tr(), slow, Z3).step_time_s
+    fast = offload_exposed(32768 * 4096 * 2, 32, 50e9, fwd, bwd, overlap, side_stream=True)
+    assert one < fast < t.offload
+    slow = offload_exposed(32768 * 4096 * 2, 32, 0.5e9, fwd, bwd, overlap, side_stream=True)
+    full = 2 * 32 * 32768 * 4096 * 2 / 0.5e9
+    assert slow == pytest.approx(full - overlap * (fwd + bwd), rel=1e-9)  # PCIe-bound: what the windows hide
 
 
 def test_scalar_and_simulator_agree_with_every_knob():
