@@ -118,10 +118,6 @@ class SimResult:
         }
 
 
-
-
-
-
 class _MicroBatch(NamedTuple):
     """Compute time of one micro-batch on one GPU, seconds."""
 
@@ -417,8 +413,6 @@ def _optimizer_and_offload(model: ModelSpec, hardware: HardwareSpec, strategy: S
             fetch += 2.0 * (N / n) * gpn * pbytes / (hardware.nvme.bandwidth_gbps * 1e9)
         offload += gas * _exposed(fetch, fwd_window + bwd_window, ov)
     return optimizer, offload
-
-
 
 
 def _fsdp2_communication(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, rates: _Rates, p: dict,
