@@ -433,7 +433,8 @@ def apply_long_context(model: Any, strategy: Any, seq_length: Optional[int] = No
         mpu = register_ulysses(model, sp, mbs, seq_length)
     if getattr(strategy, "tiled_mlp", False):
         tile_mlp(model, shards=mlp_shards)
-    if sp > 1 or getattr(strategy, "tiled_loss", False):
+    cp = int(getattr(strategy, "context_parallel_size", 1) or 1)
+    if sp > 1 or cp > 1 or getattr(strategy, "tiled_loss", False):  # CP: its shards need pre-shifted labels
         use_long_context_loss(model, mpu, tiled=bool(getattr(strategy, "tiled_loss", False)), shards=loss_shards,
                               zero_stage=getattr(strategy, "zero_stage", 0) if strategy.engine == "deepspeed" else 0)
     if getattr(strategy, "activation_offload", "none") != "none":

@@ -140,11 +140,14 @@ class DeepSpeedEngine:
 
         from autotune.models.sources import set_checkpointing
 
-        ds_config, *_ = ds_config_for_job(ctx.job, ctx.world)
+        ds_config, _, training, _ = ds_config_for_job(ctx.job, ctx.world)
         model = built.module
         n_ckpt = strategy.num_checkpointed(model_spec.num_hidden_layers)
         set_checkpointing(built, strategy.checkpointing if n_ckpt else "none",
                           strategy.checkpoint_selection(model_spec.num_hidden_layers), model_spec.num_hidden_layers)
+        self.mpu = apply_long_context(ctx, built, strategy, training.seq_len)
+        if strategy.sequence_parallel_size > 1:  # DeepSpeed's Ulysses groups (runtime/config.py reads it)
+            ds_config.setdefault("sequence_parallel_size", strategy.sequence_parallel_size)
         impl = ctx.job.setting("optimizer_impl")
         if impl == "auto":
             impl = "deepspeed" if ctx.use_cuda else "torch"
@@ -157,12 +160,18 @@ class DeepSpeedEngine:
             ds_config["zero_allow_untested_optimizer"] = True
             ds_config["zero_force_ds_cpu_optimizer"] = False
         ds_config.pop("activation_checkpointing", None)  # applied by the model (non-reentrant torch checkpoint)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=self.mpu,
                                                model_parameters=None if optimizer is not None else model.parameters())
         self.optimizer_name = type(self.engine.optimizer).__name__
         self.optimizer_settings = optimizer_settings(self.engine.basic_optimizer, self.engine.gradient_clipping())
         self.gas = self.engine.gradient_accumulation_steps()
         self.mbs = self.engine.train_micro_batch_size_per_gpu()
+
+    def prepare_batch(self, batch: dict) -> dict:
+        """Ulysses: this rank's sequence shard of its SP group's sample (long_context.shard_batch)."""
+        from autotune.models.long_context import shard_batch
+
+        return shard_batch(batch, self.mpu)
 
     def forward(self, batch: dict) -> Any:
         return self.engine(**batch)
@@ -208,6 +217,12 @@ class Fsdp2Engine:
 
         config = fsdp2_config_for_job(ctx.job, ctx.world)
         self.model = built.module
+        self.cp_mesh = None
+        if strategy.context_parallel_size > 1:
+            self.cp_mesh = context_parallel_mesh(ctx, strategy.context_parallel_size)
+        from autotune.spec import TrainingSpec
+
+        apply_long_context(ctx, built, strategy, TrainingSpec(**ctx.job.training).seq_len)
         ctx.result["notes"].extend(fsdp2.apply(self.model, config))
         self.optimizer = fsdp2.make_optimizer(self.model, config)
         self.scaler = None
@@ -221,12 +236,47 @@ class Fsdp2Engine:
         self.gas = int(config["gradient_accumulation_steps"])
         self.mbs = int(config["micro_batch_size"])
 
+    def prepare_batch(self, batch: dict) -> dict:
+        """Context parallel: the same sample on every rank of a cp group, labels pre-shifted (the
+        shards lose their neighbours), position ids explicit; torch shards them in forward."""
+        if self.cp_mesh is None:
+            return batch
+        import torch
+        import torch.distributed as dist
+
+        out = dict(batch)
+        ids = out["input_ids"]
+        labels = out.pop("labels", ids)
+        out["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        out.setdefault("position_ids", torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous())
+        group = self.cp_mesh.get_group()
+        for key in ("input_ids", "shift_labels", "position_ids"):
+            dist.broadcast(out[key], src=dist.get_global_rank(group, 0), group=group)
+        return out
+
     def forward(self, batch: dict) -> Any:
+        if self.cp_mesh is None:
+            return self.model(**batch)
+        # torch's ring attention (context_parallel) around forward and backward, as torchtitan's
+        # train_context: it shards the [batch, seq] buffers in place (head-tail load balancing)
+        import contextlib
+
+        from torch.distributed.tensor.experimental import context_parallel
+
+        bufs = [batch[k] for k in ("input_ids", "shift_labels", "position_ids")]
+        self._cp = contextlib.ExitStack()
+        self._cp.enter_context(context_parallel(self.cp_mesh, buffers=bufs, buffer_seq_dims=[1, 1, 1],
+                                                no_restore_buffers=set(bufs)))
         return self.model(**batch)
 
     def backward(self, loss: Any, last_micro: bool) -> None:
         scaled = loss / self.gas
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        try:
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        finally:
+            if getattr(self, "_cp", None) is not None:
+                self._cp.close()
+                self._cp = None
 
     def step(self, last_micro: bool) -> None:
         import torch
@@ -252,6 +302,72 @@ class Fsdp2Engine:
             if all(grp is not o for o in out):
                 out.append(grp)
         return out
+
+
+LONG_CONTEXT_KNOBS = ("sequence_parallel_size", "context_parallel_size", "tiled_loss", "tiled_mlp", "activation_offload")
+
+
+def long_context_on(strategy: Any) -> list[str]:
+    """The strategy's long-context knobs that are not at their defaults."""
+    defaults = {"sequence_parallel_size": 1, "context_parallel_size": 1, "tiled_loss": False, "tiled_mlp": False,
+                "activation_offload": "none"}
+    return [k for k in LONG_CONTEXT_KNOBS if getattr(strategy, k, defaults[k]) != defaults[k]]
+
+
+def apply_long_context(ctx: Context, built: Any, strategy: Any, seq_len: int) -> Any:
+    """The strategy's long-context knobs on the model (autotune.models.long_context.apply_long_context,
+    after checkpointing, before the engine wraps it), with a note each; the Ulysses mpu or None.
+    Only a Hugging Face model (hf_config) has the structure they patch: any other source is refused
+    in one line."""
+    on = long_context_on(strategy)
+    if not on:
+        return None
+    from autotune.models import long_context as lc
+    from autotune.models.sources import UserModelError
+
+    if built.source != "hf":
+        raise UserModelError(f"{', '.join(on)}: the worker applies the long-context knobs to Hugging Face models "
+                             f"(hf_config), but the model is {built.source}")
+    model = built.module
+    mpu = lc.apply_long_context(model, strategy, seq_length=seq_len)
+    notes = ctx.result["notes"]
+    sp = strategy.sequence_parallel_size
+    if sp > 1:
+        notes.append(f"Ulysses sequence parallel {sp} (UlyssesSPAttentionHF over "
+                     f"{model.config._attn_implementation}): {seq_len // sp} tokens of each sequence per rank")
+    if strategy.context_parallel_size > 1:
+        notes.append(f"context parallel {strategy.context_parallel_size} (torch context_parallel, ring attention)")
+    tokens = seq_len // max(1, sp * strategy.context_parallel_size)
+    if strategy.tiled_loss:
+        notes.append(f"tiled loss: {lc.loss_tiles(strategy.micro_batch_size * tokens, model.config.vocab_size)} "
+                     f"tile(s) of TiledFusedLogitsLoss")
+    if strategy.tiled_mlp:
+        notes.append(f"tiled MLP: {len(lc.decoder_mlps(model))} MLPs through TiledMLP, "
+                     f"{-(-tokens // model.config.hidden_size)} tile(s) each")
+    if strategy.activation_offload != "none":
+        notes.append("activation offload: the checkpointed blocks' inputs in host memory"
+                     + ("" if ctx.use_cuda else " (numpy buffers outside torch's allocator: not in the CPU peak, "
+                                                "counted in host_offload_peak_bytes)"))
+    return mpu
+
+
+def context_parallel_mesh(ctx: Context, cp: int) -> Any:
+    """The cp dimension of torchtitan's ``(dp_shard, cp)`` mesh (FSDP2 still shards over every rank,
+    the flattened ``dp_shard_cp``). CUDA only: on the CPU torch's ring attention has no kernel."""
+    if not ctx.use_cuda:
+        raise RuntimeError(CP_ON_CPU)
+    if ctx.world % cp:
+        raise ValueError(f"context_parallel_size must divide the ranks, but got {cp} for {ctx.world}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (ctx.world // cp, cp), mesh_dim_names=("dp_shard", "cp"))
+    return mesh["cp"]
+
+
+CP_ON_CPU = ("context_parallel_size > 1 needs CUDA: torch's context_parallel (ring attention) has no CPU "
+             "kernel (torch 2.13: NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu."
+             "default does not have a sharding strategy registered)")
+"""The one-line refusal of context parallel on a CPU worker (the error torch raises, measured)."""
 
 
 def torch_optimizer_of(section: dict) -> tuple[str, dict]:

@@ -20,7 +20,10 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
       "model":    {ModelSpec fields},           # autotune.spec.ModelSpec(**model)
       "training": {TrainingSpec fields},        # seq_len, global_batch_size, precision, optimizer
                                                 #   (OptimizerSpec fields: type, lr, betas, eps, ...)
-      "strategy": {Strategy fields},            # autotune.strategy.Strategy(**strategy)
+      "strategy": {Strategy fields},            # autotune.strategy.Strategy(**strategy); the long-context
+                                                #   knobs (Ulysses, context parallel, tiled loss / MLP,
+                                                #   activation offload) applied to an HF model by
+                                                #   autotune.models.long_context (engines.apply_long_context)
       "deepspeed_config": {...},                # deepspeed only; default: engine_configs.to_deepspeed_config(...)
                                                 #   with data-parallel size = WORLD_SIZE (fsdp2: the
                                                 #   layout is always engine_configs.to_fsdp2_config(...) over
@@ -85,7 +88,8 @@ Result JSON (one per rank)::
       "step_start_bytes": int,              # allocated at the start of the last measured step
       "init_peak_bytes": int | null,        # peak during model build + deepspeed.initialize
       "step_times_s": [float, ...],         # measured optimizer steps, wall clock
-      "tokens_per_s": float,                # all ranks: mbs * seq * GAS * world / median step time
+      "tokens_per_s": float,                # all ranks: mbs * seq * GAS * world / (sp * cp) / median step time
+      "host_offload_peak_bytes": int,       # activation_offload: most host bytes its checkpointed inputs held
       "losses": [float, ...],               # every step (warm-up included)
       "num_parameters": int,
       "optimizer": "BF16_Optimizer" | ...,  # DeepSpeed's final optimizer wrapper class (fsdp2: "AdamW")
@@ -282,7 +286,8 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     result["gradient_accumulation_steps"] = engine.gas
     if probe is not None:
         probe.gas = engine.gas
-    batches = [built.batch_fn(engine.mbs, training.seq_len, device) for _ in range(2)]
+    # the batches of this rank (Ulysses / context parallel: its group's sample, sharded by the engine)
+    batches = [engine.prepare_batch(built.batch_fn(engine.mbs, training.seq_len, device)) for _ in range(2)]
     if job.setting("gc_collect"):
         # collect once, then freeze the survivors (torch, DeepSpeed, transformers modules...) so
         # the per-phase collections below only scan what the steps create (seconds -> ms)
@@ -298,7 +303,12 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     times = sorted(result["step_times_s"])
     if times:
         median = times[len(times) // 2]
-        result["tokens_per_s"] = engine.mbs * training.seq_len * engine.gas * world / median
+        shards = strategy.sequence_parallel_size * strategy.context_parallel_size  # ranks sharing a sequence
+        result["tokens_per_s"] = engine.mbs * training.seq_len * engine.gas * world / shards / median
+    if strategy.activation_offload != "none":
+        from autotune.models.long_context import host_offload_bytes
+
+        result["host_offload_peak_bytes"] = host_offload_bytes()["peak"]
     result["status"] = "ok"
     result["reason"] = None
 

@@ -110,7 +110,9 @@ class WorkerResult:
     step_times_s: Optional[list[float]] = None
     """Measured optimizer steps, wall clock."""
     tokens_per_s: Optional[float] = None
-    """All ranks: mbs x seq x GAS x world / median step time."""
+    """All ranks: mbs x seq x GAS x world / (sp x cp) / median step time."""
+    host_offload_peak_bytes: Optional[int] = None
+    """activation_offload: the most host bytes the offloaded checkpoint inputs held."""
     losses: Optional[list[float]] = None
     num_parameters: Optional[int] = None
     optimizer: Optional[str] = None
