@@ -154,6 +154,12 @@ def to_deepspeed_config(
                         buffer_size=buf.param_nvme_buffer_size, max_in_cpu=buf.param_max_in_cpu)
         zero["offload_param"] = offp
     cfg["zero_optimization"] = zero
+    if s.sequence_parallel_size > 1:
+        # Ulysses: DeepSpeedConfig counts the data-parallel ranks as world / this without an mpu
+        # (runtime/config.py DeepSpeedConfig.__init__); the engine reduces gradients in this dtype
+        # under sequence parallelism (runtime/engine.py communication_data_type; DeepSpeed's default fp32)
+        cfg["sequence_parallel_size"] = s.sequence_parallel_size
+        cfg["seq_parallel_communication_data_type"] = s.precision
     if "nvme" in (s.offload_optimizer, s.offload_params):
         cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
                       "single_submit": False, "overlap_events": True}
@@ -173,14 +179,17 @@ def to_fsdp2_config(
     """The FSDP2 layout of an fsdp2 strategy as a JSON object (what ``autotune.models.fsdp2.apply`` and
     the profiling worker build from, and what a front point ships): ``fully_shard`` on each
     decoder layer, then the root (torchtitan parallelize.py ``apply_fsdp``), over a 1-D mesh or,
-    hybrid, a 2-D (replicate, shard) mesh."""
+    hybrid, a 2-D (replicate, shard) mesh. ``mesh`` is always the mesh ``fully_shard`` shards over;
+    a context-parallel point adds ``context_parallel`` (the device mesh with its ``cp`` dimension:
+    context_parallel_layout) and a point with tiling or activation offload ``long_context``
+    (long_context_knobs), both absent otherwise."""
     if strategy.engine != "fsdp2":
         raise ValueError(f"to_fsdp2_config needs engine fsdp2, but got engine {strategy.engine}")
     s = strategy
     opt = engine_settings(model, training, s).optimizer
     n_ckpt = s.num_checkpointed(model.num_hidden_layers)
     hybrid = s.sharding == "hybrid"
-    return {
+    layout: dict[str, Any] = {
         "engine": "fsdp2",
         "mesh": {"shape": [hardware.num_nodes, hardware.gpus_per_node] if hybrid else [hardware.num_gpus],
                  "dim_names": ["replicate", "shard"] if hybrid else ["shard"]},
@@ -196,6 +205,47 @@ def to_fsdp2_config(
         "optimizer": {"type": opt.torch_class, "foreach": True, "params": opt.torch_kwargs()},
         "gradient_clipping": opt.gradient_clipping,
     }
+    if s.context_parallel_size > 1:
+        layout["context_parallel"] = context_parallel_layout(s, hardware)
+    extra = long_context_knobs(s)
+    if extra:
+        layout["long_context"] = extra
+    return layout
+
+
+def context_parallel_layout(strategy: Strategy, hardware: HardwareSpec) -> dict[str, Any]:
+    """torch context parallel of an fsdp2 point as torchtitan lays it out
+    (torchtitan/distributed/parallel_dims.py ``_build_mesh_without_ep``): a device mesh
+    ``(dp_replicate,) dp_shard x cp``, ring attention over ``cp``, ``fully_shard`` over the flattened
+    ``dp_shard_cp`` (every GPU, or a node's under hybrid sharding: the layout's ``mesh``), the batch
+    split over ``dp_replicate x dp_shard``."""
+    cp = strategy.context_parallel_size
+    hybrid = strategy.sharding == "hybrid"
+    shard = (hardware.gpus_per_node if hybrid else hardware.num_gpus) // cp
+    return {"context_parallel_size": cp,
+            "mesh": {"shape": [hardware.num_nodes, shard, cp] if hybrid else [shard, cp],
+                     "dim_names": ["dp_replicate", "dp_shard", "cp"] if hybrid else ["dp_shard", "cp"]},
+            "fully_shard_mesh": ["dp_replicate", "dp_shard_cp"] if hybrid else ["dp_shard_cp"],
+            "rotate_method": "allgather",  # torchtitan's default context_parallel_rotate_method
+            "load_balance": "head-tail", "seq_dim": 1}
+
+
+def long_context_knobs(strategy: Strategy) -> dict[str, Any]:
+    """The strategy's model-side long-context knobs that are not at their defaults (the calls of
+    autotune.models.long_context; no engine config has a key for them): empty for a plain point."""
+    s = strategy
+    out: dict[str, Any] = {}
+    if s.sequence_parallel_size > 1:
+        out["sequence_parallel_size"] = s.sequence_parallel_size
+    if s.context_parallel_size > 1:
+        out["context_parallel_size"] = s.context_parallel_size
+    if s.tiled_loss:
+        out["tiled_loss"] = True
+    if s.tiled_mlp:
+        out["tiled_mlp"] = True
+    if s.activation_offload != "none":
+        out["activation_offload"] = s.activation_offload
+    return out
 
 
 def engine_config(strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec

@@ -8,7 +8,10 @@ reference decoder, the Hugging Face model of ``model.hf_config``, or the user's 
 factory, with synthetic batches), applies the point's activation checkpointing
 (``autotune.apply_checkpointing``: no DeepSpeed config carries it), and runs ``--steps`` optimizer
 steps of ``gradient_accumulation_steps`` micro-batches through ``deepspeed.initialize(config=...)``.
-Replace the model and the batches with yours; the config and the checkpointing call stay.
+Replace the model and the batches with yours; the config and the checkpointing call stay. A
+long-context point (checkpointing.json ``long_context``: Ulysses, tiled loss / MLP, activation
+offload; a Hugging Face model) gets ``autotune.models.long_context.apply_long_context`` before
+``deepspeed.initialize(mpu=...)``, and under Ulysses every batch goes through ``shard_batch``.
 
 Without a launcher (``python examples/train_deepspeed.py ...``) it runs as one process over gloo,
 which is how it runs on a CPU (``DS_ACCELERATOR=cpu``). A config written for more GPUs than the
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     built = build_for_job({"model_factory": cfg.model_factory, "hf_config": cfg.hf_config,
                            "python_path": [job_dir, os.getcwd()]}, cfg.model, cfg.training)
     model = built.module
+    ckpt: dict = {}
     if args.checkpointing:
         with open(args.checkpointing) as fh:
             ckpt = json.load(fh)
@@ -80,12 +84,25 @@ def main(argv: list[str] | None = None) -> int:
             notes = autotune.apply_checkpointing(model, ckpt["granularity"], ckpt["num_layers"])
             if rank == 0:
                 print(f"checkpointing: {ckpt['call']}" + "".join(f"; {n}" for n in notes))
+    mpu, sp = None, int(ds_config.get("sequence_parallel_size", 1))
+    if ckpt.get("long_context"):
+        from autotune.models import long_context
+
+        lc = ckpt["long_context"]
+        if world % sp:
+            raise SystemExit(f"sequence_parallel_size {sp} needs a multiple of {sp} processes, but got {world}")
+        mpu = long_context.apply_long_context(model, autotune.Strategy(**lc["strategy"]), seq_length=lc["seq_length"])
+        if rank == 0:
+            print(f"long context: {lc['call']}")
+    elif sp > 1:
+        raise SystemExit(f"sequence_parallel_size {sp}: pass the point's checkpointing.json (its long_context)")
 
     mbs, gas = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
-    if ds_config.get("train_batch_size") != mbs * gas * world:
+    dp = world // sp  # the data-parallel ranks (Ulysses: a group of sp ranks shares one batch)
+    if ds_config.get("train_batch_size") != mbs * gas * dp:
         if rank == 0:
             print(f"train_batch_size {ds_config.get('train_batch_size')} is for another world size; DeepSpeed "
-                  f"recomputes it for {world} process(es): {mbs} x {gas} x {world}")
+                  f"recomputes it for {world} process(es): {mbs} x {gas} x {dp}")
         ds_config.pop("train_batch_size", None)
     optimizer = None
     if not cuda:  # DeepSpeed's Adam needs its CUDA ops: the same optimizer as a torch.optim class
@@ -93,16 +110,20 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = getattr(torch.optim, name)(model.parameters(), **kwargs)
         ds_config["zero_allow_untested_optimizer"] = True
         ds_config["zero_force_ds_cpu_optimizer"] = False
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=mpu,
                                       model_parameters=None if optimizer is not None else model.parameters())
     seq_len = cfg.training.seq_len
     for step in range(args.steps):
         for _ in range(gas):
-            loss = loss_of(engine(**built.batch_fn(mbs, seq_len, engine.device)))
+            batch = built.batch_fn(mbs, seq_len, engine.device)
+            if mpu is not None:
+                batch = long_context.shard_batch(batch, mpu, engine.device)
+            loss = loss_of(engine(**batch))
             engine.backward(loss)
             engine.step()
         if rank == 0:
-            print(f"step {step}: loss {loss.item():.4f} ({mbs} x {gas} micro-batches of {seq_len} tokens per rank)")
+            print(f"step {step}: loss {loss.item():.4f} ({mbs} x {gas} micro-batches of {seq_len // sp} tokens "
+                  "per rank)")
     dist.destroy_process_group()
     return 0
 

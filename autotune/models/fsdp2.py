@@ -196,8 +196,15 @@ def snippet(config: Mapping[str, Any]) -> str:
     policy inlined), ``fully_shard`` per block and on the root, the job's optimizer (``foreach=True``)
     and one training step with gradient accumulation, clipping (unless 0) and (fp16) a ShardedGradScaler.
     ``selective`` (attention core): the model's own ``set_checkpointing`` (autotune's reference
-    decoders have one), otherwise (a Hugging Face model) ``checkpoint_attention_core`` inlined."""
+    decoders have one), otherwise (a Hugging Face model) ``checkpoint_attention_core`` inlined.
+
+    A context-parallel layout (``context_parallel``) builds torchtitan's device mesh (``dp_shard x cp``,
+    ``fully_shard`` over the flattened ``dp_shard_cp``) and runs each micro-batch in torch's
+    ``context_parallel`` (_context_parallel_text); tiling and activation offload (``long_context``)
+    call ``autotune.models.long_context`` (the only autotune import, and only then)."""
     lay = _layout(config, 0)
+    cp = config.get("context_parallel")
+    lc = dict(config.get("long_context") or {})
     opt_cls, opt_params, foreach = _optimizer_block(config)
     args = [f"{k}={v!r}" for k, v in opt_params.items()] + [f"foreach={foreach!r}"]
     opt_args = ", ".join(args[:3]) + "".join(f",\n{' ' * 31}" + ", ".join(args[3:]) if args[3:] else "")
@@ -220,13 +227,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
-
+{_long_context_imports(cp, lc)}
 MESH_SHAPE = {shape!r}
 MESH_DIM_NAMES = {names!r}
-CHECKPOINTED = {sorted(lay["blocks"])!r}  # block indices, granularity {lay["granularity"]!r}
+{_context_parallel_constants(cp)}CHECKPOINTED = {sorted(lay["blocks"])!r}  # block indices, granularity {lay["granularity"]!r}
 RESHARD_AFTER_FORWARD = {lay["reshard_after_forward"]!r}
 GRADIENT_ACCUMULATION_STEPS = {gas}
-{helpers}
+{helpers}{_context_parallel_text() if cp else ""}
 
 def shard(model, blocks=None):
     """Checkpoint, then fully_shard every decoder block and the root; returns the optimizer."""
@@ -235,10 +242,15 @@ def shard(model, blocks=None):
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    mesh = init_device_mesh(device_type, MESH_SHAPE, mesh_dim_names=MESH_DIM_NAMES)
+{_mesh_lines(cp)}
     if blocks is None:  # the decoder blocks: the model's longest nn.ModuleList
         blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
 '''
+    if lc.get("tiled_mlp"):
+        text += "    tile_mlp(model)  # every decoder MLP over sequence tiles (DeepSpeed TiledMLP)\n"
+    if lc.get("tiled_loss"):
+        text += ("    use_long_context_loss(model, tiled=True)  # model(**batch).loss from logits in sequence tiles "
+                 "(TiledFusedLogitsLoss)\n")
     if selective:
         text += f'''    if hasattr(model, "set_checkpointing"):  # attention core recomputed (autotune's reference decoders)
         model.set_checkpointing("selective", CHECKPOINTED)
@@ -255,12 +267,91 @@ def shard(model, blocks=None):
     return torch.optim.{opt_cls}(model.parameters(), {opt_args})
 
 '''
-    return text + _train_step_text(bool(config.get("loss_scaling")), float(config["gradient_clipping"]))
+    return text + _train_step_text(bool(config.get("loss_scaling")), float(config["gradient_clipping"]),
+                                   context_parallel=bool(cp), offload=lc.get("activation_offload", "none") != "none")
 
 
-def _train_step_text(scaler: bool, clip: float) -> str:
+def _long_context_imports(cp: Optional[Mapping[str, Any]], lc: Mapping[str, Any]) -> str:
+    """The snippet's extra imports: torch's context parallel, autotune's long-context calls."""
+    lines = []
+    if cp:
+        lines += ["from torch.distributed.tensor.experimental import context_parallel",
+                  "from torch.distributed.tensor.experimental._attention import set_rotate_method"]
+    names = [n for n, on in (("offload_activations", lc.get("activation_offload", "none") != "none"),
+                             ("tile_mlp", lc.get("tiled_mlp")), ("use_long_context_loss", lc.get("tiled_loss"))) if on]
+    if names:
+        lines.append(f"from autotune.models.long_context import {', '.join(names)}")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def _context_parallel_constants(cp: Optional[Mapping[str, Any]]) -> str:
+    """The context-parallel mesh of the layout (torchtitan's dims) and the dims FSDP shards over."""
+    if not cp:
+        return ""
+    return (f"CP_MESH_SHAPE = {tuple(int(x) for x in cp['mesh']['shape'])!r}  # torchtitan's world mesh\n"
+            f"CP_MESH_DIM_NAMES = {tuple(cp['mesh']['dim_names'])!r}\n"
+            f"FULLY_SHARD_MESH_DIMS = {tuple(cp['fully_shard_mesh'])!r}  # flattened dp_shard x cp: every rank "
+            "of a replica\n"
+            f"ROTATE_METHOD = {cp.get('rotate_method', 'allgather')!r}  # ring attention's key/value exchange\n"
+            "CP_MESH = None  # the cp dimension, set by shard()\n")
+
+
+def _mesh_lines(cp: Optional[Mapping[str, Any]]) -> str:
+    """shard()'s mesh: the layout's (1-D or hybrid 2-D), or torchtitan's context-parallel mesh with
+    ``dp_shard x cp`` flattened for fully_shard (torchtitan/distributed/parallel_dims.py)."""
+    if not cp:
+        return "    mesh = init_device_mesh(device_type, MESH_SHAPE, mesh_dim_names=MESH_DIM_NAMES)"
+    return '''    global CP_MESH
+    world = init_device_mesh(device_type, CP_MESH_SHAPE, mesh_dim_names=CP_MESH_DIM_NAMES)
+    world[("dp_shard", "cp")]._flatten(mesh_dim_name="dp_shard_cp")  # torchtitan parallel_dims.py
+    mesh = world[FULLY_SHARD_MESH_DIMS]
+    CP_MESH = world["cp"]
+    set_rotate_method(ROTATE_METHOD)
+    drop_attention_masks(model)'''
+
+
+def _context_parallel_text() -> str:
+    """The snippet's context-parallel helpers: the HF attention-mask hook and the per-micro-batch
+    context (torchtitan train.py ``forward_backward_step``; HF Trainer
+    ``_prepare_context_parallel_inputs`` for a Hugging Face model's batch)."""
+    return '''
+
+def drop_attention_masks(model):
+    """Ring attention takes no mask: every ``self_attn`` drops the (causal) mask a Hugging Face model
+    builds and runs is_causal (accelerate big_modeling.py ``_attach_context_parallel_hooks``)."""
+    def hook(module, args, kwargs):
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = None
+            kwargs["is_causal"] = True
+        return args, kwargs
+
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+
+
+def context_parallel_batch(model, batch):
+    """torch's context parallel around one micro-batch (forward and backward inside it): every
+    (batch, seq) tensor of ``batch`` split along dim 1 over the cp ranks (head-tail load balanced),
+    sdpa replaced by ring attention. A Hugging Face causal LM first gets pre-shifted
+    ``shift_labels`` and explicit ``position_ids`` (a shard can shift neither); a model that
+    computes positions from its input length needs them passed the same way."""
+    ids = batch["input_ids"]
+    if getattr(model, "config", None) is not None:
+        if "position_ids" not in batch:
+            batch["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()
+        if "labels" in batch and "shift_labels" not in batch:
+            batch["shift_labels"] = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:].contiguous()
+    buffers = [v for v in batch.values() if torch.is_tensor(v) and v.shape[:2] == ids.shape[:2]]
+    return context_parallel(CP_MESH, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                            no_restore_buffers=set(buffers))
+'''
+
+
+def _train_step_text(scaler: bool, clip: float, context_parallel: bool = False, offload: bool = False) -> str:
     """The snippet's ``train_step``: gradient accumulation, clipping (``clip`` 0: none), the step
-    (fp16: a ShardedGradScaler)."""
+    (fp16: a ShardedGradScaler); ``context_parallel``: each micro-batch inside
+    ``context_parallel_batch``; ``offload``: its forward inside ``offload_activations``."""
     clip_line = (f"    torch.nn.utils.clip_grad_norm_(model.parameters(), {clip!r})\n" if clip > 0
                  else "    # no gradient clipping (gradient_clipping 0)\n")
     text = ""
@@ -268,14 +359,20 @@ def _train_step_text(scaler: bool, clip: float) -> str:
         text += ("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n\n"
                  "scaler = ShardedGradScaler(device=\"cuda\" if torch.cuda.is_available() else \"cpu\")  # fp16: dynamic "
                  "loss scaling\n\n")
+    forward = ['loss = model(**batch)["loss"] / GRADIENT_ACCUMULATION_STEPS']
+    if offload:  # only the forward: what it saves carries its own unpack hook into backward
+        forward = ["with offload_activations():  # checkpointed block inputs kept in host memory",
+                   "    " + forward[0]]
+    step = forward + ["scaler.scale(loss).backward()" if scaler else "loss.backward()"]
+    if context_parallel:  # forward and backward inside the context (torchtitan train.py)
+        step = ["with context_parallel_batch(model, batch):"] + ["    " + line for line in step]
+    body = "".join(f"        {line}\n" for line in step)
     text += f'''
 def train_step(model, optimizer, micro_batches):
     """One optimizer step over GRADIENT_ACCUMULATION_STEPS micro-batches (dicts of model kwargs);
     gradients are reduce-scattered every micro-step (as torchtitan does)."""
     for batch in micro_batches:
-        loss = model(**batch)["loss"] / GRADIENT_ACCUMULATION_STEPS
-        {"scaler.scale(loss).backward()" if scaler else "loss.backward()"}
-'''
+{body}'''
     if scaler:
         return text + f'''    scaler.unscale_(optimizer)
 {clip_line}    scaler.step(optimizer)

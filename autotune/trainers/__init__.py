@@ -7,7 +7,8 @@
 - ``lightning.json``: strategy and Trainer arguments (autotune.trainers.lightning_args);
 - ``torchtitan.toml`` (fsdp2 points): torchtitan's job file (autotune.trainers.torchtitan_toml);
 - ``checkpointing.json``: the point's checkpointing as ``autotune.apply_checkpointing`` takes it
-  (examples/train_deepspeed.py reads it);
+  and, for a long-context point, its knobs as ``autotune.models.long_context.apply_long_context``
+  takes them (``long_context``; examples/train_deepspeed.py reads both);
 - ``README.md``: how to use each, and what a trainer cannot express.
 
 Everything is derived from the strategy, the job and the engine config (pure: no torch)."""
@@ -27,7 +28,8 @@ import autotune.trainers.accelerate_config as accelerate_config
 import autotune.trainers.hf_trainer as hf_trainer
 import autotune.trainers.lightning_args as lightning_args
 import autotune.trainers.torchtitan_toml as torchtitan_toml
-from autotune.trainers.common import Point, checkpointing_call, checkpointing_spec
+from autotune.trainers.common import (Point, checkpointing_call, checkpointing_spec, long_context_call,
+                                      model_side_long_context)
 
 TRAINERS_DIR = "trainers"
 EXAMPLE_SCRIPT = "examples/train_deepspeed.py"
@@ -74,8 +76,9 @@ def trainer_files(point: Point) -> dict[str, Any]:
 
 
 def write_trainer_files(run_dir: str, cfg: Config, strategy: Strategy, k: int, engine_rel: str) -> dict[str, Any]:
-    """Write front point ``k``'s folder; the keys its front.json point gets (``trainers``, and for a
-    DeepSpeed point the ``launch`` line). ``engine_rel``: its engine config in the run directory."""
+    """Write front point ``k``'s folder; the keys its front.json point gets (``trainers``, for a
+    DeepSpeed point the ``launch`` line, for a long-context point its ``long_context`` call).
+    ``engine_rel``: its engine config in the run directory."""
     rel = os.path.join(TRAINERS_DIR, str(k))
     folder = os.path.join(run_dir, rel)
     os.makedirs(folder, exist_ok=True)
@@ -94,6 +97,8 @@ def write_trainer_files(run_dir: str, cfg: Config, strategy: Strategy, k: int, e
     keys: dict[str, Any] = {"trainers": rel}
     if ds:
         keys["launch"] = deepspeed_launch(run_dir, cfg, engine_rel, rel)
+    if model_side_long_context(strategy):  # front.json's point: the long-context call next to the checkpointing
+        keys["long_context"] = long_context_call(point)
     return keys
 
 
@@ -118,6 +123,14 @@ def _readme(p: Point, files: dict[str, Any]) -> str:
         lines += [f"- {d}" for d in (*torchtitan_toml.differences(p), torchtitan_toml.YOURS)] + [""]
     if s.engine == "deepspeed":
         lines += ["## Plain DeepSpeed", "", f"`{EXAMPLE_SCRIPT}` (front.json `launch`): `deepspeed.initialize` with "
-                  "the point's config, its checkpointing from checkpointing.json."]
+                  "the point's config, its checkpointing from checkpointing.json"
+                  + (" and its long-context calls (checkpointing.json `long_context`)." if model_side_long_context(s)
+                     else ".")]
     lines += ["", f"Checkpointing in the model: `{checkpointing_call(p.cfg, s)}`"]
+    if model_side_long_context(s):
+        lines += ["", f"Long context in the model (a Hugging Face causal LM), after the checkpointing: "
+                  f"`{long_context_call(p)}`"]
+    if s.context_parallel_size > 1:
+        lines += ["", f"Context parallel {s.context_parallel_size}: the FSDP2 snippet (fsdp2_configs/<k>.py) builds "
+                  "the dp_shard x cp mesh and runs each micro-batch in torch's context_parallel."]
     return "\n".join(lines) + "\n"

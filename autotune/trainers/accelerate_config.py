@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.trainers.common import WRAPPED_LAYER_NOTE, Point, all_layers, checkpointing_call, mixed_precision
+from autotune.trainers.common import (WRAPPED_LAYER_NOTE, Point, all_layers, checkpointing_call, long_context_lines,
+                                      mixed_precision, sp_attention)
 
 
 def accelerate_config(p: Point) -> dict[str, Any]:
@@ -39,9 +40,15 @@ def accelerate_config(p: Point) -> dict[str, Any]:
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_cpu_ram_efficient_loading": False,
         }
+        cp = s.context_parallel_size
         if s.sharding == "hybrid":  # HSDP: replicate across nodes, shard within one (launch.py --parallelism_config_*)
             out["parallelism_config"] = {"parallelism_config_dp_replicate_size": hw.num_nodes,
-                                         "parallelism_config_dp_shard_size": hw.gpus_per_node}
+                                         "parallelism_config_dp_shard_size": hw.gpus_per_node // cp}
+        elif cp > 1:
+            out["parallelism_config"] = {"parallelism_config_dp_shard_size": hw.num_gpus // cp}
+        if cp > 1:  # torch context parallel over the mesh's cp dimension (accelerate/parallelism_config.py)
+            out["parallelism_config"].update(parallelism_config_cp_size=cp, parallelism_config_cp_backend="torch",
+                                             parallelism_config_cp_comm_strategy="allgather")
     else:
         # with deepspeed_config_file every other DeepSpeed setting comes from the file (accelerate
         # refuses zero_stage, offload, accumulation ... next to it); mixed precision too
@@ -49,6 +56,15 @@ def accelerate_config(p: Point) -> dict[str, Any]:
         out["deepspeed_config"] = {"deepspeed_config_file": p.ds_config_path,
                                    "zero3_init_flag": s.zero_stage == 3,
                                    "deepspeed_multinode_launcher": "standard"}
+        if s.sequence_parallel_size > 1:
+            # ALST/Ulysses (accelerator.py _prepare_deepspeed: register_with_transformers, the DataLoader
+            # adapter, the mpu); dp_shard_size: the data-parallel ranks the batch arithmetic counts
+            out["parallelism_config"] = {
+                "parallelism_config_dp_shard_size": p.batch_ranks,
+                "parallelism_config_sp_size": s.sequence_parallel_size,
+                "parallelism_config_sp_backend": "deepspeed",
+                "parallelism_config_sp_seq_length": p.cfg.training.seq_len,
+                "parallelism_config_sp_attn_implementation": sp_attention(p)}
     return out
 
 
@@ -72,4 +88,10 @@ def differences(p: Point) -> list[str]:
                        "point's fp32 reduce pass `fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, "
                        "mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
                        "reduce_dtype=torch.float32))` to Accelerator")
+        if s.context_parallel_size > 1:
+            out.append("context parallel: run each micro-batch inside `with accelerator.maybe_context_parallel("
+                       "buffers=[input_ids, shift_labels, position_ids], buffer_seq_dims=[1, 1, 1], "
+                       "no_restore_buffers={input_ids, shift_labels, position_ids}):` (shift the labels and make "
+                       "the positions explicit before the split, as HF Trainer does)")
+    out += long_context_lines(p, "accelerate")
     return out

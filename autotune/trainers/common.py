@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from autotune.config import Config
-from autotune.engine_configs import gradient_accumulation_steps
-from autotune.strategy import Strategy, data_parallel_size
+from autotune.engine_configs import gradient_accumulation_steps, long_context_knobs
+from autotune.strategy import Strategy, batch_ranks, data_parallel_size
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,11 @@ class Point:
         return data_parallel_size(self.cfg.hardware)
 
     @property
+    def batch_ranks(self) -> int:
+        """The ranks that take their own micro-batches: GPUs / (sequence x context parallel)."""
+        return batch_ranks(self.cfg.hardware, self.strategy)
+
+    @property
     def hf_model(self) -> bool:
         """The job trains a Hugging Face model (model.hf_config): transformers' own checkpointing applies."""
         return self.cfg.model.implementation == "hf"
@@ -46,13 +51,106 @@ class Point:
 
 def checkpointing_spec(p: Point) -> dict[str, Any]:
     """The point's checkpointing as ``autotune.apply_checkpointing(model, granularity, num_layers)``
-    takes it (checkpointing.json; the example scripts read it)."""
+    takes it (checkpointing.json; the example scripts read it), and under ``long_context`` the
+    point's long-context knobs (long_context_spec) when it has any."""
     s = p.strategy
     n = s.num_checkpointed(p.layers)
     selection: Union[int, list[int]] = s.checkpoint_selection(p.layers)
-    return {"granularity": s.checkpointing if n else "none", "num_layers": selection if n else 0,
-            "of_layers": p.layers,
-            "call": checkpointing_call(p.cfg, s)}
+    out: dict[str, Any] = {"granularity": s.checkpointing if n else "none", "num_layers": selection if n else 0,
+                           "of_layers": p.layers,
+                           "call": checkpointing_call(p.cfg, s)}
+    spec = long_context_spec(p)
+    if spec:
+        out["long_context"] = spec
+    return out
+
+
+LONG_CONTEXT = "autotune.models.long_context"
+"""The module of the model-side long-context calls (Ulysses, tiled loss and MLP, activation offload)."""
+
+
+def long_context_spec(p: Point) -> Optional[dict[str, Any]]:
+    """What ``autotune.models.long_context.apply_long_context(model, strategy, seq_length)`` takes
+    for the point: its ``strategy`` (``Strategy.as_dict``; examples/train_deepspeed.py rebuilds it
+    with ``autotune.Strategy(**strategy)``) and the global sequence, with the ``knobs`` that are not
+    at their defaults and the ``call`` in words; None when the point has none of them."""
+    s = p.strategy
+    knobs = long_context_knobs(s)
+    if not knobs:
+        return None
+    return {"knobs": knobs, "strategy": s.as_dict(), "seq_length": p.cfg.training.seq_len,
+            "call": long_context_call(p)}
+
+
+def model_side_long_context(s: Strategy) -> bool:
+    """The strategy asks for a model-side long-context call (Ulysses, tiling, offload; context
+    parallel is the FSDP2 engine's own, in its snippet)."""
+    return s.sequence_parallel_size > 1 or s.tiled_loss or s.tiled_mlp or s.activation_offload != "none"
+
+
+def long_context_call(p: Point) -> str:
+    """The one model-side call of the point's long-context knobs, before the engine is built ("none"
+    without them): ``apply_long_context`` with the knobs as an ``autotune.Strategy``; under
+    Ulysses its mpu goes to ``deepspeed.initialize`` and every batch through ``shard_batch``."""
+    s = p.strategy
+    if not model_side_long_context(s):
+        return "none"
+    knobs = ["engine='fsdp2'"] if s.engine == "fsdp2" else ([f"zero_stage={s.zero_stage}"] if s.zero_stage else [])
+    knobs += [f"{k}={v!r}" for k, v in long_context_knobs(s).items() if k != "context_parallel_size"]
+    if s.activation_offload != "none":
+        knobs.append("checkpointing='full'")
+    if s.sequence_parallel_size > 1:
+        knobs.append(f"micro_batch_size={s.micro_batch_size}")
+    call = (f"mpu = {LONG_CONTEXT}.apply_long_context(model, autotune.Strategy({', '.join(knobs)}), "
+            f"seq_length={p.cfg.training.seq_len})")
+    if s.sequence_parallel_size > 1:
+        call += (f"; then `deepspeed.initialize(..., mpu=mpu)` and every batch through "
+                 f"`{LONG_CONTEXT}.shard_batch(batch, mpu)`")
+    return call
+
+
+def sp_attention(p: Point) -> str:
+    """The attention implementation Ulysses wraps (the model's; DeepSpeed refuses eager)."""
+    impl = p.cfg.model.attn_implementation
+    return impl if impl in ("sdpa", "flash_attention_2", "flash_attention_3") else "sdpa"
+
+
+def long_context_lines(p: Point, trainer: str) -> list[str]:
+    """What a trainer's script adds for the point's long-context knobs, one line each (the README's
+    and each trainer's ``differences``): ``trainer`` is hf, accelerate or lightning; the plain
+    DeepSpeed script and the FSDP2 snippet apply them themselves."""
+    s = p.strategy
+    out = []
+    if s.engine == "deepspeed" and s.sequence_parallel_size > 1:
+        if trainer == "lightning":
+            out.append(f"sequence_parallel_size {s.sequence_parallel_size}: Lightning's DeepSpeedStrategy takes no "
+                       "mpu, so it cannot run DeepSpeed Ulysses; use the plain DeepSpeed script, HF Trainer or "
+                       "accelerate for this point")
+        else:
+            out.append("the Hugging Face model only (DeepSpeed's UlyssesSPAttentionHF): Ulysses is accelerate's "
+                       "ParallelismConfig(sp_backend=\"deepspeed\", sp_size=...), which registers the attention, "
+                       "wraps the DataLoader (UlyssesSPDataLoaderAdapter) and passes the mpu to DeepSpeed")
+    if s.tiled_mlp:
+        out.append(f"tiled MLP: call `{LONG_CONTEXT}.tile_mlp(model)` before the engine is built")
+    if s.tiled_loss:
+        if trainer == "lightning" and s.engine == "deepspeed":
+            out.append(f"tiled loss: in training_step `loss = {LONG_CONTEXT}.causal_lm_loss(self.model, batch, "
+                       "tiled=True)[0]` (a Hugging Face causal LM)")
+        else:
+            sp = s.sequence_parallel_size > 1 and trainer == "accelerate"
+            mpu = ("mpu=deepspeed.runtime.sequence_parallel.parallel_state_sp, " if sp else "")
+            out.append(f"tiled loss: call `{LONG_CONTEXT}.use_long_context_loss(model, {mpu}tiled=True)` before "
+                       "the engine is built (model(**batch).loss is then computed in sequence tiles"
+                       + ("; Trainer averages the SP ranks' losses itself)" if trainer == "hf" and
+                          s.sequence_parallel_size > 1 else ")"))
+    elif s.sequence_parallel_size > 1 and trainer == "accelerate":
+        out.append(f"the loss: each rank's covers its shard; average over the SP group with "
+                   f"`{LONG_CONTEXT}.use_long_context_loss(model, mpu=deepspeed.runtime.sequence_parallel."
+                   "parallel_state_sp)` before `accelerator.prepare`")
+    if s.activation_offload != "none":
+        out.append(f"activation offload: call `{LONG_CONTEXT}.offload_in_forward(model)` (checkpointed block "
+                   "inputs kept in host memory) after the checkpointing call")
+    return out
 
 
 def checkpointing_call(cfg: Config, s: Strategy) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
-from autotune.trainers.common import WRAPPED_LAYER_NOTE, Point, all_layers, checkpointing_call, every_k_full
+from autotune.trainers.common import (WRAPPED_LAYER_NOTE, Point, all_layers, checkpointing_call, every_k_full,
+                                      long_context_lines, sp_attention)
 
 AUTO = "auto"
 _AUTO_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
@@ -107,6 +108,26 @@ def fsdp_config(p: Point) -> dict[str, Any]:
     return out
 
 
+def parallelism_config(p: Point) -> Optional[str]:
+    """``TrainingArguments(parallelism_config=...)`` of a sequence- or context-parallel point, as
+    code (an accelerate ``ParallelismConfig`` object, which JSON cannot carry; transformers
+    trainer.py passes it to the Accelerator): Ulysses with ``sp_backend="deepspeed"``
+    (accelerate/parallelism_config.py), context parallel with ``cp_size`` over a ``dp_shard x cp``
+    mesh. None for other points."""
+    s, hw = p.strategy, p.cfg.hardware
+    if s.sequence_parallel_size > 1:
+        dp = f", dp_shard_size={p.batch_ranks}" if p.batch_ranks > 1 else ""
+        return (f"ParallelismConfig(sp_backend=\"deepspeed\", sp_size={s.sequence_parallel_size}{dp}, "
+                f"sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length={p.cfg.training.seq_len}, "
+                f"sp_attn_implementation={sp_attention(p)!r}))")
+    if s.context_parallel_size > 1:
+        hybrid = s.sharding == "hybrid"
+        shard = (hw.gpus_per_node if hybrid else hw.num_gpus) // s.context_parallel_size
+        rep = f"dp_replicate_size={hw.num_nodes}, " if hybrid else ""
+        return f"ParallelismConfig({rep}dp_shard_size={shard}, cp_size={s.context_parallel_size}, cp_backend=\"torch\")"
+    return None
+
+
 def differences(p: Point) -> list[str]:
     """What of the point HF Trainer's files cannot carry, in words (each also in the point's README)."""
     s, opt = p.strategy, p.cfg.training.optimizer
@@ -115,6 +136,13 @@ def differences(p: Point) -> list[str]:
     if call:
         out.append(f"checkpointing: Trainer cannot express {s.checkpointing} on these layers; call `{call}` on the "
                    "model before `Trainer(model=model, ...)`")
+    pc = parallelism_config(p)
+    if pc:
+        kind = "Ulysses" if s.sequence_parallel_size > 1 else "context parallel"
+        out.append(f"{kind}: add `parallelism_config={pc}` to the TrainingArguments (from accelerate.utils; not "
+                   "JSON, so not in the file)" + ("; Trainer then splits each batch (shift_labels, position_ids) "
+                                                   "over the cp ranks itself" if s.context_parallel_size > 1 else ""))
+    out += long_context_lines(p, "hf")
     if s.engine == "fsdp2":
         if not p.hf_model:
             out.append(WRAPPED_LAYER_NOTE)

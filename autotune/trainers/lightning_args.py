@@ -14,9 +14,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from autotune.trainers.common import Point, checkpointing_call
+from autotune.trainers.common import Point, checkpointing_call, long_context_lines
 
 _LIGHTNING_OWNS = ("gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
+_NO_ULYSSES = ("sequence_parallel_size", "seq_parallel_communication_data_type")
+"""Ulysses keys dropped: DeepSpeedStrategy calls deepspeed.initialize without an mpu, so DeepSpeed
+would count world / sequence_parallel_size data-parallel ranks while every rank trains its own batch."""
 PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 """autotune precision -> Lightning's ``precision`` for DeepSpeed (its DeepSpeedPrecision)."""
 
@@ -36,7 +39,7 @@ def lightning_args(p: Point) -> dict[str, Any]:
                 "strategy_args": {"data_parallel_size": p.world, "tensor_parallel_size": 1},
                 "trainer_args": trainer, "dataloader_batch_size": s.micro_batch_size}
     config = copy.deepcopy(p.ds_config)
-    for key in _LIGHTNING_OWNS:
+    for key in _LIGHTNING_OWNS + _NO_ULYSSES:
         config.pop(key, None)
     trainer["precision"] = PRECISION[s.precision]
     trainer["gradient_clip_val"] = opt.gradient_clipping
@@ -55,8 +58,13 @@ def differences(p: Point) -> list[str]:
                    "`autotune.models.fsdp2.make_optimizer(self.model, layout)`")
         if s.precision == "fp16":
             out.append("fp16: the layout computes in fp16; add a ShardedGradScaler in the training step")
+        if s.context_parallel_size > 1:
+            out.append(f"context_parallel_size {s.context_parallel_size}: ModelParallelStrategy's mesh has no context-"
+                       "parallel dimension (data and tensor parallel only) and its sampler gives every rank its own "
+                       "batch, so Lightning cannot express it; use the FSDP2 snippet, torchtitan, accelerate or HF "
+                       "Trainer for this point")
     else:
         out.append("the DeepSpeed config holds the optimizer (the job's): configure_optimizers returns nothing")
         if s.num_checkpointed(p.layers):
             out.append(f"checkpointing: call `{checkpointing_call(p.cfg, s)}` in configure_model")
-    return out
+    return out + long_context_lines(p, "lightning")

@@ -39,7 +39,7 @@ def torchtitan_sections(p: Point) -> dict[str, dict[str, Any]]:
     """The TOML's sections; what torchtitan cannot express gets its nearest setting and is listed
     by ``differences``."""
     s, hw, tr, opt = p.strategy, p.cfg.hardware, p.cfg.training, p.cfg.training.optimizer
-    hybrid = s.sharding == "hybrid"
+    hybrid, cp = s.sharding == "hybrid", s.context_parallel_size
     ac = activation_checkpoint(p) or {"mode": "full"}  # the nearest that needs no more memory
     optimizer: dict[str, Any] = {"name": TITAN_OPTIMIZERS.get(opt.type, "AdamW"), "lr": opt.lr,
                                  "eps": opt.eps, "weight_decay": opt.weight_decay, "implementation": "foreach"}
@@ -52,9 +52,10 @@ def torchtitan_sections(p: Point) -> dict[str, dict[str, Any]]:
                      "mixed_precision_param": TITAN_DTYPES.get(s.precision, "bfloat16"),
                      "mixed_precision_reduce": "float32"},
         "optimizer": optimizer,
+        # torchtitan's mesh: dp_replicate x dp_shard x cp, FSDP over dp_shard x cp (parallel_dims.py)
         "parallelism": {"data_parallel_replicate_degree": hw.num_nodes if hybrid else 1,
-                        "data_parallel_shard_degree": hw.gpus_per_node if hybrid else hw.num_gpus,
-                        "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1, "context_parallel_degree": 1,
+                        "data_parallel_shard_degree": (hw.gpus_per_node if hybrid else hw.num_gpus) // cp,
+                        "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1, "context_parallel_degree": cp,
                         "fsdp_reshard_after_forward": "always" if s.reshard_after_forward else "never"},
         "activation_checkpoint": ac,
     }
@@ -73,6 +74,11 @@ def differences(p: Point) -> list[str]:
         out.append(f"reduce dtype {s.reduce_dtype}: torchtitan reduces in float32 (more gradient memory than measured)")
     if opt.type not in TITAN_OPTIMIZERS:
         out.append(f"optimizer {opt.type}: torchtitan builds Adam or AdamW only; the file says AdamW")
+    for knob, on in (("tiled_loss", s.tiled_loss), ("tiled_mlp", s.tiled_mlp),
+                     ("activation_offload", s.activation_offload != "none")):
+        if on:
+            out.append(f"{knob}: torchtitan 0.2 has no such setting (its own model, not Hugging Face's): the file "
+                       "runs without it (more activation memory than the point)")
     return out
 
 

@@ -167,3 +167,88 @@ def test_hf_selective_through_apply_and_the_snippet(group, through):
     assert [getattr(b.self_attn, "_autotune_recompute_core", False) for b in model.model.layers] == [False, True, False]
     losses = _train(model, optimizer, batches)
     assert all(math.isfinite(v) for v in losses) and losses[2] < losses[0]
+
+
+_CP_RANK = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+from autotune.engine_configs import to_fsdp2_config
+from autotune.models import fsdp2
+from autotune.models.reference import build_model, synthetic_batch
+from autotune.presets import gpu_from_name
+from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy
+
+spec = ModelSpec(name="tiny", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=172, vocab_size=512, max_position_embeddings=128)
+hw = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=2)
+layout = to_fsdp2_config(Strategy(engine="fsdp2", context_parallel_size=2, precision="fp32", micro_batch_size=1),
+                         spec, TrainingSpec(seq_len=32, global_batch_size=1), hw)
+dist.init_process_group("gloo")
+ns = {}
+exec(compile(fsdp2.snippet(layout), "fsdp2_snippet.py", "exec"), ns)
+torch.manual_seed(0)
+model = build_model(spec)
+ns["shard"](model)
+p = next(model.parameters())
+x, y = synthetic_batch(spec, 1, 32, seed=0)
+batch = {"input_ids": x.clone(), "labels": y.clone()}
+out = {"cp_mesh": [ns["CP_MESH"].mesh_dim_names, ns["CP_MESH"].size()],
+       "param_mesh": [p.device_mesh.mesh_dim_names, p.device_mesh.size()]}
+try:
+    with ns["context_parallel_batch"](model, batch):
+        out["shard"] = batch["input_ids"][0].tolist()
+        model(**batch)["loss"].backward()
+    out["error"] = None
+except NotImplementedError as err:
+    out["error"] = str(err).splitlines()[0]
+out["full"] = x[0].tolist()
+print("RESULT " + json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_context_parallel_snippet_on_two_cpu_ranks(tmp_path):
+    """The CP snippet on 2 gloo ranks: shard() builds torchtitan's dp_shard x cp mesh (cp of 2) and
+    shards every parameter over the flattened dp_shard_cp; context_parallel_batch splits the batch
+    head-tail (rank 0: chunks 0 and 3 of 4). torch's ring attention then needs CUDA's sdpa kernels:
+    on the CPU the forward stops at the first attention with the error the README names."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        with open(tmp_path / f"out{rank}", "w") as out, open(tmp_path / f"err{rank}", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, "-c", _CP_RANK], env=env, stdout=out, stderr=err))
+    try:
+        deadline = time.monotonic() + 180
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            assert time.monotonic() < deadline, "2-rank run timed out"
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for rank, p in enumerate(procs):
+        assert p.wait() == 0, (tmp_path / f"err{rank}").read_text()[-3000:]
+        line = next(ln for ln in (tmp_path / f"out{rank}").read_text().splitlines() if ln.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT "):]))
+    for rank, r in enumerate(results):
+        assert r["cp_mesh"] == [["cp"], 2] and r["param_mesh"] == [["dp_shard_cp"], 2]
+        chunks = [r["full"][i * 8:(i + 1) * 8] for i in range(4)]
+        assert r["shard"] == chunks[rank] + chunks[3 - rank]  # torch's _HeadTailLoadBalancer
+        if not torch.cuda.is_available():
+            assert r["error"] == ("Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a "
+                                  "sharding strategy registered.")
