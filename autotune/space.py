@@ -44,6 +44,9 @@ class SearchSpace:
     """Knob -> its values, for every knob of strategy.KNOBS (one the space does not give takes
     its space default, autotune.knobs.space_default). A number-of-blocks knob (``of_layers``)
     holds block counts (ints), ("fractions", f1, f2, ...) or ("all",)."""
+    long_context: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Knob -> the values it takes instead when the job's sequence is long (the file's
+    ``long_context`` section; ``space_for`` applies it where ``long_sequence`` says so)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.values) - set(KNOBS)
@@ -51,9 +54,16 @@ class SearchSpace:
             raise ValueError(f"not strategy knobs: {', '.join(sorted(unknown))}")
         object.__setattr__(self, "values", {k: tuple(self.values[k]) if k in self.values else SPACE_DEFAULTS[k]
                                             for k in KNOBS})
+        object.__setattr__(self, "long_context", {k: tuple(v) for k, v in self.long_context.items()})
 
     def __hash__(self) -> int:
         return hash((self.name, self.path, tuple(self.values.items())))
+
+    def for_long_sequences(self) -> "SearchSpace":
+        """This space with its ``long_context`` values in place (itself when it has none)."""
+        if not self.long_context:
+            return self
+        return dataclasses.replace(self, values={**self.values, **self.long_context}, long_context={})
 
     def choices(self, knob: str, model: ModelSpec) -> list[Any]:
         """The values of ``knob`` for ``model`` (a number of blocks resolved against its layers)."""
@@ -187,10 +197,25 @@ def load_space(name_or_path: str, base_dir: str = ".", precision: str = "bf16") 
         raise err.in_file(path) from None
 
 
+LONG_SEQUENCE_SHARE = 0.5
+"""A job's sequence is long when one sequence at micro-batch 1, every block checkpointed, takes more
+than this share of a GPU in activations and logits (``memory.sequence_bytes``): then the space's
+``long_context`` values (sequence / context parallel, tiling, activation offload) are searched."""
+
+
+def long_sequence(cfg: Config) -> bool:
+    """Whether ``cfg``'s sequence is long enough for the long-context knobs (LONG_SEQUENCE_SHARE)."""
+    from autotune.memory import sequence_bytes
+
+    return sequence_bytes(cfg.model, cfg.training) > LONG_SEQUENCE_SHARE * cfg.hardware.gpu.memory_bytes
+
+
 def space_for(cfg: Config) -> SearchSpace:
     """The search space a job file names (resolved next to the file), at the job's precision
-    unless the space lists precisions itself."""
-    return load_space(cfg.search.space, os.path.dirname(os.path.abspath(cfg.path)), cfg.training.precision)
+    unless the space lists precisions itself, with its long-context values when the job's
+    sequence is long (``long_sequence``)."""
+    space = load_space(cfg.search.space, os.path.dirname(os.path.abspath(cfg.path)), cfg.training.precision)
+    return space.for_long_sequences() if space.long_context and long_sequence(cfg) else space
 
 
 def _values(check: Any, *, integer_range: bool = False, allow_auto: bool = False) -> Any:
@@ -278,8 +303,14 @@ def _parse(raw: Any, path: str, job_values: dict[str, Any]) -> SearchSpace:
     if raw is None:
         raise ConfigError("empty search space; expected a mapping of knob -> values")
     mapping(raw, "")
+    raw = dict(raw)
+    long_raw = raw.pop("long_context", None)
     section = check_section(raw, "", SPACE_SCHEMA)
     for knob, value in job_values.items():
         section.setdefault(knob, (value,))
+    long_context = {}
+    if long_raw is not None:
+        mapping(long_raw, "long_context")
+        long_context = check_section(long_raw, "long_context", SPACE_SCHEMA)
     name = os.path.splitext(os.path.basename(path))[0]
-    return SearchSpace(name=name, path=path, values=section)
+    return SearchSpace(name=name, path=path, values=section, long_context=long_context)

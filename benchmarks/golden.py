@@ -224,7 +224,9 @@ def drop_knobs(obj: Any, names: tuple[str, ...]) -> Any:
     if isinstance(obj, str):
         alt = "|".join(names)
         obj = re.sub(rf"\b({alt})=[^,()]*, ", "", obj)
-        return re.sub(rf'(?m)^\s*"({alt})": [^\n]*\n', "", obj)
+        obj = re.sub(rf", ({alt})=[^,()]*(?=\))", "", obj)  # the last field of a repr
+        obj = re.sub(rf'(?m)^\s*"({alt})": [^\n]*\n', "", obj)
+        return re.sub(r",(\n\s*[}\]])", r"\1", obj)  # the comma a dropped last JSON key leaves
     return obj
 
 

@@ -69,7 +69,7 @@ copy of the model each rank builds before ``deepspeed.initialize`` (use zero.Ini
 
 from autotune.memory.common import GPU_COMPONENTS, MemoryEstimate, PREDICTION_MARGIN, overhead_bytes
 from autotune.memory.activations import (ActivationBreakdown, CPU_RNG_STATE_BYTES, activation_breakdown,
-                                          block_activation_bytes_per_token)
+                                          block_activation_bytes_per_token, sequence_bytes)
 from autotune.memory.states import model_states_bytes, zero_model_states
 from autotune.memory.estimate import LOOPS, Loop, estimate_memory
 
@@ -86,5 +86,6 @@ __all__ = [
     'estimate_memory',
     'model_states_bytes',
     'overhead_bytes',
+    'sequence_bytes',
     'zero_model_states',
 ]

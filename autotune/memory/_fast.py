@@ -31,23 +31,27 @@ from autotune.engine_configs import gradient_accumulation_steps
 _ACT_FIELDS = ("blocks", "per_block_plain", "per_block_checkpointed", "num_checkpointed", "nonblock", "logits_saved",
                "loss_forward_transient", "loss_backward_transient", "mlp_saved_per_block",
                "attention_backward_transient", "final_norm_saved", "forward_only_masks", "final_norm_forward_extra",
-               "hidden_grad", "checkpoint_frame_kept", "final_norm_backward_live", "mlp_backward_transient")
+               "hidden_grad", "checkpoint_frame_kept", "final_norm_backward_live", "mlp_backward_transient",
+               "logits_tokens", "offloaded")
 _act_fields = attrgetter(*_ACT_FIELDS)
 
 
 rules_key = attrgetter("engine", "zero_stage", "micro_batch_size", "offload_params", "offload_optimizer",
-                       "checkpoint_layers", "checkpoint_every", "sharding", "precision")
+                       "checkpoint_layers", "checkpoint_every", "sharding", "precision", "checkpointing",
+                       "sequence_parallel_size", "context_parallel_size", "activation_offload")
 """The knobs ``strategy.validation_errors`` reads."""
 activation_key = attrgetter("micro_batch_size", "precision", "checkpointing", "checkpoint_layers", "checkpoint_every",
-                            "engine", "zero_stage")
+                            "engine", "zero_stage", "sequence_parallel_size", "context_parallel_size", "tiled_loss",
+                            "tiled_mlp", "activation_offload")
 """The knobs ``activation_breakdown`` reads (and whether the last block is checkpointed)."""
 states_key = attrgetter("zero_stage", "offload_optimizer", "offload_params", "precision", "micro_batch_size",
-                        "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
+                        "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold",
+                        "sequence_parallel_size")
 """The knobs a DeepSpeed candidate's ``states_row`` reads (``_model_states``, ``default_buckets``,
-``_accumulation_carry``, the logits kept)."""
+``_accumulation_carry``)."""
 units_key = attrgetter("precision", "reduce_dtype", "offload_params", "sharding", "micro_batch_size",
-                       "reshard_after_forward")
-"""The knobs an FSDP2 candidate's ``units_row`` reads (``fsdp2._units``, the accumulation, the logits kept)."""
+                       "reshard_after_forward", "context_parallel_size")
+"""The knobs an FSDP2 candidate's ``units_row`` reads (``fsdp2._units``, the accumulation)."""
 
 
 def covered(s: Strategy) -> bool:
@@ -195,7 +199,7 @@ _ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffer
        "grad_per_block", "grad_buffer", "resident_buffers", "partition_after", "reduce_flat", "reduce_clone", "cpu",
        "nvme")
 _st_fields = attrgetter(*_ST)
-_DS = _ST + ("p", "tokens", "kept", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
+_DS = _ST + ("p", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
 
 
 def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, device: str,
@@ -204,14 +208,13 @@ def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: 
     head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
     st = _model_states(m, training, hardware, s, device)
     p = BYTES_PER_ELEMENT[s.precision]
-    tokens = training.seq_len * s.micro_batch_size
     carry, grow = _accumulation_carry(m, hardware, s, gradient_accumulation_steps(s, training, hardware))
     bucket = st.partition_after or 0
     blocked = bool(bucket and block_params)
     # estimate._blocks_backward: blocks done before the gradient partition exists, before the second reduce
     k = int(max(0.0, bucket - head) // block_params) if blocked else 0
     k2 = int(max(0.0, 2 * bucket - head) // block_params) if blocked else 0
-    return [*_st_fields(st), p, tokens, p * V * tokens if loop == "keep_outputs" else 0.0, carry, grow,
+    return [*_st_fields(st), p, carry, grow,
             st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0, s.zero_stage == 1, s.zero_stage == 0, k, k2,
             blocked]
 
@@ -224,7 +227,9 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     c = dict(zip(_DS, _table(strategies, states_key, lambda s: states_row(m, training, hardware, s, device, loop))))
     a, attention_gran, _ = _activations(m, training, strategies, device)
     n = len(strategies)
-    p, kept, carry, grow, carry_ipg = c["p"], c["kept"], c["carry"], c["grow"] > 0, c["carry_ipg"]
+    p, carry, grow, carry_ipg = c["p"], c["carry"], c["grow"] > 0, c["carry_ipg"]
+    tokens = a["logits_tokens"]
+    kept = p * V * tokens if loop == "keep_outputs" else np.zeros(n)
     w = _Walk(n)
     fixed = c["params"] + c["optimizer"] + c["grad_buffer"] + c["resident_buffers"]
     pending_head = p * head if m.tie_word_embeddings else np.zeros(n)
@@ -239,7 +244,6 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
 
     saved_blocks, logits_saved = a["blocks"], a["logits_saved"]
     other_saved = a["nonblock"] - logits_saved
-    tokens = c["tokens"]
     add("forward", activations=saved_blocks + other_saved + a["final_norm_forward_extra"] + a["forward_only_masks"],
         buffers=c["buffers_fwd"])
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_forward_transient"],
@@ -285,7 +289,8 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         buffers=c["buffers_bwd"] + reduce_flat, valid=reduce_flat != 0)
     add("optimizer", grads=c["grads"], buffers=c["buffers_step"])
     return (*_verdict(w.best(), hardware, headroom, params=c["params"], optimizer=c["optimizer"],
-                      resident_grads=c["grad_buffer"], resident_buffers=c["resident_buffers"], cpu_per_gpu=c["cpu"],
+                      resident_grads=c["grad_buffer"], resident_buffers=c["resident_buffers"],
+                      cpu_per_gpu=c["cpu"] + a["offloaded"],
                       nvme_per_gpu=c["nvme"]), w)
 
 
@@ -297,10 +302,8 @@ _u_fields = attrgetter(*_U)
 def units_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, loop: str) -> list[Any]:
     """An FSDP2 candidate's layout (``_U``) and the walk's other per-strategy terms."""
     u = _units(m, s, hardware)
-    tokens = training.seq_len * s.micro_batch_size
     gas = gradient_accumulation_steps(s, training, hardware)
-    return [*_u_fields(u), tokens, u.p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0,
-            u.all_grads if gas > 1 else 0.0, s.reshard_after_forward, s.offload_params == "cpu"]
+    return [*_u_fields(u), u.all_grads if gas > 1 else 0.0, s.reshard_after_forward, s.offload_params == "cpu"]
 
 
 def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
@@ -308,11 +311,13 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     """fsdp2.estimate_fsdp2's walk over the candidates."""
     m, L, V = model, model.num_hidden_layers, model.vocab_size
     k_opt = training.optimizer.state_bytes_per_parameter
-    u = dict(zip(_U + ("tokens", "kept", "carry", "reshard", "host"),
+    u = dict(zip(_U + ("carry", "reshard", "host"),
                  _table(strategies, units_key, lambda s: units_row(m, training, hardware, s, loop))))
     a, attention_gran, last_ck = _activations(m, training, strategies, device)
     n = len(strategies)
-    un, up, ur, kept, carry, reshard = u["n"], u["p"], u["r"], u["kept"], u["carry"], u["reshard"] > 0
+    un, up, ur, carry, reshard = u["n"], u["p"], u["r"], u["carry"], u["reshard"] > 0
+    tokens = a["logits_tokens"]
+    kept = up * V * tokens if loop == "keep_outputs" else np.zeros(n)
     u_root, u_block, flat, on_gpu = u["u_root"], u["u_block"], u["flat"], u["on_gpu"]
     shard = m.num_parameters / un
     params = on_gpu * 4 * shard
@@ -330,7 +335,6 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
 
     saved_blocks, logits_saved = a["blocks"], a["logits_saved"]
     other_saved = a["nonblock"] - logits_saved
-    tokens = u["tokens"]
     last_saved = np.where(last_ck, a["per_block_checkpointed"], a["per_block_plain"])
     kept_blocks = np.where(reshard, 0.0, u_block * L)
     add("forward", activations=saved_blocks - last_saved + other_saved + a["forward_only_masks"],
@@ -378,4 +382,5 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     host = np.where(u["host"] > 0, (4 + 4 + k_opt + 4) * shard, 0.0)
     side_pool = np.where((un > 1) & (device == "cuda"), u_root + 2 * u_block, 0.0)
     return (*_verdict(w.best(), hardware, headroom, params=params, optimizer=optimizer, resident_grads=0.0,
-                      resident_buffers=0.0, cpu_per_gpu=host, nvme_per_gpu=0.0, reserved_elsewhere=side_pool), w)
+                      resident_buffers=0.0, cpu_per_gpu=host + a["offloaded"], nvme_per_gpu=0.0,
+                      reserved_elsewhere=side_pool), w)

@@ -351,6 +351,48 @@ class ActivationBreakdown:
     """The MLP backward's peak beyond the block's saved tensors: ``_mlp_backward_transient`` plus
     the down projection's weight gradient (f x h), or HF's composite GELU backward when larger
     (per block)."""
+    logits_tokens: float
+    """Tokens whose logits exist whole at once on this GPU (the micro-batch's share of its sequences;
+    0 under ``tiled_loss``, whose model returns no logits): the logits the user's ``outputs`` keeps and
+    the lm_head's input gradient are this many rows of the vocabulary."""
+    offloaded: float
+    """Bytes of checkpointed block inputs held in host memory (``activation_offload`` cpu), per GPU."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Split:
+    """How one step's sequences are laid over a GPU (the long-context knobs ``_breakdown`` reads)."""
+
+    sp: int = 1
+    """Ulysses degree: each GPU holds s / sp tokens, and inside attention all s for a / sp heads."""
+    cp: int = 1
+    """Context-parallel degree: each GPU holds s / cp tokens, its key/value chunks passed round a ring."""
+    tiled_loss: bool = False
+    tiled_mlp: bool = False
+    offload: bool = False
+    """Fully checkpointed blocks' inputs in host memory."""
+
+
+NO_SPLIT = _Split()
+
+LOSS_TILE_BYTES = 2**30
+"""Bytes of fp32 logits per tile of the tiled loss: ArcticTraining's sft_trainer slices the logits
+in 1 GiB pieces (``slice_size_in_gb = 1``; shards = ceil(tokens x vocab x 4 / 1 GiB))."""
+
+
+def loss_tile_tokens(tokens: int, vocab: int) -> int:
+    """Tokens per tile of TiledFusedLogitsLoss (torch.chunk of the flattened tokens into
+    ceil(tokens x vocab x 4 / LOSS_TILE_BYTES) shards: the first, largest chunk)."""
+    shards = max(1, -(-tokens * vocab * 4 // LOSS_TILE_BYTES))
+    return -(-tokens // shards)
+
+
+def mlp_tile_tokens(b: int, s_local: int, hidden: int) -> int:
+    """Tokens per tile of TiledMLP: ceil(seqlen / hidden) shards of each sequence (its docstring's
+    ``num_shards = math.ceil(seqlen / hidden)``, deepspeed/runtime/sequence_parallel/ulysses_sp.py),
+    torch.chunk's largest chunk, over the micro-batch."""
+    shards = max(1, -(-s_local // hidden))
+    return b * -(-s_local // shards)
 
 
 def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Strategy,
@@ -358,24 +400,72 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     """Saved activations at the end of the forward pass (bytes per GPU) and the loss transients."""
     L = model.num_hidden_layers
     n_ck = min(strategy.num_checkpointed(L), L)
+    st = strategy
+    split = NO_SPLIT
+    if st.sequence_parallel_size > 1 or st.context_parallel_size > 1 or st.tiled_loss or st.tiled_mlp or (
+            st.activation_offload != "none" and n_ck and st.checkpointing == "full"):
+        split = _Split(st.sequence_parallel_size, st.context_parallel_size, st.tiled_loss, st.tiled_mlp,
+                       st.activation_offload != "none" and bool(n_ck) and st.checkpointing == "full")
     return _breakdown(model, training.seq_len, strategy.micro_batch_size, strategy.precision, n_ck,
                       strategy.checkpointing if n_ck else "none",
                       strategy.engine == "deepspeed" and strategy.zero_stage == 3,  # ZeRO-3 linears (_block_linears)
-                      device)
+                      device, split)
+
+
+def sequence_bytes(model: ModelSpec, training: TrainingSpec) -> float:
+    """What one sequence needs on one GPU in activations and logits at its least without splitting
+    it: micro-batch 1, every block checkpointed, one block recomputed, the loss at the forward's end
+    (the measure of a long sequence, autotune.space.long_sequence)."""
+    s = Strategy(micro_batch_size=1, checkpointing="full", precision=training.precision)
+    act = activation_breakdown(model, training, s)
+    return act.blocks + act.per_block_plain + act.nonblock + act.loss_forward_transient
+
+
+def _split_attention(m: ModelSpec, p: int, split: _Split) -> tuple[float, float]:
+    """Per local token, what splitting the sequence adds to the attention core: (saved, backward
+    transient).
+    * Ulysses: the kernel's k and v hold max(1, sp / kv heads) x the local kv width (kv heads
+      repeated when the degree exceeds them, ``kv_replication_factor``), and each gradient leaves
+      through a contiguous copy and the all-to-all's output (``_combine_local_sequences``,
+      ``_partition_global_sequence``: ulysses_sp.py): two copies of dq, dk, dv.
+    * Ring attention: fp32 accumulators of dq, dk, dv next to one step's gradients, and the k/v
+      chunk and its fp32 dk/dv travelling round the ring (torch/distributed/tensor/experimental/
+      _context_parallel/_attention.py ``_templated_ring_attention_backward``, convert_to_f32)."""
+    q, kv = m.q_size, m.kv_size
+    if split.sp > 1:
+        extra_kv = 2 * p * kv * (max(1, split.sp // m.num_key_value_heads) - 1)
+        return float(extra_kv), float(extra_kv + 2 * p * (q + 2 * kv) + 2 * extra_kv)
+    if split.cp > 1:
+        return 0.0, float(4 * (q + 2 * kv) + 2 * p * kv + 8 * kv)
+    return 0.0, 0.0
 
 
 @functools.lru_cache(maxsize=4096, typed=True)
-def _breakdown(m: ModelSpec, s: int, b: int, precision: str, n_ck: int, gran: str, zero3: bool,
-               device: str) -> ActivationBreakdown:
+def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gran: str, zero3: bool,
+               device: str, split: _Split = NO_SPLIT) -> ActivationBreakdown:
     """``activation_breakdown`` from the knobs it reads (a screen revisits the same few: cached).
-    ``s``: sequence length; ``b``: micro-batch; ``n_ck``: checkpointed blocks at ``gran``."""
+    ``s_full``: sequence length; ``b``: micro-batch; ``n_ck``: checkpointed blocks at ``gran``;
+    ``split``: the long-context knobs. Per-token terms count this GPU's share of the sequence
+    (s / (sp x cp) tokens); the attention core's s x s terms read the whole sequence (Ulysses:
+    all s for a / sp heads, the same bytes per local token)."""
     p = BYTES_PER_ELEMENT[precision]
     mb = p if device == "cpu" else 1
+    s = s_full // (split.sp * split.cp)  # this GPU's tokens of each sequence
     tokens = b * s
     L = m.num_hidden_layers
-    per_plain = block_activation_bytes_per_token(m, p, s, "none", mb, device) * tokens + _block_fixed_bytes(m, s, "none")
-    per_ck = (block_activation_bytes_per_token(m, p, s, gran, mb, device, zero3_linear=zero3) * tokens
-              + _block_fixed_bytes(m, s, gran, device))
+    attn_saved, attn_bwd = _split_attention(m, p, split)
+    # tiled MLP (TiledMLP): the MLP keeps only its input (the norm output, already counted)
+    mlp_untiled = _mlp_sublayer_saved(m, p, mb) - (mb * m.hidden_size if m.hidden_dropout > 0 else 0.0)
+    mlp_cut = mlp_untiled if split.tiled_mlp else 0.0
+    per_plain = ((block_activation_bytes_per_token(m, p, s_full, "none", mb, device) + attn_saved - mlp_cut) * tokens
+                 + _block_fixed_bytes(m, s_full, "none"))
+    ck_saved = block_activation_bytes_per_token(m, p, s_full, gran, mb, device, zero3_linear=zero3)
+    if gran not in ("full", "op"):  # these granularities keep the attention core / MLP as plain blocks do
+        ck_saved += (attn_saved if gran != "attention" else 0.0) - (mlp_cut if gran != "mlp" else 0.0)
+    per_ck = ck_saved * tokens + _block_fixed_bytes(m, s_full, gran, device)
+    offloaded = n_ck * per_ck if split.offload else 0.0
+    if split.offload:
+        per_ck = 0.0  # the checkpoint's input lives in host memory until its block's backward
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
     rope = 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
     nonblock = _nonblock_saved_per_token(m, p, mb) * tokens + rope
@@ -403,6 +493,31 @@ def _breakdown(m: ModelSpec, s: int, b: int, precision: str, n_ck: int, gran: st
     # backward start: nll grad + log_softmax grad (fp32) next to the saved log_softmax output,
     # then the cast to the model dtype
     loss_bwd = 8 * V * tokens
+    logits_saved = 4 * V * tokens + softcap
+    logits_tokens = float(tokens)
+    if split.tiled_loss:
+        # TiledFusedLogitsLoss runs each tile's forward and backward inside the loss's forward,
+        # keeping only the input's gradient (zeros_like x, model dtype) for the backward; a tile's
+        # peak: its saved fp32 log_softmax next to the fp32 nll / log_softmax gradients and the
+        # logits (model dtype), the head's weight gradient made by the first tile's backward
+        t = loss_tile_tokens(tokens, V)
+        logits_saved = p * m.hidden_size * tokens
+        loss_fwd = (12 + p + (p if softcap else 0)) * V * t + p * V * m.hidden_size
+        loss_bwd = 0.0
+        logits_tokens = 0.0
+    nonblock += logits_saved - (4 * V * tokens + softcap)
+    mlp_saved = (4 if m.gated_mlp else 2) * p * m.intermediate_size * tokens
+    mlp_bwd = max(_mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
+                  _composite_gelu_backward_transient(m, p) * tokens)
+    if split.tiled_mlp:
+        # TiledMLP's backward: the input's gradient (zeros_like x), one tile's recomputed MLP and its
+        # backward, the MLP's weight gradients accumulated over the tiles (ds_grad_is_ready held)
+        t = mlp_tile_tokens(b, s, m.hidden_size)
+        n_weights = 3 if m.gated_mlp else 2
+        mlp_bwd = (p * m.hidden_size * tokens + max(mlp_untiled + _mlp_backward_transient(m, p, mb),
+                                                    mlp_untiled + _composite_gelu_backward_transient(m, p)) * t
+                   + n_weights * p * m.intermediate_size * m.hidden_size)
+        mlp_saved = 0.0
     return ActivationBreakdown(
         blocks=blocks,
         per_block_plain=per_plain,
@@ -410,12 +525,12 @@ def _breakdown(m: ModelSpec, s: int, b: int, precision: str, n_ck: int, gran: st
         num_checkpointed=n_ck,
         granularity=gran,
         nonblock=nonblock,
-        logits_saved=4 * V * tokens + softcap,
+        logits_saved=logits_saved,
         loss_forward_transient=loss_fwd,
         loss_backward_transient=loss_bwd,
         recompute=(per_plain - per_ck) if n_ck else 0.0,
-        mlp_saved_per_block=(4 if m.gated_mlp else 2) * p * m.intermediate_size * tokens,
-        attention_backward_transient=_attention_backward_transient(m, p, s, device) * tokens,
+        mlp_saved_per_block=mlp_saved,
+        attention_backward_transient=(_attention_backward_transient(m, p, s_full, device) + attn_bwd) * tokens,
         final_norm_saved=_norm_saved(m, p) * tokens,
         forward_only_masks=forward_mask,
         final_norm_forward_extra=_final_norm_forward_extra(m, p, tokens, s, bool(n_ck)),
@@ -424,6 +539,7 @@ def _breakdown(m: ModelSpec, s: int, b: int, precision: str, n_ck: int, gran: st
                                + (CPU_RNG_STATE_BYTES if device == "cpu" else 0.0)) if n_ck else 0.0,
         final_norm_backward_live=(24.0 * m.hidden_size * tokens if m.norm in ("rmsnorm", "rmsnorm_fp32")
                                   else _norm_saved(m, p) * tokens),
-        mlp_backward_transient=max(_mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
-                                   _composite_gelu_backward_transient(m, p) * tokens),
+        mlp_backward_transient=mlp_bwd,
+        logits_tokens=logits_tokens,
+        offloaded=offloaded,
     )

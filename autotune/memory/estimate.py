@@ -79,7 +79,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     st = _model_states(m, training, hardware, s, device)
     act = activation_breakdown(m, training, s, device)
     L = m.num_hidden_layers
-    tokens = training.seq_len * s.micro_batch_size
+    tokens = act.logits_tokens
     saved_blocks, nonblock, logits_saved = act.blocks, act.nonblock, act.logits_saved
     other_saved = nonblock - logits_saved  # final norm, masks, rope tables
     # the logits the user's ``outputs`` keeps (lm_head output, model dtype; fp32 training: the
@@ -151,7 +151,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
 
     return finish(cands, model, training, hardware, s, headroom, params=st.params, optimizer=st.optimizer,
                   resident_grads=st.grad_buffer, resident_buffers=st.resident_buffers,
-                  cpu_per_gpu=st.cpu, nvme_per_gpu=st.nvme)
+                  cpu_per_gpu=st.cpu + act.offloaded, nvme_per_gpu=st.nvme)
 
 
 def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _States, act: ActivationBreakdown,

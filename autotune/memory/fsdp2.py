@@ -100,7 +100,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     optimizer = u.on_gpu * k_opt * shard
 
     act = activation_breakdown(m, training, s, device)
-    tokens = training.seq_len * s.micro_batch_size
+    tokens = act.logits_tokens
     saved_blocks, nonblock, logits_saved = act.blocks, act.nonblock, act.logits_saved
     other_saved = nonblock - logits_saved
     kept = u.p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0
@@ -173,7 +173,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     # outside what the peak's tensors can use
     side_pool = u.u_root + 2 * u.u_block if (device == "cuda" and u.n > 1) else 0.0
     return finish(cands, m, training, hardware, s, headroom, params=params, optimizer=optimizer,
-                  resident_grads=0.0, resident_buffers=0.0, cpu_per_gpu=host, nvme_per_gpu=0.0,
+                  resident_grads=0.0, resident_buffers=0.0, cpu_per_gpu=host + act.offloaded, nvme_per_gpu=0.0,
                   reserved_elsewhere=side_pool)
 
 

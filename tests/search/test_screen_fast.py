@@ -16,7 +16,7 @@ from autotune.memory.common import DeferredEstimate, MemoryEstimate
 from autotune.presets import gpu_from_name
 from autotune.screen import screen
 from autotune.simulate import Simulator, _micro_batch_compute, _Rates, simulate
-from autotune.space import load_space
+from autotune.space import load_space, long_sequence
 from autotune.spec import BYTES_PER_ELEMENT
 from autotune.strategy import Strategy, validate
 from conftest import ROOT
@@ -35,14 +35,17 @@ JOBS = {
     "llama-2-nodes": ("examples/llama2-7b.yaml", {"num_nodes": 2}),  # fsdp2 hybrid, inter-node
     "tiny-fsdp2": ("examples/tiny-cpu-fsdp2.yaml", {}),
     "gpt2-2rank": ("data/measured/tiny-gpt2-2rank/config.yaml", {}),
+    "llama3.1-long": ("examples/llama3.1-8b-long.yaml", {}),  # the long-context knobs (default space's long_context)
 }
 
 
 def _pool(cfg, stride: int) -> list[Strategy]:
     """Every candidate of the engines space and every ``stride``-th of the default one."""
     model, precision = cfg.model, cfg.training.precision
+    default = load_space("default", precision=precision)
+    default = default.for_long_sequences() if long_sequence(cfg) else default
     return (list(load_space("engines", precision=precision).candidates(model))
-            + list(load_space("default", precision=precision).candidates(model))[::stride])
+            + list(default.candidates(model))[::stride])
 
 
 @pytest.mark.parametrize("job", sorted(JOBS))
@@ -143,6 +146,10 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "checkpoint_every": (Strategy(checkpointing="full", checkpoint_layers=4), 2),
         "sharding": (Strategy(engine="fsdp2"), "hybrid"),
         "precision": (Strategy(), "fp16"),  # on a GPU without bf16
+        "checkpointing": (Strategy(activation_offload="cpu"), "full"),
+        "sequence_parallel_size": (Strategy(), 3),
+        "context_parallel_size": (Strategy(engine="fsdp2"), 3),
+        "activation_offload": (Strategy(checkpointing="op"), "cpu"),
     }, "examples/gpt2.yaml", {"gpu": gpu_from_name("v100-32gb")}),
     "activation_key": (lambda c, s: _fast.activation_row(c.model, c.training, s, "cuda"), None, {
         "micro_batch_size": (Strategy(), 2),
@@ -152,6 +159,11 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "checkpoint_every": (Strategy(checkpointing="full"), 4),
         "engine": (Strategy(zero_stage=3, checkpointing="op"), "fsdp2"),  # GPT-2: ZeRO-3's linears
         "zero_stage": (Strategy(zero_stage=3, checkpointing="op"), 1),
+        "sequence_parallel_size": (Strategy(), 2),
+        "context_parallel_size": (Strategy(engine="fsdp2"), 2),
+        "tiled_loss": (Strategy(), True),
+        "tiled_mlp": (Strategy(), True),
+        "activation_offload": (Strategy(checkpointing="full"), "cpu"),
     }, "examples/gpt2.yaml", {}),  # GPT-2: biased linears (ZeRO-3's matmul)
     "states_key": (lambda c, s: _fast.states_row(c.model, c.training, c.hardware, s, "cuda", "keep_outputs"),
                    "deepspeed", {
@@ -159,18 +171,20 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "offload_optimizer": (Strategy(zero_stage=2), "cpu"),
         "offload_params": (Strategy(zero_stage=3), "cpu"),
         "precision": (Strategy(), "fp32"),
-        "micro_batch_size": (Strategy(), 2),
+        "micro_batch_size": (Strategy(zero_stage=1, micro_batch_size=4), 8),  # accumulation 2 -> 1
         "reduce_bucket_size": (Strategy(zero_stage=2), 1000),
         "prefetch_bucket_size": (Strategy(zero_stage=3), 1000),
         "param_persistence_threshold": (Strategy(zero_stage=3), 10 ** 9),
+        "sequence_parallel_size": (Strategy(zero_stage=1, micro_batch_size=8), 2),  # accumulation 1 -> 2
     }, "examples/llama2-7b.yaml", {}),  # 7B parameters: more than ZeRO-3 keeps gathered
     "units_key": (lambda c, s: _fast.units_row(c.model, c.training, c.hardware, s, "keep_outputs"), "fsdp2", {
         "precision": (Strategy(engine="fsdp2"), "fp32"),
         "reduce_dtype": (Strategy(engine="fsdp2"), "bf16"),
         "offload_params": (Strategy(engine="fsdp2"), "cpu"),
         "sharding": (Strategy(engine="fsdp2"), "hybrid"),  # on 2 nodes
-        "micro_batch_size": (Strategy(engine="fsdp2"), 2),
+        "micro_batch_size": (Strategy(engine="fsdp2", micro_batch_size=32), 64),  # accumulation 2 -> 1
         "reshard_after_forward": (Strategy(engine="fsdp2"), False),
+        "context_parallel_size": (Strategy(engine="fsdp2", micro_batch_size=64), 2),  # accumulation 1 -> 2
     }, "examples/gpt2.yaml", {"num_nodes": 2}),
 }
 

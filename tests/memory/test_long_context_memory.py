@@ -1,0 +1,132 @@
+"""The long-context knobs in the memory model (pure math): the sequence split, tiled loss and MLP,
+activation offload, the rules they bring, and the long-sequence criterion of the default space."""
+
+import dataclasses
+import os
+
+import pytest
+
+from autotune.config import load_config
+from autotune.memory import activation_breakdown, estimate_memory, sequence_bytes
+from autotune.memory.activations import loss_tile_tokens, mlp_tile_tokens
+from autotune.space import LONG_SEQUENCE_SHARE, long_sequence, space_for
+from autotune.spec import GIB
+from autotune.strategy import Strategy, batch_ranks, validation_errors
+from autotune.engine_configs import gradient_accumulation_steps
+from conftest import ROOT
+
+LONG = load_config(os.path.join(ROOT, "examples", "llama3.1-8b-long.yaml"))
+M, TR, HW = LONG.model, LONG.training, LONG.hardware
+Z3 = Strategy(zero_stage=3, checkpointing="full")
+
+
+def _act(s: Strategy, training=TR):
+    return activation_breakdown(M, training, s)
+
+
+def test_sequence_split_shards_every_per_token_term():
+    """Ulysses and ring attention each hold s / degree tokens: the saved blocks, the norms and the
+    logits shrink by the degree (Llama-3.1-8B: 8 kv heads, so Ulysses 8 repeats none)."""
+    one, sp8, cp8 = _act(Z3), _act(Z3.replace(sequence_parallel_size=8)), _act(
+        Strategy(engine="fsdp2", checkpointing="full", context_parallel_size=8))
+    for split in (sp8, cp8):
+        assert split.blocks == pytest.approx(one.blocks / 8)
+        assert split.logits_saved == pytest.approx(one.logits_saved / 8)
+        assert split.final_norm_saved == pytest.approx(one.final_norm_saved / 8)
+        assert split.logits_tokens == TR.seq_len // 8
+    # the exchange's buffers: Ulysses copies dq, dk, dv twice; the ring keeps fp32 accumulators
+    assert sp8.attention_backward_transient > one.attention_backward_transient / 8
+    assert cp8.attention_backward_transient > sp8.attention_backward_transient
+
+
+def test_ulysses_beyond_the_kv_heads_repeats_them():
+    """sp 16 > 8 kv heads: each GPU's k and v hold one head over the whole sequence, twice the bytes
+    of an even split (ulysses_sp.py kv_replication_factor)."""
+    hw16 = dataclasses.replace(HW, num_nodes=2)
+    base = Strategy(zero_stage=3, checkpointing="none", sequence_parallel_size=8)
+    a8 = activation_breakdown(M, TR, base)
+    a16 = activation_breakdown(M, TR, base.replace(sequence_parallel_size=16))
+    kv_bytes = 2 * 2 * M.kv_size * (TR.seq_len // 16)  # k and v, bf16, an even split at 16
+    assert a16.per_block_plain - a8.per_block_plain / 2 == pytest.approx(kv_bytes)
+    assert not validation_errors(base.replace(sequence_parallel_size=16), M, TR, hw16)
+
+
+def test_tiled_loss_never_makes_the_whole_logits():
+    """Under tiled_loss the model returns no logits, the loss keeps the input's gradient only, and
+    the largest loss transient is one 1 GiB-of-fp32 tile's, not the sequence's."""
+    plain, tiled = _act(Z3.replace(sequence_parallel_size=8)), _act(Z3.replace(sequence_parallel_size=8,
+                                                                               tiled_loss=True))
+    tokens = TR.seq_len // 8
+    t = loss_tile_tokens(tokens, M.vocab_size)
+    assert t * M.vocab_size * 4 <= 2**30 < tokens * M.vocab_size * 4
+    assert tiled.logits_tokens == 0 and tiled.loss_backward_transient == 0
+    assert tiled.logits_saved == 2 * M.hidden_size * tokens  # zeros_like(x), bf16
+    # a tile's fp32 log_softmax, nll / log_softmax gradients and bf16 logits, and the head's weight gradient
+    assert tiled.loss_forward_transient == (12 + 2) * M.vocab_size * t + 2 * M.vocab_size * M.hidden_size
+    assert tiled.loss_forward_transient < plain.loss_forward_transient / 2
+    assert tiled.nonblock - tiled.logits_saved == pytest.approx(plain.nonblock - plain.logits_saved)
+    e_plain = estimate_memory(M, TR, HW, Z3.replace(sequence_parallel_size=8))
+    e_tiled = estimate_memory(M, TR, HW, Z3.replace(sequence_parallel_size=8, tiled_loss=True))
+    assert e_tiled.gpu["logits"] < e_plain.gpu["logits"] / 4
+
+
+def test_tiled_mlp_keeps_only_the_mlp_input():
+    s = Strategy(zero_stage=3)  # no checkpointing: every block keeps its MLP's tensors
+    plain, tiled = _act(s, dataclasses.replace(TR, seq_len=8192)), _act(s.replace(tiled_mlp=True),
+                                                                        dataclasses.replace(TR, seq_len=8192))
+    assert tiled.mlp_saved_per_block == 0
+    cut = plain.per_block_plain - tiled.per_block_plain
+    assert cut == pytest.approx(4 * 2 * M.intermediate_size * 8192)  # SwiGLU's four f-wide saves, bf16
+    assert mlp_tile_tokens(1, 8192, M.hidden_size) == 4096  # ceil(8192 / 4096) = 2 shards
+    # its backward recomputes one tile's MLP at a time: what a block holds then is less than untiled
+    assert (tiled.per_block_plain + tiled.mlp_backward_transient
+            < plain.per_block_plain + plain.mlp_backward_transient - 2 * M.intermediate_size * 4096)
+
+
+def test_activation_offload_moves_the_checkpoints_to_host_memory():
+    s = Z3.replace(sequence_parallel_size=8)
+    on_gpu, offloaded = estimate_memory(M, TR, HW, s), estimate_memory(M, TR, HW, s.replace(activation_offload="cpu"))
+    a = _act(s)
+    moved = a.num_checkpointed * a.per_block_checkpointed
+    assert offloaded.gpu["activations"] < on_gpu.gpu["activations"]
+    assert offloaded.cpu_bytes_per_node - on_gpu.cpu_bytes_per_node == pytest.approx(HW.gpus_per_node * moved, abs=8)
+    # host RAM per node is part of fits
+    small = dataclasses.replace(HW, cpu_memory_gib=moved * HW.gpus_per_node / GIB / 2)
+    tight = estimate_memory(M, TR, small, s.replace(activation_offload="cpu"))
+    assert not tight.fits and any(r.kind == "host_memory" for r in tight.reasons)
+
+
+@pytest.mark.parametrize("change, gbs, key, words", [
+    (dict(sequence_parallel_size=3), 8, "sequence_parallel_size", "must divide the number of GPUs"),
+    (dict(engine="fsdp2", context_parallel_size=16), 8, "context_parallel_size", "must divide the number of GPUs"),
+    (dict(activation_offload="cpu", checkpointing="op"), 8, "activation_offload", "needs checkpointing full"),
+    (dict(micro_batch_size=2, sequence_parallel_size=2), 4, "micro_batch_size", "2 x 4 = 8 for 4"),
+])
+def test_rules_name_the_key(change, gbs, key, words):
+    training = dataclasses.replace(TR, global_batch_size=gbs)
+    errors = validation_errors(Strategy(**change), M, training, HW)
+    assert errors and errors[0][0] == key and words in errors[0][1], errors
+
+
+def test_batch_arithmetic_counts_the_sequence_split():
+    s = Strategy(zero_stage=3, sequence_parallel_size=4)
+    assert batch_ranks(HW, s) == 2
+    assert gradient_accumulation_steps(s, TR, HW) == TR.global_batch_size // 2
+
+
+def test_the_long_context_knobs_enter_the_default_space_for_long_sequences():
+    assert sequence_bytes(M, TR) > LONG_SEQUENCE_SHARE * HW.gpu.memory_bytes and long_sequence(LONG)
+    space = space_for(LONG)
+    assert space.values["sequence_parallel_size"] == (1, 2, 4, 8) and space.values["tiled_loss"] == (False, True)
+    short = load_config(os.path.join(ROOT, "examples", "llama3-8b.yaml"))
+    assert not long_sequence(short) and space_for(short).values["sequence_parallel_size"] == (1,)
+
+
+def test_llama31_8b_fits_at_131072_and_32768_without_parameter_offload():
+    """The issue's user: at 131072 the best tiled, split strategy fits an H100; at 32768 one fits
+    without offloading parameters (before: every candidate pruned / only full offload fitted)."""
+    s = Strategy(zero_stage=3, checkpointing="full", sequence_parallel_size=8, tiled_loss=True, tiled_mlp=True)
+    assert estimate_memory(M, TR, HW, s, headroom=0.05).fits
+    short = dataclasses.replace(TR, seq_len=32768)
+    assert estimate_memory(M, short, HW, Strategy(zero_stage=3, checkpointing="full", sequence_parallel_size=2,
+                                                  tiled_loss=True), headroom=0.05).fits
