@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 from autotune.config import Config
 from autotune.memory import GPU_COMPONENTS, MemoryEstimate, estimate_memory, overhead_bytes
 from autotune.pareto import pareto_front
+from autotune.reason import kind_of
 from autotune.backends.factory import backend_class
 from autotune.runfiles import (FRONT_FILE, TRIALS_FILE, RunData, TrialRecord, point_memory_gib, write_json,
                                write_trials_csv)
@@ -286,6 +287,8 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
         "front": points,
         "best": next((p for p in points if best is not None and p["trial"] == best.number), None),
     }
+    if not points:
+        front_obj["smallest_pruned"] = smallest_pruned(cfg, rows, est)
     if front_obj["best"] is not None:
         front_obj["best"]["why"] = why_recommended(front_obj["best"], points, front_obj["usable_gpu_memory_gib"])
     write_json(os.path.join(run_dir, FRONT_FILE), front_obj)
@@ -321,6 +324,26 @@ def failure_summary(rows: list[TrialRow]) -> dict[str, Any]:
     first = min(failed, key=lambda r: r.number, default=None)
     return {"by_status": by_status,
             "first": first and {"trial": first.number, "reason": first.fail_reason, "log_dir": first.log_dir}}
+
+
+def smallest_pruned(cfg: Config, rows: list[TrialRow], est: Estimator) -> Optional[dict[str, Any]]:
+    """The pruned candidate that needs the least GPU memory (of those that break no rule), with the
+    component that dominates it: what "no candidate fits" names."""
+    best: Optional[tuple[int, TrialRow, MemoryEstimate]] = None
+    for r in rows:
+        if r.state != "PRUNED" or r.duplicate_of is not None:
+            continue
+        mem = est(r.strategy)
+        if any(kind_of(reason) == "rule" for reason in mem.reasons):
+            continue
+        if best is None or mem.total_gpu_bytes < best[0]:
+            best = (mem.total_gpu_bytes, r, mem)
+    if best is None:
+        return None
+    total, row, mem = best
+    part = max((k for k in mem.gpu if k not in ("peak", "overhead")), key=mem.gpu.__getitem__)
+    return {"trial": row.number, "strategy_text": row.strategy.describe(cfg.model.num_hidden_layers),
+            "gpu_memory_gib": total / GIB, "largest_part": part, "largest_part_gib": mem.gpu[part] / GIB}
 
 
 def why_recommended(best: dict[str, Any], points: list[dict[str, Any]], usable_gib: float) -> str:
@@ -386,8 +409,13 @@ def empty_front_reason(front_obj: dict[str, Any]) -> str:
         text = f"every evaluation failed ({by}); first: trial {first.get('trial')}: {first.get('reason')}"
         return text + (f"; logs in {first['log_dir']}" if first.get("log_dir") else "")
     if counts.get("pruned") and not counts.get("complete"):
-        return (f"no candidate fits: all {counts['pruned']} candidates were pruned by the memory model; "
-                "see the prune reasons in summary.md and trials.csv")
+        text = f"no candidate fits: all {counts['pruned']} candidates were pruned by the memory model"
+        small = front_obj.get("smallest_pruned")
+        if small:
+            text += (f"; the smallest, trial {small['trial']} ({small['strategy_text']}), needs "
+                     f"{small['gpu_memory_gib']:.1f} GiB of {front_obj['usable_gpu_memory_gib']:.1f} GiB usable, most "
+                     f"of it {small['largest_part'].replace('_', ' ')} ({small['largest_part_gib']:.1f} GiB)")
+        return text + "; see the prune reasons in summary.md and trials.csv"
     return "no candidate was evaluated"
 
 

@@ -29,6 +29,10 @@ def test_everything_pruned_exits_1_with_its_own_message_and_keeps_latest(tmp_pat
     assert main(["run", nofit, "--out", str(tmp_path / "runs"), "--name", "bad"]) == 1
     err = capsys.readouterr().err
     assert "no candidate fits" in err and "pruned by the memory model" in err and "failed" not in err
+    # it names the smallest candidate and what dominates it (front.json says the same)
+    small = json.loads((tmp_path / "runs" / "bad" / "front.json").read_text())["smallest_pruned"]
+    assert f"the smallest, trial {small['trial']} ({small['strategy_text']}), needs" in err
+    assert f"most of it {small['largest_part'].replace('_', ' ')}" in err and small["gpu_memory_gib"] > 16
     # the links still point at the run that produced a front: --baseline latest compares against it
     assert os.readlink(tmp_path / "runs" / "latest-job") == "good"
     assert os.readlink(tmp_path / "runs" / "latest") == "good"
