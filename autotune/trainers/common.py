@@ -89,8 +89,8 @@ def model_side_long_context(s: Strategy) -> bool:
 
 
 def long_context_call(p: Point) -> str:
-    """The one model-side call of the point's long-context knobs, before the engine is built ("none"
-    without them): ``apply_long_context`` with the knobs as an ``autotune.Strategy``; under
+    """The model-side call of the point's long-context knobs, before the engine is built, as code
+    ("none" without them): ``apply_long_context`` with the knobs as an ``autotune.Strategy``; under
     Ulysses its mpu goes to ``deepspeed.initialize`` and every batch through ``shard_batch``."""
     s = p.strategy
     if not model_side_long_context(s):
@@ -104,8 +104,7 @@ def long_context_call(p: Point) -> str:
     call = (f"mpu = {LONG_CONTEXT}.apply_long_context(model, autotune.Strategy({', '.join(knobs)}), "
             f"seq_length={p.cfg.training.seq_len})")
     if s.sequence_parallel_size > 1:
-        call += (f"; then `deepspeed.initialize(..., mpu=mpu)` and every batch through "
-                 f"`{LONG_CONTEXT}.shard_batch(batch, mpu)`")
+        call += f"; deepspeed.initialize(..., mpu=mpu); batch = {LONG_CONTEXT}.shard_batch(batch, mpu)"
     return call
 
 

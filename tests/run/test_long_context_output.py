@@ -140,7 +140,8 @@ def test_trainer_files_of_a_ulysses_point(tmp_path):
     assert "autotune.models.long_context.apply_long_context(model, autotune.Strategy(zero_stage=1, " \
            "sequence_parallel_size=2, tiled_loss=True, tiled_mlp=True, activation_offload='cpu', " \
            "checkpointing='full', micro_batch_size=1), seq_length=32)" in readme
-    assert "shard_batch(batch, mpu)" in readme and "deepspeed.initialize(..., mpu=mpu)" in readme
+    assert "; deepspeed.initialize(..., mpu=mpu); batch = autotune.models.long_context.shard_batch(batch, mpu)`" \
+        in readme
     acc = yaml.safe_load((folder / FILES["accelerate"]).read_text())
     assert acc["parallelism_config"] == {"parallelism_config_dp_shard_size": 1, "parallelism_config_sp_size": 2,
                                          "parallelism_config_sp_backend": "deepspeed",
