@@ -41,6 +41,7 @@ def test_table_carries_every_strategy_field_and_its_source():
     for r in ROWS:
         assert r["source"].startswith("https://github.com/") and r["licence"], r["run"]
         assert int(r["published_max_seq"]) > 0, r["run"]
+        lc.strategy_of(r)  # every row's strategy cells pass the job file's checkers (the model's rules: below)
         # a row left out of the check says why
         assert r["in_test"] == "true" or r["note"], r["run"]
     assert len(TESTED) >= 10
