@@ -425,16 +425,18 @@ def _split_attention(m: ModelSpec, p: int, split: _Split) -> tuple[float, float]
     """Per local token, what splitting the sequence adds to the attention core: (saved, backward
     transient).
     * Ulysses: the kernel's k and v hold max(1, sp / kv heads) x the local kv width (kv heads
-      repeated when the degree exceeds them, ``kv_replication_factor``), and each gradient leaves
-      through a contiguous copy and the all-to-all's output (``_combine_local_sequences``,
-      ``_partition_global_sequence``: ulysses_sp.py): two copies of dq, dk, dv.
+      repeated when the degree exceeds them, ``kv_replication_factor``), so do dk and dv; each of
+      dq, dk, dv then leaves through a contiguous copy and the all-to-all's output, one after the
+      other (``_combine_local_sequences``'s three exchanges, ulysses_sp.py): two copies of the
+      widest.
     * Ring attention: fp32 accumulators of dq, dk, dv next to one step's gradients, and the k/v
       chunk and its fp32 dk/dv travelling round the ring (torch/distributed/tensor/experimental/
       _context_parallel/_attention.py ``_templated_ring_attention_backward``, convert_to_f32)."""
     q, kv = m.q_size, m.kv_size
     if split.sp > 1:
-        extra_kv = 2 * p * kv * (max(1, split.sp // m.num_key_value_heads) - 1)
-        return float(extra_kv), float(extra_kv + 2 * p * (q + 2 * kv) + 2 * extra_kv)
+        repeat = max(1, split.sp // m.num_key_value_heads)
+        extra_kv = 2 * p * kv * (repeat - 1)
+        return float(extra_kv), float(extra_kv + 2 * p * max(q, kv * repeat))
     if split.cp > 1:
         return 0.0, float(4 * (q + 2 * kv) + 2 * p * kv + 8 * kv)
     return 0.0, 0.0

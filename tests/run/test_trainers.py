@@ -142,7 +142,9 @@ def check_lightning(folder: Path, cfg, s: Strategy) -> None:
     strategy._lightning_module = lm
     strategy._format_config()
     plain = _plain(cfg, s)
-    assert _strip(strategy.config) == _strip(plain, "train_batch_size")  # the config DeepSpeed gets
+    # the config DeepSpeed gets (Lightning passes no mpu: no Ulysses keys, its README says so)
+    assert _strip(strategy.config) == _strip(plain, "train_batch_size", "sequence_parallel_size",
+                                             "seq_parallel_communication_data_type")
 
 
 def torchtitan_config_manager():
@@ -190,12 +192,13 @@ def check_torchtitan(folder: Path, cfg, s: Strategy) -> None:
             assert _literal_ok(type(obj), key, value), (section, key, value)
     par, tr = job.parallelism, job.training
     hw = cfg.hardware
-    assert par.data_parallel_replicate_degree * par.data_parallel_shard_degree == hw.num_gpus
+    dp = par.data_parallel_replicate_degree * par.data_parallel_shard_degree
+    assert dp * par.context_parallel_degree == hw.num_gpus and par.context_parallel_degree == s.context_parallel_size
     assert (par.data_parallel_replicate_degree > 1) == (s.sharding == "hybrid")
     assert par.fsdp_reshard_after_forward == ("always" if s.reshard_after_forward else "never")
     assert tr.local_batch_size == s.micro_batch_size and tr.seq_len == cfg.training.seq_len
     # torchtitan/train.py: gradient_accumulation_steps = global_batch_size // (local_batch_size * dp degree)
-    assert tr.global_batch_size // (tr.local_batch_size * hw.num_gpus) == gradient_accumulation_steps(
+    assert tr.global_batch_size // (tr.local_batch_size * dp) == gradient_accumulation_steps(
         s, cfg.training, hw)
     assert tr.enable_cpu_offload == (s.offload_params == "cpu")
     opt, o = cfg.training.optimizer, job.optimizer  # the job's optimizer settings
