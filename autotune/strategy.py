@@ -146,6 +146,13 @@ class Strategy:
         live between forward and backward (cpu: host memory, copied back before each block's
         recomputation; ALST's activation checkpoint offload).""")
 
+    expert_parallel_size: int = knob(1, search_order=20, feature=("log2", 1.0), flag=True, engine="fsdp2",
+                                     int_range=(1, 1 << 16), added=True, help="""Expert parallelism of an MoE
+        model (torchtitan's expert_parallel_degree, torchtitan/distributed/expert_parallel.py ExpertParallel):
+        each group of this many data parallel GPUs splits every MoE block's routed experts between them and
+        sends each token to the GPU of its experts (all_to_all_single: dispatch) and back (combine); the
+        experts are sharded by FSDP over GPUs / this, the dense parts over every GPU.""")
+
     def __post_init__(self) -> None:
         # knobs that do not apply to the engine take one fixed value, so a strategy has one
         # identity (``key``) whatever the caller passed for them
@@ -208,6 +215,8 @@ class Strategy:
             parts.append(f"Ulysses SP {self.sequence_parallel_size}")
         if self.context_parallel_size > 1:
             parts.append(f"CP {self.context_parallel_size}")
+        if self.expert_parallel_size > 1:
+            parts.append(f"EP {self.expert_parallel_size}")
         parts.append(f"mbs {self.micro_batch_size}")
         if self.checkpointing == "none":
             parts.append("no ckpt")
@@ -290,6 +299,7 @@ def validation_errors(
         errors.append(("micro_batch_size", f"micro_batch_size must be >= 1, but got {s.micro_batch_size}"))
     split = _sequence_split_errors(s, model, training, hardware)
     errors += split
+    errors += _expert_parallel_errors(s, model, hardware) if not split else []
     if s.micro_batch_size >= 1 and not split:
         dp = batch_ranks(hardware, s)
         per_step = s.micro_batch_size * dp
@@ -373,6 +383,32 @@ def _sequence_split_errors(s: Strategy, model: ModelSpec, training: TrainingSpec
             errors.append(("context_parallel_size", f"context_parallel_size > 1 needs attn_implementation sdpa "
                            f"(ring attention replaces sdpa's kernels), but got {model.attn_implementation}"))
     return errors
+
+
+def _expert_parallel_errors(s: Strategy, model: ModelSpec, hardware: HardwareSpec) -> list[tuple[str, str]]:
+    """Expert parallelism as torchtitan builds it (torchtitan/distributed/parallel_dims.py
+    ``_build_mesh_with_ep``: the ep ranks are a divisor of the data-parallel ranks, ``dp_shard_in_ep``,
+    and ExpertParallel's ``Shard(0)`` splits the experts evenly between them)."""
+    ep = s.expert_parallel_size
+    key = "expert_parallel_size"
+    if ep < 1:
+        return [(key, f"{key} must be >= 1, but got {ep}")]
+    if ep == 1:
+        return []
+    dp = batch_ranks(hardware, s)
+    if not model.is_moe:
+        return [(key, f"{key} > 1 needs a mixture-of-experts model (num_experts > 0), but got {ep} for a dense model")]
+    if model.num_experts % ep:
+        return [(key, f"{key} must divide num_experts, but got {ep} for {model.num_experts} experts")]
+    if s.context_parallel_size > 1:
+        return [(key, f"{key} > 1 with context_parallel_size > 1 is not modelled (torchtitan's ep then borrows "
+                 f"the cp ranks), but got {ep} and {s.context_parallel_size}")]
+    if dp % ep:
+        return [(key, f"{key} must divide the data-parallel size (GPUs / sequence split), but got {ep} for {dp}")]
+    if s.sharding == "hybrid" and hardware.num_nodes > 1 and hardware.gpus_per_node % ep:
+        return [(key, f"{key} must divide gpus_per_node under sharding hybrid (the experts shard within a node), "
+                 f"but got {ep} for {hardware.gpus_per_node}")]
+    return []
 
 
 def validate(strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec) -> list[str]:

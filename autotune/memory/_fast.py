@@ -38,7 +38,8 @@ _act_fields = attrgetter(*_ACT_FIELDS)
 
 rules_key = attrgetter("engine", "zero_stage", "micro_batch_size", "offload_params", "offload_optimizer",
                        "checkpoint_layers", "checkpoint_every", "sharding", "precision", "checkpointing",
-                       "sequence_parallel_size", "context_parallel_size", "activation_offload")
+                       "sequence_parallel_size", "context_parallel_size", "activation_offload",
+                       "expert_parallel_size")
 """The knobs ``strategy.validation_errors`` reads."""
 activation_key = attrgetter("micro_batch_size", "precision", "checkpointing", "checkpoint_layers", "checkpoint_every",
                             "engine", "zero_stage", "sequence_parallel_size", "context_parallel_size", "tiled_loss",

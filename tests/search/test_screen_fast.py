@@ -150,6 +150,7 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "sequence_parallel_size": (Strategy(), 3),
         "context_parallel_size": (Strategy(engine="fsdp2"), 3),
         "activation_offload": (Strategy(checkpointing="op"), "cpu"),
+        "expert_parallel_size": (Strategy(engine="fsdp2"), 2),  # GPT-2 is dense
     }, "examples/gpt2.yaml", {"gpu": gpu_from_name("v100-32gb")}),
     "activation_key": (lambda c, s: _fast.activation_row(c.model, c.training, s, "cuda"), None, {
         "micro_batch_size": (Strategy(), 2),
