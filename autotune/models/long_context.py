@@ -192,8 +192,23 @@ def tiled_loss(model: Any, hidden_states: Any, labels: Any = None, shift_labels:
     if denominator is None:
         denominator = (y != -100).sum().clamp(min=1)
     head = model.get_output_embeddings()
-    return TiledFusedLogitsLoss.apply(_tile_loss(denominator), model, hidden_states, y, None, n,
-                                      list(head.parameters()), "sum")
+    params = list(head.parameters())
+    embed = model.get_input_embeddings()
+    tied = [p for p in params if any(p is q for q in embed.parameters())]
+    if not tied:
+        return TiledFusedLogitsLoss.apply(_tile_loss(denominator), model, hidden_states, y, None, n, params, "sum")
+    # a head tied to the input embedding gets its second gradient in backward: DeepSpeed must not
+    # reduce it at the last tile (ZeRO-1/2: "Gradient computed twice for this partition", ZeRO-3:
+    # one parameter twice in a bucket), so it stays not ready through every tile (stage_1_and_2.py
+    # and stage3.py read ds_grad_is_ready) and the embedding's backward accumulation reduces both
+    for p in tied:
+        p.ds_grad_is_ready = False
+    try:
+        return TiledFusedLogitsLoss.apply(_tile_loss(denominator), model, hidden_states, y, None, n,
+                                          [p for p in params if all(p is not t for t in tied)], "sum")
+    finally:
+        for p in tied:
+            p.ds_grad_is_ready = True
 
 
 def causal_lm_loss(model: Any, batch: dict, mpu: Any = None, tiled: bool = False,
@@ -292,11 +307,16 @@ def tile_mlp(model: Any, shards: Optional[int] = None, agree_across_ranks: bool 
             continue
         plain = type(mlp).forward
 
-        def forward(self: Any, x: Any, _plain: Any = plain) -> Any:
+        def _contiguous(self: Any, x: Any, _plain: Any = plain) -> Any:
+            # TiledMLP's forward tiles [batch, seq, h] along seq: with batch > 1 a tile is strided,
+            # which views in the MLP (GPT-2's Conv1D) refuse
+            return _plain(self, x.contiguous())
+
+        def forward(self: Any, x: Any, _contiguous: Any = _contiguous) -> Any:
             n = int(shards) if shards else math.ceil(x.shape[-2] / x.shape[-1])
             if not shards and agree_across_ranks:
                 n = _max_over_ranks(n, x.device)
-            return TiledMLP.apply(_plain, self, x, max(1, min(n, x.shape[-2])), list(self.parameters()))
+            return TiledMLP.apply(_contiguous, self, x, max(1, min(n, x.shape[-2])), list(self.parameters()))
 
         mlp.forward = types.MethodType(forward, mlp)
         mlp._autotune_tiled = True

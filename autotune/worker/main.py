@@ -420,3 +420,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         pass
     return 1 if result["status"] == "error" else 0
 
+
+if __name__ == "__main__":  # python -m autotune.worker.main JOB.json (as python -m autotune.worker)
+    sys.exit(main())

@@ -24,12 +24,12 @@ sys.path.insert(0, str(ROOT))
 from autotune.models import long_context as lc  # noqa: E402
 
 
-def _llama(vocab: int = 256) -> "torch.nn.Module":
+def _llama(vocab: int = 256, tied: bool = False) -> "torch.nn.Module":
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=vocab, head_dim=16, max_position_embeddings=256)
+                      intermediate_size=128, vocab_size=vocab, head_dim=16, max_position_embeddings=256, tie_word_embeddings=tied)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
 
 
@@ -67,6 +67,18 @@ def test_tiled_loss_gives_the_untiled_loss_and_gradients():
     assert want["lm_head.weight"].abs().sum() > 0
 
 
+def test_tiled_tied_head_gives_the_untiled_gradients():
+    model = _llama(tied=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(5))
+    want_loss, want = _reference(model, ids, ids)
+    m = copy.deepcopy(model)
+    lc.use_long_context_loss(m, tiled=True, shards=2)
+    m(input_ids=ids, labels=ids).loss.backward()
+    _assert_same(_grads(m), want)
+    assert getattr(m.lm_head.weight, "ds_grad_is_ready", True)  # left ready for DeepSpeed's backward hook
+
+
 def test_loss_tiles_are_one_gib_of_fp32_logits():
     assert lc.loss_tiles(1, 1000) == 1
     assert lc.loss_tiles(131072, 128256) == 63  # 62.6 GiB of fp32 logits (Llama-3 vocab, 128k tokens)
@@ -88,6 +100,20 @@ def test_tiled_mlp_gives_the_plain_output_and_gradients():
     torch.testing.assert_close(loss.detach(), want_loss)
     _assert_same(_grads(m), want)
     assert lc.tile_mlp(m) == 2 and m.model.layers[0].mlp._autotune_tiled  # applied once, not twice
+
+
+def test_tiled_mlp_of_gpt2_takes_strided_tiles():
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+                                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(6))  # batch 2: strided seq tiles
+    want_loss, want = _reference(model, ids, ids)
+    m = copy.deepcopy(model)
+    assert lc.tile_mlp(m) == 2  # ceil(48 / 32) = 2 tiles (Conv1D views its input)
+    m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    _assert_same(_grads(m), want)
 
 
 def test_offload_moves_the_checkpointed_inputs_to_host_and_keeps_the_gradients():
@@ -131,7 +157,7 @@ def _ulysses_rank(stage: int, tiled: bool, out: str) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     rank = torch.distributed.get_rank()
-    model = _llama()
+    model = _llama(tied=True)  # as Llama-3.2-1B: the tiled head's gradient meets the embedding's in backward
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(4))
     labels = ids.clone()
     labels[0, 40:50] = -100  # the second rank's shard counts fewer tokens
