@@ -5,6 +5,7 @@
     python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
     python benchmarks/memory_vs_deepspeed.py --reuse out.json    # re-predict stored measurements
+    python benchmarks/memory_vs_deepspeed.py --long-context      # 18 rows of issue 24's knobs (long_context_grid)
 
 The grid: 10 Hugging Face families from their published config.json (tests/data/hf: llama, mistral,
 qwen2, qwen3, gemma, gemma2, phi3, olmo2, gpt2 with its default dropout 0.1, gpt_neox), shrunk to CPU size
@@ -268,6 +269,45 @@ def long_rows() -> list[tuple]:
 LONG_ROWS = long_rows()
 
 
+# issue 24's long-context knobs (autotune.models.long_context through the worker): Ulysses sequence
+# parallel 2 on 2 ranks ("sp"), the tiled loss ("tl", TiledFusedLogitsLoss: one 1-GiB tile at these
+# sizes), the tiled MLP ("tm", ceil(seq / hidden) tiles), activation offload of the checkpointed
+# inputs to host ("ao", full checkpointing), alone and together, on 9 HF families (Gemma-2: eager
+# attention, no Ulysses), ZeRO 0-3 and fsdp2 (context parallel has no CPU kernel: not measured),
+# 1 and 2 ranks, bf16/fp32. Row = ROW_KEYS + "knobs" (Strategy fields)
+_LC = {"sp": {"sequence_parallel_size": 2}, "tl": {"tiled_loss": True}, "tm": {"tiled_mlp": True},
+       "ao": {"activation_offload": "cpu"}}
+LONG_CONTEXT_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision, knobs)
+    ("hf-llama", 2, 2, 1, 1, 512, "none", "bf16", "sp"), ("hf-qwen3", 3, 2, 1, 2, 256, "full", "fp32", "sp"),
+    ("hf-mistral", 1, 2, 1, 1, 512, "full", "bf16", "sp+tm"), ("hf-phi3", 0, 2, 1, 2, 256, "none", "fp32", "sp+tl"),
+    ("hf-llama", 0, 1, 1, 2, 512, "none", "bf16", "tl"), ("hf-gemma", 3, 1, 1, 2, 256, "full", "fp32", "tl"),
+    ("hf-olmo2", 2, 2, 1, 2, 256, "none", "bf16", "tl"), ("hf-gpt2", 1, 1, 1, 2, 256, "none", "fp32", "tm"),
+    ("hf-neox", 2, 2, 1, 2, 256, "full", "bf16", "tm"), ("hf-qwen2", 3, 2, 1, 2, 256, "none", "bf16", "tm"),
+    ("hf-llama", 0, 1, 1, 2, 256, "full", "bf16", "ao"), ("hf-qwen3", 2, 2, 1, 2, 256, "full", "fp32", "ao"),
+    ("hf-gemma2", "fsdp2", 2, 1, 2, 256, "full", "bf16", "ao"), ("hf-llama", "fsdp2", 1, 1, 2, 256, "none", "fp32", "tl+tm"),
+    ("hf-mistral", 3, 2, 1, 1, 512, "full", "bf16", "sp+tl+tm+ao"),
+    ("hf-llama-long", 2, 2, 1, 1, 2048, "none", "bf16", "sp"), ("hf-qwen2-long", 1, 1, 1, 1, 2048, "full", "bf16", "tl+tm"),
+    ("hf-gemma-long", 0, 2, 1, 1, 2048, "full", "fp32", "sp+ao"),
+]
+
+
+def long_context_grid() -> list[dict]:
+    """LONG_CONTEXT_ROWS as grid rows (``knobs``: the long-context Strategy fields of the row)."""
+    rows = []
+    for *head, names in LONG_CONTEXT_ROWS:
+        knobs: dict = {}
+        for name in names.split("+"):
+            knobs.update(_LC[name])
+        rows.append(dict(zip(ROW_KEYS, head), knobs=knobs))
+    return rows
+
+
+def row_key(row: dict) -> tuple:
+    """A row's identity (--reuse): ROW_KEYS, and its long-context knobs when it has any."""
+    key = tuple(row.get(k, 1 if k == "ga" else None) for k in ROW_KEYS)
+    return key + (json.dumps(row["knobs"], sort_keys=True),) if row.get("knobs") else key
+
+
 def grid(quick: bool) -> list[dict]:
     """Reference-decoder rows, the checkpointing-granularity rows and the fsdp2 rows (the HF
     families, hf_grid, carry most of the accuracy claim)."""
@@ -287,7 +327,7 @@ def row_strategy(row: dict) -> Strategy:
     or ``granularity/k`` (every k-th block)."""
     granularity, _, every = str(row["ckpt"]).partition("/")
     common = dict(micro_batch_size=row["mbs"], checkpointing=granularity, precision=row["precision"],
-                  checkpoint_every=int(every) if every else None)
+                  checkpoint_every=int(every) if every else None, **row.get("knobs", {}))
     stage = row["stage"]
     if isinstance(stage, str):
         return Strategy(engine="fsdp2", reshard_after_forward=stage != "fsdp2-keep",
@@ -302,7 +342,9 @@ def specs(row: dict, workdir: Path | None = None) -> tuple[ModelSpec, TrainingSp
         model = ModelSpec(**hf_config_fields(_hf_path(row["model"], workdir or Path(tempfile.gettempdir()))))
     else:
         model = ModelSpec(**MODELS[row["model"]])
-    training = TrainingSpec(seq_len=row["seq"], global_batch_size=row["mbs"] * row["nproc"] * row.get("ga", 1),
+    split = int(row.get("knobs", {}).get("sequence_parallel_size", 1)) * int(
+        row.get("knobs", {}).get("context_parallel_size", 1))  # ranks sharing a sequence (1 without knobs)
+    training = TrainingSpec(seq_len=row["seq"], global_batch_size=row["mbs"] * row["nproc"] * row.get("ga", 1) // split,
                             precision=row["precision"])
     hardware = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=row["nproc"], num_nodes=1)
     return model, training, hardware, row_strategy(row)
@@ -352,6 +394,8 @@ def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
                phases_measured=(ranks.get("phase_peaks_bytes") or [res["phase_peaks_bytes"]])[k],
                per_rank_peaks=peaks, optimizer=res["optimizer"], gas=res["gradient_accumulation_steps"],
                loop=res.get("loop"))
+    if res.get("host_offload_peak_bytes") is not None:  # activation offload: rank 0's host bytes (not in the peak)
+        out["host_offload_measured"] = res["host_offload_peak_bytes"]
     return predict(out, workdir)
 
 
@@ -361,11 +405,21 @@ def predict(out: dict, workdir: Path) -> dict:
     est = estimate_memory(model, training, hardware, strategy, device="cpu")
     out["dropout"] = bool(model.hidden_dropout or model.attention_dropout)
     out.update(predicted=est.gpu["peak"], predicted_phase=est.peak_phase, phases_predicted=est.phases)
+    if out.get("knobs"):  # the long-context rows: the host RAM side too (activation offload's copies)
+        out["host_predicted_per_node"] = est.cpu_bytes_per_node
     out["error"] = (out["predicted"] - out["measured"]) / out["measured"]
     return out
 
 
 ROW_KEYS = ("model", "stage", "nproc", "ga", "mbs", "seq", "ckpt", "precision")
+
+
+def knob_text(knobs: dict) -> str:
+    """A row's long-context knobs in short: sp2, cp2, tl, tm, ao."""
+    parts = [f"{n}{knobs[k]}" for n, k in (("sp", "sequence_parallel_size"), ("cp", "context_parallel_size"))
+             if knobs.get(k, 1) > 1]
+    parts += [n for n, k in (("tl", "tiled_loss"), ("tm", "tiled_mlp")) if knobs.get(k)]
+    return "+".join(parts + (["ao"] if knobs.get("activation_offload", "none") != "none" else []))
 
 
 def summarize(results: list[dict]) -> list[str]:
@@ -380,7 +434,7 @@ def summarize(results: list[dict]) -> list[str]:
     def name(r: dict) -> str:
         engine = r["stage"] if isinstance(r["stage"], str) else f"ZeRO-{r['stage']}"
         return (f"{r['model']} {engine} {r['nproc']} rank(s) GA {r.get('ga', 1)} mbs {r['mbs']} seq {r['seq']} "
-                f"{r['ckpt']} {r['precision']}")
+                f"{r['ckpt']} {r['precision']}" + (f" {knob_text(r['knobs'])}" if r.get("knobs") else ""))
 
     lines = [f"configs: {len(results)} run, {len(ok)} ok, {len({(HF_FAMILIES.get(r['model']) or LONG_FAMILIES[r['model']])[0] for r in ok if r['model'] in HF_FAMILIES or r['model'] in LONG_FAMILIES})} "
              f"HF families",
@@ -400,6 +454,8 @@ def summarize(results: list[dict]) -> list[str]:
         "every k-th block": [r for r in ok if "/" in str(r["ckpt"])],
         **{f"GA {g}": [r for r in ok if r.get("ga", 1) == g] for g in (1, 2, 4, 8)},
         "dropout on": [r for r in ok if r.get("dropout")],
+        **{f"long context {n}": [r for r in ok if n in knob_text(r.get("knobs") or {}).split("+")]
+           for n in ("sp2", "tl", "tm", "ao")},
     }
     for gname, rs in groups.items():
         if rs:
@@ -413,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few reference configs instead of the full grid")
     ap.add_argument("--spot", action="store_true", help="8 off-grid HF configs (GA 3, other shapes) instead of the grid")
+    ap.add_argument("--long-context", action="store_true",
+                    help="the long-context knob rows (long_context_grid: Ulysses, tiled loss / MLP, activation "
+                         "offload) instead of the grid")
+    ap.add_argument("--moe", action="store_true", help="the mixture-of-experts rows (moe_grid) instead of the grid")
     ap.add_argument("--json", help="write all rows (measured, predicted, per-phase) to this file")
     ap.add_argument("--filter", action="append", default=[], help="KEY=VALUE on grid rows, e.g. stage=3 or stage=fsdp2,fsdp2-keep")
     ap.add_argument("--jobs", type=int, default=2, help="configs run this many at a time")
@@ -425,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = grid(args.quick)
     if args.spot:
         rows = [dict(zip(ROW_KEYS, r)) for r in SPOT_ROWS]
+    elif args.long_context:
+        rows = long_context_grid()
     elif not args.quick and importlib.util.find_spec("transformers") is not None:
         rows += hf_grid()
     for f in args.filter:
@@ -440,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     def row_text(r: dict) -> str:
         head = (f"{r['model']:<15}{str(r['stage']):>11}{r['nproc']:>3}{r.get('ga', 1):>3}{r['mbs']:>4}{r['seq']:>5} "
                 f"{r['ckpt']:<10}{r['precision']:<5}")
+        if r.get("knobs"):
+            head += f"[{knob_text(r['knobs'])}] "
         if r.get("status") != "ok":
             return head + f"  {r.get('status')}: {str(r.get('reason'))[:200]}"
         return (head + f"{r['measured'] / 2**20:>13.2f}{r['predicted'] / 2**20:>14.2f}{100 * r['error']:>+8.2f}"
@@ -449,10 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.reuse:
         for r in json.loads(Path(path).read_text()):
             if r.get("status") == "ok":
-                stored[tuple(r.get(k, 1 if k == "ga" else None) for k in ROW_KEYS)] = r
-    todo = [] if args.no_run else [r for r in rows if tuple(r[k] for k in ROW_KEYS) not in stored]
+                stored[row_key(r)] = r
+    todo = [] if args.no_run else [r for r in rows if row_key(r) not in stored]
     for row in rows:
-        key = tuple(row[k] for k in ROW_KEYS)
+        key = row_key(row)
         if key in stored:
             r = predict(dict(stored[key]), workdir)
             results.append(r)
