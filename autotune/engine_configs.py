@@ -207,6 +207,8 @@ def to_fsdp2_config(
     }
     if s.context_parallel_size > 1:
         layout["context_parallel"] = context_parallel_layout(s, hardware)
+    if s.expert_parallel_size > 1:
+        layout["expert_parallel"] = expert_parallel_layout(s, model, hardware)
     extra = long_context_knobs(s)
     if extra:
         layout["long_context"] = extra
@@ -228,6 +230,29 @@ def context_parallel_layout(strategy: Strategy, hardware: HardwareSpec) -> dict[
             "fully_shard_mesh": ["dp_replicate", "dp_shard_cp"] if hybrid else ["dp_shard_cp"],
             "rotate_method": "allgather",  # torchtitan's default context_parallel_rotate_method
             "load_balance": "head-tail", "seq_dim": 1}
+
+
+def expert_parallel_layout(strategy: Strategy, model: ModelSpec, hardware: HardwareSpec) -> dict[str, Any]:
+    """Expert parallelism of an fsdp2 point as torchtitan lays it out (torchtitan/distributed/
+    parallel_dims.py ``_build_mesh_with_ep``, models/llama4/infra/parallelize.py ``apply_fsdp``): a
+    device mesh ``(dp_replicate,) dp_shard_mod_ep x dp_shard_in_ep``; the routed experts split over
+    ``ep`` (= dp_shard_in_ep; ExpertParallel: dim 0 of each expert tensor, all_to_all_single to
+    dispatch and combine), then ``fully_shard`` over ``dp_shard_mod_ep`` (their dim 1 when
+    dp_shard_mod_ep x ep exceeds the experts), gradients divided by the whole data-parallel size;
+    every other parameter ``fully_shard`` over the flattened ``dp_shard_cp`` (every GPU of a replica)."""
+    ep = strategy.expert_parallel_size
+    hybrid = strategy.sharding == "hybrid"
+    shard = hardware.gpus_per_node if hybrid else hardware.num_gpus
+    mod_ep = shard // ep
+    rep = ["dp_replicate"] if hybrid else []
+    return {"expert_parallel_size": ep, "num_experts": model.num_experts, "local_experts": model.num_experts // ep,
+            "mesh": {"shape": ([hardware.num_nodes] if hybrid else []) + [mod_ep, ep],
+                     "dim_names": rep + ["dp_shard_mod_ep", "dp_shard_in_ep"]},
+            "ep_mesh": ["dp_shard_in_ep"], "fully_shard_mesh": rep + ["dp_shard_cp"],
+            "experts_fully_shard_mesh": rep + ["dp_shard_mod_ep"],
+            "experts_shard_dim": 1 if mod_ep * ep > model.num_experts else 0,
+            "gradient_divide_factor": shard * (hardware.num_nodes if hybrid else 1),
+            "dispatch": "all_to_all_single", "combine": "all_to_all_single"}
 
 
 def long_context_knobs(strategy: Strategy) -> dict[str, Any]:

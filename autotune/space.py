@@ -47,6 +47,9 @@ class SearchSpace:
     long_context: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     """Knob -> the values it takes instead when the job's sequence is long (the file's
     ``long_context`` section; ``space_for`` applies it where ``long_sequence`` says so)."""
+    moe: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Knob -> the values it takes instead when the job's model is a mixture of experts (the file's
+    ``moe`` section; ``space_for`` applies it through ``moe_space``)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.values) - set(KNOBS)
@@ -55,6 +58,7 @@ class SearchSpace:
         object.__setattr__(self, "values", {k: tuple(self.values[k]) if k in self.values else SPACE_DEFAULTS[k]
                                             for k in KNOBS})
         object.__setattr__(self, "long_context", {k: tuple(v) for k, v in self.long_context.items()})
+        object.__setattr__(self, "moe", {k: tuple(v) for k, v in self.moe.items()})
 
     def __hash__(self) -> int:
         return hash((self.name, self.path, tuple(self.values.items())))
@@ -64,6 +68,12 @@ class SearchSpace:
         if not self.long_context:
             return self
         return dataclasses.replace(self, values={**self.values, **self.long_context}, long_context={})
+
+    def for_moe(self) -> "SearchSpace":
+        """This space with its ``moe`` values in place (itself when it has none)."""
+        if not self.moe:
+            return self
+        return dataclasses.replace(self, values={**self.values, **self.moe}, moe={})
 
     def choices(self, knob: str, model: ModelSpec) -> list[Any]:
         """The values of ``knob`` for ``model`` (a number of blocks resolved against its layers)."""
@@ -215,7 +225,14 @@ def space_for(cfg: Config) -> SearchSpace:
     unless the space lists precisions itself, with its long-context values when the job's
     sequence is long (``long_sequence``)."""
     space = load_space(cfg.search.space, os.path.dirname(os.path.abspath(cfg.path)), cfg.training.precision)
+    space = moe_space(space, cfg.model)
     return space.for_long_sequences() if space.long_context and long_sequence(cfg) else space
+
+
+def moe_space(space: SearchSpace, model: ModelSpec) -> SearchSpace:
+    """``space`` with its ``moe`` values (expert parallelism) when ``model`` is a mixture of experts;
+    without them (the knobs at the space's own values) otherwise."""
+    return space.for_moe() if model.is_moe else space
 
 
 def _values(check: Any, *, integer_range: bool = False, allow_auto: bool = False) -> Any:
@@ -305,6 +322,7 @@ def _parse(raw: Any, path: str, job_values: dict[str, Any]) -> SearchSpace:
     mapping(raw, "")
     raw = dict(raw)
     long_raw = raw.pop("long_context", None)
+    moe_raw = raw.pop("moe", None)
     section = check_section(raw, "", SPACE_SCHEMA)
     for knob, value in job_values.items():
         section.setdefault(knob, (value,))
@@ -312,5 +330,9 @@ def _parse(raw: Any, path: str, job_values: dict[str, Any]) -> SearchSpace:
     if long_raw is not None:
         mapping(long_raw, "long_context")
         long_context = check_section(long_raw, "long_context", SPACE_SCHEMA)
+    moe = {}
+    if moe_raw is not None:
+        mapping(moe_raw, "moe")
+        moe = check_section(moe_raw, "moe", SPACE_SCHEMA)
     name = os.path.splitext(os.path.basename(path))[0]
-    return SearchSpace(name=name, path=path, values=section, long_context=long_context)
+    return SearchSpace(name=name, path=path, values=section, long_context=long_context, moe=moe)

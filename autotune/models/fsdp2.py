@@ -201,9 +201,13 @@ def snippet(config: Mapping[str, Any]) -> str:
     A context-parallel layout (``context_parallel``) builds torchtitan's device mesh (``dp_shard x cp``,
     ``fully_shard`` over the flattened ``dp_shard_cp``) and runs each micro-batch in torch's
     ``context_parallel`` (_context_parallel_text); tiling and activation offload (``long_context``)
-    call ``autotune.models.long_context`` (the only autotune import, and only then)."""
+    call ``autotune.models.long_context`` (the only autotune import, and only then). An expert-parallel
+    layout (``expert_parallel``) builds torchtitan's ``dp_shard_mod_ep x dp_shard_in_ep`` mesh and, per
+    block, splits the experts over ep (autotune.models.expert_parallel inlined) and shards them over
+    dp_shard_mod_ep before the block's fully_shard."""
     lay = _layout(config, 0)
     cp = config.get("context_parallel")
+    ep = config.get("expert_parallel")
     lc = dict(config.get("long_context") or {})
     opt_cls, opt_params, foreach = _optimizer_block(config)
     args = [f"{k}={v!r}" for k, v in opt_params.items()] + [f"foreach={foreach!r}"]
@@ -227,13 +231,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
-{_long_context_imports(cp, lc)}
+{_long_context_imports(cp, lc)}{"from torch.distributed.tensor import Shard" + chr(10) if ep else ""}
 MESH_SHAPE = {shape!r}
 MESH_DIM_NAMES = {names!r}
-{_context_parallel_constants(cp)}CHECKPOINTED = {sorted(lay["blocks"])!r}  # block indices, granularity {lay["granularity"]!r}
+{_context_parallel_constants(cp)}{_expert_parallel_constants(ep)}CHECKPOINTED = {sorted(lay["blocks"])!r}  # block indices, granularity {lay["granularity"]!r}
 RESHARD_AFTER_FORWARD = {lay["reshard_after_forward"]!r}
 GRADIENT_ACCUMULATION_STEPS = {gas}
-{helpers}{_context_parallel_text() if cp else ""}
+{helpers}{_context_parallel_text() if cp else ""}{_expert_parallel_text() if ep else ""}
 
 def shard(model, blocks=None):
     """Checkpoint, then fully_shard every decoder block and the root; returns the optimizer."""
@@ -242,7 +246,7 @@ def shard(model, blocks=None):
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-{_mesh_lines(cp)}
+{_expert_parallel_mesh_lines() if ep else _mesh_lines(cp)}
     if blocks is None:  # the decoder blocks: the model's longest nn.ModuleList
         blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
 '''
@@ -261,8 +265,8 @@ def shard(model, blocks=None):
 '''
     text += f'''    mp = MixedPrecisionPolicy(param_dtype=torch.{lay["param_dtype"]}, reduce_dtype=torch.{lay["reduce_dtype"]})
     for i, block in enumerate(blocks):
-{chr(10).join(ckpt) if ckpt else "        pass"}
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=RESHARD_AFTER_FORWARD{offload})
+{chr(10).join(ckpt) + chr(10) if ckpt else "" if ep else "        pass" + chr(10)}\
+{_expert_parallel_block_lines(offload) if ep else ""}        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=RESHARD_AFTER_FORWARD{offload})
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True{offload})
     return torch.optim.{opt_cls}(model.parameters(), {opt_args})
 
@@ -294,6 +298,51 @@ def _context_parallel_constants(cp: Optional[Mapping[str, Any]]) -> str:
             "of a replica\n"
             f"ROTATE_METHOD = {cp.get('rotate_method', 'allgather')!r}  # ring attention's key/value exchange\n"
             "CP_MESH = None  # the cp dimension, set by shard()\n")
+
+
+def _expert_parallel_constants(ep: Optional[Mapping[str, Any]]) -> str:
+    """The expert-parallel mesh of the layout (torchtitan's dims) and the dims each part shards over."""
+    if not ep:
+        return ""
+    return (f"EP_MESH_SHAPE = {tuple(int(x) for x in ep['mesh']['shape'])!r}  # torchtitan's world mesh with ep\n"
+            f"EP_MESH_DIM_NAMES = {tuple(ep['mesh']['dim_names'])!r}\n"
+            f"FULLY_SHARD_MESH_DIMS = {tuple(ep['fully_shard_mesh'])!r}  # dense parts: every rank of a replica\n"
+            f"EXPERTS_MESH_DIMS = {tuple(ep['experts_fully_shard_mesh'])!r}  # the experts: GPUs / ep\n"
+            f"EXPERTS_SHARD_DIM = {int(ep['experts_shard_dim'])}\n"
+            f"GRADIENT_DIVIDE_FACTOR = {int(ep['gradient_divide_factor'])}  # every data-parallel rank\n"
+            "EP_MESH = EXPERTS_MESH = None  # set by shard()\n")
+
+
+def _expert_parallel_text() -> str:
+    """The snippet's expert-parallel helpers: autotune.models.expert_parallel's source, inlined."""
+    import inspect
+
+    from autotune.models import expert_parallel as module
+
+    return "\n\n" + "\n\n".join(inspect.getsource(f) for f in (module.experts_modules, module.expert_parallel))
+
+
+def _expert_parallel_mesh_lines() -> str:
+    """shard()'s meshes with expert parallelism (torchtitan/distributed/parallel_dims.py
+    ``_build_mesh_with_ep``): dp_shard_mod_ep x dp_shard_in_ep flattened to dp_shard_cp for the dense
+    parts, dp_shard_mod_ep for the experts, dp_shard_in_ep for the all-to-alls."""
+    return '''    global EP_MESH, EXPERTS_MESH
+    world = init_device_mesh(device_type, EP_MESH_SHAPE, mesh_dim_names=EP_MESH_DIM_NAMES)
+    world[("dp_shard_mod_ep", "dp_shard_in_ep")]._flatten(mesh_dim_name="dp_shard_cp")  # torchtitan parallel_dims.py
+    mesh = world[FULLY_SHARD_MESH_DIMS]
+    EXPERTS_MESH = world[EXPERTS_MESH_DIMS]
+    EP_MESH = world["dp_shard_in_ep"]'''
+
+
+def _expert_parallel_block_lines(offload: str) -> str:
+    """Per block, before its fully_shard: its experts split over ep, then sharded over
+    dp_shard_mod_ep (torchtitan/models/llama4/infra/parallelize.py apply_fsdp)."""
+    return (f'''        for experts in experts_modules(block):  # this rank's experts, then FSDP over GPUs / ep
+            expert_parallel(experts, EP_MESH.get_group())
+            fully_shard(experts, mesh=EXPERTS_MESH, mp_policy=mp, reshard_after_forward=RESHARD_AFTER_FORWARD{offload},
+                        shard_placement_fn=lambda param: Shard(EXPERTS_SHARD_DIM))
+            experts.set_gradient_divide_factor(GRADIENT_DIVIDE_FACTOR)
+''')
 
 
 def _mesh_lines(cp: Optional[Mapping[str, Any]]) -> str:

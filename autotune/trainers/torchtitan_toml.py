@@ -44,6 +44,12 @@ def torchtitan_sections(p: Point) -> dict[str, dict[str, Any]]:
     optimizer: dict[str, Any] = {"name": TITAN_OPTIMIZERS.get(opt.type, "AdamW"), "lr": opt.lr,
                                  "eps": opt.eps, "weight_decay": opt.weight_decay, "implementation": "foreach"}
     optimizer.update(beta1=opt.betas[0], beta2=opt.betas[1])
+    parallelism = {"data_parallel_replicate_degree": hw.num_nodes if hybrid else 1,
+                   "data_parallel_shard_degree": (hw.gpus_per_node if hybrid else hw.num_gpus) // cp,
+                   "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1, "context_parallel_degree": cp,
+                   "fsdp_reshard_after_forward": "always" if s.reshard_after_forward else "never"}
+    if s.expert_parallel_size > 1:  # JobConfig Parallelism.expert_parallel_degree: ep borrows dp_shard ranks
+        parallelism["expert_parallel_degree"] = s.expert_parallel_size
     return {
         "job": {"description": f"autotune front point: {s.describe(p.layers)}"},
         "training": {"local_batch_size": s.micro_batch_size, "global_batch_size": tr.global_batch_size,
@@ -53,10 +59,7 @@ def torchtitan_sections(p: Point) -> dict[str, dict[str, Any]]:
                      "mixed_precision_reduce": "float32"},
         "optimizer": optimizer,
         # torchtitan's mesh: dp_replicate x dp_shard x cp, FSDP over dp_shard x cp (parallel_dims.py)
-        "parallelism": {"data_parallel_replicate_degree": hw.num_nodes if hybrid else 1,
-                        "data_parallel_shard_degree": (hw.gpus_per_node if hybrid else hw.num_gpus) // cp,
-                        "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1, "context_parallel_degree": cp,
-                        "fsdp_reshard_after_forward": "always" if s.reshard_after_forward else "never"},
+        "parallelism": parallelism,
         "activation_checkpoint": ac,
     }
 

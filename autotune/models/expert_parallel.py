@@ -1,0 +1,71 @@
+"""Expert parallelism for a Hugging Face MoE decoder (transformers 5: Mixtral, Qwen2/3-MoE, OLMoE, ...
+whose ``mlp.experts`` holds ``gate_up_proj`` [E, 2f, d] and ``down_proj`` [E, d, f] and is called as
+``experts(hidden_states, top_k_index, top_k_weights)``), laid out as torchtitan does for its own
+MoE models (torchtitan/distributed/expert_parallel.py ExpertParallel): each of the ep ranks keeps
+num_experts / ep experts (dim 0), tokens go to their experts' rank by ``all_to_all_single``
+(dispatch) and come back by another (combine), both differentiable.
+
+``expert_parallel`` is plain torch; ``autotune.models.fsdp2.snippet`` inlines its source, so the
+snippet a front point ships runs the same code the tests run. torch is imported inside the
+functions (the simulate path never imports it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def experts_modules(model: Any) -> list[Any]:
+    """The routed-experts modules of a Hugging Face MoE model (every module with 3-D
+    ``gate_up_proj`` and ``down_proj`` parameters)."""
+    return [m for m in model.modules() if getattr(getattr(m, "gate_up_proj", None), "ndim", 0) == 3
+            and getattr(getattr(m, "down_proj", None), "ndim", 0) == 3]
+
+
+def expert_parallel(experts, ep_group):
+    """Keep this rank's num_experts / ep experts of ``experts`` and route its tokens over ``ep_group``."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_to_all_single
+
+    ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    num_experts = experts.gate_up_proj.shape[0]
+    local = num_experts // ep
+    for name in ("gate_up_proj", "down_proj"):  # this rank's slice of dim 0, as ExpertParallel's Shard(0)
+        full = getattr(experts, name)
+        setattr(experts, name, torch.nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone()))
+
+    def exchange(rows, out_splits, in_splits):
+        out = rows.new_empty((sum(out_splits), rows.shape[1]))
+        return all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=ep_group)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # rows sorted by expert (torchtitan moe.py _permute)
+        counts = torch.bincount(flat, minlength=num_experts)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=ep_group)  # rows per (source rank, local expert)
+        send_splits = counts.view(ep, local).sum(1).tolist()
+        recv_counts = recv.view(ep, local)
+        recv_splits = recv_counts.sum(1).tolist()
+        rows = exchange(hidden_states[order // k], recv_splits, send_splits)  # dispatch
+        outs, start = [], 0
+        for src in range(ep):
+            for e in range(local):
+                n = int(recv_counts[src, e])
+                x = rows[start:start + n]
+                gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+                outs.append(torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]))
+                start += n
+        done = torch.cat(outs) if outs else rows
+        back = exchange(done, send_splits, recv_splits)  # combine
+        weighted = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
+        out = torch.zeros_like(hidden_states)
+        return out.index_add(0, order // k, weighted.to(out.dtype))
+
+    experts.forward = types.MethodType(forward, experts)
+    experts.num_local_experts = local
+    return experts

@@ -1,0 +1,158 @@
+"""What an expert-parallel front point ships (issue 25's output side): the FSDP2 layout with
+torchtitan's ep mesh, the snippet that builds it (compiled; on 2 gloo ranks with a tiny Hugging
+Face Mixtral from config, its loss and gradients equal one process's), torchtitan.toml's
+expert_parallel_degree, and the default space's moe section for MoE jobs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.config import hf_config_fields, load_config
+from autotune.engine_configs import to_fsdp2_config
+from autotune.models import fsdp2
+from autotune.presets import gpu_from_name, model_from_name
+from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
+from autotune.strategy import Strategy
+
+ROOT = Path(__file__).resolve().parents[2]
+MIXTRAL = ModelSpec(**hf_config_fields(str(ROOT / "tests/data/hf/moe/mixtral-8x7b-v0.1.json"), exact_check=False))
+HW8 = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=8)
+HW16 = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=8, num_nodes=2)
+TRAIN = TrainingSpec(seq_len=4096, global_batch_size=64)
+
+
+def test_ep_layout_is_torchtitans_mesh():
+    lay = to_fsdp2_config(Strategy(engine="fsdp2", expert_parallel_size=4), MIXTRAL, TRAIN, HW8)
+    ep = lay["expert_parallel"]
+    assert ep["mesh"] == {"shape": [2, 4], "dim_names": ["dp_shard_mod_ep", "dp_shard_in_ep"]}
+    assert (ep["local_experts"], ep["experts_shard_dim"], ep["gradient_divide_factor"]) == (2, 0, 8)
+    assert ep["fully_shard_mesh"] == ["dp_shard_cp"] and ep["experts_fully_shard_mesh"] == ["dp_shard_mod_ep"]
+    assert lay["mesh"] == {"shape": [8], "dim_names": ["shard"]}  # the dense parts: every GPU
+    # 16 GPUs, EP 2: 8 x 2 > 8 experts -> the experts' FSDP shards their dim 1 (torchtitan apply_fsdp)
+    assert to_fsdp2_config(Strategy(engine="fsdp2", expert_parallel_size=2), MIXTRAL, TRAIN,
+                           HW16)["expert_parallel"]["experts_shard_dim"] == 1
+    hybrid = to_fsdp2_config(Strategy(engine="fsdp2", sharding="hybrid", expert_parallel_size=8), MIXTRAL, TRAIN,
+                             HW16)["expert_parallel"]
+    assert hybrid["mesh"] == {"shape": [2, 1, 8], "dim_names": ["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]}
+    assert hybrid["gradient_divide_factor"] == 16
+    assert "expert_parallel" not in to_fsdp2_config(Strategy(engine="fsdp2"), MIXTRAL, TRAIN, HW8)
+
+
+def test_ep_snippet_compiles_and_names_the_calls():
+    text = fsdp2.snippet(to_fsdp2_config(Strategy(engine="fsdp2", expert_parallel_size=8), MIXTRAL, TRAIN, HW8))
+    compile(text, "snippet.py", "exec")
+    for call in ("init_device_mesh(device_type, EP_MESH_SHAPE", '_flatten(mesh_dim_name="dp_shard_cp")',
+                 "expert_parallel(experts, EP_MESH.get_group())", "fully_shard(experts, mesh=EXPERTS_MESH",
+                 "set_gradient_divide_factor(GRADIENT_DIVIDE_FACTOR)", "all_to_all_single",
+                 "EP_MESH_SHAPE = (1, 8)"):
+        assert call in text, call
+    assert "import autotune" not in text and "from autotune" not in text  # plain torch
+    assert "EP_MESH" not in fsdp2.snippet(to_fsdp2_config(Strategy(engine="fsdp2"), MIXTRAL, TRAIN, HW8))
+
+
+def test_torchtitan_toml_carries_expert_parallel_degree(tmp_path):
+    import tomllib
+
+    from autotune.trainers.common import Point
+    from autotune.trainers.torchtitan_toml import torchtitan_sections
+
+    def sections(ep):
+        cfg = dataclasses.replace(load_config(str(ROOT / "examples/llama2-7b.yaml")), model=MIXTRAL, hardware=HW8,
+                                  training=TRAIN)
+        return torchtitan_sections(Point(cfg=cfg, strategy=Strategy(engine="fsdp2", expert_parallel_size=ep),
+                                         ds_config=None, ds_config_path=None))
+
+    assert sections(4)["parallelism"]["expert_parallel_degree"] == 4
+    assert "expert_parallel_degree" not in sections(1)["parallelism"]
+    # the key is torchtitan 0.2's (torchtitan/config/job_config.py Parallelism; read as text: importing
+    # torchtitan needs triton)
+    import importlib.util
+
+    titan = Path(importlib.util.find_spec("torchtitan").submodule_search_locations[0])
+    job = (titan / "config" / "job_config.py").read_text()
+    assert "class Parallelism" in job and "    expert_parallel_degree: int = 1\n" in job
+    from autotune.trainers.torchtitan_toml import toml_text
+
+    assert tomllib.loads(toml_text(sections(4), []))["parallelism"]["expert_parallel_degree"] == 4
+
+
+def test_default_space_searches_ep_for_moe_jobs_only():
+    from autotune.space import load_space, moe_space
+
+    space = load_space("default")
+    assert space.moe["expert_parallel_size"] == (1, 2, 4, 8)
+    assert moe_space(space, MIXTRAL).values["expert_parallel_size"] == (1, 2, 4, 8)
+    assert moe_space(space, model_from_name("llama2-7b")).values["expert_parallel_size"] == (1,)
+    eps = {s.expert_parallel_size for s in moe_space(space, MIXTRAL).candidates(MIXTRAL) if s.engine == "fsdp2"}
+    assert eps == {1, 2, 4, 8}
+    assert {s.expert_parallel_size for s in moe_space(space, MIXTRAL).candidates(MIXTRAL)
+            if s.engine == "deepspeed"} == {1}
+
+
+def _ep_rank(out: str) -> None:
+    """One of 2 gloo ranks: the snippet's shard() (EP 2, fp32) on a tiny HF Mixtral, each rank half the
+    batch; the loss and every gradient against one process running the whole batch unsharded."""
+    import torch
+    import torch.distributed as dist
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = MixtralForCausalLM(cfg)
+    model = MixtralForCausalLM(cfg)
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    spec = ModelSpec(name="tiny-mixtral", num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=48, vocab_size=64, num_experts=4, num_experts_per_tok=2)
+    lay = to_fsdp2_config(Strategy(engine="fsdp2", precision="fp32", expert_parallel_size=2), spec,
+                          TrainingSpec(seq_len=16, global_batch_size=2, precision="fp32"),
+                          HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=2))
+    ns: dict = {}
+    exec(compile(fsdp2.snippet(lay), "snippet.py", "exec"), ns)
+    ns["shard"](model, model.model.layers)
+    rank = dist.get_rank()
+    loss = model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    diff = 0.0
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        w = q.grad
+        if "experts" in name:  # this rank's experts: dim 0 slice
+            w = w[rank * 2:(rank + 1) * 2]
+        diff = max(diff, float((g - w).abs().max() / w.abs().max().clamp(min=1e-12)))
+    Path(f"{out}.{rank}").write_text(json.dumps({"loss": float(total) / 2, "want": float(want), "diff": diff}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ep_snippet_on_two_ranks_gives_one_process_loss_and_gradients(tmp_path):
+    from autotune.backends.launch import free_port
+
+    out = tmp_path / "rank"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           __file__, str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        r = json.loads(Path(f"{out}.{rank}").read_text())
+        assert r["loss"] == pytest.approx(r["want"], rel=1e-5)
+        assert r["diff"] < 1e-4
+
+
+if __name__ == "__main__":  # a rank of test_ep_snippet_on_two_ranks_gives_one_process_loss_and_gradients
+    _ep_rank(sys.argv[1])
