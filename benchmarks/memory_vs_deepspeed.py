@@ -284,7 +284,7 @@ LONG_CONTEXT_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision, kn
     ("hf-olmo2", 2, 2, 1, 2, 256, "none", "bf16", "tl"), ("hf-gpt2", 1, 1, 1, 2, 256, "none", "fp32", "tm"),
     ("hf-neox", 2, 2, 1, 2, 256, "full", "bf16", "tm"), ("hf-qwen2", 3, 2, 1, 2, 256, "none", "bf16", "tm"),
     ("hf-llama", 0, 1, 1, 2, 256, "full", "bf16", "ao"), ("hf-qwen3", 2, 2, 1, 2, 256, "full", "fp32", "ao"),
-    ("hf-gemma2", "fsdp2", 2, 1, 2, 256, "full", "bf16", "ao"), ("hf-llama", "fsdp2", 1, 1, 2, 256, "none", "fp32", "tl+tm"),
+    ("hf-gemma2", "fsdp2", 2, 1, 1, 512, "full", "bf16", "ao"), ("hf-llama", "fsdp2", 1, 1, 2, 256, "none", "fp32", "tl+tm"),
     ("hf-mistral", 3, 2, 1, 1, 512, "full", "bf16", "sp+tl+tm+ao"),
     ("hf-llama-long", 2, 2, 1, 1, 2048, "none", "bf16", "sp"), ("hf-qwen2-long", 1, 1, 1, 1, 2048, "full", "bf16", "tl+tm"),
     ("hf-gemma-long", 0, 2, 1, 1, 2048, "full", "fp32", "sp+ao"),
