@@ -20,6 +20,8 @@ The model (one optimizer step = ``gas`` micro-batches + optimizer step + fixed o
 * optimizer step on GPU: HBM-bound pass over the local shard; fixed per-step and per-layer overheads.
 * long context (autotune.simulate_long): each GPU computes seq_len / (sp x cp) tokens of every sequence;
   Ulysses all-to-alls, the context-parallel k/v exchange, tiled MLP / loss and activation offload.
+* mixture of experts (autotune.simulate_moe): MFU on the active parameters, the routed experts as a grouped
+  GEMM over tokens x top_k / experts rows each, expert parallelism's all-to-alls and expert shards.
 
 The efficiency parameters (``EFFICIENCY_KEYS``) are fitted per GPU by autotune.calibration.fit on
 measured runs and stored in the GPU presets; uncalibrated GPUs use ``default_efficiency``.
@@ -36,6 +38,8 @@ from autotune.strategy import Strategy, sequence_shards
 from autotune.engine_configs import default_buckets, gradient_accumulation_steps
 from autotune.simulate_comm import _exposed, _link_bandwidth, _ring_time
 from autotune.simulate_long import long_context_terms, uses_long_context
+from autotune.simulate_moe import all_to_all_time, fsdp2_gathered_params, moe_flops_per_token, moe_micro_batch, \
+    recomputed_moe_blocks
 
 EFFICIENCY_KEYS = (
     "gemm_eff",          # fraction of dense peak a large GEMM reaches
@@ -176,7 +180,9 @@ class Simulator:
         self.model, self.training, self.hardware = model, training, hardware
         self.p, self.calibrated = efficiency_params(hardware.gpu, params)
         self.N = float(model.num_parameters)
-        self.flops_per_token = model.flops_per_token(training.seq_len)
+        # MoE: MFU on the active parameters (autotune.simulate_moe)
+        self.flops_per_token = (moe_flops_per_token if model.is_moe else ModelSpec.flops_per_token)(model,
+                                                                                                     training.seq_len)
         self._compute: dict[tuple, tuple[_Rates, _MicroBatch]] = {}
         self._buckets: dict[tuple, dict[str, int]] = {}
 
@@ -192,7 +198,7 @@ class Simulator:
         """The rates at the strategy's precision and one micro-batch's compute time (on this GPU's
         share of every sequence: seq_len / sequence_shards tokens of each)."""
         shards = sequence_shards(strategy)
-        key = (strategy.precision, strategy.micro_batch_size, shards)
+        key = (strategy.precision, strategy.micro_batch_size, shards, strategy.expert_parallel_size)
         if key not in self._compute:
             gpu, p, prec = self.hardware.gpu, self.p, strategy.precision
             peak = gpu.peak_flops(prec)
@@ -200,7 +206,10 @@ class Simulator:
                 peak = gpu.peak_flops("fp16")
             rates = _Rates(peak, gpu.hbm_bandwidth_gbps * 1e9 * p["hbm_eff"], BYTES_PER_ELEMENT[prec])
             T = float(strategy.micro_batch_size * self.training.seq_len) / shards
-            self._compute[key] = rates, _micro_batch_compute(self.model, self.training.seq_len, T, rates, p)
+            mb = _micro_batch_compute(self.model, self.training.seq_len, T, rates, p)
+            if self.model.is_moe:  # the MoE blocks' feed-forward in place of the dense MLP
+                mb = moe_micro_batch(self.model, T, strategy.expert_parallel_size, rates, p, mb)
+            self._compute[key] = rates, mb
         return self._compute[key]
 
     def __call__(self, strategy: Strategy) -> SimResult:
@@ -227,8 +236,14 @@ class Simulator:
             fwd_window += long.fwd_shift
             bwd_window += long.recompute + long.compute - long.fwd_shift
         if strategy.engine == "fsdp2":
+            ep = strategy.expert_parallel_size
+            gathered = self.N if ep == 1 else fsdp2_gathered_params(
+                model, hardware.gpus_per_node if strategy.sharding == "hybrid" else hardware.num_gpus, ep)  # experts over n / ep
             comm_exposed = _fsdp2_communication(model, hardware, strategy, rates, p, gas, fwd_window, bwd_window,
-                                                self.N)
+                                                gathered)
+            if ep > 1:  # the blocking all-to-alls of expert parallelism
+                comm_exposed += gas * all_to_all_time(model, hardware, T, ep, rates.act_bytes, p,
+                                                      recomputed_moe_blocks(model, strategy))
             optimizer, offload = _fsdp2_optimizer_and_offload(model, hardware, strategy, rates, p, gas,
                                                               fwd_window + bwd_window, self.N)
         else:
