@@ -371,10 +371,11 @@ def _sequence_split_errors(s: Strategy, model: ModelSpec, training: TrainingSpec
         elif model.attn_implementation == "eager":
             errors.append(("sequence_parallel_size", "sequence_parallel_size > 1 needs attn_implementation sdpa "
                            "(UlyssesSPAttentionHF refuses eager, which builds a 4-D mask), but got eager"))
-    if sp * cp > 1 and model.sliding_window is not None:
+    if sp * cp > 1 and model.sliding_window is not None and training.seq_len >= model.sliding_window:
         key = "sequence_parallel_size" if sp > 1 else "context_parallel_size"
-        errors.append((key, f"{key} > 1 with sliding-window attention (sliding_window {model.sliding_window}) is "
-                       "not sized: each shard's window mask is not modelled"))
+        errors.append((key, f"{key} > 1 at or beyond the sliding window (seq_len {training.seq_len}, "
+                       f"sliding_window {model.sliding_window}) is not sized: each shard's window mask is not "
+                       "modelled"))
     if cp > 1:
         if training.seq_len % (2 * cp):
             errors.append(("context_parallel_size", f"context_parallel_size: 2 x it must divide seq_len (load-"
