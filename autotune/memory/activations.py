@@ -500,11 +500,12 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     if split.tiled_loss:
         # TiledFusedLogitsLoss runs each tile's forward and backward inside the loss's forward,
         # keeping only the input's gradient (zeros_like x, model dtype) for the backward; a tile's
-        # peak: its saved fp32 log_softmax next to the fp32 nll / log_softmax gradients and the
-        # logits (model dtype), the head's weight gradient made by the first tile's backward
+        # peak is its backward's start: the saved fp32 log_softmax next to the fp32 nll and
+        # log_softmax gradients (the logits and their fp32 copy are released when the tile's loss
+        # function returns; the head's weight gradient comes after, smaller)
         t = loss_tile_tokens(tokens, V)
         logits_saved = p * m.hidden_size * tokens
-        loss_fwd = (12 + p + (p if softcap else 0)) * V * t + p * V * m.hidden_size
+        loss_fwd = (12 + (p if softcap else 0)) * V * t
         loss_bwd = 0.0
         logits_tokens = 0.0
     nonblock += logits_saved - (4 * V * tokens + softcap)
