@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention
 from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
 
@@ -359,42 +360,6 @@ class ActivationBreakdown:
     """Bytes of checkpointed block inputs held in host memory (``activation_offload`` cpu), per GPU."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Split:
-    """How one step's sequences are laid over a GPU (the long-context knobs ``_breakdown`` reads)."""
-
-    sp: int = 1
-    """Ulysses degree: each GPU holds s / sp tokens, and inside attention all s for a / sp heads."""
-    cp: int = 1
-    """Context-parallel degree: each GPU holds s / cp tokens, its key/value chunks passed round a ring."""
-    tiled_loss: bool = False
-    tiled_mlp: bool = False
-    offload: bool = False
-    """Fully checkpointed blocks' inputs in host memory."""
-
-
-NO_SPLIT = _Split()
-
-LOSS_TILE_BYTES = 2**30
-"""Bytes of fp32 logits per tile of the tiled loss: ArcticTraining's sft_trainer slices the logits
-in 1 GiB pieces (``slice_size_in_gb = 1``; shards = ceil(tokens x vocab x 4 / 1 GiB))."""
-
-
-def loss_tile_tokens(tokens: int, vocab: int) -> int:
-    """Tokens per tile of TiledFusedLogitsLoss (torch.chunk of the flattened tokens into
-    ceil(tokens x vocab x 4 / LOSS_TILE_BYTES) shards: the first, largest chunk)."""
-    shards = max(1, -(-tokens * vocab * 4 // LOSS_TILE_BYTES))
-    return -(-tokens // shards)
-
-
-def mlp_tile_tokens(b: int, s_local: int, hidden: int) -> int:
-    """Tokens per tile of TiledMLP: ceil(seqlen / hidden) shards of each sequence (its docstring's
-    ``num_shards = math.ceil(seqlen / hidden)``, deepspeed/runtime/sequence_parallel/ulysses_sp.py),
-    torch.chunk's largest chunk, over the micro-batch."""
-    shards = max(1, -(-s_local // hidden))
-    return b * -(-s_local // shards)
-
-
 def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Strategy,
                          device: str = "cuda") -> ActivationBreakdown:
     """Saved activations at the end of the forward pass (bytes per GPU) and the loss transients."""
@@ -404,7 +369,7 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     split = NO_SPLIT
     if st.sequence_parallel_size > 1 or st.context_parallel_size > 1 or st.tiled_loss or st.tiled_mlp or (
             st.activation_offload != "none" and n_ck and st.checkpointing == "full"):
-        split = _Split(st.sequence_parallel_size, st.context_parallel_size, st.tiled_loss, st.tiled_mlp,
+        split = Split(st.sequence_parallel_size, st.context_parallel_size, st.tiled_loss, st.tiled_mlp,
                        st.activation_offload != "none" and bool(n_ck) and st.checkpointing == "full")
     return _breakdown(model, training.seq_len, strategy.micro_batch_size, strategy.precision, n_ck,
                       strategy.checkpointing if n_ck else "none",
@@ -421,30 +386,9 @@ def sequence_bytes(model: ModelSpec, training: TrainingSpec) -> float:
     return act.blocks + act.per_block_plain + act.nonblock + act.loss_forward_transient
 
 
-def _split_attention(m: ModelSpec, p: int, split: _Split) -> tuple[float, float]:
-    """Per local token, what splitting the sequence adds to the attention core: (saved, backward
-    transient).
-    * Ulysses: the kernel's k and v hold max(1, sp / kv heads) x the local kv width (kv heads
-      repeated when the degree exceeds them, ``kv_replication_factor``), so do dk and dv; each of
-      dq, dk, dv then leaves through a contiguous copy and the all-to-all's output, one after the
-      other (``_combine_local_sequences``'s three exchanges, ulysses_sp.py): two copies of the
-      widest.
-    * Ring attention: fp32 accumulators of dq, dk, dv next to one step's gradients, and the k/v
-      chunk and its fp32 dk/dv travelling round the ring (torch/distributed/tensor/experimental/
-      _context_parallel/_attention.py ``_templated_ring_attention_backward``, convert_to_f32)."""
-    q, kv = m.q_size, m.kv_size
-    if split.sp > 1:
-        repeat = max(1, split.sp // m.num_key_value_heads)
-        extra_kv = 2 * p * kv * (repeat - 1)
-        return float(extra_kv), float(extra_kv + 2 * p * max(q, kv * repeat))
-    if split.cp > 1:
-        return 0.0, float(4 * (q + 2 * kv) + 2 * p * kv + 8 * kv)
-    return 0.0, 0.0
-
-
 @functools.lru_cache(maxsize=4096, typed=True)
 def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gran: str, zero3: bool,
-               device: str, split: _Split = NO_SPLIT) -> ActivationBreakdown:
+               device: str, split: Split = NO_SPLIT) -> ActivationBreakdown:
     """``activation_breakdown`` from the knobs it reads (a screen revisits the same few: cached).
     ``s_full``: sequence length; ``b``: micro-batch; ``n_ck``: checkpointed blocks at ``gran``;
     ``split``: the long-context knobs. Per-token terms count this GPU's share of the sequence
@@ -455,7 +399,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     s = s_full // (split.sp * split.cp)  # this GPU's tokens of each sequence
     tokens = b * s
     L = m.num_hidden_layers
-    attn_saved, attn_bwd = _split_attention(m, p, split)
+    attn_saved, attn_bwd = split_attention(m, p, split)
     # tiled MLP (TiledMLP): the MLP keeps only its input (the norm output, already counted)
     mlp_untiled = _mlp_sublayer_saved(m, p, mb) - (mb * m.hidden_size if m.hidden_dropout > 0 else 0.0)
     mlp_cut = mlp_untiled if split.tiled_mlp else 0.0

@@ -8,7 +8,7 @@ import pytest
 
 from autotune.config import load_config
 from autotune.memory import activation_breakdown, estimate_memory, sequence_bytes
-from autotune.memory.activations import loss_tile_tokens, mlp_tile_tokens
+from autotune.memory.split import loss_tile_tokens, mlp_tile_tokens
 from autotune.space import LONG_SEQUENCE_SHARE, long_sequence, space_for
 from autotune.spec import GIB
 from autotune.strategy import Strategy, batch_ranks, validation_errors

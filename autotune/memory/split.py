@@ -1,0 +1,67 @@
+"""The long-context knobs' pieces of the activation terms (pure math): how a step's sequences lie
+over a GPU (``Split``: the Ulysses / context-parallel degrees, tiling, activation offload), the tile
+sizes of DeepSpeed's TiledFusedLogitsLoss and TiledMLP, and what splitting the sequence adds to the
+attention core. autotune.memory.activations applies them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotune.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """How one step's sequences are laid over a GPU (the long-context knobs ``_breakdown`` reads)."""
+
+    sp: int = 1
+    """Ulysses degree: each GPU holds s / sp tokens, and inside attention all s for a / sp heads."""
+    cp: int = 1
+    """Context-parallel degree: each GPU holds s / cp tokens, its key/value chunks passed round a ring."""
+    tiled_loss: bool = False
+    tiled_mlp: bool = False
+    offload: bool = False
+    """Fully checkpointed blocks' inputs in host memory."""
+
+
+NO_SPLIT = Split()
+
+LOSS_TILE_BYTES = 2**30
+"""Bytes of fp32 logits per tile of the tiled loss: ArcticTraining's sft_trainer slices the logits
+in 1 GiB pieces (``slice_size_in_gb = 1``; shards = ceil(tokens x vocab x 4 / 1 GiB))."""
+
+
+def loss_tile_tokens(tokens: int, vocab: int) -> int:
+    """Tokens per tile of TiledFusedLogitsLoss (torch.chunk of the flattened tokens into
+    ceil(tokens x vocab x 4 / LOSS_TILE_BYTES) shards: the first, largest chunk)."""
+    shards = max(1, -(-tokens * vocab * 4 // LOSS_TILE_BYTES))
+    return -(-tokens // shards)
+
+
+def mlp_tile_tokens(b: int, s_local: int, hidden: int) -> int:
+    """Tokens per tile of TiledMLP: ceil(seqlen / hidden) shards of each sequence (its docstring's
+    ``num_shards = math.ceil(seqlen / hidden)``, deepspeed/runtime/sequence_parallel/ulysses_sp.py),
+    torch.chunk's largest chunk, over the micro-batch."""
+    shards = max(1, -(-s_local // hidden))
+    return b * -(-s_local // shards)
+
+
+def split_attention(m: ModelSpec, p: int, split: Split) -> tuple[float, float]:
+    """Per local token, what splitting the sequence adds to the attention core: (saved, backward
+    transient).
+    * Ulysses: the kernel's k and v hold max(1, sp / kv heads) x the local kv width (kv heads
+      repeated when the degree exceeds them, ``kv_replication_factor``), so do dk and dv; each of
+      dq, dk, dv then leaves through a contiguous copy and the all-to-all's output, one after the
+      other (``_combine_local_sequences``'s three exchanges, ulysses_sp.py): two copies of the
+      widest.
+    * Ring attention: fp32 accumulators of dq, dk, dv next to one step's gradients, and the k/v
+      chunk and its fp32 dk/dv travelling round the ring (torch/distributed/tensor/experimental/
+      _context_parallel/_attention.py ``_templated_ring_attention_backward``, convert_to_f32)."""
+    q, kv = m.q_size, m.kv_size
+    if split.sp > 1:
+        repeat = max(1, split.sp // m.num_key_value_heads)
+        extra_kv = 2 * p * kv * (repeat - 1)
+        return float(extra_kv), float(extra_kv + 2 * p * max(q, kv * repeat))
+    if split.cp > 1:
+        return 0.0, float(4 * (q + 2 * kv) + 2 * p * kv + 8 * kv)
+    return 0.0, 0.0
