@@ -40,10 +40,10 @@ or all of it from a Strategy: ``mpu = lc.apply_long_context(model, strategy, seq
   (numpy buffers), so the profiler's device peak leaves them out as a GPU's would;
   ``host_offload_bytes()`` reports them.
 
-Known limit (DeepSpeed's): TiledFusedLogitsLoss runs the head's backward inside the forward, so
-the head's weight gradient does not see a later scaling of the loss (DeepSpeed's 1/GAS under
-gradient accumulation, fp16 loss scaling); the hidden states' gradient does. Exact with GAS 1 in
-bf16 / fp32.
+Known limit: TiledFusedLogitsLoss runs the head's backward inside the forward, so the head's
+weight gradient sees only the loss gradient it is told in advance (``gradient_accumulation_steps``
+gives it 1 / GAS); fp16's dynamic loss scale is not known then, so with fp16 the head's gradient
+misses it (bf16 / fp32: exact).
 
 torch, transformers and deepspeed are imported inside the functions.
 """
@@ -212,7 +212,8 @@ def tiled_loss(model: Any, hidden_states: Any, labels: Any = None, shift_labels:
 
 
 def causal_lm_loss(model: Any, batch: dict, mpu: Any = None, tiled: bool = False,
-                   shards: Optional[int] = None, sp_gradient_scale: float = 1.0) -> tuple[Any, Any]:
+                   shards: Optional[int] = None, sp_gradient_scale: float = 1.0,
+                   loss_gradient: float = 1.0) -> tuple[Any, Any]:
     """(loss, logits or None) of a Hugging Face causal LM on ``batch`` (input_ids, labels or
     shift_labels, position_ids...): the base model's hidden states, then the tiled loss or the
     plain head + HF loss over this rank's tokens. With Ulysses (``mpu``) each rank's loss is its
@@ -223,8 +224,13 @@ def causal_lm_loss(model: Any, batch: dict, mpu: Any = None, tiled: bool = False
     one rank's on the whole sample. ZeRO-3 divides by the whole seq-data-parallel size instead
     (runtime/comm/coalesced_collectives.py ``reduce_scatter_coalesced``): pass
     ``sp_gradient_scale`` = sp there (``use_long_context_loss(zero_stage=3)`` does). (ArcticTraining's
-    all-gather of the losses back-propagates the sum to every rank, which is that scale.)"""
-    import torch
+    all-gather of the losses back-propagates the sum to every rank, which is that scale.)
+
+    ``loss_gradient``: the gradient the returned loss will be back-propagated with (DeepSpeed's
+    ``engine.backward`` and a ``(loss / GAS).backward()`` loop: 1 / GAS). The tiled head's backward
+    runs inside the forward, so it is given that gradient up front and the loss passes the
+    gradient 1 on to the tiles: the head's gradient then matches the untiled one under gradient
+    accumulation too (DeepSpeed's own TiledFusedLogitsLoss use misses the 1 / GAS)."""
 
     kwargs = dict(batch)
     labels, shift = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
@@ -240,9 +246,11 @@ def causal_lm_loss(model: Any, batch: dict, mpu: Any = None, tiled: bool = False
         import torch.distributed as dist
 
         dist.all_reduce(denominator, group=mpu.get_sequence_parallel_group())
-    # the gradient seed's scale folded into the denominator, so the tiled head (whose backward
-    # runs inside the forward with gradient 1) sees it too
-    denominator = denominator.clamp(min=1) / (sp_gradient_scale if sp > 1 else 1.0)
+    # the gradient the tiles see (the Ulysses seed scale, the caller's loss gradient) folded into
+    # the denominator, so the tiled head, whose backward runs inside the forward with gradient 1,
+    # sees it too; the returned loss divides it out again (its value) and passes gradient 1 on
+    seed = (sp_gradient_scale if sp > 1 else 1.0) * float(loss_gradient)
+    denominator = denominator.clamp(min=1) / seed
     logits = None
     if tiled:
         loss = tiled_loss(model, hidden, shift_labels=y, shards=shards, denominator=denominator)
@@ -253,27 +261,31 @@ def causal_lm_loss(model: Any, batch: dict, mpu: Any = None, tiled: bool = False
         else:
             loss = model.loss_function(logits=logits, labels=None, vocab_size=model.config.vocab_size,
                                        shift_labels=y) * good / denominator
+    value = loss.detach() / seed  # this rank's share of the mean
     if sp > 1:
         import torch.distributed as dist
 
-        total = loss.detach() / sp_gradient_scale
-        dist.all_reduce(total, group=mpu.get_sequence_parallel_group())
-        loss = loss + (total - loss.detach())
+        dist.all_reduce(value, group=mpu.get_sequence_parallel_group())  # the group's: the whole sample's
+    if seed != 1.0 or sp > 1:
+        loss = loss / float(loss_gradient) + (value - loss.detach() / float(loss_gradient))
     return loss, logits
 
 
 def use_long_context_loss(model: Any, mpu: Any = None, tiled: bool = False, shards: Optional[int] = None,
-                          zero_stage: int = 0) -> Any:
+                          zero_stage: int = 0, gradient_accumulation_steps: int = 1) -> Any:
     """Replace ``model.forward`` (this instance) by ``causal_lm_loss``: ``model(**batch).loss`` is
     then the tiled and/or sequence-parallel loss, so ``engine(**batch)`` keeps DeepSpeed's own
     forward around it. ``zero_stage``: the DeepSpeed ZeRO stage the model trains under (3 scales
-    the Ulysses gradient seed, ``causal_lm_loss``). Returns the model."""
+    the Ulysses gradient seed, ``causal_lm_loss``); ``gradient_accumulation_steps``: the loss is
+    back-propagated with 1 / this (DeepSpeed's engine.backward, FSDP2's (loss / GAS).backward()).
+    Returns the model."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     scale = float(sp_world_size(mpu)) if int(zero_stage) == 3 else 1.0
 
     def forward(self: Any, **batch: Any) -> Any:
-        loss, logits = causal_lm_loss(self, batch, mpu=mpu, tiled=tiled, shards=shards, sp_gradient_scale=scale)
+        loss, logits = causal_lm_loss(self, batch, mpu=mpu, tiled=tiled, shards=shards, sp_gradient_scale=scale,
+                                      loss_gradient=1.0 / max(1, int(gradient_accumulation_steps)))
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     model.forward = types.MethodType(forward, model)
@@ -437,12 +449,13 @@ def offload_in_forward(model: Any) -> Any:
 
 def apply_long_context(model: Any, strategy: Any, seq_length: Optional[int] = None,
                        micro_batch_size: Optional[int] = None, loss_shards: Optional[int] = None,
-                       mlp_shards: Optional[int] = None) -> Any:
+                       mlp_shards: Optional[int] = None, gradient_accumulation_steps: int = 1) -> Any:
     """Apply what ``strategy`` (autotune.strategy.Strategy) asks of a Hugging Face causal LM:
     Ulysses (``sequence_parallel_size``; ``seq_length`` needed), the tiled MLP, the tiled and/or
     sequence-parallel loss in ``model.forward``, the offload of checkpointed inputs around the
     forward. Checkpointing itself is ``autotune.apply_checkpointing``'s; context parallelism is
     the FSDP2 engine's (``context_parallel_size``: torch's ``context_parallel`` around each step).
+    ``gradient_accumulation_steps``: the training loop's (the loss is back-propagated with 1 / it).
     Returns the mpu for ``deepspeed.initialize`` (None without Ulysses)."""
     sp = int(getattr(strategy, "sequence_parallel_size", 1) or 1)
     mpu = None
@@ -456,7 +469,8 @@ def apply_long_context(model: Any, strategy: Any, seq_length: Optional[int] = No
     cp = int(getattr(strategy, "context_parallel_size", 1) or 1)
     if sp > 1 or cp > 1 or getattr(strategy, "tiled_loss", False):  # CP: its shards need pre-shifted labels
         use_long_context_loss(model, mpu, tiled=bool(getattr(strategy, "tiled_loss", False)), shards=loss_shards,
-                              zero_stage=getattr(strategy, "zero_stage", 0) if strategy.engine == "deepspeed" else 0)
+                              zero_stage=getattr(strategy, "zero_stage", 0) if strategy.engine == "deepspeed" else 0,
+                              gradient_accumulation_steps=gradient_accumulation_steps)
     if getattr(strategy, "activation_offload", "none") != "none":
         if getattr(strategy, "checkpointing", "none") != "full":
             raise ValueError(f"activation_offload={strategy.activation_offload} needs checkpointing full, but got "

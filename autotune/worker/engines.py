@@ -145,7 +145,8 @@ class DeepSpeedEngine:
         n_ckpt = strategy.num_checkpointed(model_spec.num_hidden_layers)
         set_checkpointing(built, strategy.checkpointing if n_ckpt else "none",
                           strategy.checkpoint_selection(model_spec.num_hidden_layers), model_spec.num_hidden_layers)
-        self.mpu = apply_long_context(ctx, built, strategy, training.seq_len)
+        self.mpu = apply_long_context(ctx, built, strategy, training.seq_len,
+                                      int(ds_config.get("gradient_accumulation_steps") or 1))
         if strategy.sequence_parallel_size > 1:  # DeepSpeed's Ulysses groups (runtime/config.py reads it)
             ds_config.setdefault("sequence_parallel_size", strategy.sequence_parallel_size)
         impl = ctx.job.setting("optimizer_impl")
@@ -222,7 +223,8 @@ class Fsdp2Engine:
             self.cp_mesh = context_parallel_mesh(ctx, strategy.context_parallel_size)
         from autotune.spec import TrainingSpec
 
-        apply_long_context(ctx, built, strategy, TrainingSpec(**ctx.job.training).seq_len)
+        apply_long_context(ctx, built, strategy, TrainingSpec(**ctx.job.training).seq_len,
+                           int(config["gradient_accumulation_steps"]))
         ctx.result["notes"].extend(fsdp2.apply(self.model, config))
         self.optimizer = fsdp2.make_optimizer(self.model, config)
         self.scaler = None
@@ -314,9 +316,10 @@ def long_context_on(strategy: Any) -> list[str]:
     return [k for k in LONG_CONTEXT_KNOBS if getattr(strategy, k, defaults[k]) != defaults[k]]
 
 
-def apply_long_context(ctx: Context, built: Any, strategy: Any, seq_len: int) -> Any:
+def apply_long_context(ctx: Context, built: Any, strategy: Any, seq_len: int, gas: int = 1) -> Any:
     """The strategy's long-context knobs on the model (autotune.models.long_context.apply_long_context,
-    after checkpointing, before the engine wraps it), with a note each; the Ulysses mpu or None.
+    after checkpointing, before the engine wraps it; ``gas``: the engine's accumulation steps, whose
+    1 / GAS the tiled head is told), with a note each; the Ulysses mpu or None.
     Only a Hugging Face model (hf_config) has the structure they patch: any other source is refused
     in one line."""
     on = long_context_on(strategy)
@@ -329,7 +332,7 @@ def apply_long_context(ctx: Context, built: Any, strategy: Any, seq_len: int) ->
         raise UserModelError(f"{', '.join(on)}: the worker applies the long-context knobs to Hugging Face models "
                              f"(hf_config), but the model is {built.source}")
     model = built.module
-    mpu = lc.apply_long_context(model, strategy, seq_length=seq_len)
+    mpu = lc.apply_long_context(model, strategy, seq_length=seq_len, gradient_accumulation_steps=gas)
     notes = ctx.result["notes"]
     sp = strategy.sequence_parallel_size
     if sp > 1:

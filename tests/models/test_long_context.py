@@ -67,6 +67,24 @@ def test_tiled_loss_gives_the_untiled_loss_and_gradients():
     assert want["lm_head.weight"].abs().sum() > 0
 
 
+def test_tiled_head_is_told_the_loss_gradient_of_gradient_accumulation():
+    model = _llama()
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(7))
+    ref = copy.deepcopy(model)
+    (ref(input_ids=ids, labels=ids, use_cache=False).loss / 4).backward()  # a loop of GAS 4
+    want = _grads(ref)
+    for gas, ok in ((4, True), (1, False)):  # told GAS 4: exact; not told: the head's gradient 4x too big
+        m = copy.deepcopy(model)
+        lc.use_long_context_loss(m, tiled=True, shards=3, gradient_accumulation_steps=gas)
+        loss = m(input_ids=ids, labels=ids).loss
+        (loss / 4).backward()
+        torch.testing.assert_close(loss.detach(), ref(input_ids=ids, labels=ids, use_cache=False).loss.detach())
+        got = _grads(m)
+        torch.testing.assert_close(got["model.norm.weight"], want["model.norm.weight"])  # the hidden path
+        head_ok = torch.allclose(got["lm_head.weight"], want["lm_head.weight"], rtol=1e-5, atol=1e-7)
+        assert head_ok is ok
+
+
 def test_tiled_tied_head_gives_the_untiled_gradients():
     model = _llama(tied=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
