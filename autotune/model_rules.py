@@ -1,5 +1,6 @@
 """What the memory model can size of a described model: the rules autotune.config applies to the
-model section (a mixture-of-experts or latent-attention model is refused; a mix of sliding and full
+model section (a mixture-of-experts model other than Mixtral / Qwen3-MoE's routed blocks, or a
+latent-attention model, is refused; a mix of sliding and full
 layers at a sequence that builds the sliding masks is refused), and the model section's list checker."""
 
 from __future__ import annotations
@@ -23,13 +24,34 @@ def int_tuple(low: int, high: int) -> Checker:
     return check
 
 
+def _model_type(hf_path: Optional[str]) -> Optional[str]:
+    """The config.json's model_type (its text_config's when nested); None without a file."""
+    if not hf_path:
+        return None
+    import json
+
+    try:
+        with open(hf_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return cfg.get("model_type") if "num_hidden_layers" in cfg or "text_config" not in cfg else (
+        cfg["text_config"].get("model_type"))
+
+
 def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
-    """A mixture-of-experts or latent-attention model is described exactly (its parameter count)
-    but the memory model does not size its activations (routed tokens, MLA's saved tensors):
-    refused in one line, never sized as the dense decoder it is not."""
+    """A mixture-of-experts or latent-attention model is described exactly (its parameter count);
+    the memory model sizes the routed MoE blocks of Mixtral / Qwen3-MoE (autotune.memory.moe
+    ``not_sized``, docs/moe.md) and no other layout's activations (shared experts, dense layers,
+    biases, MLA's saved tensors): those are refused in one line, never sized as the dense decoder
+    they are not."""
+    from autotune.memory.moe import not_sized
+
     parts = []
-    if spec.is_moe:
-        parts.append(f"mixture-of-experts ({spec.num_experts} experts, top-{spec.num_experts_per_tok})")
+    why = not_sized(spec, _model_type(hf_path)) if spec.is_moe and not spec.is_mla else None
+    if spec.is_moe and (why or spec.is_mla):
+        parts.append(f"mixture-of-experts ({spec.num_experts} experts, top-{spec.num_experts_per_tok}"
+                     + (f"; {why})" if why else ")"))
     if spec.is_mla:
         parts.append(f"multi-head latent attention (kv_lora_rank {spec.kv_lora_rank})")
     if parts:

@@ -130,6 +130,19 @@ LONG_FAMILIES = {
     # a 64-token vocabulary: the loss is small, so unchecked the final norm's backward is the peak
     "hf-llama-v64": ("llama-3.2-1b", {**_LONG, "vocab_size": 64}),
 }
+# mixture-of-experts (issue 25): the published Mixtral / Qwen3-MoE config.json (tests/data/hf/moe) shrunk to
+# 4 experts, top-2, on the HF shape above (transformers' default grouped_mm experts path); "-sv": a
+# 256-token vocabulary, so the peak can fall in the blocks' backward instead of the loss
+_MOE = {**_SMALL, "head_dim": 32, "num_experts_per_tok": 2}
+MOE_FAMILIES = {
+    "hf-mixtral": ("moe/mixtral-8x7b-v0.1", {**_MOE, "num_local_experts": 4}),
+    "hf-qwen3moe": ("moe/qwen3-30b-a3b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176}),
+    "hf-mixtral-sv": ("moe/mixtral-8x7b-v0.1", {**_MOE, "num_local_experts": 4, "vocab_size": 256}),
+    "hf-qwen3moe-sv": ("moe/qwen3-30b-a3b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176,
+                                              "vocab_size": 256}),
+}
+LONG_FAMILIES.update(MOE_FAMILIES)  # full overrides like the long families' (hf_config, specs, run_row)
+
 # strategies each HF family is measured with: (ZeRO stage, ranks, grad. accumulation, ckpt, precision)
 HF_STRATEGIES = [(0, 1, 1, "none", "bf16"), (1, 2, 2, "none", "bf16"), (2, 1, 4, "full", "bf16"),
                  (3, 2, 1, "full", "bf16"), (0, 2, 2, "full", "fp32"), (2, 2, 1, "none", "fp32"),
@@ -300,6 +313,23 @@ def long_context_grid() -> list[dict]:
             knobs.update(_LC[name])
         rows.append(dict(zip(ROW_KEYS, head), knobs=knobs))
     return rows
+
+
+MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 and fsdp2, 1/2 ranks, fp32/bf16
+    ("hf-mixtral", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-qwen3moe", 0, 2, 1, 2, 256, "full", "fp32"),
+    ("hf-mixtral", 1, 2, 2, 2, 256, "none", "fp32"), ("hf-qwen3moe", 1, 1, 1, 4, 128, "none", "bf16"),
+    ("hf-mixtral", 2, 2, 1, 2, 256, "full", "bf16"), ("hf-qwen3moe", 2, 1, 2, 2, 256, "none", "fp32"),
+    ("hf-mixtral", 3, 1, 1, 4, 128, "full", "fp32"), ("hf-qwen3moe", 3, 2, 1, 2, 256, "none", "bf16"),
+    ("hf-mixtral", "fsdp2", 2, 1, 2, 256, "none", "bf16"), ("hf-qwen3moe", "fsdp2", 1, 1, 2, 256, "full", "fp32"),
+    ("hf-mixtral-sv", 0, 1, 1, 4, 256, "none", "bf16"), ("hf-qwen3moe-sv", 2, 2, 1, 4, 256, "none", "bf16"),
+    ("hf-mixtral-sv", 3, 2, 1, 2, 256, "none", "fp32"), ("hf-qwen3moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
+    ("hf-mixtral-sv", "fsdp2-keep", 1, 1, 4, 256, "full", "bf16"), ("hf-qwen3moe-sv", 1, 1, 2, 4, 256, "full", "fp32"),
+]
+
+
+def moe_grid() -> list[dict]:
+    """MOE_ROWS as grid rows (--moe)."""
+    return [dict(zip(ROW_KEYS, r)) for r in MOE_ROWS]
 
 
 def row_key(row: dict) -> tuple:
@@ -487,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [dict(zip(ROW_KEYS, r)) for r in SPOT_ROWS]
     elif args.long_context:
         rows = long_context_grid()
+    elif args.moe:
+        rows = moe_grid()
     elif not args.quick and importlib.util.find_spec("transformers") is not None:
         rows += hf_grid()
     for f in args.filter:

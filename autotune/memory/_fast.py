@@ -23,6 +23,7 @@ from autotune.memory.activations import ActivationBreakdown, activation_breakdow
 from autotune.memory.common import PREDICTION_MARGIN
 from autotune.memory.estimate import _accumulation_carry
 from autotune.memory.fsdp2 import _units
+from autotune.memory.moe import down_weight_elements
 from autotune.memory.states import _model_states
 from autotune.spec import BYTES_PER_ELEMENT, GIB, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, validate
@@ -278,7 +279,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         add("backward", grads=g, activations=attention, buffers=c["buffers_bwd"], pending=pending_head,
             valid=valid & (a["attention_backward_transient"] - a["mlp_saved_per_block"] > 0))
         add("backward", grads=g, activations=mlp - a["mlp_backward_transient"],
-            buffers=c["buffers_bwd"] + p * m.intermediate_size * m.hidden_size + reduce_clone, pending=pending_head,
+            buffers=c["buffers_bwd"] + p * down_weight_elements(m) + reduce_clone, pending=pending_head,
             valid=valid & (reduce_clone != 0))
         in_reduces = reducing & ((i == r_true) | (i == r_false))
         add("backward", grads=np.where(i == r_false, g_before, g), activations=saved,

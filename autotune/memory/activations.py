@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from autotune.memory import moe
 from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention
 from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -114,8 +115,9 @@ def _attention_sublayer_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, dev
 def _mlp_sublayer_saved(m: ModelSpec, p: int, mask_bytes: int) -> float:
     """Per token, what the MLP module keeps, its input (the norm's output) excluded."""
     f = m.intermediate_size
-    n = (4 if m.gated_mlp else 2) * p * f
-    if m.implementation == "hf" and m.hidden_act == "gelu_new":
+    # a MoE block: the router's and the routed pairs' saved tensors (moe.py)
+    n = moe.moe_saved_per_token(m, p) if m.is_moe else (4 if m.gated_mlp else 2) * p * f
+    if m.implementation == "hf" and m.hidden_act == "gelu_new" and not m.is_moe:
         # transformers activations.py NewGELUActivation is a Python composite,
         # 0.5*x*(1+tanh(c*(x+0.044715*x^3))): autograd keeps x, tanh(.), 0.5*x and 1+tanh(.)
         # where F.gelu(approximate="tanh") keeps x alone: three more f-wide tensors.
@@ -272,6 +274,8 @@ def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str, device: str = "
         n += s * s
     if checkpointing != "none" and device == "cpu":
         n += CPU_RNG_STATE_BYTES
+    if m.is_moe and checkpointing in ("none", "attention", "selective"):
+        n += moe.moe_fixed_bytes(m)  # the MoE keeps its grouped_mm offsets where its MLP is not recomputed
     return n
 
 
@@ -453,9 +457,11 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         loss_bwd = 0.0
         logits_tokens = 0.0
     nonblock += logits_saved - (4 * V * tokens + softcap)
-    mlp_saved = (4 if m.gated_mlp else 2) * p * m.intermediate_size * tokens
+    mlp_saved = (moe.moe_saved_per_token(m, p) if m.is_moe else (4 if m.gated_mlp else 2) * p * m.intermediate_size) * tokens
     mlp_bwd = max(_mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
                   _composite_gelu_backward_transient(m, p) * tokens)
+    if m.is_moe:
+        mlp_bwd = moe.moe_backward_transient(m, p, int(tokens))
     if split.tiled_mlp:
         # TiledMLP's backward: the input's gradient (zeros_like x), one tile's recomputed MLP and its
         # backward, the MLP's weight gradients accumulated over the tiles (ds_grad_is_ready held)

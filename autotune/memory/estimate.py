@@ -7,6 +7,7 @@ from typing import Callable
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import MemoryEstimate
+from autotune.memory.moe import down_weight_elements
 from autotune.memory.states import _model_states, _States, grad_partition_elements
 from autotune.memory.walk import LOOPS, Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
@@ -187,7 +188,7 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
             # its hook, the linear's saved input released, its input gradient (as wide) alive; gloo's
             # copy of the gradient (states.py)
             add("backward", grads=g, activations=pt.mlp - act.mlp_backward_transient,
-                buffers=st.buffers_bwd + p * m.intermediate_size * m.hidden_size + st.reduce_clone,
+                buffers=st.buffers_bwd + p * down_weight_elements(m) + st.reduce_clone,
                 pending=pending_head)
         if pt.block in reduces:  # a bucket is all-reduced during this block's backward
             add("backward", grads=g if reduces[pt.block] else g_before, activations=pt.saved,

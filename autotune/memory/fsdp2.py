@@ -38,6 +38,7 @@ from typing import Callable, NamedTuple
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import MemoryEstimate
+from autotune.memory.moe import ffn_weight_elements
 from autotune.memory.walk import Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -85,7 +86,7 @@ def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
                   u_root=p * root, u_block=p * per_block,
                   flat=p * per_block if n > 1 else 0.0, cast_in=p * per_block / n if p < 4 else 0.0,
                   grad_block=on_gpu * 4 * per_block / n, all_grads=on_gpu * 4 * m.num_parameters / n,
-                  mlp_params=(3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size)
+                  mlp_params=ffn_weight_elements(m))  # a MoE's: its router and every expert (moe.py)
 
 
 def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,

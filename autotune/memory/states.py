@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from autotune.memory import moe
 from autotune.memory.common import _partition
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size
@@ -15,7 +16,8 @@ from autotune.engine_configs import EngineSettings, engine_settings, gradient_ac
 def _largest_param(m: ModelSpec) -> int:
     """Elements of the largest single parameter tensor."""
     d = m.hidden_size
-    return max(m.vocab_size * d, d * m.intermediate_size, d * m.q_size,
+    experts = moe.ffn_parameter_order(m) if m.is_moe else []  # a MoE's 3-D expert tensors
+    return max(m.vocab_size * d, d * m.intermediate_size, d * m.q_size, *experts,
                m.max_position_embeddings * d if m.position_embedding == "learned" else 0)
 
 
@@ -35,7 +37,7 @@ def _persistent_params(m: ModelSpec, threshold: int) -> int:
     for t in (d * m.q_size, d * m.kv_size, d * m.kv_size, m.q_size * d):
         block.append(t)
     f = m.intermediate_size
-    block += [d * f] * (3 if m.gated_mlp else 2)
+    block += moe.ffn_parameter_order(m) if m.is_moe else [d * f] * (3 if m.gated_mlp else 2)
     sizes += block * m.num_hidden_layers
     sizes += norm + [m.vocab_size * d]
     if m.position_embedding == "learned":
@@ -70,7 +72,7 @@ def parameter_order(m: ModelSpec) -> list[int]:
         mlp_in = lin(d, 2 * f, out_b) if m.fused_qkv else lin(d, f, out_b) + lin(d, f, out_b)
     else:
         mlp_in = lin(d, f, out_b)
-    mlp = mlp_in + lin(f, d, out_b)
+    mlp = moe.ffn_parameter_order(m) if m.is_moe else mlp_in + lin(f, d, out_b)
     norms = norm * m.norms_per_block
     if m.implementation == "reference":
         block = norm + qkv + o + norm + mlp
@@ -241,14 +243,14 @@ def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, es: EngineS
     out.grads = 0
     out.buffers_fwd = live
     out.buffers_bwd = live
-    if device == "cpu" and dp > 1 and m.intermediate_size * m.hidden_size > rb:
+    if device == "cpu" and dp > 1 and moe.down_weight_elements(m) > rb:
         # an MLP weight's gradient (larger than the reduce bucket) is reduce-scattered on its own
         # right after its linear's backward (stage3.py __reduce_and_partition_ipg_grads ->
         # coalesced_collectives.py reduce_scatter_coalesced -> dist.reduce_scatter_tensor), and
         # gloo's reduce-scatter clones its input (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp
         # _reduce_scatter_base: ``inputTensor.clone()``, seen as aten::clone under
         # c10d::_reduce_scatter_base_ in the allocation trace); NCCL writes from the input directly
-        out.reduce_clone = p * m.intermediate_size * m.hidden_size
+        out.reduce_clone = p * moe.down_weight_elements(m)  # a MoE's: every expert's down_proj
     if off_opt:
         # stage3.py: self.device = "cpu" when the optimizer is offloaded, and the gradient
         # partitions (grad_partitions_flat_buffer, gradient_accumulation_dtype = model dtype)

@@ -1,0 +1,145 @@
+"""Mixture-of-experts blocks in the memory model: what transformers 5's sparse MoE block keeps for
+backward and adds during it, the expert tensors' sizes for the model states, and which MoE layouts
+the model sizes (docs/moe.md).
+
+Sized: the routed-expert blocks of transformers' Mixtral (``MixtralSparseMoeBlock``) and Qwen3-MoE
+(``Qwen3MoeSparseMoeBlock``) in every layer, run by the default experts implementation
+``grouped_mm`` (modeling_utils.py ``get_correct_experts_implementation``: ``"grouped_mm" if
+requested_experts is None``; integrations/moe.py ``grouped_mm_experts_forward``). That path sorts
+the S = tokens x top-k (token, expert) pairs by expert and runs one grouped GEMM over all of them:
+every buffer is S rows, whatever the split among experts, so the bytes do not depend on the
+routing (no load imbalance in them; ``MOE_LOAD_IMBALANCE`` is where it would enter).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from autotune.spec import ModelSpec
+
+MOE_LOAD_IMBALANCE = 1.45
+"""Worst expert's routed tokens over the mean (tokens x top-k / experts), the factor per-expert buffers
+are sized with (measured at init on the tiny Mixtral / Qwen3-MoE of benchmarks/memory_vs_deepspeed.py,
+docs/moe.md: at most 1.44). transformers' default ``grouped_mm`` path, the one sized here, has no
+per-expert buffer: every tensor is tokens x top-k rows, so its bytes are exact for any routing and
+the factor multiplies nothing; a per-expert layout (the eager expert loop, expert parallelism's
+tokens per EP rank) takes its worst expert as this factor x the mean."""
+
+
+def worst_expert_tokens(m: ModelSpec, tokens: int, imbalance: float = MOE_LOAD_IMBALANCE) -> int:
+    """Routed tokens of the busiest expert: ``imbalance`` x the mean, at most every token (top-k picks
+    distinct experts: an expert sees a token once)."""
+    mean = tokens * m.num_experts_per_tok / max(1, m.num_experts)
+    return int(min(tokens, -(-imbalance * mean // 1)))
+
+
+def expert_width(m: ModelSpec) -> int:
+    """One routed expert's (gated) MLP width."""
+    return m.moe_intermediate_size or m.intermediate_size
+
+
+def _routing_weight_bytes(m: ModelSpec, p: int) -> int:
+    """Bytes of one routing weight: Mixtral's router returns the fp32 top-k probabilities
+    (modeling_mixtral.py ``MixtralTopKRouter``: softmax of ``router_logits.float()``); Qwen3-MoE's
+    casts them back (modeling_qwen3_moe.py ``router_top_value.to(router_logits.dtype)``)."""
+    return p if m.qk_norm == "head" else 4
+
+
+SIZED_FAMILIES = ("mixtral", "qwen3_moe")
+"""The HF model_type values whose MoE block this module sizes (the blocks of other MoE families differ:
+granitemoe's parallel experts and multipliers, phimoe's sparsemixer router, OLMoE's unnormalised
+top-k, shared experts, gpt-oss's biases; docs/moe.md)."""
+
+
+def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
+    """Why the memory model does not size this MoE model of HF ``model_type`` (None: it does): the
+    routed MoE block of Mixtral / Qwen3-MoE in every layer (no shared expert, no biases, RMSNorm, no MLA)."""
+    if not m.is_moe:
+        return None
+    if m.is_mla:
+        return "multi-head latent attention"
+    if m.implementation != "hf" or model_type not in SIZED_FAMILIES:
+        return f"model_type {model_type or 'unknown'}'s MoE block (sized: {', '.join(SIZED_FAMILIES)})"
+    why = [name for name, bad in (
+        ("shared experts", m.shared_expert_intermediate_size or m.shared_expert_gate),
+        ("dense layers among the sparse ones", m.num_dense_layers),
+        ("router / expert biases", m.router_bias or m.expert_bias),
+        ("biased linears", m.bias or m.qkv_bias),
+        ("LayerNorm", m.norm != "rmsnorm"),
+        ("attention sinks", m.attention_sinks),
+        ("qk-norm over the whole projection (OLMoE's unnormalised top-k)", m.qk_norm == "full"),
+        ("sliding layers", m.sliding_window_layers is not None),
+        ("dropout", m.hidden_dropout or m.attention_dropout),
+        ("an ungated expert", not m.gated_mlp),
+    ) if bad]
+    return ", ".join(why) or None
+
+
+def router_saved_per_token(m: ModelSpec) -> float:
+    """Bytes per token the router keeps: the fp32 softmax output (E; ``softmax(router_logits.float())``
+    / ``softmax(..., dtype=torch.float)``), topk's int64 indices (k), and the top-k renormalisation
+    ``router_top_value /= router_top_value.sum(...)``: the fp32 sum (1) and quotient (k) (DivBackward).
+    Qwen3-MoE's ``norm_topk_prob: false`` skips the last (4 + 4k bytes fewer: a bound)."""
+    e, k = m.num_experts, m.num_experts_per_tok
+    return 4 * e + 8 * k + 4 + 4 * k
+
+
+def pair_saved(m: ModelSpec, p: int) -> float:
+    """Bytes per (token, expert) pair the grouped path keeps (integrations/moe.py
+    ``grouped_mm_experts_forward``): three int64 index vectors (``perm`` from torch.sort, ``perm //
+    num_top_k`` for the gather, ``inv_perm``), the gathered input (h), the grouped up projection's
+    output (2f: silu's input and ``up`` are views of it), silu's output and the gated product (f each,
+    saved by the multiply and the down grouped_mm), the down output (h) and the routing weight,
+    both saved by ``proj_out * sample_weights_g``."""
+    h, f = m.hidden_size, expert_width(m)
+    return 24 + p * (2 * h + 4 * f) + _routing_weight_bytes(m, p)
+
+
+def moe_saved_per_token(m: ModelSpec, p: int) -> float:
+    """Bytes per token one MoE block's feed-forward keeps, its input (the norm output) excluded:
+    the router's and the routed pairs'."""
+    return router_saved_per_token(m) + m.num_experts_per_tok * pair_saved(m, p)
+
+
+def moe_fixed_bytes(m: ModelSpec) -> float:
+    """Per block, not per token: the int32 cumulative tokens per expert (``offsets``, E) grouped_mm saves."""
+    return 4.0 * m.num_experts
+
+
+def moe_backward_transient(m: ModelSpec, p: int, tokens: int) -> float:
+    """The MoE feed-forward's backward peak beyond the block's saved tensors (bytes per block): as the
+    dense MLP's (activations.py ``_mlp_backward_transient``), per routed pair: the down grouped_mm's
+    input gradient (f) then the gated multiply's two factor gradients with the product released (+2f
+    net), next to the down projection's weight gradient, which grouped_mm's backward makes for every
+    expert at once (E x h x f, torch ``_grouped_mm`` backward); or the routing-weight multiply's
+    backward (the fp32 gradient of the expanded sum materialised by the view, the index's
+    ``index_put`` zeros and the product's two gradients, each S x h in the weights' dtype) if larger."""
+    h, f, e, k = m.hidden_size, expert_width(m), m.num_experts, m.num_experts_per_tok
+    w = max(p, _routing_weight_bytes(m, p))
+    pairs = k * tokens
+    gate = 2 * p * f * pairs + p * e * h * f
+    weights = (3 * w + p) * h * pairs
+    return float(max(gate, weights))
+
+
+def down_weight_elements(m: ModelSpec) -> int:
+    """Elements of the feed-forward's down projection weight: every expert's (``experts.down_proj``,
+    E x h x f) for a MoE, the dense f x h otherwise."""
+    return m.num_experts * m.hidden_size * expert_width(m) if m.is_moe else m.hidden_size * m.intermediate_size
+
+
+def ffn_weight_elements(m: ModelSpec) -> int:
+    """Weights of one block's feed-forward (the router and all experts for a MoE)."""
+    if m.is_moe:
+        return m.num_experts * m.hidden_size + 3 * m.num_experts * m.hidden_size * expert_width(m)
+    return (3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size
+
+
+def ffn_parameter_order(m: ModelSpec) -> list[int]:
+    """A MoE block's feed-forward parameters in ``parameters()`` order: Mixtral registers the router
+    before the experts (``MixtralSparseMoeBlock.__init__``: ``self.gate``, ``self.experts``), Qwen3-MoE
+    after them (``Qwen3MoeSparseMoeBlock``: ``self.experts``, ``self.gate``); the experts' 3-D
+    ``gate_up_proj`` (E x 2f x h) then ``down_proj`` (E x h x f)."""
+    h, f, e = m.hidden_size, expert_width(m), m.num_experts
+    experts = [e * 2 * f * h, e * h * f]
+    return experts + [e * h] if m.qk_norm == "head" else [e * h] + experts

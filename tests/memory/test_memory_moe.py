@@ -1,0 +1,147 @@
+"""The memory model's mixture-of-experts blocks (autotune/memory/moe.py): which published MoE
+config.json files a job file accepts and sizes, which stay refused in one line, the routed block's
+saved tensors against what transformers keeps for backward, and the stored measured MoE rows of
+benchmarks/memory_vs_deepspeed.py (moe_grid: real DeepSpeed ZeRO 0-3 and FSDP2 steps) within the
+prediction margin."""
+
+import dataclasses
+import glob
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.config import load_config
+from autotune.errors import ConfigError
+from autotune.memory import PREDICTION_MARGIN, activation_breakdown, estimate_memory
+from autotune.memory import moe
+from autotune.memory.states import parameter_order
+from autotune.spec import TrainingSpec
+from autotune.strategy import Strategy
+from conftest import ROOT
+
+MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
+FILES = sorted(glob.glob(os.path.join(MOE_DIR, "*.json")))
+SIZED = {"mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json"}
+
+
+def _bench():
+    sys.path.insert(0, str(Path(ROOT) / "benchmarks"))
+    try:
+        import memory_vs_deepspeed as bench
+    finally:
+        sys.path.pop(0)
+    return bench
+
+
+def _job(tmp_path, path: str) -> str:
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{hf_config: {path}}}\ntraining: {{seq_len: 4096, global_batch_size: 64}}\n"
+                   "hardware: {gpu: h100-80gb, gpus_per_node: 8}\n")
+    return str(job)
+
+
+@pytest.mark.parametrize("path", FILES, ids=[os.path.basename(f)[:-5] for f in FILES])
+def test_moe_families_sized_or_refused_in_one_line(path, tmp_path):
+    """Mixtral and Qwen3-MoE are accepted by a job file and sized (every expert's states, the routed
+    tokens' activations); the other published MoE files stay refused in one line naming model.hf_config."""
+    name = os.path.basename(path)
+    if name not in SIZED:
+        with pytest.raises(ConfigError) as err:
+            load_config(_job(tmp_path, path))
+        text = str(err.value)
+        assert "\n" not in text and "model.hf_config" in text and "not modelled" in text
+        return
+    cfg = load_config(_job(tmp_path, path))
+    m = cfg.model
+    assert m.is_moe and moe.not_sized(m, json.load(open(path))["model_type"]) is None
+    assert sum(parameter_order(m)) == m.num_parameters  # every expert in ZeRO's flat order
+    s = Strategy(zero_stage=3, micro_batch_size=1, checkpointing="full", precision="bf16")
+    est = estimate_memory(m, cfg.training, cfg.hardware, s)
+    # ZeRO-3 over 8 GPUs: the bf16 parameters' share is the whole model's over 8
+    assert est.gpu["parameters"] >= 2 * m.num_parameters / 8
+    act = activation_breakdown(m, cfg.training, Strategy(micro_batch_size=1, precision="bf16"))
+    k, f = m.num_experts_per_tok, moe.expert_width(m)
+    # each token's top-k (token, expert) pairs keep at least their 2f up projection, 2 f-wide tensors
+    assert act.mlp_saved_per_block >= 4096 * k * 2 * 4 * f
+
+
+def test_moe_layouts_refused_without_the_family():
+    """A MoE described by fields (no config.json) or of another family is refused, whatever its layout."""
+    from autotune.config import hf_config_fields
+    from autotune.spec import ModelSpec
+
+    m = ModelSpec(**hf_config_fields(os.path.join(MOE_DIR, "mixtral-8x7b-v0.1.json")))
+    assert moe.not_sized(m, "mixtral") is None
+    assert "model_type unknown" in moe.not_sized(m, None)
+    assert "shared experts" in moe.not_sized(m.replace(shared_expert_intermediate_size=64), "mixtral")
+    assert "dense layers" in moe.not_sized(m.replace(dense_layers=(0,)), "qwen3_moe")
+
+
+def test_moe_terms_are_the_grouped_path():
+    """Per token and pair, the routed block's bytes as integrations/moe.py grouped_mm_experts_forward
+    keeps them: Mixtral's fp32 routing weight, Qwen3-MoE's in the model dtype; ZeRO's flat order puts
+    Mixtral's router before the experts and Qwen3-MoE's after."""
+    from autotune.config import hf_config_fields
+    from autotune.spec import ModelSpec
+
+    mix = ModelSpec(**hf_config_fields(os.path.join(MOE_DIR, "mixtral-8x7b-v0.1.json")))
+    qwen = ModelSpec(**hf_config_fields(os.path.join(MOE_DIR, "qwen3-30b-a3b.json")))
+    h, f = mix.hidden_size, mix.intermediate_size
+    assert moe.pair_saved(mix, 2) == 24 + 2 * (2 * h + 4 * f) + 4
+    assert moe.pair_saved(qwen, 2) == 24 + 2 * (2 * qwen.hidden_size + 4 * 768) + 2
+    assert moe.ffn_parameter_order(mix)[0] == 8 * h and moe.ffn_parameter_order(qwen)[-1] == 128 * qwen.hidden_size
+    assert moe.worst_expert_tokens(mix, 1000) == 363  # ceil(1.45 x 1000 x 2 / 8)
+    assert moe.worst_expert_tokens(mix, 1000, imbalance=9.0) == 1000
+
+
+def test_dense_models_unchanged_by_the_moe_hooks():
+    """The hooks leave a dense model's terms as they were: the down projection is f x h, the
+    feed-forward's weights 3 f h."""
+    from autotune.presets import model_from_name
+
+    m = model_from_name("llama2-7b")
+    assert moe.down_weight_elements(m) == m.hidden_size * m.intermediate_size
+    assert moe.ffn_weight_elements(m) == 3 * m.hidden_size * m.intermediate_size
+
+
+@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe"])
+def test_moe_block_saved_tensors_match_transformers(name, tmp_path):
+    """One tiny MoE block (4 experts, top-2) of the benchmark: what transformers saves for backward in
+    it equals per_block_plain to the byte, bf16."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(ROOT) / "tests"))
+    from memory.test_memory_hf_blocks import _saved_bytes_of_block
+    from autotune.config import hf_config_fields
+    from autotune.spec import ModelSpec
+
+    path = _bench()._hf_path(name, tmp_path)
+    spec = ModelSpec(**hf_config_fields(path))
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    got = _saved_bytes_of_block(model, model.model.layers, 1, 2, 128, spec.vocab_size)
+    act = activation_breakdown(spec, TrainingSpec(seq_len=128, global_batch_size=2, precision="bf16"),
+                               Strategy(micro_batch_size=2, precision="bf16"), device="cpu")
+    assert act.per_block_plain == got
+
+
+def test_stored_moe_rows_within_the_prediction_margin(tmp_path):
+    """Every MoE row of the memory benchmark (moe_grid: Mixtral / Qwen3-MoE, ZeRO 0-3 and FSDP2, 1 and
+    2 ranks, fp32 / bf16, the worst step and rank) re-predicted from its stored measurement: none is
+    under-predicted by more than PREDICTION_MARGIN."""
+    pytest.importorskip("transformers")
+    bench = _bench()
+    stored = {bench.row_key(r): r for r in json.loads(
+        (Path(ROOT) / "benchmarks" / "data" / "memory_vs_deepspeed.json").read_text()) if r.get("status") == "ok"}
+    rows = bench.moe_grid()
+    missing = [bench.row_key(r) for r in rows if bench.row_key(r) not in stored]
+    assert not missing, f"MoE rows without a stored measurement: {missing}"
+    assert {r["stage"] for r in rows} >= {0, 1, 2, 3, "fsdp2"} and {r["nproc"] for r in rows} == {1, 2}
+    errors = {bench.row_key(r): bench.predict(dict(stored[bench.row_key(r)]), tmp_path)["error"] for r in rows}
+    worst = min(errors, key=errors.get)
+    assert errors[worst] >= -PREDICTION_MARGIN, (worst, errors[worst])
