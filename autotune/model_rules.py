@@ -50,14 +50,13 @@ def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
     parts = []
     why = not_sized(spec, _model_type(hf_path)) if spec.is_moe and not spec.is_mla else None
     if spec.is_moe and (why or spec.is_mla):
-        parts.append(f"mixture-of-experts ({spec.num_experts} experts, top-{spec.num_experts_per_tok}"
-                     + (f"; {why})" if why else ")"))
+        parts.append(f"mixture-of-experts ({spec.num_experts} experts, top-{spec.num_experts_per_tok})")
     if spec.is_mla:
         parts.append(f"multi-head latent attention (kv_lora_rank {spec.kv_lora_rank})")
     if parts:
         where = f"{hf_path}: " if hf_path else ""
         raise ConfigError(f"{where}{' with '.join(parts)} is described exactly ({spec.num_parameters:,} parameters) "
-                          f"but its activations are not modelled yet",
+                          f"but its activations are not modelled yet" + (f" (sized: {why})" if why else ""),
                           path="model.hf_config" if hf_path else ("model.num_experts" if spec.is_moe
                                                                   else "model.kv_lora_rank"))
 

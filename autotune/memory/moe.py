@@ -59,7 +59,7 @@ def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
     if m.is_mla:
         return "multi-head latent attention"
     if m.implementation != "hf" or model_type not in SIZED_FAMILIES:
-        return f"model_type {model_type or 'unknown'}'s MoE block (sized: {', '.join(SIZED_FAMILIES)})"
+        return f"{', '.join(SIZED_FAMILIES)} only, not model_type {model_type or 'unknown'}"
     why = [name for name, bad in (
         ("shared experts", m.shared_expert_intermediate_size or m.shared_expert_gate),
         ("dense layers among the sparse ones", m.num_dense_layers),
@@ -72,7 +72,7 @@ def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
         ("dropout", m.hidden_dropout or m.attention_dropout),
         ("an ungated expert", not m.gated_mlp),
     ) if bad]
-    return ", ".join(why) or None
+    return ("their routed blocks without " + ", ".join(why)) if why else None
 
 
 def router_saved_per_token(m: ModelSpec) -> float:
