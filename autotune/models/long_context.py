@@ -93,8 +93,8 @@ def shard_batch(batch_or_dataloader: Any, mpu: Any, device: Any = None) -> Any:
     ``UlyssesSPDataLoaderAdapter`` (each SP rank's samples in turn, shared by the group). A batch
     dict: the group's first rank's sample, sharded as the adapter does (``position_ids`` added as
     0..seq-1 where missing, ``labels`` replaced by ``shift_labels`` = labels shifted left with -100
-    at the end, every [batch, seq] tensor cut to this rank's ``seq / sp`` tokens). ``mpu`` None:
-    the batch unchanged."""
+    at the end, every [batch, seq] tensor cut to this rank's ``seq / sp`` tokens). A DataLoader's
+    batches get ``position_ids`` too where missing. ``mpu`` None: the batch unchanged."""
     if mpu is None or sp_world_size(mpu) == 1:
         return batch_or_dataloader
     import torch
@@ -104,8 +104,8 @@ def shard_batch(batch_or_dataloader: Any, mpu: Any, device: Any = None) -> Any:
     if not isinstance(batch_or_dataloader, dict):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
-        return UlyssesSPDataLoaderAdapter(batch_or_dataloader, sp_rank=rank, sp_group=group, sp_world_size=sp,
-                                          device=device if device is not None else torch.device("cpu"))
+        return UlyssesSPDataLoaderAdapter(_WithPositions(batch_or_dataloader), sp_rank=rank, sp_group=group,
+                                          sp_world_size=sp, device=device if device is not None else torch.device("cpu"))
     batch = dict(batch_or_dataloader)
     ids = batch["input_ids"]
     bs, seq = ids.shape[:2]
@@ -126,6 +126,26 @@ def shard_batch(batch_or_dataloader: Any, mpu: Any, device: Any = None) -> Any:
             value = value[:, chunk * rank:chunk * (rank + 1)].contiguous()
         out[key] = value
     return out
+
+
+class _WithPositions:
+    """A DataLoader's batches with ``position_ids`` (0..seq-1) added where missing: DeepSpeed's
+    adapter refuses batches without them (they keep each token's global position in its shard)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[dict]:
+        import torch
+
+        for batch in self.loader:
+            if isinstance(batch, dict) and "position_ids" not in batch and "input_ids" in batch:
+                ids = batch["input_ids"]
+                batch = {**batch, "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1).contiguous()}
+            yield batch
 
 
 # ------------------------------------------------------------------------------------ loss

@@ -192,9 +192,14 @@ def _ulysses_rank(stage: int, tiled: bool, out: str) -> None:
     engine.backward(loss)
     got = {n: safe_get_full_grad(p) for n, p in model.named_parameters()}
     diff = {n: float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp(min=1e-12)) for n in want}
+    # a DataLoader through DeepSpeed's adapter: each rank's sample in turn, shared by the group
+    loader = torch.utils.data.DataLoader([{"input_ids": ids[0] + rank, "labels": ids[0] + rank}], batch_size=1)
+    shards = [(b["input_ids"][0, 0].item(), b["position_ids"][0, 0].item(), b["position_ids"].shape[1])
+              for b in lc.shard_batch(loader, mpu)]
     Path(f"{out}.{rank}").write_text(json.dumps({"loss": float(loss), "want_loss": float(want_loss),
                                                  "shape": list(batch["input_ids"].shape),
-                                                 "max_rel_grad_diff": max(diff.values())}))
+                                                 "max_rel_grad_diff": max(diff.values()), "loader": shards,
+                                                 "first_ids": [int(ids[0, 0]), int(ids[0, 32])]}))
 
 
 @pytest.mark.slow
@@ -214,6 +219,9 @@ def test_ulysses_on_two_ranks_gives_one_ranks_loss_and_gradients(tmp_path, stage
         assert r["shape"] == [1, 32]  # half the sequence on each rank
         assert r["loss"] == pytest.approx(r["want_loss"], rel=1e-6)  # every rank: the whole sample's loss
         assert r["max_rel_grad_diff"] < 1e-5
+        # the loader's two samples (rank 0's, then rank 1's: ids + 1), this rank's half of each
+        first = r["first_ids"][rank]
+        assert r["loader"] == [[first, 32 * rank, 32], [first + 1, 32 * rank, 32]]
 
 
 if __name__ == "__main__":  # a rank of test_ulysses_on_two_ranks_gives_one_ranks_loss_and_gradients
