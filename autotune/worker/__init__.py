@@ -1,5 +1,6 @@
 """The child side of the process boundary: one measurement inside a launched process group.
 ``python -m autotune.worker JOB.json`` (``main``) reads the job record and writes one result record
 per rank (``protocol``, the only module the parent side imports), driving DeepSpeed or FSDP2 through
-the engine adapters (``engines``), measuring CPU peaks (``cpu_memory``) and CUDA snapshots
+the engine adapters (``engines``, which also put a strategy's long-context knobs on a Hugging Face
+model through autotune.models.long_context), measuring CPU peaks (``cpu_memory``) and CUDA snapshots
 (``snapshot``). torch and deepspeed are imported inside functions, never at import."""
