@@ -42,7 +42,8 @@ def _layout(strategy_or_config: StrategyOrConfig, num_blocks: int) -> dict[str, 
         return {"granularity": s.checkpointing if blocks else "none", "blocks": blocks,
                 "reshard_after_forward": s.reshard_after_forward, "hybrid": s.sharding == "hybrid",
                 "mesh_shape": None, "param_dtype": TORCH_DTYPES[s.precision],
-                "reduce_dtype": TORCH_DTYPES[s.reduce_dtype], "offload": s.offload_params == "cpu"}
+                "reduce_dtype": TORCH_DTYPES[s.reduce_dtype], "offload": s.offload_params == "cpu",
+                "ep": s.expert_parallel_size}
     cfg = strategy_or_config
     if cfg.get("engine") != "fsdp2":
         raise ValueError(f"autotune.models.fsdp2.apply needs an fsdp2 layout (to_fsdp2_config), but got engine "
@@ -53,7 +54,8 @@ def _layout(strategy_or_config: StrategyOrConfig, num_blocks: int) -> dict[str, 
             "reshard_after_forward": bool(cfg["fully_shard"]["reshard_after_forward"]),
             "hybrid": len(cfg["mesh"]["shape"]) == 2, "mesh_shape": list(cfg["mesh"]["shape"]),
             "param_dtype": cfg["mp_policy"]["param_dtype"], "reduce_dtype": cfg["mp_policy"]["reduce_dtype"],
-            "offload": cfg.get("offload_policy") == "CPUOffloadPolicy"}
+            "offload": cfg.get("offload_policy") == "CPUOffloadPolicy",
+            "ep": int((cfg.get("expert_parallel") or {}).get("expert_parallel_size", 1))}
 
 
 def make_mesh(hybrid: bool, shape: Optional[list[int]] = None, device_type: Optional[str] = None) -> Any:
@@ -107,19 +109,78 @@ def apply(model: Any, strategy_or_config: StrategyOrConfig, mesh: Any = None) ->
     blocks = list(blocks_of(model))
     lay = _layout(strategy_or_config, len(blocks))
     notes = apply_checkpointing(model, lay["granularity"], lay["blocks"]) if lay["granularity"] != "none" else []
+    experts_mesh = ep_group = None
+    if lay["ep"] > 1:  # torchtitan's ep mesh; the dense parts shard over its flattened dp_shard_cp
+        world = make_ep_mesh(lay["hybrid"], lay["ep"], lay["mesh_shape"])
+        rep = ("dp_replicate",) if lay["hybrid"] else ()
+        mesh, experts_mesh = world[rep + ("dp_shard_cp",)], world[rep + ("dp_shard_mod_ep",)]
+        ep_group = world["dp_shard_in_ep"].get_group()
     if mesh is None:
         mesh = make_mesh(lay["hybrid"], lay["mesh_shape"])
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(
         param_dtype=getattr(torch, lay["param_dtype"]), reduce_dtype=getattr(torch, lay["reduce_dtype"]))}
     if lay["offload"]:  # pinned host memory needs an accelerator (a CPU-only torch refuses to pin)
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    n_experts = 0
     for block in blocks:
+        if ep_group is not None:
+            n_experts += _shard_experts(block, ep_group, experts_mesh, lay, kwargs)
         fully_shard(block, reshard_after_forward=lay["reshard_after_forward"], **kwargs)
     fully_shard(model, reshard_after_forward=True, **kwargs)
     notes.append(f"fully_shard on {len(blocks)} blocks (reshard_after_forward={lay['reshard_after_forward']}) and the "
                  f"root, mesh {tuple(mesh.shape)}, param {lay['param_dtype']}, reduce {lay['reduce_dtype']}"
                  + (", CPUOffloadPolicy" if lay["offload"] else ""))
+    if ep_group is not None:
+        if not n_experts:
+            raise ValueError("expert_parallel_size > 1 needs routed-experts modules (gate_up_proj / down_proj of "
+                             "[num_experts, ...]: a transformers 5 MoE model), but the model has none")
+        notes.append(f"expert parallel {lay['ep']}: {n_experts} experts modules split on dim 0, all_to_all_single "
+                     f"dispatch / combine, fully_shard over mesh {tuple(experts_mesh.shape)}")
     return notes
+
+
+def make_ep_mesh(hybrid: bool, ep: int, shape: Optional[list[int]] = None, device_type: Optional[str] = None) -> Any:
+    """torchtitan's mesh with expert parallelism (torchtitan/distributed/parallel_dims.py
+    ``_build_mesh_with_ep``): ``(dp_replicate,) dp_shard_mod_ep x dp_shard_in_ep``, the last two also
+    flattened to ``dp_shard_cp``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    nodes = 1
+    if hybrid:  # as make_mesh counts them: the layout's mesh, or torchrun's ranks per node
+        fits = shape and len(shape) == 2 and shape[0] * shape[1] == world
+        nodes = int(shape[0]) if fits else world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if (world // nodes) % ep:
+        raise ValueError(f"expert_parallel_size {ep} must divide the ranks FSDP shards over ({world // nodes})")
+    dims, names = (world // nodes // ep, ep), ("dp_shard_mod_ep", "dp_shard_in_ep")
+    if hybrid:
+        dims, names = (nodes, *dims), ("dp_replicate", *names)
+    mesh = init_device_mesh(device_type, dims, mesh_dim_names=names)
+    mesh[("dp_shard_mod_ep", "dp_shard_in_ep")]._flatten(mesh_dim_name="dp_shard_cp")
+    return mesh
+
+
+def _shard_experts(block: Any, ep_group: Any, experts_mesh: Any, lay: Mapping[str, Any], kwargs: dict) -> int:
+    """A block's experts split over ep, then fully_shard over GPUs / ep (their dim 1 when those
+    ranks outnumber the local experts), gradients divided by every data-parallel rank
+    (torchtitan/models/llama4/infra/parallelize.py apply_fsdp)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from autotune.models.expert_parallel import expert_parallel, experts_modules
+
+    found = experts_modules(block)
+    for experts in found:
+        expert_parallel(experts, ep_group)
+        dim = 1 if experts_mesh.size() > experts.gate_up_proj.shape[0] else 0
+        fully_shard(experts, reshard_after_forward=lay["reshard_after_forward"],
+                    shard_placement_fn=lambda param, dim=dim: Shard(dim), **{**kwargs, "mesh": experts_mesh})
+        experts.set_gradient_divide_factor(dist.get_world_size())
+    return len(found)
 
 
 # ------------------------------------------------------------------------------------ snippet

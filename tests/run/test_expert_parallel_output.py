@@ -97,8 +97,9 @@ def test_default_space_searches_ep_for_moe_jobs_only():
 
 
 def _ep_rank(out: str) -> None:
-    """One of 2 gloo ranks: the snippet's shard() (EP 2, fp32) on a tiny HF Mixtral, each rank half the
-    batch; the loss and every gradient against one process running the whole batch unsharded."""
+    """One of 2 gloo ranks: the snippet's shard() and autotune.models.fsdp2.apply (what the profiling
+    worker runs), EP 2 in fp32, each on a tiny HF Mixtral with each rank half the batch; the loss and
+    every gradient against one process running the whole batch unsharded."""
     import torch
     import torch.distributed as dist
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -108,37 +109,43 @@ def _ep_rank(out: str) -> None:
                         max_position_embeddings=64, attn_implementation="sdpa")
     torch.manual_seed(0)
     ref = MixtralForCausalLM(cfg)
-    model = MixtralForCausalLM(cfg)
-    model.load_state_dict(ref.state_dict())
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     want = ref(input_ids=ids, labels=ids).loss
     want.backward()
-    spec = ModelSpec(name="tiny-mixtral", num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=48, vocab_size=64, num_experts=4, num_experts_per_tok=2)
+    spec = ModelSpec(name="tiny-mixtral", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=48, vocab_size=64, num_experts=4, num_experts_per_tok=2)
     lay = to_fsdp2_config(Strategy(engine="fsdp2", precision="fp32", expert_parallel_size=2), spec,
                           TrainingSpec(seq_len=16, global_batch_size=2, precision="fp32"),
                           HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=2))
-    ns: dict = {}
-    exec(compile(fsdp2.snippet(lay), "snippet.py", "exec"), ns)
-    ns["shard"](model, model.model.layers)
-    rank = dist.get_rank()
-    loss = model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    diff = 0.0
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        w = q.grad
-        if "experts" in name:  # this rank's experts: dim 0 slice
-            w = w[rank * 2:(rank + 1) * 2]
-        diff = max(diff, float((g - w).abs().max() / w.abs().max().clamp(min=1e-12)))
-    Path(f"{out}.{rank}").write_text(json.dumps({"loss": float(total) / 2, "want": float(want), "diff": diff}))
+    results = {}
+    for mode in ("snippet", "apply"):
+        model = MixtralForCausalLM(cfg)
+        model.load_state_dict(ref.state_dict())
+        if mode == "snippet":
+            ns: dict = {}
+            exec(compile(fsdp2.snippet(lay), "snippet.py", "exec"), ns)
+            ns["shard"](model, model.model.layers)  # initialises the gloo group
+        else:
+            notes = fsdp2.apply(model, lay)
+            assert any("expert parallel 2: 2 experts modules" in n for n in notes), notes
+        rank = dist.get_rank()
+        loss = model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        diff = 0.0
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            w = q.grad[rank * 2:(rank + 1) * 2] if "experts" in name else q.grad  # this rank's experts
+            diff = max(diff, float((g - w).abs().max() / w.abs().max().clamp(min=1e-12)))
+        results[mode] = {"loss": float(total) / 2, "want": float(want), "diff": diff}
+    Path(f"{out}.{dist.get_rank()}").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_ep_snippet_on_two_ranks_gives_one_process_loss_and_gradients(tmp_path):
+def test_ep_on_two_ranks_gives_one_process_loss_and_gradients(tmp_path):
+    """The snippet and the worker's apply, on 2 gloo ranks: one process's loss and gradients."""
     from autotune.backends.launch import free_port
 
     out = tmp_path / "rank"
@@ -149,10 +156,10 @@ def test_ep_snippet_on_two_ranks_gives_one_process_loss_and_gradients(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
-        r = json.loads(Path(f"{out}.{rank}").read_text())
-        assert r["loss"] == pytest.approx(r["want"], rel=1e-5)
-        assert r["diff"] < 1e-4
+        for mode, r in json.loads(Path(f"{out}.{rank}").read_text()).items():
+            assert r["loss"] == pytest.approx(r["want"], rel=1e-5), mode
+            assert r["diff"] < 1e-4, mode
 
 
-if __name__ == "__main__":  # a rank of test_ep_snippet_on_two_ranks_gives_one_process_loss_and_gradients
+if __name__ == "__main__":  # a rank of test_ep_on_two_ranks_gives_one_process_loss_and_gradients
     _ep_rank(sys.argv[1])
