@@ -16,10 +16,16 @@ from typing import Any
 
 
 def experts_modules(model: Any) -> list[Any]:
-    """The routed-experts modules of a Hugging Face MoE model (every module with 3-D
-    ``gate_up_proj`` and ``down_proj`` parameters)."""
-    return [m for m in model.modules() if getattr(getattr(m, "gate_up_proj", None), "ndim", 0) == 3
-            and getattr(getattr(m, "down_proj", None), "ndim", 0) == 3]
+    """The routed-experts modules of a Hugging Face MoE model laid out as transformers 5's Mixtral /
+    Qwen-MoE / DeepSeek experts: ``gate_up_proj`` [E, 2f, d], ``down_proj`` [E, d, f], no biases, an
+    ``act_fn`` (gpt-oss's transposed, biased experts are not)."""
+    def fits(m: Any) -> bool:
+        gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+        return (getattr(gu, "ndim", 0) == 3 and getattr(dn, "ndim", 0) == 3 and hasattr(m, "act_fn")
+                and not hasattr(m, "gate_up_proj_bias") and gu.shape[1] == 2 * dn.shape[2]
+                and gu.shape[2] == dn.shape[1] and gu.shape[0] == dn.shape[0])
+
+    return [m for m in model.modules() if fits(m)]
 
 
 def expert_parallel(experts, ep_group):

@@ -96,6 +96,27 @@ def test_default_space_searches_ep_for_moe_jobs_only():
             if s.engine == "deepspeed"} == {1}
 
 
+def test_experts_modules_finds_the_hf_layout_only():
+    """Mixtral's and Qwen3-MoE's experts ([E, 2f, d] / [E, d, f]) are split; gpt-oss's transposed,
+    biased ones are not (the EP forward would compute something else)."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, \
+        Qwen3MoeForCausalLM
+
+    from autotune.models.expert_parallel import experts_modules
+
+    with torch.device("meta"):  # shapes only
+        small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=64)
+        assert len(experts_modules(MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=4,
+                                                                    **small)))) == 2
+        assert len(experts_modules(Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=24, num_experts=4,
+                                                                      num_experts_per_tok=2, **small)))) == 2
+        oss = GptOssForCausalLM(GptOssConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                             head_dim=8, **small))
+    assert experts_modules(oss) == []
+
+
 def _ep_rank(out: str) -> None:
     """One of 2 gloo ranks: the snippet's shard() and autotune.models.fsdp2.apply (what the profiling
     worker runs), EP 2 in fp32, each on a tiny HF Mixtral with each rank half the batch; the loss and
