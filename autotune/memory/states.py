@@ -204,8 +204,12 @@ def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         host = 0
     if dp > 1:
         # each bucket reduce goes through allreduce_and_scatter -> allreduce_bucket, which
-        # flattens the bucket's gradients (zero/stage_1_and_2.py allreduce_bucket: self.flatten)
-        out.reduce_flat = p * bucket
+        # flattens the bucket's gradients (zero/stage_1_and_2.py allreduce_bucket: self.flatten);
+        # under sequence parallelism it all-reduces an fp32 copy of that flat tensor
+        # (``if pg_correctness_test or self.sequence_parallel_size > 1: communication_data_type =
+        # torch.float32``, then ``tensor.to(communication_data_type)``)
+        fp32_copy = 4 * bucket if (s.sequence_parallel_size > 1 and p < 4) else 0
+        out.reduce_flat = p * bucket + fp32_copy
     out.grad_per_block = 0
     out.cpu = host
     return out

@@ -130,3 +130,40 @@ def test_llama31_8b_fits_at_131072_and_32768_without_parameter_offload():
     short = dataclasses.replace(TR, seq_len=32768)
     assert estimate_memory(M, short, HW, Strategy(zero_stage=3, checkpointing="full", sequence_parallel_size=2,
                                                   tiled_loss=True), headroom=0.05).fits
+
+
+KNOWN_UNDER = {  # (model, stage, knobs) -> why: the stored rows the model under-predicts beyond the margin
+    ("hf-llama-long", 2, "sp2"): "-2.40%: ZeRO-2 with Ulysses, no checkpointing; the missing bytes are not found yet",
+}
+
+
+def _long_context_rows():
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(ROOT) / "benchmarks"))
+    try:
+        import memory_vs_deepspeed as bench
+    finally:
+        sys.path.pop(0)
+    stored = {bench.row_key(r): r for r in json.loads((Path(ROOT) / "benchmarks" / "data" /
+                                                       "memory_vs_deepspeed.json").read_text()) if r.get("knobs")}
+    return bench, [(row, stored.get(bench.row_key(row))) for row in bench.long_context_grid()]
+
+
+def test_stored_long_context_rows_are_not_under_predicted_beyond_the_margin(tmp_path):
+    """Every measured long-context row (benchmarks/memory_vs_deepspeed.py --long-context: real DeepSpeed /
+    FSDP2 steps with each knob, the worst step and rank) re-predicted from its measurement: none is
+    under-predicted by more than PREDICTION_MARGIN but the known ones, which stay where they were."""
+    pytest.importorskip("transformers")
+    from autotune.memory import PREDICTION_MARGIN
+
+    bench, rows = _long_context_rows()
+    assert all(stored is not None and stored["status"] == "ok" for _, stored in rows), "rows without a measurement"
+    errors = {(r["model"], r["stage"], bench.knob_text(r["knobs"])): bench.predict(dict(stored), tmp_path)["error"]
+              for r, stored in rows}
+    assert {k for k in errors if "sp2" in k[2]} and {k for k in errors if "ao" in k[2]}  # every knob measured
+    under = {k: e for k, e in errors.items() if e < -PREDICTION_MARGIN}
+    assert set(under) == set(KNOWN_UNDER), under
+    assert all(e > -0.03 for e in errors.values()), min(errors.items(), key=lambda kv: kv[1])
