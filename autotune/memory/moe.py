@@ -107,19 +107,29 @@ def moe_fixed_bytes(m: ModelSpec) -> float:
 
 
 def moe_backward_transient(m: ModelSpec, p: int, tokens: int) -> float:
-    """The MoE feed-forward's backward peak beyond the block's saved tensors (bytes per block): as the
-    dense MLP's (activations.py ``_mlp_backward_transient``), per routed pair: the down grouped_mm's
-    input gradient (f) then the gated multiply's two factor gradients with the product released (+2f
-    net), next to the down projection's weight gradient, which grouped_mm's backward makes for every
-    expert at once (E x h x f, torch ``_grouped_mm`` backward); or the routing-weight multiply's
-    backward (the fp32 gradient of the expanded sum materialised by the view, the index's
-    ``index_put`` zeros and the product's two gradients, each S x h in the weights' dtype) if larger."""
+    """The MoE feed-forward's backward peak beyond the block's saved tensors (bytes per block), the
+    largest of three instants of grouped_mm_experts_forward's backward (S = tokens x top-k pairs; w the
+    routing weight's bytes, q = max(p, w) the dtype of ``proj_out * sample_weights_g``), each net of
+    what the backward has released by then (``inv_perm``, 8 S, after the final gather's backward):
+    * the routing-weight multiply: the gathered output's gradient (``index_put`` zeros, S x h in q)
+      and the product's two gradients (S x h in q each), cast back to the model dtype when q > p
+      (Mixtral bf16), else with the weights' summed gradient (S);
+    * the gated multiply: the down grouped_mm's input gradient (S x f), which replaces its saved
+      input, and the two factor gradients (S x f each), next to the down weight's gradient for every
+      expert (E x h x f) and the routing weights' gradient, the multiply's saved down output and
+      weights released (S x h + S w);
+    * the up grouped_mm: the gate_up weight's gradient (E x 2f x h) beside the down one's, the product,
+      silu output and up projection (4 f per pair) released, the concatenated gradient (2f) and the
+      input gradient (h, replacing the released weighted gradient) alive.
+    From allocation traces of one block's backward (torch 2.13 CPU profiler, docs/moe.md)."""
     h, f, e, k = m.hidden_size, expert_width(m), m.num_experts, m.num_experts_per_tok
-    w = max(p, _routing_weight_bytes(m, p))
+    w = _routing_weight_bytes(m, p)
+    q = max(p, w)
     pairs = k * tokens
-    gate = 2 * p * f * pairs + p * e * h * f
-    weights = (3 * w + p) * h * pairs
-    return float(max(gate, weights))
+    weights = ((3 * q + p) * h if q > p else 3 * q * h + w) * pairs - 8 * pairs
+    gate = 2 * p * f * pairs + p * e * h * f - (p * h + 8) * pairs
+    gate_up = 3 * p * e * h * f - 2 * p * f * pairs - 8 * pairs
+    return float(max(weights, gate, gate_up))
 
 
 def down_weight_elements(m: ModelSpec) -> int:

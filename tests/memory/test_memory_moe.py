@@ -97,6 +97,23 @@ def test_moe_terms_are_the_grouped_path():
     assert moe.worst_expert_tokens(mix, 1000, imbalance=9.0) == 1000
 
 
+def test_moe_backward_peak_is_the_traced_one(tmp_path):
+    """The MoE backward's peak above the saved set, as traced on one tiny Qwen3-MoE block (4 experts,
+    top-2, h 128, f 176, 1024 tokens; torch 2.13 CPU profiler, docs/moe.md): the routing-weight
+    multiply's 1,560,576 bytes in bf16; Mixtral's fp32 routing weights make those gradients fp32."""
+    from autotune.config import hf_config_fields
+    from autotune.spec import ModelSpec
+
+    bench = _bench()
+    qwen = ModelSpec(**hf_config_fields(bench._hf_path("hf-qwen3moe-sv", tmp_path)))
+    mix = ModelSpec(**hf_config_fields(bench._hf_path("hf-mixtral-sv", tmp_path)))
+    assert moe.moe_backward_transient(qwen, 2, 1024) == 1_560_576
+    assert moe.moe_backward_transient(mix, 2, 1024) == (3 * 4 + 2) * 128 * 2048 - 8 * 2048
+    # at published sizes the experts' weight gradients dominate: 3 x E x h x f beside the freed pairs
+    big = mix.replace(hidden_size=4096, intermediate_size=14336, num_experts=8)
+    assert moe.moe_backward_transient(big, 2, 16) == 3 * 2 * 8 * 4096 * 14336 - (2 * 2 * 14336 + 8) * 32
+
+
 def test_dense_models_unchanged_by_the_moe_hooks():
     """The hooks leave a dense model's terms as they were: the down projection is f x h, the
     feed-forward's weights 3 f h."""
