@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         lc = ckpt["long_context"]
         if world % sp:
             raise SystemExit(f"sequence_parallel_size {sp} needs a multiple of {sp} processes, but got {world}")
-        mpu = long_context.apply_long_context(model, autotune.Strategy(**lc["strategy"]), seq_length=lc["seq_length"])
+        mpu = long_context.apply_long_context(model, autotune.Strategy(**lc["strategy"]), seq_length=lc["seq_length"],
+                                              gradient_accumulation_steps=ds_config["gradient_accumulation_steps"])
         if rank == 0:
             print(f"long context: {lc['call']}")
     elif sp > 1:

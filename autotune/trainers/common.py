@@ -101,8 +101,10 @@ def long_context_call(p: Point) -> str:
         knobs.append("checkpointing='full'")
     if s.sequence_parallel_size > 1:
         knobs.append(f"micro_batch_size={s.micro_batch_size}")
+    # the accumulation steps: the tiled loss back-propagates its head inside the forward, scaled by them
+    gas = f", gradient_accumulation_steps={p.gas}" if p.gas > 1 else ""
     call = (f"mpu = {LONG_CONTEXT}.apply_long_context(model, autotune.Strategy({', '.join(knobs)}), "
-            f"seq_length={p.cfg.training.seq_len})")
+            f"seq_length={p.cfg.training.seq_len}{gas})")
     if s.sequence_parallel_size > 1:
         call += f"; deepspeed.initialize(..., mpu=mpu); batch = {LONG_CONTEXT}.shard_batch(batch, mpu)"
     return call

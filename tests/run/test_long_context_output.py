@@ -139,7 +139,7 @@ def test_trainer_files_of_a_ulysses_point(tmp_path):
     readme = (folder / FILES["readme"]).read_text()
     assert "autotune.models.long_context.apply_long_context(model, autotune.Strategy(zero_stage=1, " \
            "sequence_parallel_size=2, tiled_loss=True, tiled_mlp=True, activation_offload='cpu', " \
-           "checkpointing='full', micro_batch_size=1), seq_length=32)" in readme
+           "checkpointing='full', micro_batch_size=1), seq_length=32, gradient_accumulation_steps=2)" in readme
     assert "; deepspeed.initialize(..., mpu=mpu); batch = autotune.models.long_context.shard_batch(batch, mpu)`" \
         in readme
     acc = yaml.safe_load((folder / FILES["accelerate"]).read_text())
