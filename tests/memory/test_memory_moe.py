@@ -162,3 +162,25 @@ def test_stored_moe_rows_within_the_prediction_margin(tmp_path):
     errors = {bench.row_key(r): bench.predict(dict(stored[bench.row_key(r)]), tmp_path)["error"] for r in rows}
     worst = min(errors, key=errors.get)
     assert errors[worst] >= -PREDICTION_MARGIN, (worst, errors[worst])
+
+
+@pytest.mark.parametrize("name", sorted(SIZED))
+def test_screen_grid_equals_estimate_memory_on_moe(name, tmp_path):
+    """The screen's numpy walk (autotune/memory/_fast.py) gives a MoE candidate the verdict and bytes
+    estimate_memory gives it (the engines space on 8 H100s, CUDA and CPU)."""
+    from autotune.memory import _fast
+    from autotune.space import load_space
+    from autotune.strategy import validate
+
+    cfg = load_config(_job(tmp_path, os.path.join(MOE_DIR, name)))
+    m, tr, hw = cfg.model, cfg.training, cfg.hardware
+    pool = list(load_space("engines", precision=tr.precision).candidates(m))
+    computed = 0
+    for device in ("cuda", "cpu"):
+        for s, v in zip(pool, _fast.verdicts(m, tr, hw, pool, headroom=0.05, device=device)):
+            if v is None or validate(s, m, tr, hw):
+                continue
+            est = estimate_memory(m, tr, hw, s, headroom=0.05, device=device)
+            assert v == (est.fits, est.total_gpu_bytes), s
+            computed += 1
+    assert computed > 50
