@@ -6,6 +6,7 @@
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
     python benchmarks/memory_vs_deepspeed.py --reuse out.json    # re-predict stored measurements
     python benchmarks/memory_vs_deepspeed.py --long-context      # 18 rows of issue 24's knobs (long_context_grid)
+    python benchmarks/memory_vs_deepspeed.py --moe               # 16 Mixtral / Qwen3-MoE rows (moe_grid, docs/moe.md)
 
 The grid: 10 Hugging Face families from their published config.json (tests/data/hf: llama, mistral,
 qwen2, qwen3, gemma, gemma2, phi3, olmo2, gpt2 with its default dropout 0.1, gpt_neox), shrunk to CPU size
