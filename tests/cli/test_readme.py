@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SKIPPED = (re.compile(r"^pip\s"), re.compile(r"^python -m pytest\b"), re.compile(r"benchmarks/gpu_"))
 DOCS = ("cli.md", "engines.md", "run-directory.md", "trainers.md", "profiling.md", "config.md", "search.md",
-        "accuracy.md", "long-context.md", "simulate-long-context.md", "reliability.md", "architecture.md")
+        "accuracy.md", "long-context.md", "simulate-long-context.md", "moe.md", "reliability.md", "architecture.md")
 """docs/ pages in the order their commands run (later pages may use the runs of earlier ones)."""
 README_MAX_LINES = 250
 
