@@ -197,7 +197,11 @@ class DeepSpeedBackend(Backend):
             cfg = self.cfg
             peak_flops = cfg.hardware.gpu.peak_flops(strategy.precision)
             if peak_flops > 0:
-                mfu = tps_gpu * cfg.model.flops_per_token(cfg.training.seq_len) / peak_flops
+                from autotune.simulate_moe import moe_flops_per_token  # a MoE's MFU is on its active parameters
+
+                flops = (moe_flops_per_token(cfg.model, cfg.training.seq_len) if cfg.model.is_moe
+                         else cfg.model.flops_per_token(cfg.training.seq_len))
+                mfu = tps_gpu * flops / peak_flops
         reserved = [r.peak_reserved_bytes for r in ranks]
         extra.update(
             measured_peak_bytes=peak, per_rank_peak_bytes=peaks, peak_phase=ranks[peaks.index(peak)].peak_phase,
