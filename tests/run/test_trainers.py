@@ -161,6 +161,7 @@ def torchtitan_config_manager():
             del sys.modules[name]
         pkg = types.ModuleType("torchtitan")
         pkg.__path__ = list(spec.submodule_search_locations)
+        pkg.__spec__ = spec  # importlib.util.find_spec("torchtitan") still answers (another test file reads it)
         sys.modules["torchtitan"] = pkg
     from torchtitan.config import ConfigManager
 
