@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from autotune.memory.split import LOSS_TILE_BYTES
 from autotune.simulate_comm import _exposed, _link_bandwidth, _ring_time
 from autotune.spec import HardwareSpec, ModelSpec
 from autotune.strategy import Strategy
@@ -30,8 +31,8 @@ RECOMPUTES_ATTENTION = ("full", "attention", "selective")
 """Checkpointing granularities whose recomputation repeats the attention (and so its all-to-alls or
 its ring): op-level SAC keeps the sdpa outputs (torchtitan's save list), mlp recomputes the MLP only."""
 
-LOGITS_TILE_BYTES = float(1 << 30)
-"""Tiled loss: fp32 logits per tile, ArcticTraining's ``get_num_shards`` (slice_size_in_gb = 1)."""
+LOGITS_TILE_BYTES = float(LOSS_TILE_BYTES)
+"""Tiled loss: fp32 logits per tile (the memory model's constant, ArcticTraining's slice_size_in_gb = 1)."""
 
 RING_GRAD_BYTES = 4
 """Bytes per element of the dk/dv passed around the ring (_ContextParallelOptions.convert_to_f32)."""
@@ -69,14 +70,16 @@ def tile_slowdown(T: float, tile: float, m_half: float) -> float:
 
 
 def tiled_mlp_tile_tokens(b: int, local_seq: float, d: int) -> float:
-    """Tokens per TiledMLP tile: ceil(seq/d) shards of the local sequence, each ``b x ceil(seq/shards)``
+    """Tokens per TiledMLP tile (memory.split.mlp_tile_tokens over a float sequence share): ceil(seq/d)
+    shards of the local sequence, each ``b x ceil(seq/shards)``
     (deepspeed/runtime/sequence_parallel/ulysses_sp.py TiledMLP docstring's tiled_mlp_forward, torch.chunk)."""
     shards = max(1, math.ceil(local_seq / d))
     return b * math.ceil(local_seq / shards)
 
 
 def tiled_loss_tile_tokens(T: float, vocab: int) -> float:
-    """Tokens per TiledFusedLogitsLoss tile: ceil(T x V x 4 B / 1 GiB) shards of the flattened tokens
+    """Tokens per TiledFusedLogitsLoss tile (memory.split.loss_tile_tokens over float tokens):
+    ceil(T x V x 4 B / 1 GiB) shards of the flattened tokens
     (ArcticTraining sft_trainer ``get_num_shards``; ulysses_sp.py TiledFusedLogitsLoss chunks dim 0)."""
     shards = max(1, math.ceil(T * vocab * 4.0 / LOGITS_TILE_BYTES))
     return math.ceil(T / shards)

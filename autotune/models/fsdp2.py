@@ -314,8 +314,8 @@ def shard(model, blocks=None):
     if lc.get("tiled_mlp"):
         text += "    tile_mlp(model)  # every decoder MLP over sequence tiles (DeepSpeed TiledMLP)\n"
     if lc.get("tiled_loss"):
-        text += ("    use_long_context_loss(model, tiled=True)  # model(**batch).loss from logits in sequence tiles "
-                 "(TiledFusedLogitsLoss)\n")
+        text += ("    use_long_context_loss(model, tiled=True, gradient_accumulation_steps=GRADIENT_ACCUMULATION_STEPS)"
+                 "  # model(**batch).loss from logits in sequence tiles (TiledFusedLogitsLoss)\n")
     if selective:
         text += f'''    if hasattr(model, "set_checkpointing"):  # attention core recomputed (autotune's reference decoders)
         model.set_checkpointing("selective", CHECKPOINTED)

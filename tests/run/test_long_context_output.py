@@ -89,7 +89,7 @@ def test_snippet_long_context_calls():
     compile(text, "fsdp2_snippet.py", "exec")
     assert "from autotune.models.long_context import offload_activations, tile_mlp, use_long_context_loss" in text
     assert text.index("    tile_mlp(model)") < text.index("fully_shard(block")
-    assert "use_long_context_loss(model, tiled=True)" in text
+    assert "use_long_context_loss(model, tiled=True, gradient_accumulation_steps=GRADIENT_ACCUMULATION_STEPS)" in text
     assert "        with offload_activations():" in text and "context_parallel_batch" not in text
 
 
