@@ -42,3 +42,33 @@ def group():
     yield
     dist.destroy_process_group()
 
+
+
+def run_ranks(tmp_path, argv: list, timeout: float, nranks: int = 2, cwd=None) -> list:
+    """``argv`` as ``nranks`` gloo ranks (RANK / WORLD_SIZE / MASTER_* in the environment), their output
+    in files (no pipe to fill); a rank that fails leaves the others waiting in a collective, so all are
+    stopped then. Asserts every rank exited 0; returns each rank's stdout."""
+    import subprocess
+    import time
+
+    from autotune.backends.launch import free_port
+
+    port = str(free_port())
+    procs = []
+    for rank in range(nranks):
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": str(nranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        with open(tmp_path / f"out{rank}", "w") as out, open(tmp_path / f"err{rank}", "w") as err:
+            procs.append(subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err))
+    try:
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            assert time.monotonic() < deadline, f"{nranks}-rank run timed out"
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, p in enumerate(procs):
+        assert p.wait() == 0, (tmp_path / f"err{rank}").read_text()[-3000:]
+    return [(tmp_path / f"out{rank}").read_text() for rank in range(nranks)]

@@ -216,34 +216,13 @@ def test_context_parallel_snippet_on_two_cpu_ranks(tmp_path):
     head-tail (rank 0: chunks 0 and 3 of 4). torch's ring attention then needs CUDA's sdpa kernels:
     on the CPU the forward stops at the first attention with the error the README names."""
     import json
-    import os
-    import socket
-    import subprocess
     import sys
-    import time
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        with open(tmp_path / f"out{rank}", "w") as out, open(tmp_path / f"err{rank}", "w") as err:
-            procs.append(subprocess.Popen([sys.executable, "-c", _CP_RANK], env=env, stdout=out, stderr=err))
-    try:
-        deadline = time.monotonic() + 180
-        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
-            assert time.monotonic() < deadline, "2-rank run timed out"
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    from conftest import run_ranks
+
     results = []
-    for rank, p in enumerate(procs):
-        assert p.wait() == 0, (tmp_path / f"err{rank}").read_text()[-3000:]
-        line = next(ln for ln in (tmp_path / f"out{rank}").read_text().splitlines() if ln.startswith("RESULT "))
+    for text in run_ranks(tmp_path, [sys.executable, "-c", _CP_RANK], timeout=180):
+        line = next(ln for ln in text.splitlines() if ln.startswith("RESULT "))
         results.append(json.loads(line[len("RESULT "):]))
     for rank, r in enumerate(results):
         assert r["cp_mesh"] == [["cp"], 2] and r["param_mesh"] == [["dp_shard_cp"], 2]

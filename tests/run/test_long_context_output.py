@@ -6,11 +6,7 @@ long-context calls or saying in one line that the trainer cannot express the kno
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ from autotune.presets import gpu_from_name, model_from_name
 from autotune.spec import HardwareSpec, TrainingSpec
 from autotune.strategy import Strategy, validate
 from autotune.trainers import FILES, write_trainer_files
+from conftest import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = model_from_name("llama2-7b")
@@ -180,12 +177,6 @@ def test_trainer_files_of_a_context_parallel_point(tmp_path):
     assert "parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=4" in readme
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_example_script_trains_a_ulysses_point_on_two_ranks(tmp_path):
     """examples/train_deepspeed.py, as the point's launch line runs it, on 2 gloo ranks: Ulysses
@@ -198,25 +189,6 @@ def test_the_example_script_trains_a_ulysses_point_on_two_ranks(tmp_path):
     _, keys = _write(tmp_path, cfg, s)
     launch = keys["launch"].split()
     args = launch[launch.index("examples/train_deepspeed.py"):]
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        with open(tmp_path / f"out{rank}", "w") as out, open(tmp_path / f"err{rank}", "w") as err:  # no pipe to fill
-            procs.append(subprocess.Popen([sys.executable, *args, "--steps", "2"], cwd=ROOT, env=env, stdout=out,
-                                          stderr=err))
-    try:  # a rank that fails leaves the other waiting in a collective: stop both then
-        deadline = time.monotonic() + 300
-        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
-            assert time.monotonic() < deadline, "2-rank run timed out"
-            time.sleep(0.5)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for rank, proc in enumerate(procs):
-        assert proc.wait() == 0, (tmp_path / f"err{rank}").read_text()[-3000:]
-    out = (tmp_path / "out0").read_text()
+    out = run_ranks(tmp_path, [sys.executable, *args, "--steps", "2"], timeout=300, cwd=ROOT)[0]
     assert "long context: mpu = autotune.models.long_context.apply_long_context(" in out
     assert "step 1: loss" in out and "micro-batches of 16 tokens per rank" in out

@@ -5,9 +5,6 @@ that is not a Hugging Face one)."""
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +13,10 @@ pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from autotune.backends.launch import WORKER_MODULE, free_port  # noqa: E402
 from autotune.config import hf_config_fields  # noqa: E402
 from autotune.spec import ModelSpec  # noqa: E402
 from autotune.strategy import Strategy  # noqa: E402
+from test_worker import _run as run_job  # noqa: E402  (the worker launched as the profile backend does)
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -39,22 +36,8 @@ def _run(tmp_path: Path, nproc: int, seq: int, mbs: int, **knobs) -> list[dict]:
     job = {"model": dataclasses.asdict(model), "hf_config": hf, "strategy": s.as_dict(),
            "training": {"seq_len": seq, "global_batch_size": mbs * nproc // s.sequence_parallel_size,
                         "precision": s.precision},
-           "warmup_steps": 1, "measure_steps": 1, "device": "cpu", "result_path": str(tmp_path / "result.json")}
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", WORKER_MODULE, str(tmp_path / "job.json")] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-        str(free_port()), "-m", WORKER_MODULE, str(tmp_path / "job.json")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    from autotune.worker.main import result_path_for_rank
-
-    out = []
-    for r in range(nproc):
-        path = result_path_for_rank(tmp_path / "result.json", r)
-        assert path.exists(), proc.stderr[-3000:]
-        out.append(json.loads(path.read_text()))
-    return out
+           "warmup_steps": 1, "measure_steps": 1}
+    return run_job(tmp_path, job, nproc, timeout=240)
 
 
 @pytest.mark.slow
