@@ -204,10 +204,9 @@ _st_fields = attrgetter(*_ST)
 _DS = _ST + ("p", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
 
 
-def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, device: str,
-               loop: str) -> list[Any]:
+def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, device: str) -> list[Any]:
     """A DeepSpeed candidate's model states (``_ST``) and the walk's other per-strategy terms (``_DS``)."""
-    head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
+    head, block_params = m.vocab_size * m.hidden_size, m.block_params()
     st = _model_states(m, training, hardware, s, device)
     p = BYTES_PER_ELEMENT[s.precision]
     carry, grow = _accumulation_carry(m, hardware, s, gradient_accumulation_steps(s, training, hardware))
@@ -226,7 +225,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     """estimate.estimate_memory's walk (deepspeed engine) over the candidates."""
     m, L = model, model.num_hidden_layers
     head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
-    c = dict(zip(_DS, _table(strategies, states_key, lambda s: states_row(m, training, hardware, s, device, loop))))
+    c = dict(zip(_DS, _table(strategies, states_key, lambda s: states_row(m, training, hardware, s, device))))
     a, attention_gran, _ = _activations(m, training, strategies, device)
     n = len(strategies)
     p, carry, grow, carry_ipg = c["p"], c["carry"], c["grow"] > 0, c["carry_ipg"]
@@ -301,7 +300,7 @@ _U = ("n", "p", "r", "per_block", "root", "on_gpu", "u_root", "u_block", "flat",
 _u_fields = attrgetter(*_U)
 
 
-def units_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, loop: str) -> list[Any]:
+def units_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy) -> list[Any]:
     """An FSDP2 candidate's layout (``_U``) and the walk's other per-strategy terms."""
     u = _units(m, s, hardware)
     gas = gradient_accumulation_steps(s, training, hardware)
@@ -314,7 +313,7 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     m, L, V = model, model.num_hidden_layers, model.vocab_size
     k_opt = training.optimizer.state_bytes_per_parameter
     u = dict(zip(_U + ("carry", "reshard", "host"),
-                 _table(strategies, units_key, lambda s: units_row(m, training, hardware, s, loop))))
+                 _table(strategies, units_key, lambda s: units_row(m, training, hardware, s))))
     a, attention_gran, last_ck = _activations(m, training, strategies, device)
     n = len(strategies)
     un, up, ur, carry, reshard = u["n"], u["p"], u["r"], u["carry"], u["reshard"] > 0

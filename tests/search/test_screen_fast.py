@@ -166,7 +166,7 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "tiled_mlp": (Strategy(), True),
         "activation_offload": (Strategy(checkpointing="full"), "cpu"),
     }, "examples/gpt2.yaml", {}),  # GPT-2: biased linears (ZeRO-3's matmul)
-    "states_key": (lambda c, s: _fast.states_row(c.model, c.training, c.hardware, s, "cuda", "keep_outputs"),
+    "states_key": (lambda c, s: _fast.states_row(c.model, c.training, c.hardware, s, "cuda"),
                    "deepspeed", {
         "zero_stage": (Strategy(zero_stage=1), 2),
         "offload_optimizer": (Strategy(zero_stage=2), "cpu"),
@@ -178,7 +178,7 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "param_persistence_threshold": (Strategy(zero_stage=3), 10 ** 9),
         "sequence_parallel_size": (Strategy(zero_stage=1, micro_batch_size=8), 2),  # accumulation 1 -> 2
     }, "examples/llama2-7b.yaml", {}),  # 7B parameters: more than ZeRO-3 keeps gathered
-    "units_key": (lambda c, s: _fast.units_row(c.model, c.training, c.hardware, s, "keep_outputs"), "fsdp2", {
+    "units_key": (lambda c, s: _fast.units_row(c.model, c.training, c.hardware, s), "fsdp2", {
         "precision": (Strategy(engine="fsdp2"), "fp32"),
         "reduce_dtype": (Strategy(engine="fsdp2"), "bf16"),
         "offload_params": (Strategy(engine="fsdp2"), "cpu"),
