@@ -370,11 +370,8 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     L = model.num_hidden_layers
     n_ck = min(strategy.num_checkpointed(L), L)
     st = strategy
-    split = NO_SPLIT
-    if st.sequence_parallel_size > 1 or st.context_parallel_size > 1 or st.tiled_loss or st.tiled_mlp or (
-            st.activation_offload != "none" and n_ck and st.checkpointing == "full"):
-        split = Split(st.sequence_parallel_size, st.context_parallel_size, st.tiled_loss, st.tiled_mlp,
-                       st.activation_offload != "none" and bool(n_ck) and st.checkpointing == "full")
+    offload = st.activation_offload != "none" and bool(n_ck) and st.checkpointing == "full"
+    split = Split(st.sequence_parallel_size, st.context_parallel_size, st.tiled_loss, st.tiled_mlp, offload)
     return _breakdown(model, training.seq_len, strategy.micro_batch_size, strategy.precision, n_ck,
                       strategy.checkpointing if n_ck else "none",
                       strategy.engine == "deepspeed" and strategy.zero_stage == 3,  # ZeRO-3 linears (_block_linears)
@@ -467,8 +464,8 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         # backward, the MLP's weight gradients accumulated over the tiles (ds_grad_is_ready held)
         t = mlp_tile_tokens(b, s, m.hidden_size)
         n_weights = 3 if m.gated_mlp else 2
-        mlp_bwd = (p * m.hidden_size * tokens + max(mlp_untiled + _mlp_backward_transient(m, p, mb),
-                                                    mlp_untiled + _composite_gelu_backward_transient(m, p)) * t
+        mlp_bwd = (p * m.hidden_size * tokens + (mlp_untiled + max(_mlp_backward_transient(m, p, mb),
+                                                                    _composite_gelu_backward_transient(m, p))) * t
                    + n_weights * p * m.intermediate_size * m.hidden_size)
         mlp_saved = 0.0
     return ActivationBreakdown(
