@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from autotune.memory.split import LOSS_TILE_BYTES
+from autotune.memory.split import loss_tile_tokens, mlp_tile_tokens  # the tile sizes the memory model uses
 from autotune.simulate_comm import _exposed, _link_bandwidth, _ring_time
 from autotune.spec import HardwareSpec, ModelSpec
 from autotune.strategy import Strategy
@@ -31,8 +31,6 @@ RECOMPUTES_ATTENTION = ("full", "attention", "selective")
 """Checkpointing granularities whose recomputation repeats the attention (and so its all-to-alls or
 its ring): op-level SAC keeps the sdpa outputs (torchtitan's save list), mlp recomputes the MLP only."""
 
-LOGITS_TILE_BYTES = float(LOSS_TILE_BYTES)
-"""Tiled loss: fp32 logits per tile (the memory model's constant, ArcticTraining's slice_size_in_gb = 1)."""
 
 RING_GRAD_BYTES = 4
 """Bytes per element of the dk/dv passed around the ring (_ContextParallelOptions.convert_to_f32)."""
@@ -67,22 +65,6 @@ def uses_long_context(s: Strategy) -> bool:
 def tile_slowdown(T: float, tile: float, m_half: float) -> float:
     """GEMM time at M = tile over its time at M = T, the simulator's saturating efficiency M/(M + m_half)."""
     return (T / (T + m_half)) / (tile / (tile + m_half))
-
-
-def tiled_mlp_tile_tokens(b: int, local_seq: float, d: int) -> float:
-    """Tokens per TiledMLP tile (memory.split.mlp_tile_tokens over a float sequence share): ceil(seq/d)
-    shards of the local sequence, each ``b x ceil(seq/shards)``
-    (deepspeed/runtime/sequence_parallel/ulysses_sp.py TiledMLP docstring's tiled_mlp_forward, torch.chunk)."""
-    shards = max(1, math.ceil(local_seq / d))
-    return b * math.ceil(local_seq / shards)
-
-
-def tiled_loss_tile_tokens(T: float, vocab: int) -> float:
-    """Tokens per TiledFusedLogitsLoss tile (memory.split.loss_tile_tokens over float tokens):
-    ceil(T x V x 4 B / 1 GiB) shards of the flattened tokens
-    (ArcticTraining sft_trainer ``get_num_shards``; ulysses_sp.py TiledFusedLogitsLoss chunks dim 0)."""
-    shards = max(1, math.ceil(T * vocab * 4.0 / LOGITS_TILE_BYTES))
-    return math.ceil(T / shards)
 
 
 def ulysses_bytes_per_layer(model: ModelSpec, b: int, S: int, sp: int, act_bytes: int) -> float:
@@ -156,13 +138,13 @@ def long_context_terms(model: ModelSpec, hardware: HardwareSpec, strategy: Strat
     if strategy.tiled_mlp:
         # TiledMLP runs the MLP forward again in backward (ulysses_sp.py TiledMLP.backward): +1 MLP
         # forward per block, and every MLP GEMM at the tile's M
-        slow = tile_slowdown(T, tiled_mlp_tile_tokens(b, T / b, model.hidden_size), mh)
+        slow = tile_slowdown(T, mlp_tile_tokens(b, math.ceil(T / b), model.hidden_size), mh)
         compute += L * 3.0 * mb.mlp_gemm * (slow - 1.0)
         recompute += L * (mb.mlp_module + mb.mlp_gemm * (slow - 1.0))
     if strategy.tiled_loss:
         # TiledFusedLogitsLoss: no extra FLOPs (backward inside forward, its docstring); the head GEMMs at
         # the tile's M, and the head's backward moves into the forward window; loss kernels unchanged
-        slow = tile_slowdown(T, tiled_loss_tile_tokens(T, model.vocab_size), mh)
+        slow = tile_slowdown(T, loss_tile_tokens(math.ceil(T), model.vocab_size), mh)
         compute += 3.0 * mb.head_gemm * (slow - 1.0)
         fwd_shift = 2.0 * mb.head_gemm * slow
     if sp > 1:

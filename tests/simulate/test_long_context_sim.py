@@ -10,9 +10,9 @@ import pytest
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.simulate import Simulator, _exposed_communication, efficiency_params, simulate
 from autotune.simulate_comm import _link_bandwidth
+from autotune.memory.split import loss_tile_tokens, mlp_tile_tokens
 from autotune.simulate_long import (LongTerms, long_context_terms, offload_exposed, ring_bytes,
-                                    tiled_loss_tile_tokens, tiled_mlp_tile_tokens, ulysses_bytes_per_layer,
-                                    uses_long_context)
+                                    ulysses_bytes_per_layer, uses_long_context)
 from autotune.spec import HardwareSpec, TrainingSpec
 from autotune.strategy import Strategy, validate
 
@@ -135,7 +135,7 @@ def test_tiled_mlp_adds_one_mlp_forward_per_block():
                         rel_tol=1e-9)
     assert tiled.breakdown["compute"] == base.breakdown["compute"]
     # tiles of hidden_size tokens: smaller GEMMs cost a little more with the default efficiency
-    assert tiled_mlp_tile_tokens(1, 32768, 4096) == 4096 and tiled_mlp_tile_tokens(2, 3000, 4096) == 6000
+    assert mlp_tile_tokens(1, 32768, 4096) == 4096 and mlp_tile_tokens(2, 3000, 4096) == 6000
     d, plain = simulate(LLAMA3, _tr(), H100, Z3.replace(tiled_mlp=True)), simulate(LLAMA3, _tr(), H100, Z3)
     assert d.breakdown["compute"] > plain.breakdown["compute"]
     mlp = Simulator(LLAMA3, _tr(), H100).micro_batch(Z3)[1].mlp_module
@@ -147,7 +147,7 @@ def test_tiled_loss_costs_only_its_tiles_gemm_efficiency():
     one_gpu = HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=1)
     tr = TrainingSpec(seq_len=32768, global_batch_size=1)
     # 1 GiB of fp32 logits per tile: 32768 x 128256 x 4 B = 15.7 GiB -> 16 tiles of 2048 tokens
-    assert tiled_loss_tile_tokens(32768.0, 128256) == 2048
+    assert loss_tile_tokens(32768, 128256) == 2048
     p = {"gemm_m_half": 0.0}
     untiled = simulate(LLAMA3, tr, one_gpu, Z3, p)
     assert simulate(LLAMA3, tr, one_gpu, Z3.replace(tiled_loss=True), p).step_time_s == untiled.step_time_s
