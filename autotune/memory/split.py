@@ -31,19 +31,28 @@ LOSS_TILE_BYTES = 2**30
 in 1 GiB pieces (``slice_size_in_gb = 1``; shards = ceil(tokens x vocab x 4 / 1 GiB))."""
 
 
+def loss_tiles(tokens: int, vocab: int) -> int:
+    """Tiles of TiledFusedLogitsLoss: ceil(tokens x vocab x 4 / LOSS_TILE_BYTES), at least 1 (what
+    autotune.models.long_context runs and the memory model and simulator size)."""
+    return max(1, -(-tokens * vocab * 4 // LOSS_TILE_BYTES))
+
+
 def loss_tile_tokens(tokens: int, vocab: int) -> int:
     """Tokens per tile of TiledFusedLogitsLoss (torch.chunk of the flattened tokens into
-    ceil(tokens x vocab x 4 / LOSS_TILE_BYTES) shards: the first, largest chunk)."""
-    shards = max(1, -(-tokens * vocab * 4 // LOSS_TILE_BYTES))
-    return -(-tokens // shards)
+    ``loss_tiles`` shards: the first, largest chunk)."""
+    return -(-tokens // loss_tiles(tokens, vocab))
+
+
+def mlp_tiles(seq: int, hidden: int) -> int:
+    """Tiles of TiledMLP per sequence: ceil(seqlen / hidden), at least 1 (its docstring's
+    ``num_shards = math.ceil(seqlen / hidden)``, deepspeed/runtime/sequence_parallel/ulysses_sp.py)."""
+    return max(1, -(-seq // hidden))
 
 
 def mlp_tile_tokens(b: int, s_local: int, hidden: int) -> int:
-    """Tokens per tile of TiledMLP: ceil(seqlen / hidden) shards of each sequence (its docstring's
-    ``num_shards = math.ceil(seqlen / hidden)``, deepspeed/runtime/sequence_parallel/ulysses_sp.py),
-    torch.chunk's largest chunk, over the micro-batch."""
-    shards = max(1, -(-s_local // hidden))
-    return b * -(-s_local // shards)
+    """Tokens per tile of TiledMLP: torch.chunk's largest chunk of each sequence into ``mlp_tiles``
+    shards, over the micro-batch."""
+    return b * -(-s_local // mlp_tiles(s_local, hidden))
 
 
 def split_attention(m: ModelSpec, p: int, split: Split) -> tuple[float, float]:

@@ -51,12 +51,10 @@ torch, transformers and deepspeed are imported inside the functions.
 from __future__ import annotations
 
 import contextlib
-import math
 import types
 from typing import Any, Iterator, Optional
 
-LOGIT_TILE_BYTES = 1 << 30
-"""fp32 logits per loss tile (ArcticTraining sft_trainer.py SFTTrainer.loss: slice_size_in_gb = 1)."""
+from autotune.memory.split import loss_tiles, mlp_tiles  # the tile counts the memory model sizes
 
 
 # ------------------------------------------------------------------------------------ Ulysses
@@ -149,12 +147,6 @@ class _WithPositions:
 
 
 # ------------------------------------------------------------------------------------ loss
-
-
-def loss_tiles(tokens: int, vocab_size: int) -> int:
-    """Tiles of the loss: ceil(tokens x vocab x 4 bytes / 1 GiB) (ArcticTraining sft_trainer.py
-    SFTTrainer.loss, fp32 logits in about 1 GiB slices)."""
-    return max(1, math.ceil(tokens * vocab_size * 4 / LOGIT_TILE_BYTES))
 
 
 def _head_logits(model: Any, hidden: Any) -> Any:
@@ -345,7 +337,7 @@ def tile_mlp(model: Any, shards: Optional[int] = None, agree_across_ranks: bool 
             return _plain(self, x.contiguous())
 
         def forward(self: Any, x: Any, _contiguous: Any = _contiguous) -> Any:
-            n = int(shards) if shards else math.ceil(x.shape[-2] / x.shape[-1])
+            n = int(shards) if shards else mlp_tiles(x.shape[-2], x.shape[-1])
             if not shards and agree_across_ranks:
                 n = _max_over_ranks(n, x.device)
             return TiledMLP.apply(_contiguous, self, x, max(1, min(n, x.shape[-2])), list(self.parameters()))
