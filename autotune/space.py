@@ -12,14 +12,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from autotune import knobs
 from autotune.checks import check_section, choice, int_, mapping, read_yaml, show
 from autotune.config import Config, from_training
 from autotune.errors import ConfigError
 from autotune.knobs import literal_choices
-from autotune.spec import ModelSpec
+from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import KNOBS, Strategy, knob_applies
 
 if TYPE_CHECKING:
@@ -44,12 +44,9 @@ class SearchSpace:
     """Knob -> its values, for every knob of strategy.KNOBS (one the space does not give takes
     its space default, autotune.knobs.space_default). A number-of-blocks knob (``of_layers``)
     holds block counts (ints), ("fractions", f1, f2, ...) or ("all",)."""
-    long_context: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
-    """Knob -> the values it takes instead when the job's sequence is long (the file's
-    ``long_context`` section; ``space_for`` applies it where ``long_sequence`` says so)."""
-    moe: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
-    """Knob -> the values it takes instead when the job's model is a mixture of experts (the file's
-    ``moe`` section; ``space_for`` applies it through ``moe_space``)."""
+    sections: Mapping[str, Mapping[str, tuple[Any, ...]]] = field(default_factory=dict)
+    """The file's conditional sections (``long_context``, ``moe``: SECTIONS): section -> knob -> the
+    values it takes instead for a job its condition holds for (``for_job``)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.values) - set(KNOBS)
@@ -57,23 +54,22 @@ class SearchSpace:
             raise ValueError(f"not strategy knobs: {', '.join(sorted(unknown))}")
         object.__setattr__(self, "values", {k: tuple(self.values[k]) if k in self.values else SPACE_DEFAULTS[k]
                                             for k in KNOBS})
-        object.__setattr__(self, "long_context", {k: tuple(v) for k, v in self.long_context.items()})
-        object.__setattr__(self, "moe", {k: tuple(v) for k, v in self.moe.items()})
+        object.__setattr__(self, "sections", {name: {k: tuple(v) for k, v in knobs_.items()}
+                                              for name, knobs_ in self.sections.items()})
 
     def __hash__(self) -> int:
         return hash((self.name, self.path, tuple(self.values.items())))
 
-    def for_long_sequences(self) -> "SearchSpace":
-        """This space with its ``long_context`` values in place (itself when it has none)."""
-        if not self.long_context:
+    def for_job(self, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec) -> "SearchSpace":
+        """This space with the values of each section whose condition (SECTIONS) holds for the job, in
+        SECTIONS' order (itself when none does)."""
+        on = [name for name, holds in SECTIONS.items() if name in self.sections and holds(model, training, hardware)]
+        if not on:
             return self
-        return dataclasses.replace(self, values={**self.values, **self.long_context}, long_context={})
-
-    def for_moe(self) -> "SearchSpace":
-        """This space with its ``moe`` values in place (itself when it has none)."""
-        if not self.moe:
-            return self
-        return dataclasses.replace(self, values={**self.values, **self.moe}, moe={})
+        values = dict(self.values)
+        for name in on:
+            values.update(self.sections[name])
+        return dataclasses.replace(self, values=values, sections={k: v for k, v in self.sections.items() if k not in on})
 
     def choices(self, knob: str, model: ModelSpec) -> list[Any]:
         """The values of ``knob`` for ``model`` (a number of blocks resolved against its layers)."""
@@ -213,26 +209,25 @@ than this share of a GPU in activations and logits (``memory.sequence_bytes``): 
 ``long_context`` values (sequence / context parallel, tiling, activation offload) are searched."""
 
 
-def long_sequence(cfg: Config) -> bool:
-    """Whether ``cfg``'s sequence is long enough for the long-context knobs (LONG_SEQUENCE_SHARE)."""
+def long_sequence(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec) -> bool:
+    """Whether the job's sequence is long enough for the long-context knobs (LONG_SEQUENCE_SHARE)."""
     from autotune.memory import sequence_bytes
 
-    return sequence_bytes(cfg.model, cfg.training) > LONG_SEQUENCE_SHARE * cfg.hardware.gpu.memory_bytes
+    return sequence_bytes(model, training) > LONG_SEQUENCE_SHARE * hardware.gpu.memory_bytes
+
+
+SECTIONS: dict[str, Callable[[ModelSpec, TrainingSpec, HardwareSpec], bool]] = {
+    "moe": lambda model, training, hardware: model.is_moe,  # expert parallelism, for mixtures of experts
+    "long_context": long_sequence,
+}
+"""A space file's conditional sections and when each applies (``SearchSpace.for_job``)."""
 
 
 def space_for(cfg: Config) -> SearchSpace:
     """The search space a job file names (resolved next to the file), at the job's precision
-    unless the space lists precisions itself, with its long-context values when the job's
-    sequence is long (``long_sequence``)."""
+    unless the space lists precisions itself, with the sections that apply to the job (SECTIONS)."""
     space = load_space(cfg.search.space, os.path.dirname(os.path.abspath(cfg.path)), cfg.training.precision)
-    space = moe_space(space, cfg.model)
-    return space.for_long_sequences() if space.long_context and long_sequence(cfg) else space
-
-
-def moe_space(space: SearchSpace, model: ModelSpec) -> SearchSpace:
-    """``space`` with its ``moe`` values (expert parallelism) when ``model`` is a mixture of experts;
-    without them (the knobs at the space's own values) otherwise."""
-    return space.for_moe() if model.is_moe else space
+    return space.for_job(cfg.model, cfg.training, cfg.hardware)
 
 
 def _values(check: Any, *, integer_range: bool = False, allow_auto: bool = False) -> Any:
@@ -321,18 +316,10 @@ def _parse(raw: Any, path: str, job_values: dict[str, Any]) -> SearchSpace:
         raise ConfigError("empty search space; expected a mapping of knob -> values")
     mapping(raw, "")
     raw = dict(raw)
-    long_raw = raw.pop("long_context", None)
-    moe_raw = raw.pop("moe", None)
+    conditional = {name: raw.pop(name) for name in SECTIONS if name in raw}
     section = check_section(raw, "", SPACE_SCHEMA)
     for knob, value in job_values.items():
         section.setdefault(knob, (value,))
-    long_context = {}
-    if long_raw is not None:
-        mapping(long_raw, "long_context")
-        long_context = check_section(long_raw, "long_context", SPACE_SCHEMA)
-    moe = {}
-    if moe_raw is not None:
-        mapping(moe_raw, "moe")
-        moe = check_section(moe_raw, "moe", SPACE_SCHEMA)
+    sections = {name: check_section(value, name, SPACE_SCHEMA) for name, value in conditional.items()}
     name = os.path.splitext(os.path.basename(path))[0]
-    return SearchSpace(name=name, path=path, values=section, long_context=long_context, moe=moe)
+    return SearchSpace(name=name, path=path, values=section, sections=sections)

@@ -115,11 +115,11 @@ def test_batch_arithmetic_counts_the_sequence_split():
 
 
 def test_the_long_context_knobs_enter_the_default_space_for_long_sequences():
-    assert sequence_bytes(M, TR) > LONG_SEQUENCE_SHARE * HW.gpu.memory_bytes and long_sequence(LONG)
+    assert sequence_bytes(M, TR) > LONG_SEQUENCE_SHARE * HW.gpu.memory_bytes and long_sequence(M, TR, HW)
     space = space_for(LONG)
     assert space.values["sequence_parallel_size"] == (1, 2, 4, 8) and space.values["tiled_loss"] == (False, True)
     short = load_config(os.path.join(ROOT, "examples", "llama3-8b.yaml"))
-    assert not long_sequence(short) and space_for(short).values["sequence_parallel_size"] == (1,)
+    assert not long_sequence(short.model, short.training, short.hardware) and space_for(short).values["sequence_parallel_size"] == (1,)
 
 
 def test_llama31_8b_fits_at_131072_and_32768_without_parameter_offload():

@@ -84,16 +84,18 @@ def test_torchtitan_toml_carries_expert_parallel_degree(tmp_path):
 
 
 def test_default_space_searches_ep_for_moe_jobs_only():
-    from autotune.space import load_space, moe_space
+    from autotune.space import load_space
 
     space = load_space("default")
-    assert space.moe["expert_parallel_size"] == (1, 2, 4, 8)
-    assert moe_space(space, MIXTRAL).values["expert_parallel_size"] == (1, 2, 4, 8)
-    assert moe_space(space, model_from_name("llama2-7b")).values["expert_parallel_size"] == (1,)
-    eps = {s.expert_parallel_size for s in moe_space(space, MIXTRAL).candidates(MIXTRAL) if s.engine == "fsdp2"}
+    job = (TrainingSpec(seq_len=4096, global_batch_size=64), HardwareSpec(gpu=gpu_from_name("h100-80gb"),
+                                                                          gpus_per_node=8))
+    moe = space.for_job(MIXTRAL, *job)
+    assert space.sections["moe"]["expert_parallel_size"] == (1, 2, 4, 8)
+    assert moe.values["expert_parallel_size"] == (1, 2, 4, 8)
+    assert space.for_job(model_from_name("llama2-7b"), *job).values["expert_parallel_size"] == (1,)
+    eps = {s.expert_parallel_size for s in moe.candidates(MIXTRAL) if s.engine == "fsdp2"}
     assert eps == {1, 2, 4, 8}
-    assert {s.expert_parallel_size for s in moe_space(space, MIXTRAL).candidates(MIXTRAL)
-            if s.engine == "deepspeed"} == {1}
+    assert {s.expert_parallel_size for s in moe.candidates(MIXTRAL) if s.engine == "deepspeed"} == {1}
 
 
 def test_experts_modules_finds_the_hf_layout_only():

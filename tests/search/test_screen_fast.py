@@ -16,7 +16,7 @@ from autotune.memory.common import DeferredEstimate, MemoryEstimate
 from autotune.presets import gpu_from_name
 from autotune.screen import screen
 from autotune.simulate import Simulator, _micro_batch_compute, _Rates, simulate
-from autotune.space import load_space, long_sequence
+from autotune.space import load_space
 from autotune.spec import BYTES_PER_ELEMENT
 from autotune.strategy import Strategy, validate
 from conftest import ROOT
@@ -43,7 +43,7 @@ def _pool(cfg, stride: int) -> list[Strategy]:
     """Every candidate of the engines space and every ``stride``-th of the default one."""
     model, precision = cfg.model, cfg.training.precision
     default = load_space("default", precision=precision)
-    default = default.for_long_sequences() if long_sequence(cfg) else default
+    default = default.for_job(cfg.model, cfg.training, cfg.hardware)  # its long_context values for a long job
     return (list(load_space("engines", precision=precision).candidates(model))
             + list(default.candidates(model))[::stride])
 
