@@ -140,7 +140,8 @@ def long_context_lines(p: Point, trainer: str) -> list[str]:
         else:
             sp = s.sequence_parallel_size > 1 and trainer == "accelerate"
             mpu = ("mpu=deepspeed.runtime.sequence_parallel.parallel_state_sp, " if sp else "")
-            out.append(f"tiled loss: call `{LONG_CONTEXT}.use_long_context_loss(model, {mpu}tiled=True)` before "
+            out.append(f"tiled loss: call `{LONG_CONTEXT}.use_long_context_loss(model, {mpu}tiled=True"
+                       f"{_loss_scale_args(p, sp)})` before "
                        "the engine is built (model(**batch).loss is then computed in sequence tiles"
                        + ("; Trainer averages the SP ranks' losses itself)" if trainer == "hf" and
                           s.sequence_parallel_size > 1 else ")"))
@@ -152,6 +153,15 @@ def long_context_lines(p: Point, trainer: str) -> list[str]:
         out.append(f"activation offload: call `{LONG_CONTEXT}.offload_in_forward(model)` (checkpointed block "
                    "inputs kept in host memory) after the checkpointing call")
     return out
+
+
+def _loss_scale_args(p: Point, with_mpu: bool) -> str:
+    """The keyword arguments ``use_long_context_loss`` needs to scale the tiled head's gradient as the
+    engine does (the ZeRO stage when an mpu is passed: ZeRO-3's Ulysses seed scale; the accumulation
+    steps: the head's backward runs inside the forward); "" when both are the defaults."""
+    s = p.strategy
+    args = [f", zero_stage={s.zero_stage}"] if with_mpu and s.engine == "deepspeed" and s.zero_stage == 3 else []
+    return "".join(args + ([f", gradient_accumulation_steps={p.gas}"] if p.gas > 1 else []))
 
 
 def checkpointing_call(cfg: Config, s: Strategy) -> str:

@@ -148,9 +148,10 @@ def test_trainer_files_of_a_ulysses_point(tmp_path):
     assert "Lightning's DeepSpeedStrategy takes no mpu, so it cannot run DeepSpeed Ulysses" in readme
     lightning = json.loads((folder / FILES["lightning"]).read_text())
     assert "sequence_parallel_size" not in lightning["strategy_args"]["config"]
-    for call in ("tile_mlp(model)", "use_long_context_loss(model, tiled=True)",
+    # the tiled head back-propagates inside the forward: the calls carry the point's GAS (2 = 2 / (2 / sp 2))
+    for call in ("tile_mlp(model)", "use_long_context_loss(model, tiled=True, gradient_accumulation_steps=2)",
                  "use_long_context_loss(model, mpu=deepspeed.runtime.sequence_parallel.parallel_state_sp, "
-                 "tiled=True)", "offload_in_forward(model)"):
+                 "tiled=True, gradient_accumulation_steps=2)", "offload_in_forward(model)"):
         assert call in readme, call
     hf_ds = json.loads((folder / FILES["hf_ds_config"]).read_text())
     assert hf_ds["sequence_parallel_size"] == 2
