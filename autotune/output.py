@@ -28,7 +28,7 @@ from autotune.space import SearchSpace
 from autotune.spec import GIB
 from autotune.strategy import Strategy, fsdp_equivalent, fsdp_equivalent_text
 from autotune.engine_configs import gradient_accumulation_steps, to_deepspeed_config, to_fsdp2_config
-from autotune.trainers import checkpointing_call, deepspeed_launch, write_trainer_files
+from autotune.trainers import checkpointing_call, deepspeed_launch, fsdp2_launch, write_trainer_files
 from autotune.trial_attrs import TrialAttrs
 
 if TYPE_CHECKING:
@@ -154,15 +154,6 @@ def pick_best(front: list[TrialRow], memory: Memory = allocated_gib) -> Optional
     return max(front, key=lambda r: (r.tokens_per_s_per_gpu, -memory(r)))
 
 
-def torchrun_command(cfg: Config) -> str:
-    """The launch line of an fsdp2 point (torchrun; several nodes: a c10d rendezvous)."""
-    hw = cfg.hardware
-    if hw.num_nodes > 1:
-        return (f"torchrun --nnodes {hw.num_nodes} --nproc_per_node {hw.gpus_per_node} --rdzv_backend c10d "
-                f"--rdzv_endpoint $MASTER_ADDR:29500 train.py")
-    return f"torchrun --nproc_per_node {hw.gpus_per_node} train.py"
-
-
 def write_fsdp2_files(run_dir: str, cfg: Config, s: Strategy, json_rel: str, py_rel: str) -> dict[str, Any]:
     """Write an fsdp2 point's layout (JSON) and snippet (Python); the keys its front.json point
     carries instead of the DeepSpeed config."""
@@ -173,7 +164,8 @@ def write_fsdp2_files(run_dir: str, cfg: Config, s: Strategy, json_rel: str, py_
     write_json(os.path.join(run_dir, json_rel), layout)
     with open(os.path.join(run_dir, py_rel), "w", encoding="utf-8") as fh:
         fh.write(snippet(layout))
-    return {"ds_config": None, "fsdp2_config": json_rel, "fsdp2_snippet": py_rel, "launch": torchrun_command(cfg),
+    return {"ds_config": None, "fsdp2_config": json_rel, "fsdp2_snippet": py_rel,
+            "launch": fsdp2_launch(run_dir, cfg, json_rel),
             "checkpointing": f'autotune.apply(model, json.load(open("{json_rel}")))  # checkpointing + fully_shard'}
 
 

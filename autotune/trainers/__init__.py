@@ -34,6 +34,8 @@ from autotune.trainers.common import (Point, checkpointing_call, checkpointing_s
 TRAINERS_DIR = "trainers"
 EXAMPLE_SCRIPT = "examples/train_deepspeed.py"
 """The plain-DeepSpeed example script the launch line names (relative to an autotune checkout)."""
+FSDP2_EXAMPLE_SCRIPT = "examples/train_fsdp2.py"
+"""The FSDP2 example script an fsdp2 point's torchrun line names (relative to an autotune checkout)."""
 FILES = {"hf_args": "hf_trainer_args.json", "hf_ds_config": "hf_ds_config.json", "accelerate": "accelerate.yaml",
          "lightning": "lightning.json", "torchtitan": "torchtitan.toml", "checkpointing": "checkpointing.json",
          "readme": "README.md"}
@@ -53,6 +55,18 @@ def deepspeed_launch(run_dir: str, cfg: Config, ds_config_rel: str, trainers_rel
     if hw.num_nodes > 1:
         return f"deepspeed --hostfile hostfile --num_nodes {hw.num_nodes} --num_gpus {hw.gpus_per_node} {args}"
     return f"deepspeed --num_gpus {hw.gpus_per_node} {args}"
+
+
+def fsdp2_launch(run_dir: str, cfg: Config, layout_rel: str) -> str:
+    """An fsdp2 point's torchrun line (several nodes: a c10d rendezvous): the example script, with
+    absolute paths of the job file and the point's layout (so it runs from an autotune checkout)."""
+    hw = cfg.hardware
+    args = (f"{FSDP2_EXAMPLE_SCRIPT} --job {os.path.abspath(cfg.path)} "
+            f"--fsdp2 {os.path.join(os.path.abspath(run_dir), layout_rel)}")
+    if hw.num_nodes > 1:
+        return (f"torchrun --nnodes {hw.num_nodes} --nproc_per_node {hw.gpus_per_node} --rdzv_backend c10d "
+                f"--rdzv_endpoint $MASTER_ADDR:29500 {args}")
+    return f"torchrun --nproc_per_node {hw.gpus_per_node} {args}"
 
 
 def trainer_files(point: Point) -> dict[str, Any]:
@@ -126,6 +140,11 @@ def _readme(p: Point, files: dict[str, Any]) -> str:
                   "the point's config, its checkpointing from checkpointing.json"
                   + (" and its long-context calls (checkpointing.json `long_context`)." if model_side_long_context(s)
                      else ".")]
+    else:
+        lines += ["## Plain PyTorch (FSDP2)", "", f"`{FSDP2_EXAMPLE_SCRIPT}` (front.json `launch`): `autotune.apply` "
+                  "with the point's layout (fsdp2_configs/<k>.json: checkpointing, then fully_shard), its optimizer "
+                  "and clipping; fsdp2_configs/<k>.py is the same layout as plain torch code"
+                  + (" (the one to use for context parallel)." if s.context_parallel_size > 1 else ".")]
     lines += ["", f"Checkpointing in the model: `{checkpointing_call(p.cfg, s)}`"]
     if model_side_long_context(s):
         lines += ["", f"Long context in the model (a Hugging Face causal LM), after the checkpointing: "

@@ -102,7 +102,10 @@ def check_fsdp2_profile_run(run: Path) -> None:
         assert layout["engine"] == "fsdp2" and layout["mesh"]["shape"] == [2]
         assert layout["fully_shard"]["reshard_after_forward"] == point["strategy"]["reshard_after_forward"]
         compile((run / point["fsdp2_snippet"]).read_text(), point["fsdp2_snippet"], "exec")
-        assert point["launch"] == "torchrun --nproc_per_node 2 train.py"
+        launch = point["launch"].split()  # the example script with the job's and the layout's absolute paths
+        assert launch[:3] == ["torchrun", "--nproc_per_node", "2"] and launch[3] == "examples/train_fsdp2.py"
+        assert Path(launch[launch.index("--fsdp2") + 1]) == (run / point["fsdp2_config"]).absolute()
+        assert Path(launch[launch.index("--job") + 1]).is_absolute()
     assert not (run / "ds_configs").exists()  # no DeepSpeed point, no empty DeepSpeed folder
     best = json.loads((run / "best.json").read_text())
     assert best["fsdp2_config"] == "best_fsdp2_config.json" and (run / "best_fsdp2.py").is_file()

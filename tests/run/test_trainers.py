@@ -367,6 +367,22 @@ def test_trainer_files_are_pure(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_fsdp2_launch_line_trains_with_the_example_script(example_runs):
+    """The recommended point of examples/tiny-cpu-fsdp2.yaml: its torchrun line's script and arguments
+    run (one process here, as ``python``: the mesh is built over the processes at hand)."""
+    import subprocess
+
+    best = json.loads((example_runs["tiny-cpu-fsdp2"] / "best.json").read_text())
+    launch = best["launch"].split()
+    assert launch[0] == "torchrun" and Path(launch[launch.index("--fsdp2") + 1]).is_file()
+    script = launch.index("examples/train_fsdp2.py")
+    proc = subprocess.run([sys.executable, *launch[script:], "--steps", "2"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fully_shard on" in proc.stdout and "step 1: loss" in proc.stdout
+
+
+@pytest.mark.slow
 def test_the_launch_line_trains_with_the_example_script(example_runs):
     """The recommended point of examples/tiny-cpu.yaml: its launch line's script and arguments run
     (one process here, as ``python``; the deepspeed launcher passes the same arguments)."""

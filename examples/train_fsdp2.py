@@ -1,0 +1,137 @@
+"""Train a few steps with a front point's FSDP2 layout: the script an fsdp2 point's ``launch`` line names.
+
+    torchrun --nproc_per_node 8 examples/train_fsdp2.py --job JOB.yaml --fsdp2 RUN/fsdp2_configs/0.json
+
+It builds the job's model as autotune profiles it (autotune.models.sources.build_for_job: the
+reference decoder, the Hugging Face model of ``model.hf_config``, or the user's ``model.python``
+factory, with synthetic batches), applies the layout with ``autotune.apply`` (activation
+checkpointing, then ``fully_shard`` per block and on the root; expert parallelism when the layout
+has it) and its tiling / activation offload (``long_context``: autotune.models.long_context),
+builds the layout's optimizer (``autotune.models.fsdp2.make_optimizer``) and runs ``--steps``
+optimizer steps of ``gradient_accumulation_steps`` micro-batches with the layout's clipping (and,
+for fp16, a ShardedGradScaler). Replace the model and the batches with yours; the layout and the
+calls stay. A context-parallel point is refused here: its batches run inside torch's
+``context_parallel`` (CUDA only), which the point's snippet (``fsdp2_configs/<k>.py``) does.
+
+Without a launcher (``python examples/train_fsdp2.py ...``) it runs as one process over gloo, which
+is how it runs on a CPU. A layout written for more GPUs than the processes that run it keeps its
+micro-batch and accumulation; the mesh is then built over the processes at hand (said on stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--job", required=True, help="the autotune job file the run was made from")
+    ap.add_argument("--fsdp2", required=True, help="the front point's FSDP2 layout (fsdp2_configs/<k>.json)")
+    ap.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default 2)")
+    return ap.parse_args(argv)
+
+
+def one_process_env() -> None:
+    """torchrun's variables for a plain ``python`` run: a 1-process group on a free local port."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+def long_context_strategy(layout: dict):
+    """The layout's tiling / activation offload as the Strategy apply_long_context reads (None: none)."""
+    import autotune
+
+    lc = {k: v for k, v in (layout.get("long_context") or {}).items()
+          if k in ("tiled_loss", "tiled_mlp", "activation_offload")}
+    if not any(v not in (False, "none", None) for v in lc.values()):
+        return None
+    ckpt = "full" if lc.get("activation_offload", "none") != "none" else "none"
+    return autotune.Strategy(engine="fsdp2", checkpointing=ckpt, **lc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with open(args.fsdp2) as fh:
+        layout = json.load(fh)
+    if layout.get("context_parallel"):
+        raise SystemExit("context_parallel: run the point's snippet (fsdp2_configs/<k>.py, CUDA only): each batch "
+                         "goes through torch's context_parallel, which this script does not do")
+    one_process_env()
+    import torch
+    import torch.distributed as dist
+
+    import autotune
+    from autotune.config import load_config
+    from autotune.models.fsdp2 import make_optimizer
+    from autotune.models.sources import build_for_job, loss_of
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    cfg = load_config(args.job)
+    job_dir = os.path.dirname(os.path.abspath(args.job))
+    built = build_for_job({"model_factory": cfg.model_factory, "hf_config": cfg.hf_config,
+                           "python_path": [job_dir, os.getcwd()]}, cfg.model, cfg.training)
+    model = built.module.to(device)
+    shape = layout["mesh"]["shape"]
+    if rank == 0 and int(torch.tensor(shape).prod()) != world:
+        print(f"the layout's mesh {tuple(shape)} is for another world size; sharding over {world} process(es)")
+    mbs, gas = layout["micro_batch_size"], layout["gradient_accumulation_steps"]
+    lc = long_context_strategy(layout)
+    if lc is not None:  # tiling, and the forward inside offload_activations (before the checkpointing, as the snippet)
+        from autotune.models import long_context
+
+        long_context.apply_long_context(model, lc, seq_length=cfg.training.seq_len, gradient_accumulation_steps=gas)
+    for note in autotune.apply(model, layout):
+        if rank == 0:
+            print(note)
+    optimizer = make_optimizer(model, layout)
+    scaler = None
+    if layout.get("loss_scaling"):  # fp16: dynamic loss scaling, as the snippet's train_step
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device=device.type)
+    clip = float(layout.get("gradient_clipping") or 0.0)
+    if layout.get("expert_parallel"):
+        from autotune.models.expert_parallel import clip_grad_norm
+    else:
+        def clip_grad_norm(m, max_norm):
+            return torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+
+    seq_len = cfg.training.seq_len
+    for step in range(args.steps):
+        for _ in range(gas):
+            batch = built.batch_fn(mbs, seq_len, device)
+            loss = loss_of(model(**batch)) / gas
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(optimizer)
+        if clip > 0:
+            clip_grad_norm(model, clip)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            print(f"step {step}: loss {loss.item() * gas:.4f} ({mbs} x {gas} micro-batches of {seq_len} tokens)")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
