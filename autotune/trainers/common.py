@@ -155,6 +155,16 @@ def long_context_lines(p: Point, trainer: str) -> list[str]:
     return out
 
 
+def expert_parallel_line(p: Point) -> list[str]:
+    """HF Trainer's and accelerate's line for an expert-parallel point: neither can express it."""
+    ep = p.strategy.expert_parallel_size
+    if ep == 1:
+        return []
+    return [f"expert_parallel_size {ep}: neither the FSDP settings nor accelerate's ParallelismConfig (dp_replicate, "
+            "dp_shard, tp, cp, sp) has an expert dimension, so this point cannot be expressed here; use torchtitan.toml "
+            "(expert_parallel_degree), the FSDP2 launch line (examples/train_fsdp2.py), the snippet or Lightning"]
+
+
 def _loss_scale_args(p: Point, with_mpu: bool) -> str:
     """The keyword arguments ``use_long_context_loss`` needs to scale the tiled head's gradient as the
     engine does (the ZeRO stage when an mpu is passed: ZeRO-3's Ulysses seed scale; the accumulation

@@ -33,7 +33,7 @@ def lightning_args(p: Point) -> dict[str, Any]:
     if s.engine == "fsdp2":
         # mixed precision is the layout's MixedPrecisionPolicy (autotune.apply): no autocast on top
         trainer["precision"] = "32-true"
-        if opt.gradient_clipping:
+        if opt.gradient_clipping and s.expert_parallel_size == 1:  # EP: configure_gradient_clipping (differences)
             trainer["gradient_clip_val"] = opt.gradient_clipping
         return {"strategy": "lightning.pytorch.strategies.ModelParallelStrategy",
                 "strategy_args": {"data_parallel_size": p.world, "tensor_parallel_size": 1},
@@ -58,6 +58,13 @@ def differences(p: Point) -> list[str]:
                    "`autotune.models.fsdp2.make_optimizer(self.model, layout)`")
         if s.precision == "fp16":
             out.append("fp16: the layout computes in fp16; add a ShardedGradScaler in the training step")
+        if s.expert_parallel_size > 1:
+            clip = p.cfg.training.optimizer.gradient_clipping
+            out.append(f"expert parallel {s.expert_parallel_size}: autotune.apply splits the experts itself; the "
+                       "experts' and the dense parts' gradients sit on two meshes, which Lightning's "
+                       "gradient_clip_val refuses, so clip in `configure_gradient_clipping` with "
+                       f"`autotune.models.expert_parallel.clip_grad_norm(self.model, {clip})`" if clip else
+                       f"expert parallel {s.expert_parallel_size}: autotune.apply splits the experts itself")
         if s.context_parallel_size > 1:
             out.append(f"context_parallel_size {s.context_parallel_size}: ModelParallelStrategy's mesh has no context-"
                        "parallel dimension (data and tensor parallel only) and its sampler gives every rank its own "

@@ -83,6 +83,32 @@ def test_torchtitan_toml_carries_expert_parallel_degree(tmp_path):
     assert tomllib.loads(toml_text(sections(4), []))["parallelism"]["expert_parallel_degree"] == 4
 
 
+def test_trainer_files_of_an_ep_point_say_what_cannot_express_it():
+    """HF Trainer and accelerate have no expert dimension: their lines say so and name what can; Lightning's
+    autotune.apply splits the experts, and its clipping moves to expert_parallel.clip_grad_norm (torch's
+    refuses the two meshes), so lightning.json carries no gradient_clip_val."""
+    from autotune.trainers import accelerate_config, hf_trainer, lightning_args
+    from autotune.trainers.common import Point
+
+    cfg = dataclasses.replace(load_config(str(ROOT / "examples/llama2-7b.yaml")), model=MIXTRAL, hardware=HW8,
+                              training=TRAIN)
+
+    def point(ep):
+        return Point(cfg=cfg, strategy=Strategy(engine="fsdp2", expert_parallel_size=ep), ds_config=None,
+                     ds_config_path=None)
+
+    for module in (hf_trainer, accelerate_config):
+        lines = [d for d in module.differences(point(4)) if d.startswith("expert_parallel_size 4")]
+        assert len(lines) == 1 and "torchtitan.toml" in lines[0], module.__name__
+        assert not any("expert_parallel_size" in d for d in module.differences(point(1)))
+    clip = cfg.training.optimizer.gradient_clipping
+    assert clip > 0
+    assert any(f"expert_parallel.clip_grad_norm(self.model, {clip})" in d
+               for d in lightning_args.differences(point(4)))
+    assert "gradient_clip_val" not in lightning_args.lightning_args(point(4))["trainer_args"]
+    assert lightning_args.lightning_args(point(1))["trainer_args"]["gradient_clip_val"] == clip
+
+
 def test_default_space_searches_ep_for_moe_jobs_only():
     from autotune.space import load_space
 
