@@ -102,4 +102,11 @@ def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str
         new["dense_layers"] = tuple(range(min(first, layers)))
         new["shared_expert_intermediate_size"] = int(val("n_shared_experts", d["n_shared_experts"]) or 0) * int(
             new["moe_intermediate_size"])
+        if kind == "deepseek_v2":
+            # modeling_deepseek_v2.py DeepseekV2TopkRouter: fp32 linear and softmax, "greedy" or
+            # "group_limited_greedy" top-k (any other topk_method leaves its weights undefined)
+            method = val("topk_method", "greedy")
+            if method not in ("greedy", "group_limited_greedy"):
+                refuse(f"topk_method {method}", "DeepseekV2TopkRouter runs greedy or group_limited_greedy only")
+            new.update(router_fp32=True, router_group_limited=method == "group_limited_greedy")
     return new

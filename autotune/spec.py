@@ -133,6 +133,13 @@ class ModelSpec:
     """The router ``Linear(d, num_experts)`` has a bias (gpt-oss)."""
     expert_bias: bool = False
     """Each routed expert's projections have biases (gpt-oss ``gate_up_proj_bias``, ``down_proj_bias``)."""
+    router_fp32: bool = False
+    """The router's linear runs in fp32 on fp32 copies of its input and weight and its top-k weights are
+    not renormalised (DeepSeek-V2 ``DeepseekV2TopkRouter``: ``F.linear(hidden_states.type(torch.float32),
+    self.weight.type(torch.float32))``, the top-k scaled by ``routed_scaling_factor``)."""
+    router_group_limited: bool = False
+    """The top-k is limited to the best expert groups (DeepSeek-V2 ``topk_method: group_limited_greedy``:
+    the scores outside the ``topk_group`` best of ``n_group`` groups masked to 0 before the top-k)."""
     q_lora_rank: Optional[int] = None
     """Multi-head latent attention (DeepSeek-V2/V3): rank of the query down-projection (with an
     RMSNorm of that width); None with kv_lora_rank set: a plain q_proj."""

@@ -45,23 +45,34 @@ def _routing_weight_bytes(m: ModelSpec, p: int) -> int:
     return p if m.qk_norm == "head" else 4
 
 
-SIZED_FAMILIES = ("mixtral", "qwen3_moe")
+SIZED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2")
 """The HF model_type values whose MoE block this module sizes (the blocks of other MoE families differ:
 granitemoe's parallel experts and multipliers, phimoe's sparsemixer router, OLMoE's unnormalised
-top-k, shared experts, gpt-oss's biases; docs/moe.md)."""
+top-k, Qwen2-MoE's gated shared expert, DeepSeek-V3's sigmoid router, gpt-oss's biases; docs/moe.md)."""
+
+
+_FAMILY_WHY = {
+    "deepseek_v3": "its sigmoid router with the score-correction bias and its cos/sin rotary are another code path "
+                   "than deepseek_v2's",
+    "qwen2_moe": "the shared expert's sigmoid gate and the qkv biases",
+}
+"""Why a family's MoE block is not sized, where one line says more than its model_type."""
 
 
 def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
     """Why the memory model does not size this MoE model of HF ``model_type`` (None: it does): the
-    routed MoE block of Mixtral / Qwen3-MoE in every layer (no shared expert, no biases, RMSNorm, no MLA)."""
-    if not m.is_moe:
+    routed MoE block of Mixtral / Qwen3-MoE in every layer (no shared expert, no biases, RMSNorm, no MLA);
+    DeepSeek-V2's, with its ungated shared experts and latent attention (autotune/memory/mla.py)."""
+    if not (m.is_moe or m.is_mla):
         return None
-    if m.is_mla:
-        return "multi-head latent attention"
     if m.implementation != "hf" or model_type not in SIZED_FAMILIES:
-        return f"{', '.join(SIZED_FAMILIES)} only, not model_type {model_type or 'unknown'}"
+        why = _FAMILY_WHY.get(model_type or "", "")
+        return f"{', '.join(SIZED_FAMILIES)} only, not model_type {model_type or 'unknown'}" + (f" ({why})" if why else "")
+    deepseek = model_type == "deepseek_v2"
     why = [name for name, bad in (
-        ("shared experts", m.shared_expert_intermediate_size or m.shared_expert_gate),
+        ("shared experts", (m.shared_expert_intermediate_size and not deepseek) or m.shared_expert_gate),
+        ("multi-head latent attention", m.is_mla != deepseek),
+        ("eager attention", deepseek and m.attn_implementation != "sdpa"),
         ("dense layers among the sparse ones", m.num_dense_layers),
         ("router / expert biases", m.router_bias or m.expert_bias),
         ("biased linears", m.bias or m.qkv_bias),
@@ -75,12 +86,17 @@ def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
     return ("their routed blocks without " + ", ".join(why)) if why else None
 
 
-def router_saved_per_token(m: ModelSpec) -> float:
+def router_saved_per_token(m: ModelSpec, p: int = 4) -> float:
     """Bytes per token the router keeps: the fp32 softmax output (E; ``softmax(router_logits.float())``
     / ``softmax(..., dtype=torch.float)``), topk's int64 indices (k), and the top-k renormalisation
     ``router_top_value /= router_top_value.sum(...)``: the fp32 sum (1) and quotient (k) (DivBackward).
-    Qwen3-MoE's ``norm_topk_prob: false`` skips the last (4 + 4k bytes fewer: a bound)."""
+    Qwen3-MoE's ``norm_topk_prob: false`` skips the last (4 + 4k bytes fewer: a bound).
+    DeepSeek-V2 (``router_fp32``; modeling_deepseek_v2.py ``DeepseekV2TopkRouter.forward``): the fp32
+    copy of the input in 16-bit training (4h), the softmax (E), topk's indices (k), no renormalisation;
+    group-limited: the bool mask of ``masked_fill`` (E; the group max / topk nodes die in the forward)."""
     e, k = m.num_experts, m.num_experts_per_tok
+    if m.router_fp32:
+        return (4 * m.hidden_size if p < 4 else 0) + 4 * e + 8 * k + (e if m.router_group_limited else 0)
     return 4 * e + 8 * k + 4 + 4 * k
 
 
@@ -98,12 +114,15 @@ def pair_saved(m: ModelSpec, p: int) -> float:
 def moe_saved_per_token(m: ModelSpec, p: int) -> float:
     """Bytes per token one MoE block's feed-forward keeps, its input (the norm output) excluded:
     the router's and the routed pairs'."""
-    return router_saved_per_token(m) + m.num_experts_per_tok * pair_saved(m, p)
+    # DeepSeek-V2's shared experts: one gated MLP on the block input (DeepseekV2MLP: gate, up, silu, product)
+    shared = 4 * p * m.shared_expert_intermediate_size
+    return router_saved_per_token(m, p) + m.num_experts_per_tok * pair_saved(m, p) + shared
 
 
-def moe_fixed_bytes(m: ModelSpec) -> float:
-    """Per block, not per token: the int32 cumulative tokens per expert (``offsets``, E) grouped_mm saves."""
-    return 4.0 * m.num_experts
+def moe_fixed_bytes(m: ModelSpec, p: int = 4) -> float:
+    """Per block, not per token: the int32 cumulative tokens per expert (``offsets``, E) grouped_mm saves;
+    DeepSeek-V2's router linear its fp32 copy of a 16-bit weight (``self.weight.type(torch.float32)``, E x h)."""
+    return 4.0 * m.num_experts + (4.0 * m.num_experts * m.hidden_size if m.router_fp32 and p < 4 else 0.0)
 
 
 def moe_backward_transient(m: ModelSpec, p: int, tokens: int) -> float:
@@ -129,7 +148,15 @@ def moe_backward_transient(m: ModelSpec, p: int, tokens: int) -> float:
     weights = ((3 * q + p) * h if q > p else 3 * q * h + w) * pairs - 8 * pairs
     gate = 2 * p * f * pairs + p * e * h * f - (p * h + 8) * pairs
     gate_up = 3 * p * e * h * f - 2 * p * f * pairs - 8 * pairs
-    return float(max(weights, gate, gate_up))
+    fs = m.shared_expert_intermediate_size
+    if not fs:
+        return float(max(weights, gate, gate_up))
+    # DeepSeek-V2's shared experts run their backward first (computed last): a dense gated MLP's peak (two
+    # f-wide factor gradients, its down weight gradient); then the routed instants with its saved tensors
+    # released, its three weight gradients and its input gradient (h, awaiting the routed one) alive
+    # (allocation traces of DeepseekV2Moe's backward, torch 2.13 CPU, docs/moe.md)
+    shared = 2 * p * fs * tokens + p * fs * h
+    return float(max(shared, max(weights, gate, gate_up) - (4 * p * fs - p * h) * tokens + 3 * p * fs * h))
 
 
 def down_weight_elements(m: ModelSpec) -> int:
@@ -141,15 +168,18 @@ def down_weight_elements(m: ModelSpec) -> int:
 def ffn_weight_elements(m: ModelSpec) -> int:
     """Weights of one block's feed-forward (the router and all experts for a MoE)."""
     if m.is_moe:
-        return m.num_experts * m.hidden_size + 3 * m.num_experts * m.hidden_size * expert_width(m)
+        shared = 3 * m.hidden_size * m.shared_expert_intermediate_size
+        return m.num_experts * m.hidden_size + 3 * m.num_experts * m.hidden_size * expert_width(m) + shared
     return (3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size
 
 
 def ffn_parameter_order(m: ModelSpec) -> list[int]:
     """A MoE block's feed-forward parameters in ``parameters()`` order: Mixtral registers the router
     before the experts (``MixtralSparseMoeBlock.__init__``: ``self.gate``, ``self.experts``), Qwen3-MoE
-    after them (``Qwen3MoeSparseMoeBlock``: ``self.experts``, ``self.gate``); the experts' 3-D
-    ``gate_up_proj`` (E x 2f x h) then ``down_proj`` (E x h x f)."""
-    h, f, e = m.hidden_size, expert_width(m), m.num_experts
+    after them (``Qwen3MoeSparseMoeBlock``: ``self.experts``, ``self.gate``), DeepSeek-V2 too and its
+    shared experts last (``DeepseekV2Moe``: experts, gate, shared_experts' gate, up, down); the experts'
+    3-D ``gate_up_proj`` (E x 2f x h) then ``down_proj`` (E x h x f)."""
+    h, f, e, fs = m.hidden_size, expert_width(m), m.num_experts, m.shared_expert_intermediate_size
     experts = [e * 2 * f * h, e * h * f]
-    return experts + [e * h] if m.qk_norm == "head" else [e * h] + experts
+    shared = [fs * h] * 3 if fs else []
+    return (experts + [e * h] if (m.qk_norm == "head" or m.router_fp32) else [e * h] + experts) + shared

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from autotune.memory import moe
+from autotune.memory import mla, moe
 from autotune.memory.common import _partition
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size
@@ -17,7 +17,8 @@ def _largest_param(m: ModelSpec) -> int:
     """Elements of the largest single parameter tensor."""
     d = m.hidden_size
     experts = moe.ffn_parameter_order(m) if m.is_moe else []  # a MoE's 3-D expert tensors
-    return max(m.vocab_size * d, d * m.intermediate_size, d * m.q_size, *experts,
+    attention = mla.parameter_order(m) if m.is_mla else [d * m.q_size]
+    return max(m.vocab_size * d, d * m.intermediate_size, *attention, *experts,
                m.max_position_embeddings * d if m.position_embedding == "learned" else 0)
 
 
@@ -34,8 +35,7 @@ def _persistent_params(m: ModelSpec, threshold: int) -> int:
         block += [m.q_size, m.kv_size]
     if m.bias:
         block += [m.q_size, m.kv_size, m.kv_size, d] + [m.intermediate_size] * (2 if m.gated_mlp else 1) + [d]
-    for t in (d * m.q_size, d * m.kv_size, d * m.kv_size, m.q_size * d):
-        block.append(t)
+    block += mla.parameter_order(m) if m.is_mla else [d * m.q_size, d * m.kv_size, d * m.kv_size, m.q_size * d]
     f = m.intermediate_size
     block += moe.ffn_parameter_order(m) if m.is_moe else [d * f] * (3 if m.gated_mlp else 2)
     sizes += block * m.num_hidden_layers
@@ -68,6 +68,8 @@ def parameter_order(m: ModelSpec) -> list[int]:
     else:
         qkv = lin(d, q, qkv_b) + lin(d, kv, qkv_b) + lin(d, kv, qkv_b)
     o = lin(q, d, out_b)
+    if m.is_mla:  # DeepSeek-V2's q / latent kv projections, their norms, o_proj (mla.py)
+        qkv, o = mla.parameter_order(m), []
     if m.gated_mlp:
         mlp_in = lin(d, 2 * f, out_b) if m.fused_qkv else lin(d, f, out_b) + lin(d, f, out_b)
     else:

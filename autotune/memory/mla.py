@@ -1,0 +1,93 @@
+"""Multi-head latent attention in the memory model: what transformers 5's DeepSeek-V2 attention
+(models/deepseek_v2/modeling_deepseek_v2.py ``DeepseekV2Attention``) keeps for backward and adds
+during it, its rotary table and its parameters in registration order (docs/moe.md).
+
+The block: ``q_proj`` (or ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` with ``q_lora_rank``),
+``kv_a_proj_with_mqa`` split into the latent (``kv_lora_rank``) and the shared rope key, the latent's
+``kv_a_layernorm`` and ``kv_b_proj`` to per-head nope keys and values, the complex rotary product on the
+rope parts, ``torch.cat`` of the query, the key built by ``expand_kv`` (``new_empty`` + two ``copy_``), then
+sdpa with a query/key head dim (nope + rope) that differs from the value's as a rule. Checked to the byte
+against transformers' saved tensors (tests/memory/test_memory_mla.py).
+"""
+
+from __future__ import annotations
+
+from autotune.spec import ModelSpec
+
+
+def qk_head_dim(m: ModelSpec) -> int:
+    """Per-head query / key width (``qk_nope_head_dim + qk_rope_head_dim``)."""
+    return m.qk_nope_head_dim + m.qk_rope_head_dim
+
+
+def v_head_dim(m: ModelSpec) -> int:
+    """Per-head value width."""
+    return m.v_head_dim or m.head_size
+
+
+def _norm(width: int, p: int) -> float:
+    """DeepseekV2RMSNorm of ``width`` (per token): the fp32 input (4w), rsqrt (4), the cast back (p w) and
+    the output the next linear saves (p w); in fp32 the cast is the product the weight multiply saves."""
+    return 4 * width + 2 * p * width + 4
+
+
+def math_kernel(m: ModelSpec, device: str) -> bool:
+    """Whether sdpa runs ``_scaled_dot_product_attention_math``: on the CPU whenever the query/key and value
+    head dims differ (aten/src/ATen/native/transformers/sdp_utils_cpp.cpp ``check_head_dim_size_cpp``:
+    the CPU flash kernel wants q, k and v of one head dim); its matmuls then run in fp32."""
+    return device == "cpu" and qk_head_dim(m) != v_head_dim(m)
+
+
+def attention_saved(m: ModelSpec, p: int, s: int, device: str) -> float:
+    """Per token, what DeepseekV2Attention keeps for backward, its input (the norm output) excluded:
+    * the q LoRA's RMSNorm (q_lora_rank wide); none with a plain ``q_proj`` (its output is not saved);
+    * kv_a_layernorm (kv_lora_rank wide); in fp32 its input is the split view of kv_a_proj_with_mqa's
+      output (``.to(torch.float32)`` a no-op), whose storage holds the rope key too (+4 r);
+    * the rotary product saves only the shared freqs_cis table (``rope_table_bytes``, outside the block);
+    * the CPU math kernel (``math_kernel``): fp32 copies of the scaled q and k (a x qk each), v's fp32
+      contiguous copy (a x v), the fp32 softmax output (a x s);
+    * the flash kernels (same head dims, or CUDA's memory-efficient kernel): the concatenated query and
+      the built key (p a qk each), the value's storage (kv_b_proj's output, p a (nope + v)), the output
+      (p a v) and the fp32 log-sum-exp (4 a);
+    * o_proj's input, the contiguous copy of the transposed output (p a v)."""
+    a, qk, v, r = m.num_attention_heads, qk_head_dim(m), v_head_dim(m), m.qk_rope_head_dim
+    n = _norm(m.q_lora_rank, p) if m.q_lora_rank is not None else 0.0
+    n += _norm(int(m.kv_lora_rank or 0), p) + (4 * r if p == 4 else 0)
+    if math_kernel(m, device):
+        n += 4 * (2 * a * qk + a * v) + 4 * a * s
+    else:
+        n += 2 * p * a * qk + p * a * (m.qk_nope_head_dim + v) + p * a * v + 4 * a
+    return n + p * a * v
+
+
+def backward_transient(m: ModelSpec, p: int, s: int, tokens: int, device: str) -> float:
+    """The attention backward's peak beyond the block's saved tensors (bytes per block; the MLP's saved
+    tensors released by then), from allocation traces of DeepseekV2Attention's backward (torch 2.13 CPU):
+    o_proj's weight gradient (h x a v, p) next to, on the math kernel, the larger of
+    * the probabilities' backward: the fp32 output gradient (a v) and its contiguous copy, the value's
+      and the probabilities' fp32 gradients (a v, a s), o_proj's saved input released (p a v);
+    * the softmax backward: the probabilities' gradient and the scores' (fp32, a s each) and the value's
+      gradient, the output gradient and the saved fp32 value released;
+    on the flash kernels the gradients of q, k and v (as for a dense model)."""
+    a, qk, v, h = m.num_attention_heads, qk_head_dim(m), v_head_dim(m), m.hidden_size
+    weight = p * h * a * v
+    if math_kernel(m, device):
+        per_token = max(8 * a * v + 4 * a * s, 8 * a * s) - p * a * v
+    else:
+        per_token = p * (2 * a * qk + a * v)
+    return weight + per_token * tokens
+
+
+def rope_table_bytes(m: ModelSpec, s: int) -> float:
+    """The rotary table every block's complex product saves (DeepseekV2RotaryEmbedding.forward:
+    ``torch.polar`` of the position ids' frequencies, complex64 (1, s, qk_rope_head_dim / 2))."""
+    return 4.0 * s * m.qk_rope_head_dim
+
+
+def parameter_order(m: ModelSpec) -> list[int]:
+    """DeepseekV2Attention's parameters in registration order: q_proj, or q_a_proj, q_a_layernorm,
+    q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (no biases)."""
+    d, a, qk, v = m.hidden_size, m.num_attention_heads, qk_head_dim(m), v_head_dim(m)
+    kv, ql = int(m.kv_lora_rank or 0), m.q_lora_rank
+    q = [d * a * qk] if ql is None else [d * ql, ql, ql * a * qk]
+    return q + [d * (kv + m.qk_rope_head_dim), kv, kv * a * (m.qk_nope_head_dim + v), a * v * d]
