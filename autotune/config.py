@@ -23,7 +23,7 @@ from autotune.hf_config import check_exact_count, map_hf_config, read_hf_config
 from autotune.model_rules import check_model_training, check_modelled, int_tuple
 from autotune.spec import OPTIMIZER_TYPES, GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, OptimizerSpec, TrainingSpec
 from autotune.knobs import getter, knob_fields, literal_choices
-from autotune.strategy import Strategy, validation_errors
+from autotune.strategy import Strategy, ignored_knobs, validation_errors
 
 @dataclass(frozen=True)
 class SearchSection:
@@ -324,6 +324,8 @@ def _load(path: str) -> Config:
     hardware = _hardware(top["hardware"])
     given = check_section(top.get("strategy") or {}, "strategy", STRATEGY_SCHEMA)
     strategy = Strategy(**{**from_training(training), **given})
+    for key, message in ignored_knobs(given, strategy):
+        raise ConfigError(message, path=f"strategy.{key}")
     check_strategy(strategy, model, training, hardware, prefix="strategy.")
     search = SearchSection(**check_section(top.get("search") or {}, "search", SEARCH_SCHEMA))
     profile_raw = check_section(top.get("profile") or {}, "profile", PROFILE_SCHEMA)

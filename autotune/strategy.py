@@ -445,3 +445,17 @@ def fsdp_equivalent_text(fsdp: dict[str, Any]) -> str:
     """One line for ``fsdp_equivalent``'s result: the sharding strategy, or why there is none."""
     return fsdp["sharding_strategy"] or FSDP_NO_EQUIVALENT
 
+
+def ignored_knobs(given: Mapping[str, Any], strategy: Strategy) -> list[tuple[str, str]]:
+    """(key, message) for each knob ``given`` explicitly (a job file's strategy section, a CLI flag)
+    whose value the strategy's engine replaces (``__post_init__``: a knob of the other engine takes
+    one fixed value), so it would be ignored without a word."""
+    out = []
+    for key, value in given.items():
+        field = _FIELDS.get(key)
+        if field is None or getattr(strategy, key) == value:
+            continue
+        out.append((key, f"{key} {value!r} has no effect under engine {strategy.engine}, which fixes it to "
+                         f"{getattr(strategy, key)!r} ({key} applies with {knobs.applies_text(field)}): "
+                         f"set the engine it belongs to, or leave it out"))
+    return out

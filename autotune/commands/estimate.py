@@ -10,7 +10,7 @@ from autotune.config import Config, check_strategy, load_config
 from autotune.errors import ConfigError
 from autotune.spec import GIB
 from autotune.knobs import knob_fields, literal_choices
-from autotune.strategy import FLAG_KNOBS, Strategy, fsdp_equivalent_text
+from autotune.strategy import FLAG_KNOBS, Strategy, fsdp_equivalent_text, ignored_knobs
 
 
 def add_parser(sub: Any) -> None:
@@ -157,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     overrides = {k: getattr(args, k) for k in FLAG_KNOBS if getattr(args, k) is not None}
     strategy = cfg.strategy.replace(**overrides)
+    for key, message in ignored_knobs(overrides, strategy):
+        raise ConfigError(message, file=args.config, path="--" + key.replace("_", "-"))
     try:
         check_strategy(strategy, cfg.model, cfg.training, cfg.hardware)
     except ConfigError as err:

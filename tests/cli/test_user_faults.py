@@ -23,7 +23,7 @@ def _job(tmp_path, name="job.yaml", **changes):
         job = yaml.safe_load(fh)
     for dotted, value in changes.items():
         section, key = dotted.split(".")
-        job[section][key] = value
+        job.setdefault(section, {})[key] = value
     path = tmp_path / name
     path.write_text(yaml.safe_dump(job))
     return str(path)
@@ -34,6 +34,24 @@ def _one_line_error(capsys, needle):
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert needle in err, err
     return err
+
+
+@pytest.mark.parametrize("knob,value,engine", [("reshard_after_forward", False, "deepspeed"),
+                                               ("context_parallel_size", 2, "deepspeed"),
+                                               ("zero_stage", 1, "fsdp2"), ("sequence_parallel_size", 2, "fsdp2")])
+def test_a_knob_the_engine_ignores_is_refused_not_dropped(tmp_path, capsys, knob, value, engine):
+    """A knob of the other engine, set in the job file or as an estimate flag, would be replaced by the
+    engine's fixed value (Strategy.__post_init__) without a word: one line naming the key, exit 2."""
+    job = _job(tmp_path, **{"strategy.engine": engine, f"strategy.{knob}": value})
+    assert main(["estimate", job]) == 2
+    _one_line_error(capsys, f"strategy.{knob}: {knob} {value!r} has no effect under engine {engine}")
+    flag = "--" + knob.replace("_", "-")
+    assert main(["estimate", _job(tmp_path, "ok.yaml", **{"strategy.engine": engine}), flag, str(value).lower()]) == 2
+    _one_line_error(capsys, f"{flag}: {knob} {value!r} has no effect under engine {engine}")
+    fixed = {"zero_stage": 3}.get(knob)  # the value the engine fixes is accepted
+    if fixed is not None:
+        assert main(["estimate", _job(tmp_path, "same.yaml", **{"strategy.engine": engine,
+                                                                f"strategy.{knob}": fixed})]) == 0
 
 
 @pytest.mark.parametrize("out", ["a-file", "/proc/autotune-x"])
