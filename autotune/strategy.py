@@ -409,13 +409,16 @@ def _expert_parallel_errors(s: Strategy, model: ModelSpec, hardware: HardwareSpe
     if s.sharding == "hybrid" and hardware.num_nodes > 1 and hardware.gpus_per_node % ep:
         return [(key, f"{key} must divide gpus_per_node under sharding hybrid (the experts shard within a node), "
                  f"but got {ep} for {hardware.gpus_per_node}")]
-    return [(key, EP_NOT_SIZED)]
-
-
-EP_NOT_SIZED = ("expert_parallel_size > 1 is not sized by the memory model yet (each block's experts are their own "
-                "FSDP2 unit, E / ep of them gathered, plus the all-to-all buffers): refused rather than sized as ep 1")
-"""Why a valid expert-parallel point is still refused: the configs, snippets and simulator have it, the
-memory model does not."""
+    if model.shared_expert_intermediate_size or model.is_mla or model.num_dense_layers:
+        return [(key, f"{key} > 1 is sized for routed blocks in every layer without shared experts or latent "
+                 f"attention (Mixtral, Qwen3-MoE), but got {ep} for {model.name}")]
+    if s.checkpointing == "op":
+        return [(key, f"{key} > 1 with checkpointing op is not sized (the op policy's saved mm outputs of the "
+                 f"expert chunks are not modelled), but got {ep}")]
+    if s.tiled_mlp:
+        return [(key, f"{key} > 1 with tiled_mlp is not sized (the tiled MLP of a MoE block is not modelled), "
+                 f"but got {ep}")]
+    return []
 
 
 def validate(strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec) -> list[str]:

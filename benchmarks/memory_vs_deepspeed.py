@@ -328,9 +328,20 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
 ]
 
 
+# expert parallelism 2 on 2 gloo ranks (fsdp2: each block's E / 2 experts their own fully_shard unit,
+# all_to_all_single dispatch and combine; autotune.models.fsdp2.apply), predicted with the stated
+# MOE_LOAD_IMBALANCE for the rows each rank receives (docs/moe.md "Expert parallelism")
+MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_parallel_size 2
+    ("hf-mixtral", "fsdp2", 2, 1, 2, 256, "none", "bf16"), ("hf-qwen3moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
+    ("hf-mixtral-sv", "fsdp2", 2, 1, 4, 256, "none", "fp32"), ("hf-qwen3moe", "fsdp2-keep", 2, 1, 2, 256, "full", "fp32"),
+    ("hf-mixtral-sv", "fsdp2", 2, 2, 2, 256, "full", "bf16"), ("hf-qwen3moe-sv", "fsdp2", 2, 1, 4, 256, "selective", "fp32"),
+]
+
+
 def moe_grid() -> list[dict]:
-    """MOE_ROWS as grid rows (--moe)."""
-    return [dict(zip(ROW_KEYS, r)) for r in MOE_ROWS]
+    """MOE_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
+    return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS]
+            + [dict(zip(ROW_KEYS, r), knobs={"expert_parallel_size": 2}) for r in MOE_EP_ROWS])
 
 
 def row_key(row: dict) -> tuple:
@@ -393,11 +404,13 @@ def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
         job["hf_config"] = _hf_path(row["model"], workdir)
     (d / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    ep = strategy.expert_parallel_size > 1  # the worker that records the dispatch's received rows
+    worker = [str(ROOT / "benchmarks" / "ep_rows_worker.py")] if ep else ["-m", "autotune.worker.main"]
     if row["nproc"] == 1:
-        cmd = [sys.executable, "-m", "autotune.worker.main", str(d / "job.json")]
+        cmd = [sys.executable, *worker, str(d / "job.json")]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(row["nproc"]),
-               "--master_port", str(29500 + (hash(str(d)) % 2000)), "-m", "autotune.worker.main", str(d / "job.json")]
+               "--master_port", str(29500 + (hash(str(d)) % 2000)), *worker, str(d / "job.json")]
     t0 = time.time()
     out = dict(row)
     try:
@@ -427,6 +440,9 @@ def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
                loop=res.get("loop"))
     if res.get("host_offload_peak_bytes") is not None:  # activation offload: rank 0's host bytes (not in the peak)
         out["host_offload_measured"] = res["host_offload_peak_bytes"]
+    if ep:  # the busiest rank's dispatch: the largest output of an all-to-all fed tokens x top-k rows
+        sent = row["mbs"] * row["seq"] * model.num_experts_per_tok
+        out["received_rows"] = max(json.loads(f.read_text()).get(str(sent), 0) for f in d.glob("received_rows.*.json"))
     return predict(out, workdir)
 
 
@@ -439,16 +455,39 @@ def predict(out: dict, workdir: Path) -> dict:
     if out.get("knobs"):  # the long-context rows: the host RAM side too (activation offload's copies)
         out["host_predicted_per_node"] = est.cpu_bytes_per_node
     out["error"] = (out["predicted"] - out["measured"]) / out["measured"]
+    if out.get("received_rows"):  # expert parallelism: also at the measured routing (the mechanism's error)
+        out["imbalance_measured"] = out["received_rows"] / (out["mbs"] * out["seq"] * model.num_experts_per_tok)
+        out["predicted_routing"] = _at_routing(out["imbalance_measured"], model, training, hardware, strategy)
+        out["error_routing"] = (out["predicted_routing"] - out["measured"]) / out["measured"]
     return out
+
+
+def _at_routing(imbalance: float, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
+                strategy: Strategy) -> int:
+    """The peak predicted with ``imbalance`` (a measured step's busiest rank's received rows over the
+    mean) in place of MOE_LOAD_IMBALANCE: memory.expert_parallel.received_rows' default swapped for
+    the call, the activations' cache cleared before and after."""
+    import functools
+
+    from autotune.memory import activations, expert_parallel
+
+    original = expert_parallel.received_rows
+    expert_parallel.received_rows = functools.partial(original, imbalance=imbalance)
+    activations._breakdown.cache_clear()
+    try:
+        return estimate_memory(model, training, hardware, strategy, device="cpu").gpu["peak"]
+    finally:
+        expert_parallel.received_rows = original
+        activations._breakdown.cache_clear()
 
 
 ROW_KEYS = ("model", "stage", "nproc", "ga", "mbs", "seq", "ckpt", "precision")
 
 
 def knob_text(knobs: dict) -> str:
-    """A row's long-context knobs in short: sp2, cp2, tl, tm, ao."""
-    parts = [f"{n}{knobs[k]}" for n, k in (("sp", "sequence_parallel_size"), ("cp", "context_parallel_size"))
-             if knobs.get(k, 1) > 1]
+    """A row's long-context and expert-parallel knobs in short: sp2, cp2, ep2, tl, tm, ao."""
+    parts = [f"{n}{knobs[k]}" for n, k in (("sp", "sequence_parallel_size"), ("cp", "context_parallel_size"),
+                                           ("ep", "expert_parallel_size")) if knobs.get(k, 1) > 1]
     parts += [n for n, k in (("tl", "tiled_loss"), ("tm", "tiled_mlp")) if knobs.get(k)]
     return "+".join(parts + (["ao"] if knobs.get("activation_offload", "none") != "none" else []))
 
@@ -487,6 +526,7 @@ def summarize(results: list[dict]) -> list[str]:
         "dropout on": [r for r in ok if r.get("dropout")],
         **{f"long context {n}": [r for r in ok if n in knob_text(r.get("knobs") or {}).split("+")]
            for n in ("sp2", "tl", "tm", "ao")},
+        "expert parallel": [r for r in ok if (r.get("knobs") or {}).get("expert_parallel_size", 1) > 1],
     }
     for gname, rs in groups.items():
         if rs:
@@ -539,8 +579,10 @@ def main(argv: list[str] | None = None) -> int:
             head += f"[{knob_text(r['knobs'])}] "
         if r.get("status") != "ok":
             return head + f"  {r.get('status')}: {str(r.get('reason'))[:200]}"
+        routing = (f"  at the measured routing (imbalance {r['imbalance_measured']:.3f}): {100 * r['error_routing']:+.2f}%"
+                   if r.get("error_routing") is not None else "")
         return (head + f"{r['measured'] / 2**20:>13.2f}{r['predicted'] / 2**20:>14.2f}{100 * r['error']:>+8.2f}"
-                f"  {r['measured_phase']}/{r['predicted_phase']}")
+                f"  {r['measured_phase']}/{r['predicted_phase']}" + routing)
 
     stored: dict[tuple, dict] = {}
     for path in args.reuse:

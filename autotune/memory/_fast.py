@@ -44,7 +44,7 @@ rules_key = attrgetter("engine", "zero_stage", "micro_batch_size", "offload_para
 """The knobs ``strategy.validation_errors`` reads."""
 activation_key = attrgetter("micro_batch_size", "precision", "checkpointing", "checkpoint_layers", "checkpoint_every",
                             "engine", "zero_stage", "sequence_parallel_size", "context_parallel_size", "tiled_loss",
-                            "tiled_mlp", "activation_offload")
+                            "tiled_mlp", "activation_offload", "expert_parallel_size")
 """The knobs ``activation_breakdown`` reads (and whether the last block is checkpointed)."""
 states_key = attrgetter("zero_stage", "offload_optimizer", "offload_params", "precision", "micro_batch_size",
                         "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold",
@@ -52,7 +52,7 @@ states_key = attrgetter("zero_stage", "offload_optimizer", "offload_params", "pr
 """The knobs a DeepSpeed candidate's ``states_row`` reads (``_model_states``, ``default_buckets``,
 ``_accumulation_carry``)."""
 units_key = attrgetter("precision", "reduce_dtype", "offload_params", "sharding", "micro_batch_size",
-                       "reshard_after_forward", "context_parallel_size")
+                       "reshard_after_forward", "context_parallel_size", "expert_parallel_size")
 """The knobs an FSDP2 candidate's ``units_row`` reads (``fsdp2._units``, the accumulation)."""
 
 
@@ -296,7 +296,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
 
 
 _U = ("n", "p", "r", "per_block", "root", "on_gpu", "u_root", "u_block", "flat", "cast_in", "grad_block", "all_grads",
-      "mlp_params")
+      "mlp_params", "rs_unit")
 _u_fields = attrgetter(*_U)
 
 
@@ -357,7 +357,7 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
 
     # fsdp2._blocks_backward
     extra = [np.full(n, 1, dtype=np.int64), np.full(n, L - 2, dtype=np.int64)]
-    rs_block = ur * u["per_block"]
+    rs_block = ur * u["rs_unit"]
     for i, valid in _points(a["num_checkpointed"], L, extra):
         done_blocks, saved, mlp, attention, frame = _block_point(a, i, other_saved, L, attention_gran)
         done = on_gpu * done_blocks * u["grad_block"]

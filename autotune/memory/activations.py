@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from autotune.memory import moe
+from autotune.memory.expert_parallel import ep_backward_transient, ep_saved
 from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention
 from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -375,7 +376,7 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     return _breakdown(model, training.seq_len, strategy.micro_batch_size, strategy.precision, n_ck,
                       strategy.checkpointing if n_ck else "none",
                       strategy.engine == "deepspeed" and strategy.zero_stage == 3,  # ZeRO-3 linears (_block_linears)
-                      device, split)
+                      device, split, strategy.expert_parallel_size if model.is_moe else 1)
 
 
 def sequence_bytes(model: ModelSpec, training: TrainingSpec) -> float:
@@ -389,7 +390,7 @@ def sequence_bytes(model: ModelSpec, training: TrainingSpec) -> float:
 
 @functools.lru_cache(maxsize=4096, typed=True)
 def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gran: str, zero3: bool,
-               device: str, split: Split = NO_SPLIT) -> ActivationBreakdown:
+               device: str, split: Split = NO_SPLIT, ep: int = 1) -> ActivationBreakdown:
     """``activation_breakdown`` from the knobs it reads (a screen revisits the same few: cached).
     ``s_full``: sequence length; ``b``: micro-batch; ``n_ck``: checkpointed blocks at ``gran``;
     ``split``: the long-context knobs. Per-token terms count this GPU's share of the sequence
@@ -459,6 +460,11 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
                   _composite_gelu_backward_transient(m, p) * tokens)
     if m.is_moe:
         mlp_bwd = moe.moe_backward_transient(m, p, int(tokens))
+    if ep > 1:  # expert parallelism's experts path instead of grouped_mm (no offsets; memory/expert_parallel.py)
+        d = ep_saved(m, p, int(tokens), ep)
+        mlp_saved, per_plain, per_ck = mlp_saved + d, per_plain + d - moe.moe_fixed_bytes(m), per_ck + (
+            d - moe.moe_fixed_bytes(m) if gran in ("attention", "selective") else 0.0)
+        blocks, mlp_bwd = n_ck * per_ck + (L - n_ck) * per_plain, ep_backward_transient(m, p, int(tokens), ep)
     if split.tiled_mlp:
         # TiledMLP's backward: the input's gradient (zeros_like x), one tile's recomputed MLP and its
         # backward, the MLP's weight gradients accumulated over the tiles (ds_grad_is_ready held)

@@ -38,6 +38,7 @@ from typing import Callable, NamedTuple
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import MemoryEstimate
+from autotune.memory.expert_parallel import block_expert_elements, ep_units
 from autotune.memory.moe import ffn_weight_elements
 from autotune.memory.walk import Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
@@ -74,6 +75,9 @@ class _Units(NamedTuple):
     """Every unit's fp32 gradient shard."""
     mlp_params: int
     """Weights of one block's MLP."""
+    rs_unit: int
+    """Parameters of a block's largest unit (its reduce-scatter input): the block, or with expert
+    parallelism the larger of its dense part and its experts unit."""
 
 
 def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
@@ -82,11 +86,22 @@ def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
     per_block = m.block_params()
     on_gpu = 0.0 if s.offload_params == "cpu" else 1.0
     root = m.num_parameters - m.num_hidden_layers * per_block
-    return _Units(n=n, p=p, r=BYTES_PER_ELEMENT[s.reduce_dtype], per_block=per_block, root=root, on_gpu=on_gpu,
-                  u_root=p * root, u_block=p * per_block,
-                  flat=p * per_block if n > 1 else 0.0, cast_in=p * per_block / n if p < 4 else 0.0,
-                  grad_block=on_gpu * 4 * per_block / n, all_grads=on_gpu * 4 * m.num_parameters / n,
-                  mlp_params=ffn_weight_elements(m))  # a MoE's: its router and every expert (moe.py)
+    u = _Units(n=n, p=p, r=BYTES_PER_ELEMENT[s.reduce_dtype], per_block=per_block, root=root, on_gpu=on_gpu,
+               u_root=p * root, u_block=p * per_block,
+               flat=p * per_block if n > 1 else 0.0, cast_in=p * per_block / n if p < 4 else 0.0,
+               grad_block=on_gpu * 4 * per_block / n, all_grads=on_gpu * 4 * m.num_parameters / n,
+               mlp_params=ffn_weight_elements(m), rs_unit=per_block)  # a MoE's: its router and every expert (moe.py)
+    if s.expert_parallel_size <= 1 or not m.is_moe:
+        return u
+    # expert parallelism: the block's dense unit (n ranks) and its experts unit (E / ep experts over
+    # n / ep ranks) are gathered together during the block; one flat all-gather buffer at a time (the
+    # previous unit's is released at the next copy-out, _fsdp_collectives.py); the gradient shard is
+    # the same, 4 (dense + X / ep / (n / ep)) / n = 4 per_block / n (memory/expert_parallel.py)
+    e = ep_units(m, n, s.expert_parallel_size)
+    return u._replace(u_block=p * (e.dense + e.local),
+                      flat=p * max(e.dense if n > 1 else 0, e.local if e.mod_ep > 1 else 0),
+                      cast_in=p * max(e.dense / n, e.local / e.mod_ep) if p < 4 else 0.0,
+                      mlp_params=u.mlp_params - block_expert_elements(m) + e.local, rs_unit=max(e.dense, e.local))
 
 
 def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,
@@ -159,7 +174,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     # reduce-scatter input), every block's sharded gradient
     blocks_sharded = u.all_grads - u.on_gpu * 4 * u.root / u.n
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, activations=act.hidden_grad,
-        buffers=u.u_root + u.r * u.per_block)
+        buffers=u.u_root + u.r * u.rs_unit)
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, buffers=u.u_root + u.r * u.root)
     add("backward", sharded=u.all_grads, buffers=u.u_root + u.r * u.root)
     # optimizer step: AdamW foreach's fp32 temporary of the shard
@@ -187,7 +202,7 @@ def _blocks_backward(add: Callable[..., None], u: _Units, act: ActivationBreakdo
     # (up to the second-last) break the linearity in the block index: both ends of that run too
     for pt in backward_blocks(act, s, L, other_saved, (1, L - 2)):
         done = u.on_gpu * pt.done * u.grad_block
-        rs_prev = u.r * u.per_block if pt.done else 0.0  # the previous unit's reduce-scatter input
+        rs_prev = u.r * u.rs_unit if pt.done else 0.0  # the previous unit's reduce-scatter input
         # gathered: the root, this block (all blocks up to it without resharding) and, resharded,
         # the next block's all-gather prefetched during this one's backward
         gathered = u.u_root + u.u_block * (1 if reshard else pt.block + 1) \
@@ -207,6 +222,6 @@ def _blocks_backward(add: Callable[..., None], u: _Units, act: ActivationBreakdo
         # (the new shard) is allocated; accumulating, that output is added into the existing shard
         after = pt.saved - act.per_block_plain - pt.frame
         add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=after,
-            buffers=gathered + u.r * u.per_block)
+            buffers=gathered + u.r * u.rs_unit)
         add("backward", sharded=(carry if carry else done) + u.grad_block, unsharded=head_grad, activations=after,
-            buffers=gathered + u.r * u.per_block)
+            buffers=gathered + u.r * u.rs_unit)

@@ -74,4 +74,32 @@ def expert_parallel(experts, ep_group):
 
     experts.forward = types.MethodType(forward, experts)
     experts.num_local_experts = local
+    experts.ep_group = ep_group  # clip_grad_norm: the other ep ranks hold the other experts
     return experts
+
+
+def clip_grad_norm(model, max_norm):
+    """``clip_grad_norm_`` of a model with expert parallelism (torch's refuses gradients on two meshes:
+    the experts' dp_shard_mod_ep, the dense parts' dp_shard_cp): each group's 2-norm, the experts' summed
+    over the ep ranks (each holds other experts), combined and applied to both, as torchtitan does
+    (torchtitan/distributed/utils.py ``_clip_grad_norm_with_ep``). Returns the total norm."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    owners = [m for m in model.modules() if getattr(m, "ep_group", None) is not None]
+    expert_ids = {id(p) for m in owners for p in m.parameters()}
+    groups = ([p.grad for p in model.parameters() if p.grad is not None and id(p) not in expert_ids],
+              [p.grad for p in model.parameters() if p.grad is not None and id(p) in expert_ids])
+    squares = []
+    for grads in groups:
+        norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    if owners:
+        dist.all_reduce(squares[1], group=owners[0].ep_group)
+    total = (squares[0] + squares[1].to(squares[0].device)).sqrt()
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    for grads in groups:
+        if grads and coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+    return total

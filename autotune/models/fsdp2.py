@@ -333,7 +333,8 @@ def shard(model, blocks=None):
 
 '''
     return text + _train_step_text(bool(config.get("loss_scaling")), float(config["gradient_clipping"]),
-                                   context_parallel=bool(cp), offload=lc.get("activation_offload", "none") != "none")
+                                   context_parallel=bool(cp), offload=lc.get("activation_offload", "none") != "none",
+                                   expert_parallel=bool(ep))
 
 
 def _long_context_imports(cp: Optional[Mapping[str, Any]], lc: Mapping[str, Any]) -> str:
@@ -380,7 +381,8 @@ def _expert_parallel_text() -> str:
 
     from autotune.models import expert_parallel as module
 
-    return "\n\n" + "\n\n".join(inspect.getsource(f) for f in (module.experts_modules, module.expert_parallel))
+    return "\n\n" + "\n\n".join(inspect.getsource(f) for f in (module.experts_modules, module.expert_parallel,
+                                                                module.clip_grad_norm))
 
 
 def _expert_parallel_mesh_lines() -> str:
@@ -458,12 +460,13 @@ def context_parallel_batch(model, batch):
 '''
 
 
-def _train_step_text(scaler: bool, clip: float, context_parallel: bool = False, offload: bool = False) -> str:
+def _train_step_text(scaler: bool, clip: float, context_parallel: bool = False, offload: bool = False,
+                     expert_parallel: bool = False) -> str:
     """The snippet's ``train_step``: gradient accumulation, clipping (``clip`` 0: none), the step
     (fp16: a ShardedGradScaler); ``context_parallel``: each micro-batch inside
     ``context_parallel_batch``; ``offload``: its forward inside ``offload_activations``."""
-    clip_line = (f"    torch.nn.utils.clip_grad_norm_(model.parameters(), {clip!r})\n" if clip > 0
-                 else "    # no gradient clipping (gradient_clipping 0)\n")
+    clip_call = "clip_grad_norm(model, " if expert_parallel else "torch.nn.utils.clip_grad_norm_(model.parameters(), "
+    clip_line = (f"    {clip_call}{clip!r})\n" if clip > 0 else "    # no gradient clipping (gradient_clipping 0)\n")
     text = ""
     if scaler:
         text += ("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n\n"

@@ -233,6 +233,7 @@ class Fsdp2Engine:
 
             self.scaler = ShardedGradScaler(device=device.type)
         self.clip = float(config["gradient_clipping"])
+        self.ep = int(strategy.expert_parallel_size)
         self.optimizer_name = type(self.optimizer).__name__
         self.optimizer_settings = optimizer_settings(self.optimizer, self.clip)
         self.gas = int(config["gradient_accumulation_steps"])
@@ -287,7 +288,11 @@ class Fsdp2Engine:
             return
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if self.clip > 0:
+        if self.clip > 0 and self.ep > 1:  # gradients on two meshes (the experts', the dense parts')
+            from autotune.models.expert_parallel import clip_grad_norm
+
+            clip_grad_norm(self.model, self.clip)
+        elif self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)

@@ -36,6 +36,7 @@ JOBS = {
     "tiny-fsdp2": ("examples/tiny-cpu-fsdp2.yaml", {}),
     "gpt2-2rank": ("data/measured/tiny-gpt2-2rank/config.yaml", {}),
     "llama3.1-long": ("examples/llama3.1-8b-long.yaml", {}),  # the long-context knobs (default space's long_context)
+    "qwen3-moe-ep": ("examples/qwen3-30b-a3b.yaml", {}),  # expert parallelism (default space's moe section)
 }
 
 
@@ -165,6 +166,7 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "tiled_loss": (Strategy(), True),
         "tiled_mlp": (Strategy(), True),
         "activation_offload": (Strategy(checkpointing="full"), "cpu"),
+        "expert_parallel_size": (Strategy(engine="fsdp2"), 2, "examples/qwen3-30b-a3b.yaml"),  # on a MoE
     }, "examples/gpt2.yaml", {}),  # GPT-2: biased linears (ZeRO-3's matmul)
     "states_key": (lambda c, s: _fast.states_row(c.model, c.training, c.hardware, s, "cuda"),
                    "deepspeed", {
@@ -186,6 +188,7 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "micro_batch_size": (Strategy(engine="fsdp2", micro_batch_size=32), 64),  # accumulation 2 -> 1
         "reshard_after_forward": (Strategy(engine="fsdp2"), False),
         "context_parallel_size": (Strategy(engine="fsdp2", micro_batch_size=64), 2),  # accumulation 1 -> 2
+        "expert_parallel_size": (Strategy(engine="fsdp2"), 2, "examples/qwen3-30b-a3b.yaml"),  # on a MoE
     }, "examples/gpt2.yaml", {"num_nodes": 2}),
 }
 
@@ -197,11 +200,12 @@ def test_each_cached_term_is_keyed_on_exactly_the_knobs_it_reads(name):
     cfg = _cfg(job, **hardware)
     direct = lambda s: direct_of(cfg, s)  # noqa: E731
     pool = [s for s in _pool(cfg, 3) if engine in (None, s.engine)]
-    pool += [s.replace(**{knob: value}) for knob, (s, value) in moving.items()]
+    pool += [s.replace(**{knob: value}) for knob, (s, value, *_) in moving.items()]
     _keyed(pool, key, direct)
     assert set(moving) == set(key.__reduce__()[1])  # every knob of the key is checked below
-    for knob, (base, value) in moving.items():
-        assert _moves(base, knob, value, direct), f"{name}: {knob} does not move the result"
+    for knob, (base, value, *other_job) in moving.items():  # a knob that moves only another job's result: that job
+        moved = partial(direct_of, _cfg(other_job[0])) if other_job else direct
+        assert _moves(base, knob, value, moved), f"{name}: {knob} does not move the result"
 
 
 def test_simulator_caches_are_keyed_on_the_knobs_they_read():

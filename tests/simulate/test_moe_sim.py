@@ -15,7 +15,7 @@ from autotune.simulate import Simulator, simulate
 from autotune.simulate_moe import (active_params, all_to_all_bytes, fsdp2_gathered_params, moe_flops_per_token,
                                    tokens_per_expert)
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import EP_NOT_SIZED, Strategy, validation_errors
+from autotune.strategy import Strategy, validation_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,8 +93,7 @@ def test_expert_parallel_rules_name_the_key():
     def errors(s, model=MIXTRAL, hw=HW8):
         return validation_errors(s, model, TRAIN, hw)
 
-    # a valid layout: refused only because the memory model does not size it yet
-    assert errors(Strategy(engine="fsdp2", expert_parallel_size=8)) == [("expert_parallel_size", EP_NOT_SIZED)]
+    assert errors(Strategy(engine="fsdp2", expert_parallel_size=8)) == []  # a valid layout (sized)
     for s, model, hw, words in (
         (Strategy(engine="fsdp2", expert_parallel_size=2), model_from_name("llama2-7b"), HW8, "mixture-of-experts"),
         (Strategy(engine="fsdp2", expert_parallel_size=3), QWEN, HW8, "num_experts"),   # 128 experts
@@ -102,6 +101,7 @@ def test_expert_parallel_rules_name_the_key():
         (Strategy(engine="fsdp2", expert_parallel_size=16), QWEN, HW8, "data-parallel size"),  # 8 GPUs
         (Strategy(engine="fsdp2", expert_parallel_size=4, context_parallel_size=2), QWEN, HW8, "context_parallel"),
         (Strategy(engine="fsdp2", expert_parallel_size=0), QWEN, HW8, ">= 1"),
+        (Strategy(engine="fsdp2", expert_parallel_size=2, checkpointing="op"), QWEN, HW8, "checkpointing op"),
         (Strategy(engine="fsdp2", sharding="hybrid", expert_parallel_size=16), QWEN,
          HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=8, num_nodes=2), "gpus_per_node"),
     ):
@@ -123,7 +123,7 @@ def test_published_moe_throughput_within_bounds():
         tr = TrainingSpec(seq_len=int(row["seq_len"]), global_batch_size=int(row["global_batch_size"]))
         s = Strategy(engine="fsdp2", micro_batch_size=int(row["micro_batch_size"]),
                      checkpointing=row["checkpointing"], expert_parallel_size=int(row["expert_parallel_size"]))
-        assert [k for k, msg in validation_errors(s, model, tr, hw) if msg != EP_NOT_SIZED] == []
+        assert validation_errors(s, model, tr, hw) == []
         got = simulate(model, tr, hw, s).tokens_per_s_per_gpu
         ratio = got / float(row["published_tokens_per_s_per_gpu"])
         assert 1 / float(row["bound"]) <= ratio <= float(row["bound"]), (row["source"], ratio)

@@ -1,0 +1,119 @@
+"""Expert parallelism in the memory model (autotune/memory/expert_parallel.py): the experts path's saved
+tensors against what autotune.models.expert_parallel keeps for backward, the two FSDP2 units of a block,
+the per-GPU shards, the rules, and the stored measured EP rows of benchmarks/memory_vs_deepspeed.py
+(MOE_EP_ROWS) at the routing they measured."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.config import load_config
+from autotune.memory import PREDICTION_MARGIN, activation_breakdown, estimate_memory
+from autotune.memory import moe
+from autotune.memory.expert_parallel import block_expert_elements, ep_saved, ep_units, received_rows
+from autotune.memory.fsdp2 import _units
+from autotune.spec import TrainingSpec
+from autotune.strategy import Strategy, validation_errors
+from conftest import ROOT
+
+QWEN = str(Path(ROOT) / "examples" / "qwen3-30b-a3b.yaml")
+
+
+def _bench():
+    sys.path.insert(0, str(Path(ROOT) / "benchmarks"))
+    import memory_vs_deepspeed
+
+    return memory_vs_deepspeed
+
+
+@pytest.mark.parametrize("name, precision", [("hf-mixtral", "bf16"), ("hf-qwen3moe", "bf16"), ("hf-mixtral", "fp32")])
+def test_ep_block_saved_tensors_match_the_experts_path(name, precision, tmp_path):
+    """One tiny MoE block with autotune.models.expert_parallel's forward on a 1-rank gloo group (every
+    row stays, so R = S): what autograd saves equals the grouped block's bytes plus ep_saved's
+    difference, to the byte (the sent rows' indices, combined rows and weights; the received rows'
+    input, gate_up output, silu output and product; no grouped offsets)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(ROOT) / "tests"))
+    from memory.test_memory_hf_blocks import _saved_bytes_of_block
+    from autotune.config import hf_config_fields
+    from autotune.models.expert_parallel import expert_parallel, experts_modules
+    from autotune.spec import ModelSpec
+
+    path = _bench()._hf_path(name, tmp_path)
+    spec = ModelSpec(**hf_config_fields(path))
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for experts in experts_modules(model):
+            expert_parallel(experts, dist.group.WORLD)
+        got = _saved_bytes_of_block(model, model.model.layers, 1, 2, 128, spec.vocab_size)
+    finally:
+        dist.destroy_process_group()
+    tokens = 2 * 128
+    assert received_rows(spec, tokens, 1) == tokens * spec.num_experts_per_tok  # one rank: R = S
+    act = activation_breakdown(spec, TrainingSpec(seq_len=128, global_batch_size=2, precision=precision),
+                               Strategy(micro_batch_size=2, precision=precision), device="cpu")
+    p = 2 if precision == "bf16" else 4
+    assert act.per_block_plain + ep_saved(spec, p, tokens, 1) - moe.moe_fixed_bytes(spec) == got
+
+
+def test_ep_units_and_shards():
+    """A block's dense unit and its E / ep experts unit: the gathered block shrinks with ep, the per-GPU
+    shards (parameters, gradients, optimizer states) do not change (E / ep experts over n / ep ranks)."""
+    cfg = load_config(QWEN)
+    m, tr, hw = cfg.model, cfg.training, cfg.hardware
+    base = _units(m, Strategy(engine="fsdp2"), hw)
+    for ep in (2, 4, 8):
+        s = Strategy(engine="fsdp2", expert_parallel_size=ep)
+        u, e = _units(m, s, hw), ep_units(m, hw.num_gpus, ep)
+        assert e.dense + e.local * ep == m.block_params() and e.mod_ep == hw.num_gpus // ep
+        assert u.u_block == base.p * (m.block_params() - block_expert_elements(m) * (ep - 1) // ep) < base.u_block
+        assert u.grad_block == base.grad_block and u.all_grads == base.all_grads
+        a, b = (estimate_memory(m, tr, hw, x) for x in (Strategy(engine="fsdp2"), s))
+        assert (a.gpu["parameters"], a.gpu["optimizer_states"]) == (b.gpu["parameters"], b.gpu["optimizer_states"])
+    # the busiest rank's rows: the stated factor x the mean, at most every row that can reach it
+    assert received_rows(m, 1000, 8) == -(-1.45 * 8000 // 1)
+    assert received_rows(m, 1000, 1) == 8000  # one rank receives its own rows, no more
+
+
+def test_ep_rules_and_default_space_points_survive():
+    """EP with op checkpointing or the tiled MLP is refused in one line; the default space's moe section
+    gives the Qwen3-30B-A3B job EP candidates that are valid and fit."""
+    from autotune.space import load_space
+
+    cfg = load_config(QWEN)
+    m, tr, hw = cfg.model, cfg.training, cfg.hardware
+    for s, words in ((Strategy(engine="fsdp2", expert_parallel_size=2, checkpointing="op"), "checkpointing op"),
+                     (Strategy(engine="fsdp2", expert_parallel_size=2, tiled_mlp=True), "tiled_mlp")):
+        got = validation_errors(s, m, tr, hw)
+        assert [k for k, _ in got] == ["expert_parallel_size"] and words in got[0][1] and "\n" not in got[0][1]
+    space = load_space("default", precision=tr.precision).for_job(m, tr, hw)
+    ep = [s for s in space.candidates(m) if s.expert_parallel_size > 1]
+    assert {s.expert_parallel_size for s in ep} == {2, 4, 8}
+    fits = [s for s in ep[::7] if estimate_memory(m, tr, hw, s, headroom=0.05).fits]
+    assert fits and all(not validation_errors(s, m, tr, hw) for s in fits)
+
+
+def test_stored_ep_rows_at_their_routing_within_the_margin(tmp_path):
+    """Every stored EP row (MOE_EP_ROWS: 2 gloo ranks, EP 2) re-predicted at the routing its step
+    measured (the busiest rank's received rows): none under-predicted beyond PREDICTION_MARGIN, and at
+    the stated MOE_LOAD_IMBALANCE none under-predicted either."""
+    pytest.importorskip("transformers")
+    bench = _bench()
+    stored = {bench.row_key(r): r for r in json.loads(
+        (Path(ROOT) / "benchmarks" / "data" / "memory_vs_deepspeed.json").read_text()) if r.get("status") == "ok"}
+    rows = [r for r in bench.moe_grid() if r.get("knobs", {}).get("expert_parallel_size", 1) > 1]
+    assert rows and all(bench.row_key(r) in stored for r in rows)
+    for r in rows:
+        out = bench.predict(dict(stored[bench.row_key(r)]), tmp_path)
+        assert out["imbalance_measured"] <= 1.45 and out["error_routing"] >= -PREDICTION_MARGIN, out
+        assert out["error"] >= out["error_routing"] >= -PREDICTION_MARGIN
