@@ -62,7 +62,12 @@ def split_attention(m: ModelSpec, p: int, split: Split) -> tuple[float, float]:
       repeated when the degree exceeds them, ``kv_replication_factor``), so do dk and dv; each of
       dq, dk, dv then leaves through a contiguous copy and the all-to-all's output, one after the
       other (``_combine_local_sequences``'s three exchanges, ulysses_sp.py): two copies of the
-      widest.
+      widest. The kernel's output goes back through an all-to-all and a re-layout
+      (``_partition_global_sequence``'s ``output.reshape(...)`` after the ``ws sl_l bs em_l ->
+      sl_l bs ws em_l`` rearrange: a copy), which o_proj saves next to the kernel's saved output:
+      one more q-wide tensor where the plain path's o_proj input is a view of that output (where it
+      is already a copy, ``rotary_concat``, nothing more), released by o_proj's backward before
+      the core's backward runs.
     * Ring attention: fp32 accumulators of dq, dk, dv next to one step's gradients, and the k/v
       chunk and its fp32 dk/dv travelling round the ring (torch/distributed/tensor/experimental/
       _context_parallel/_attention.py ``_templated_ring_attention_backward``, convert_to_f32)."""
@@ -70,7 +75,9 @@ def split_attention(m: ModelSpec, p: int, split: Split) -> tuple[float, float]:
     if split.sp > 1:
         repeat = max(1, split.sp // m.num_key_value_heads)
         extra_kv = 2 * p * kv * (repeat - 1)
-        return float(extra_kv), float(extra_kv + 2 * p * max(q, kv * repeat))
+        o_proj_input = 0 if m.rotary_concat else p * q
+        # o_proj's backward, before the core's, releases that copy: not alive at the core's backward
+        return float(extra_kv + o_proj_input), float(extra_kv + 2 * p * max(q, kv * repeat) - o_proj_input)
     if split.cp > 1:
         return 0.0, float(4 * (q + 2 * kv) + 2 * p * kv + 8 * kv)
     return 0.0, 0.0

@@ -121,7 +121,9 @@ def shard_batch(batch_or_dataloader: Any, mpu: Any, device: Any = None) -> Any:
         if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == seq:
             value = value.contiguous()
             dist.broadcast(value, src=src, group=group)
-            value = value[:, chunk * rank:chunk * (rank + 1)].contiguous()
+            # a copy: with one sample the slice already counts as contiguous, and .contiguous() would
+            # return the view, keeping the whole sequence's storage alive on every rank
+            value = value[:, chunk * rank:chunk * (rank + 1)].clone(memory_format=torch.contiguous_format)
         out[key] = value
     return out
 

@@ -22,7 +22,6 @@ TESTED = [r for r in ROWS if r["in_test"] == "true"]
 KNOWN_OUTSIDE = {
     # docs/long-context.md gives the mechanism of each; strict: a row that comes inside the band
     # fails here until it is taken off this list
-    "alst-70b-8xh100-sp8-tiledmlp": "1.36: a 3-iteration recipe with no sign it ran at its limit",
     "alst-70b-16xh100-sp16-all": "1.85: host RAM limits the model, 1324 GiB/node at the published 1.2M",
     "alst-70b-32xh100-sp32-all": "1.35: host RAM, 1516 GiB/node where the recipe says 'at the brink of cpu-oom'",
 }
