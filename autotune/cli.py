@@ -17,15 +17,31 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {name: m.run for name
 """Command name -> the function that runs it."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from autotune import __version__
+class _VersionAction(argparse.Action):
+    """``--version``: argparse's version action with the version read only when the flag is given
+    (``autotune.__version__`` reads the package metadata: importlib.metadata, tens of ms of every start)."""
 
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str = "show program's version number and exit") -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: Optional[str] = None) -> None:
+        from autotune import __version__
+
+        formatter = parser._get_formatter()
+        formatter.add_text(f"autotune {__version__}")
+        parser._print_message(formatter.format_help(), sys.stdout)
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autotune",
         description="Simulation-based training-strategy autotuner: predicts per-GPU memory and step time of "
         "DeepSpeed strategies and searches for the memory/throughput Pareto front.",
     )
-    parser.add_argument("--version", action="version", version=f"autotune {__version__}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module in _MODULES.values():
