@@ -300,6 +300,13 @@ def validation_errors(
     split = _sequence_split_errors(s, model, training, hardware)
     errors += split
     errors += _expert_parallel_errors(s, model, hardware) if not split else []
+    if model.is_mla and (s.checkpointing in ("selective", "op") or s.sequence_parallel_size > 1
+                         or s.context_parallel_size > 1 or s.tiled_mlp):
+        # memory/mla.py sizes DeepSeek-V2's attention whole or fully checkpointed, unsplit
+        errors.append(("checkpointing" if s.checkpointing in ("selective", "op") else "sequence_parallel_size",
+                       f"multi-head latent attention is not sized with checkpointing {s.checkpointing}, sequence "
+                       f"parallel {s.sequence_parallel_size}, context parallel {s.context_parallel_size}, "
+                       f"tiled_mlp {s.tiled_mlp}: use checkpointing none/full/attention/mlp without sequence splits"))
     if s.micro_batch_size >= 1 and not split:
         dp = batch_ranks(hardware, s)
         per_step = s.micro_batch_size * dp
@@ -447,6 +454,7 @@ def fsdp_equivalent(strategy: Strategy, hardware: HardwareSpec) -> dict[str, Any
 def fsdp_equivalent_text(fsdp: dict[str, Any]) -> str:
     """One line for ``fsdp_equivalent``'s result: the sharding strategy, or why there is none."""
     return fsdp["sharding_strategy"] or FSDP_NO_EQUIVALENT
+
 
 
 def ignored_knobs(given: Mapping[str, Any], strategy: Strategy) -> list[tuple[str, str]]:

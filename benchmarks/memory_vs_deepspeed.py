@@ -6,7 +6,7 @@
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
     python benchmarks/memory_vs_deepspeed.py --reuse out.json    # re-predict stored measurements
     python benchmarks/memory_vs_deepspeed.py --long-context      # 18 rows of issue 24's knobs (long_context_grid)
-    python benchmarks/memory_vs_deepspeed.py --moe               # 16 Mixtral / Qwen3-MoE rows (moe_grid, docs/moe.md)
+    python benchmarks/memory_vs_deepspeed.py --moe               # the Mixtral / Qwen3-MoE / DeepSeek-V2 rows (moe_grid, docs/moe.md)
 
 The grid: 10 Hugging Face families from their published config.json (tests/data/hf: llama, mistral,
 qwen2, qwen3, gemma, gemma2, phi3, olmo2, gpt2 with its default dropout 0.1, gpt_neox), shrunk to CPU size
@@ -142,6 +142,17 @@ MOE_FAMILIES = {
     "hf-qwen3moe-sv": ("moe/qwen3-30b-a3b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176,
                                               "vocab_size": 256}),
 }
+# DeepSeek-V2 (multi-head latent attention, 1 shared expert; docs/moe.md): DeepSeek-V2-Lite's config.json
+# shrunk the same way, every layer routed (first_k_dense_replace 0), a plain q_proj (q_lora_rank null, as
+# published) or the q LoRA ("-q"); query/key heads 32 + 16 wide, values 32 (sdpa's CPU math kernel)
+_DSV2 = {**_SMALL, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 176, "n_shared_experts": 1, "first_k_dense_replace": 0, "kv_lora_rank": 64,
+         "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "bos_token_id": 0, "eos_token_id": 1}
+MOE_FAMILIES.update({
+    "hf-deepseekv2": ("moe/deepseek-v2-lite", _DSV2),
+    "hf-deepseekv2-q": ("moe/deepseek-v2-lite", {**_DSV2, "q_lora_rank": 48}),
+    "hf-deepseekv2-sv": ("moe/deepseek-v2-lite", {**_DSV2, "vocab_size": 256}),
+})
 LONG_FAMILIES.update(MOE_FAMILIES)  # full overrides like the long families' (hf_config, specs, run_row)
 
 # strategies each HF family is measured with: (ZeRO stage, ranks, grad. accumulation, ckpt, precision)
@@ -156,7 +167,7 @@ def hf_config(name: str) -> dict:
     if cfg["model_type"] != "gpt2" and name in HF_FAMILIES:
         cfg.update(_SMALL)
     cfg.update(over)
-    return {k: v for k, v in cfg.items() if v is not None}
+    return {k: v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}  # DeepSeek's null: a plain q_proj
 
 
 def hf_grid() -> list[dict]:
@@ -325,6 +336,11 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     ("hf-mixtral-sv", 0, 1, 1, 4, 256, "none", "bf16"), ("hf-qwen3moe-sv", 2, 2, 1, 4, 256, "none", "bf16"),
     ("hf-mixtral-sv", 3, 2, 1, 2, 256, "none", "fp32"), ("hf-qwen3moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
     ("hf-mixtral-sv", "fsdp2-keep", 1, 1, 4, 256, "full", "bf16"), ("hf-qwen3moe-sv", 1, 1, 2, 4, 256, "full", "fp32"),
+    # DeepSeek-V2: latent attention (plain q_proj / q LoRA), 1 shared expert (memory/mla.py, moe.py)
+    ("hf-deepseekv2", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv2-q", 1, 2, 1, 2, 256, "none", "fp32"),
+    ("hf-deepseekv2-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-deepseekv2", 3, 2, 1, 2, 256, "full", "bf16"),
+    ("hf-deepseekv2-q", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv2-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
+    ("hf-deepseekv2-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-deepseekv2-q", 0, 2, 1, 2, 256, "full", "fp32"),
 ]
 
 

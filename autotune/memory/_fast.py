@@ -363,6 +363,9 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
         done = on_gpu * done_blocks * u["grad_block"]
         rs_prev = np.where(done_blocks != 0, rs_block, 0.0)
         gathered = u_root + u_block * np.where(reshard, 1, i + 1) + np.where(reshard & (i > 0), flat, 0.0)
+        pre = saved - np.where(frame != 0, a["per_block_plain"] - a["per_block_checkpointed"] + frame, 0.0)
+        add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + flat,
+            valid=valid & reshard & (i > 0) & (flat != 0) & (device == "cpu"))  # fsdp2: gloo's all-gather copy
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev, valid=valid)
         add("backward", sharded=done, unsharded=head_grad + up * u["mlp_params"],
             activations=saved - a["mlp_saved_per_block"], buffers=gathered + rs_prev, valid=valid)

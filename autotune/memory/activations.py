@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from autotune.memory import moe
+from autotune.memory import mla, moe
 from autotune.memory.expert_parallel import ep_backward_transient, ep_saved
 from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention
 from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
@@ -91,6 +91,8 @@ def _attention_sublayer_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, dev
     """Per token, what the attention module (projections, core, its residual dropout) keeps, its
     input (the norm's output, counted with the norm) excluded. ``core``: ``"full"`` or
     ``"selective"`` (core recomputed, Korthikanti et al. 2022 sec. 5)."""
+    if m.is_mla:  # DeepSeek-V2's latent attention (mla.py)
+        return mla.attention_saved(m, p, s, device)
     if core == "selective":
         n = _attention_core_selective(m, p)
     else:
@@ -267,16 +269,15 @@ def _checkpoint_frame_kept(m: ModelSpec, p: int, checkpointing: str, zero3_linea
     return n
 
 
-def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str, device: str = "cuda") -> float:
-    """Per-block bytes independent of the micro-batch (eager attention's s x s causal mask; the RNG
-    state a checkpointed region keeps, on the CPU)."""
+def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str, device: str = "cuda", p: int = 4) -> float:
+    """Per-block bytes independent of the micro-batch (eager attention's s x s mask, a checkpoint's CPU RNG state)."""
     n = 0.0
     if m.attn_implementation == "eager" and checkpointing == "none":
         n += s * s
     if checkpointing != "none" and device == "cpu":
         n += CPU_RNG_STATE_BYTES
     if m.is_moe and checkpointing in ("none", "attention", "selective"):
-        n += moe.moe_fixed_bytes(m)  # the MoE keeps its grouped_mm offsets where its MLP is not recomputed
+        n += moe.moe_fixed_bytes(m, p)  # the MoE keeps its grouped_mm offsets where its MLP is not recomputed
     return n
 
 
@@ -406,16 +407,16 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     mlp_untiled = _mlp_sublayer_saved(m, p, mb) - (mb * m.hidden_size if m.hidden_dropout > 0 else 0.0)
     mlp_cut = mlp_untiled if split.tiled_mlp else 0.0
     per_plain = ((block_activation_bytes_per_token(m, p, s_full, "none", mb, device) + attn_saved - mlp_cut) * tokens
-                 + _block_fixed_bytes(m, s_full, "none"))
+                 + _block_fixed_bytes(m, s_full, "none", p=p))
     ck_saved = block_activation_bytes_per_token(m, p, s_full, gran, mb, device, zero3_linear=zero3)
     if gran not in ("full", "op"):  # these granularities keep the attention core / MLP as plain blocks do
         ck_saved += (attn_saved if gran != "attention" else 0.0) - (mlp_cut if gran != "mlp" else 0.0)
-    per_ck = ck_saved * tokens + _block_fixed_bytes(m, s_full, gran, device)
+    per_ck = ck_saved * tokens + _block_fixed_bytes(m, s_full, gran, device, p)
     offloaded = n_ck * per_ck if split.offload else 0.0
     if split.offload:
         per_ck = 0.0  # the checkpoint's input lives in host memory until its block's backward
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
-    rope = 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
+    rope = mla.rope_table_bytes(m, s) if m.is_mla else 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
     nonblock = _nonblock_saved_per_token(m, p, mb) * tokens + rope
     V = m.vocab_size
     # Gemma2's final_logit_softcapping, cap * tanh(logits / cap): tanh keeps its output (model dtype)
@@ -456,10 +457,8 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         logits_tokens = 0.0
     nonblock += logits_saved - (4 * V * tokens + softcap)
     mlp_saved = (moe.moe_saved_per_token(m, p) if m.is_moe else (4 if m.gated_mlp else 2) * p * m.intermediate_size) * tokens
-    mlp_bwd = max(_mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size,
-                  _composite_gelu_backward_transient(m, p) * tokens)
-    if m.is_moe:
-        mlp_bwd = moe.moe_backward_transient(m, p, int(tokens))
+    mlp_bwd = moe.moe_backward_transient(m, p, int(tokens)) if m.is_moe else max(
+        _mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size, _composite_gelu_backward_transient(m, p) * tokens)
     if ep > 1:  # expert parallelism's experts path instead of grouped_mm (no offsets; memory/expert_parallel.py)
         d = ep_saved(m, p, int(tokens), ep)
         mlp_saved, per_plain, per_ck = mlp_saved + d, per_plain + d - moe.moe_fixed_bytes(m), per_ck + (
@@ -486,7 +485,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         loss_backward_transient=loss_bwd,
         recompute=(per_plain - per_ck) if n_ck else 0.0,
         mlp_saved_per_block=mlp_saved,
-        attention_backward_transient=(_attention_backward_transient(m, p, s_full, device) + attn_bwd) * tokens,
+        attention_backward_transient=mla.backward_transient(m, p, s_full, int(tokens), device) if m.is_mla else (_attention_backward_transient(m, p, s_full, device) + attn_bwd) * tokens,
         final_norm_saved=_norm_saved(m, p) * tokens,
         forward_only_masks=forward_mask,
         final_norm_forward_extra=_final_norm_forward_extra(m, p, tokens, s, bool(n_ck)),

@@ -169,7 +169,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     add("backward", unsharded=head_grad, activations=saved_blocks + other_saved - act.final_norm_saved
         + act.final_norm_backward_live,
         buffers=at_start)
-    _blocks_backward(add, u, act, s, L, other_saved, head_grad, carry)
+    _blocks_backward(add, u, act, s, L, other_saved, head_grad, carry, u.flat if device == "cpu" else 0.0)
     # backward end: the root's post-backward (head and embedding gradients, unsharded, then its
     # reduce-scatter input), every block's sharded gradient
     blocks_sharded = u.all_grads - u.on_gpu * 4 * u.root / u.n
@@ -194,9 +194,9 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
 
 
 def _blocks_backward(add: Callable[..., None], u: _Units, act: ActivationBreakdown, s: Strategy, L: int,
-                     other_saved: float, head_grad: float, carry: float) -> None:
+                     other_saved: float, head_grad: float, carry: float, gloo_copy: float = 0.0) -> None:
     """The candidates through the blocks' backward, last block to first (``add`` as in
-    estimate_fsdp2)."""
+    estimate_fsdp2; ``gloo_copy``: the temporary of gloo's all-gather, CPU)."""
     reshard = s.reshard_after_forward
     # the previous unit's reduce-scatter input (from the second block on) and the prefetched next block
     # (up to the second-last) break the linearity in the block index: both ends of that run too
@@ -207,6 +207,12 @@ def _blocks_backward(add: Callable[..., None], u: _Units, act: ActivationBreakdo
         # the next block's all-gather prefetched during this one's backward
         gathered = u.u_root + u.u_block * (1 if reshard else pt.block + 1) \
             + (u.flat if (reshard and pt.block > 0) else 0.0)
+        if gloo_copy and reshard and pt.block > 0:
+            # the block's pre-backward (before a checkpointed one's recomputation): the next block's
+            # prefetched all-gather, whose gloo collective allocates a temporary as large as its flat
+            # output (c10d::_allgather_base_ / gloo:all_gather, allocation traces; ProcessGroupGloo.cpp)
+            pre = pt.saved - (act.per_block_plain - act.per_block_checkpointed + pt.frame if pt.frame else 0.0)
+            add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + gloo_copy)
         # MLP backward at its peak: the down projection's weight gradient (unsharded, param_dtype) is
         # part of the MLP's transient (activations.py _mlp_backward_transient); the other weight
         # gradients come after the multiply's backward has released its f-wide gradients
