@@ -117,3 +117,18 @@ def test_stored_ep_rows_at_their_routing_within_the_margin(tmp_path):
         out = bench.predict(dict(stored[bench.row_key(r)]), tmp_path)
         assert out["imbalance_measured"] <= 1.45 and out["error_routing"] >= -PREDICTION_MARGIN, out
         assert out["error"] >= out["error_routing"] >= -PREDICTION_MARGIN
+
+
+@pytest.mark.slow
+def test_ep_step_measured_not_under_predicted(tmp_path):
+    """One real EP step (2 gloo ranks, EP 2, tiny Qwen3-MoE, the benchmark's worker: apply's expert units,
+    the all-to-alls, clip_grad_norm over two meshes): it runs, and the model does not under-predict its
+    worst step at the routing it measured nor at the stated factor."""
+    pytest.importorskip("transformers")
+    bench = _bench()
+    row = dict(zip(bench.ROW_KEYS, ("hf-qwen3moe-sv", "fsdp2", 2, 1, 2, 128, "none", "bf16")),
+               knobs={"expert_parallel_size": 2})
+    out = bench.run_row(row, tmp_path, timeout=300)
+    assert out["status"] == "ok", out.get("reason")
+    assert 1.0 <= out["imbalance_measured"] <= 1.45
+    assert out["error"] >= out["error_routing"] >= -PREDICTION_MARGIN, out
