@@ -252,7 +252,8 @@ def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backe
     read back before every ask, stale trials are failed and re-queued through Optuna's heartbeat,
     and every evaluation is claimed first (``claim.claim``).
     """
-    by_key = {s.strategy.key(): s for s in screened}
+    # by the Strategy: its equality is key()'s (frozen dataclass, every field compared), its hash 5x cheaper
+    by_strategy = {s.strategy: s for s in screened}
     outcome = StudyOutcome(study=study, screened=screened)
     # sampler ehvi re-predicts every candidate before each trial: no front seeding, no re-seeding,
     # and its stopping rule may end the run before n_trials (autotune.samplers.front)
@@ -266,7 +267,8 @@ def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backe
     else:
         _initialise(study, persistent, cfg, space, screened, n_trials, headroom, enqueue,
                     seed_predicted_front and not chooses_front)
-    feasible = {k for k, s in by_key.items() if s.memory.fits}
+    fitting = {s.strategy.key(): s for s in by_strategy.values() if s.memory.fits}
+    feasible = set(fitting)
     calibrator = getattr(backend, "calibrator", None)
     evaluations = asks = stalled = 0
     # ask/tell with a heartbeat storage: Optuna warns that heartbeats are meant for optimize(); here
@@ -287,14 +289,15 @@ def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backe
                 if heartbeat:
                     fail_stale(study)
                 _sync(study, space, cfg, seen, cache, oom_at)
-            if feasible <= cache.keys() and (feasible or by_key.keys() <= cache.keys()):
+            if feasible <= cache.keys() and (feasible or (len(by_strategy) <= len(cache)
+                                                          and all(s.key() in cache for s in by_strategy))):
                 # everything that fits has been evaluated (or, when nothing fits, seen)
                 outcome.stop_reason = (f"every one of the {len(feasible)} candidates that fit has been evaluated"
                                        if feasible else "no candidate fits")
                 break
             trial = ask(study)
             asks += 1
-            done = _one_trial(study, trial, space, cfg, backend, headroom, by_key, cache, oom_at, shared, heartbeat)
+            done = _one_trial(study, trial, space, cfg, backend, headroom, by_strategy, cache, oom_at, shared, heartbeat)
             seen.add(trial.number)
             if done is None:
                 continue
@@ -305,7 +308,7 @@ def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backe
                 after_trial()
             stalled = stalled + 1 if repeat else 0
             if stalled >= STALL_ASKS and not chooses_front:
-                _enqueue_unevaluated(study, space, cfg, by_key, feasible - cache.keys())
+                _enqueue_unevaluated(study, space, cfg, fitting, feasible - cache.keys())
                 stalled = 0
             if ended.measured:
                 evaluations += 1
@@ -328,7 +331,7 @@ def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backe
 
 
 def _one_trial(study: Study, trial: Trial, space: SearchSpace, cfg: Config, backend: Backend, headroom: float,
-               by_key: dict, cache: dict, oom_at: dict, shared: bool,
+               by_strategy: dict, cache: dict, oom_at: dict, shared: bool,
                heartbeat: bool) -> Optional[tuple[Strategy, "_Outcome"]]:
     """Choose the asked trial's strategy, claim it (shared studies) and finish the trial; returns the
     strategy and how it ended. None: another worker's heartbeat check declared this trial stale (our
@@ -345,7 +348,7 @@ def _one_trial(study: Study, trial: Trial, space: SearchSpace, cfg: Config, back
             if owner is not None:
                 cache.setdefault(strategy.key(), _Outcome.of(owner))
         with heartbeat_around(trial, study, heartbeat):
-            ended = _evaluate_trial(study, trial, strategy, cfg, backend, headroom, by_key, cache, oom_at)
+            ended = _evaluate_trial(study, trial, strategy, cfg, backend, headroom, by_strategy, cache, oom_at)
     except UpdateFinishedTrialError:
         return None
     except BaseException as err:
@@ -447,7 +450,7 @@ class _Outcome:
 
 
 def _evaluate_trial(study: Study, trial: Trial, strategy: Strategy, cfg: Config, backend: Backend, headroom: float,
-                    by_key: dict, cache: dict, oom_at: dict) -> _Outcome:
+                    by_strategy: dict, cache: dict, oom_at: dict) -> _Outcome:
     """Finish one asked trial: reuse, prune, or evaluate it; returns how it ended."""
     from optuna.trial import TrialState
 
@@ -464,7 +467,7 @@ def _evaluate_trial(study: Study, trial: Trial, strategy: Strategy, cfg: Config,
             trial.set_constraint("gpu_memory", constraint)
         put(trial, duplicate_of=first.number)
         return finish(first.state, first.values, **first.attrs)  # measured=False: reused
-    screened = by_key.get(key)
+    screened = by_strategy.get(strategy)
     mem = screened.memory if screened else estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy,
                                                            headroom=headroom)
     capacity = cfg.hardware.gpu.memory_bytes * (1 - headroom)
