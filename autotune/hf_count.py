@@ -6,16 +6,27 @@ that differ (DeepSeek-V3's ``first_k_dense_replace`` dense layers before the MoE
 ``mlp_only_layers``, ``decoder_sparse_step``...) are counted as built. Beyond ``FULL_BUILD_LAYERS``
 layers it extrapolates ``count(L) = count(1) + (L - 1) * (count(2) - count(1))``, only after the
 build at ``FULL_BUILD_LAYERS`` layers shows every layer alike (the same affine law); otherwise it
-builds them all. Returns None when torch or transformers is not importable (presets and explicit
-fields do not need it). Imported lazily by autotune.config: the simulate path stays torch-free for
-presets and explicit fields.
+builds them all. Returns None when torch or transformers is not installed (presets and explicit
+fields do not need it).
+
+The simulate path never imports torch: a process that has not imported torch and transformers
+counts in a child process (``python -m autotune.hf_count``, the config on stdin, the count or the
+error as JSON on stdout) and keeps the count in a cache file (``cache_path``: one entry per config,
+layer count and transformers version), so a job's next run reads it without starting torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.metadata
+import importlib.util
 import io
+import json
 import logging
+import os
+import subprocess
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -31,13 +42,81 @@ class HFCountError(Exception):
     """transformers could not build the model from this config (message: one line)."""
 
 
+CACHE_ENV = "AUTOTUNE_CACHE_DIR"
+"""The folder of autotune's cache files (default ``$XDG_CACHE_HOME/autotune``, else ``~/.cache/autotune``)."""
+COUNT_VERSION = 1
+"""Part of each cache key: raise it when the way a count is made changes (``_count``, ``_DROP``)."""
+COUNT_TIMEOUT_S = 600
+"""How long the child process may take to build the model on the meta device."""
+
+
 def _available() -> bool:
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except Exception:
-        return False
+    """torch and transformers are installed (found without importing them; a None entry in
+    sys.modules blocks an import, as a light install's missing package)."""
+    for name in ("torch", "transformers"):
+        if name in sys.modules:
+            if sys.modules[name] is None:
+                return False
+            continue
+        try:
+            if importlib.util.find_spec(name) is None:
+                return False
+        except (ImportError, ValueError):
+            return False
     return True
+
+
+def cache_path() -> str:
+    """The parameter-count cache file (a JSON object: key -> count)."""
+    folder = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "autotune")
+    return os.path.join(folder, "hf_counts.json")
+
+
+def _cache_key(raw: dict, num_layers: int) -> str:
+    body = json.dumps(raw, sort_keys=True, default=str)
+    return (f"{hashlib.sha256(body.encode()).hexdigest()}:{num_layers}:v{COUNT_VERSION}:"
+            f"transformers {importlib.metadata.version('transformers')}")
+
+
+def _read_cache() -> dict:
+    try:
+        with open(cache_path(), encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(key: str, count: int) -> None:
+    """Add one entry (an unwritable cache only costs the next run a child process)."""
+    path = cache_path()
+    data = {**_read_cache(), key: count}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _count_in_child(raw: dict, num_layers: int) -> int:
+    """``hf_parameter_count`` in a child process (this one stays torch-free)."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "autotune.hf_count"], capture_output=True, text=True,
+                              input=json.dumps({"raw": raw, "num_layers": num_layers}), timeout=COUNT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise HFCountError(f"building the model on the meta device took over {COUNT_TIMEOUT_S} s") from None
+    try:
+        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
+        raise HFCountError(f"the parameter count's child process failed (exit {proc.returncode}: {tail})") from None
+    if "error" in answer:
+        raise HFCountError(answer["error"])
+    return int(answer["count"])
 
 
 def _count(raw: dict, layers: int) -> int:
@@ -68,9 +147,24 @@ def _count(raw: dict, layers: int) -> int:
 
 def hf_parameter_count(raw: dict, num_layers: int) -> Optional[int]:
     """Parameters of the transformers model for config dict ``raw`` with ``num_layers`` blocks
-    (shared tensors once); None without torch/transformers; HFCountError if it cannot be built."""
+    (shared tensors once); None without torch/transformers; HFCountError if it cannot be built.
+    Counted here when this process has imported torch and transformers, else read from the cache
+    or counted in a child process and cached."""
     if not _available():
         return None
+    if sys.modules.get("torch") is not None and sys.modules.get("transformers") is not None:
+        return _count_here(raw, num_layers)
+    key = _cache_key(raw, num_layers)
+    cached = _read_cache().get(key)
+    if isinstance(cached, int):
+        return cached
+    count = _count_in_child(raw, num_layers)
+    _write_cache(key, count)
+    return count
+
+
+def _count_here(raw: dict, num_layers: int) -> int:
+    """The count in this process (imports torch and transformers)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -101,3 +195,19 @@ def describe_difference(spec: Any, exact: int) -> str:
     return (f"the analytic description has {n:,} parameters, transformers builds {exact:,} "
             f"(difference {diff:+,}{per_layer}); this model family is not described exactly, "
             f"its memory would be mis-sized")
+
+
+def main() -> int:
+    """The child process: ``{"raw": config, "num_layers": n}`` on stdin, ``{"count": n}`` or
+    ``{"error": one line}`` on stdout."""
+    job = json.load(sys.stdin)
+    try:
+        answer: dict = {"count": _count_here(job["raw"], int(job["num_layers"]))}
+    except HFCountError as err:
+        answer = {"error": str(err)}
+    print(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# the hf parameter-count cache (autotune.hf_count.cache_path) of the tests, not the user's
+os.environ.setdefault("AUTOTUNE_CACHE_DIR", os.path.join(ROOT, ".pytest_cache", "autotune-cache"))
 
 
 @pytest.fixture

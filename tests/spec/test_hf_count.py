@@ -152,3 +152,39 @@ def test_without_torch_presets_and_hf_files_still_load(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_torch_free_process_counts_in_a_child_and_caches_the_count(tmp_path):
+    """The simulate path never imports torch: a fresh interpreter loading an hf_config job counts in a
+    child process and caches the count; the next load reads the cache (a wrong cached count is then
+    what refuses the file, proving it was read) and a config transformers cannot build is refused
+    in one line through the child."""
+    pytest.importorskip("transformers")
+    env = {**os.environ, "AUTOTUNE_CACHE_DIR": str(tmp_path / "cache")}
+    job = os.path.join(ROOT, "examples", "llama3.1-8b-long.yaml")
+    code = ("import sys\nfrom autotune.config import load_config\n"
+            f"cfg = load_config({job!r})\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+            "print(cfg.model.num_parameters)\n")
+
+    def load() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                              timeout=600)
+
+    first = load()
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert int(first.stdout) == 8_030_261_248  # Llama-3.1-8B's model card
+    cache = tmp_path / "cache" / "hf_counts.json"
+    entries = json.loads(cache.read_text())
+    assert list(entries.values()) == [8_030_261_248]
+    cache.write_text(json.dumps({key: 8_030_261_249 for key in entries}))
+    second = load()
+    assert second.returncode != 0 and "transformers builds 8,030,261,249" in second.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**json.load(open(os.path.join(ROOT, "examples", "tiny-llama-hf.json"))),
+                               "rope_scaling": {"rope_type": "no-such-rope"}}))
+    (tmp_path / "job.yaml").write_text(BASE.replace("preset: llama2-7b", f"hf_config: {bad}"))
+    out = subprocess.run([sys.executable, "-m", "autotune", "estimate", "job.yaml"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env, timeout=600)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(err) == 1 and "transformers cannot build model_type 'llama'" in err[0], err
