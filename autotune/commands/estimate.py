@@ -107,6 +107,20 @@ def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dic
     }
 
 
+def fsdp2_line(layout: dict[str, Any]) -> str:
+    """An FSDP2 layout in one line: the mesh, and the expert / context-parallel meshes when it has them."""
+    line = f"FSDP2: fully_shard per decoder layer + root, mesh {layout['mesh']['shape']}"
+    ep, cp = layout.get("expert_parallel"), layout.get("context_parallel")
+    if ep:
+        line += (f"; expert parallel {ep['expert_parallel_size']}: {ep['local_experts']} of {ep['num_experts']} "
+                 f"experts per GPU, mesh {ep['mesh']['shape']} ({' x '.join(ep['mesh']['dim_names'])}), "
+                 f"{ep['dispatch']} dispatch")
+    if cp:
+        line += (f"; context parallel {cp['context_parallel_size']}: mesh {cp['mesh']['shape']} "
+                 f"({' x '.join(cp['mesh']['dim_names'])}), ring {cp['rotate_method']}")
+    return line
+
+
 def format_estimate(r: dict[str, Any]) -> str:
     """The breakdown as a table whose rows add up: the components at the peak sum to the peak
     allocated; the overhead on top of it gives the memory the GPU must hold, which is what the
@@ -120,7 +134,7 @@ def format_estimate(r: dict[str, Any]) -> str:
         f"{r['model']} ({r['num_parameters']:,} parameters) on {r['num_gpus']} x {r['gpu']}",
         f"strategy: {r['strategy_text']} (gradient accumulation {r['gradient_accumulation_steps']})",
         f"FSDP equivalent: {fsdp_equivalent_text(r['fsdp'])}" if "fsdp" in r else
-        f"FSDP2: fully_shard per decoder layer + root, mesh {r['fsdp2_config']['mesh']['shape']}",
+        fsdp2_line(r["fsdp2_config"]),
         "",
         f"{'component (at the peak)':<30}{unit:>10}{'share':>9}",
     ]

@@ -92,6 +92,17 @@ def test_estimate_table_adds_up_to_what_fits_compares(capsys, flags):
     assert out["fits"] == (out["gpu_total_bytes"] <= out["gpu_usable_bytes"])
 
 
+@pytest.mark.parametrize("job,flags,says", [
+    ("mixtral-8x7b.yaml", ["--expert-parallel-size", "8", "--offload-params", "cpu"],
+     "; expert parallel 8: 1 of 8 experts per GPU, mesh [1, 8] (dp_shard_mod_ep x dp_shard_in_ep)"),
+    ("llama3.1-8b-long.yaml", ["--context-parallel-size", "2"], "; context parallel 2: mesh [4, 2] (dp_shard x cp)"),
+    ("llama2-7b.yaml", [], "mesh [8]\n")])
+def test_estimate_names_an_fsdp2_points_expert_and_context_meshes(capsys, job, flags, says):
+    assert main(["estimate", os.path.join(EXAMPLES, job), "--engine", "fsdp2", *flags]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines(keepends=True) if x.startswith("FSDP2: "))
+    assert says in line and ("parallel" in line) == bool(flags), line
+
+
 def test_tiny_model_estimate_in_mib(capsys):
     assert main(["estimate", os.path.join(EXAMPLES, "tiny-cpu.yaml")]) == 0
     text = capsys.readouterr().out
