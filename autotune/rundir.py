@@ -21,6 +21,8 @@ from autotune.errors import ConfigError
 if TYPE_CHECKING:
     from optuna.storages import BaseStorage
 
+    from autotune.space import SearchSpace
+
 RUN_FILE = "run.json"
 JOURNAL = "study.journal"
 SQLITE = "study.db"
@@ -48,6 +50,8 @@ class Run:
     """Trial number whose profiling workers save a CUDA memory snapshot (``--snapshot``)."""
     created: bool = False
     """Whether open_run made the run directory (a refused new run removes it again, see discard)."""
+    space: Optional[SearchSpace] = None
+    """The job's search space (space_for) as open_run checked and recorded it; None: read it again."""
 
     @property
     def storage_path(self) -> Optional[str]:
@@ -69,7 +73,7 @@ class Run:
         from autotune.search import run_study
         from autotune.space import space_for
 
-        space = space_for(self.cfg)
+        space = self.space if self.space is not None else space_for(self.cfg)
         params = None
         if self.calibration:
             from autotune.calibration.loop import load_calibration
@@ -262,17 +266,17 @@ RESUMABLE_KEYS = ("search.trials",)
 would mix two jobs in one study, so ``--resume`` refuses it."""
 
 
-def job_record(cfg: Config) -> dict[str, Any]:
+def job_record(cfg: Config, space: Optional[SearchSpace] = None) -> dict[str, Any]:
     """What a study's results depend on, flattened to ``section.key`` -> JSON value: the job file's
     model, training, hardware, search and profile sections as loaded (an ``hf_config`` contributes the
     model fields it gives) and the search space's values (``space.<knob>``). Stored in run.json;
-    ``--resume`` compares it with the job it is given."""
+    ``--resume`` compares it with the job it is given. ``space``: the job's space_for, when already read."""
     import dataclasses
 
     from autotune.space import space_for
 
     sections = {name: getattr(cfg, name) for name in ("model", "training", "hardware", "search", "profile")}
-    sections["space"] = dict(space_for(cfg).values)
+    sections["space"] = dict((space if space is not None else space_for(cfg)).values)
     sections["model_factory"] = cfg.model_factory
     flat: dict[str, Any] = {}
 
@@ -289,12 +293,12 @@ def job_record(cfg: Config) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if k not in RESUMABLE_KEYS}
 
 
-def _check_same_job(cfg: Config, meta: dict[str, Any], run_dir: str) -> None:
+def _check_same_job(cfg: Config, meta: dict[str, Any], run_dir: str, space: SearchSpace) -> None:
     """--resume: refuse a job that differs from the one the run started with, naming the keys."""
     before = meta.get("job")
     if before is None:  # a run.json written before jobs were recorded: nothing to compare
         return
-    now = job_record(cfg)
+    now = job_record(cfg, space)
     changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)]
     if not changed:
         return
@@ -331,7 +335,7 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
         raise ConfigError(f"--trials must be >= 1, but got {trials}", path="--trials")
     if name is not None and (not name or "/" in name or name in (".", "..")):
         raise ConfigError(f"--name must be a plain folder name, but got {name!r}", path="--name")
-    _check_before_creating(cfg, backend or cfg.profile.backend)
+    space = _check_before_creating(cfg, backend or cfg.profile.backend)
     _make_out(out)
     created = False
     if name is None:
@@ -344,7 +348,7 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
             raise ConfigError(f"no run to resume at {run_dir} (missing {RUN_FILE})", path="--name")
         with open(meta_path) as fh:
             meta = json.load(fh)
-        _check_same_job(cfg, meta, run_dir)
+        _check_same_job(cfg, meta, run_dir, space)
         storage = storage or meta["storage"]
         backend = backend or meta.get("backend")
         seed = meta.get("seed", 0) if seed is None else seed
@@ -361,11 +365,11 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
         backend=backend or cfg.profile.backend,
         seed=cfg.search.seed if seed is None else seed,
         trials=trials or cfg.search.trials, resume=resume, meta=meta,
-        calibration=calibration or meta.get("calibration"), snapshot=snapshot, created=created,
+        calibration=calibration or meta.get("calibration"), snapshot=snapshot, created=created, space=space,
     )
     meta.update(name=name, config=os.path.abspath(cfg.path), storage=run.storage_url, backend=run.backend,
                 calibration=run.calibration and os.path.abspath(run.calibration),
-                seed=run.seed, trials=run.trials, space=cfg.search.space, job=job_record(cfg),
+                seed=run.seed, trials=run.trials, space=cfg.search.space, job=job_record(cfg, space),
                 created=meta.get("created") or
                 datetime.now(timezone.utc).isoformat(timespec="seconds"))
     with open(meta_path, "w") as fh:
@@ -373,8 +377,9 @@ def open_run(cfg: Config, *, out: str, name: Optional[str], resume: bool, storag
     return run
 
 
-def _check_before_creating(cfg: Config, backend: str) -> None:
-    """Refuse what would fail as soon as the study starts, before anything is written."""
+def _check_before_creating(cfg: Config, backend: str) -> SearchSpace:
+    """Refuse what would fail as soon as the study starts, before anything is written; returns the job's
+    search space (space_for)."""
     from autotune.backends.factory import backend_class
     from autotune.space import space_for
 
@@ -384,6 +389,7 @@ def _check_before_creating(cfg: Config, backend: str) -> None:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
     if cls.launches_workers:
         _check_profiling_installed(cfg, space.values["engine"])
+    return space
 
 
 def _check_profiling_installed(cfg: Config, engines: tuple[str, ...]) -> None:
