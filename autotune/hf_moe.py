@@ -63,7 +63,8 @@ def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str
         new["dense_layers"] = tuple(i for i in range(layers) if i in only or (i + 1) % step)
     if kind == "qwen2_moe":
         new.update(shared_expert_intermediate_size=val("shared_expert_intermediate_size", 5632),
-                   shared_expert_gate=True, qkv_bias=bool(val("qkv_bias", True)))
+                   shared_expert_gate=True, qkv_bias=bool(val("qkv_bias", True)),
+                   router_norm_topk=bool(val("norm_topk_prob", False)))
     if kind == "qwen3_moe":
         new["qk_norm"] = "head"  # Qwen3MoeAttention q_norm / k_norm: RMSNorm(head_dim)
     if kind == "olmoe":

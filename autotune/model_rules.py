@@ -1,6 +1,6 @@
 """What the memory model can size of a described model: the rules autotune.config applies to the
 model section (a mixture-of-experts or latent-attention model other than Mixtral / Qwen3-MoE /
-DeepSeek-V2's uniform blocks is refused; a mix of sliding and full
+Qwen2-MoE / DeepSeek-V2's uniform blocks is refused; a mix of sliding and full
 layers at a sequence that builds the sliding masks is refused), and the model section's list checker."""
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def _model_type(hf_path: Optional[str]) -> Optional[str]:
 def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
     """A mixture-of-experts or latent-attention model is described exactly (its parameter count);
     the memory model sizes the routed MoE blocks of Mixtral / Qwen3-MoE (autotune.memory.moe
-    ``not_sized``, docs/moe.md) and DeepSeek-V2's (its shared experts and latent attention,
-    autotune.memory.mla), no other layout's activations (gated shared experts, dense layers, biases,
-    other routers): those are refused in one line, never sized as the dense decoder
+    ``not_sized``, docs/moe.md), Qwen2-MoE's (its gated shared expert) and DeepSeek-V2's (its shared
+    experts and latent attention, autotune.memory.mla), no other layout's activations (dense layers,
+    biases, other routers): those are refused in one line, never sized as the dense decoder
     they are not."""
     from autotune.memory.moe import not_sized
 

@@ -137,6 +137,9 @@ class ModelSpec:
     """The router's linear runs in fp32 on fp32 copies of its input and weight and its top-k weights are
     not renormalised (DeepSeek-V2 ``DeepseekV2TopkRouter``: ``F.linear(hidden_states.type(torch.float32),
     self.weight.type(torch.float32))``, the top-k scaled by ``routed_scaling_factor``)."""
+    router_norm_topk: bool = True
+    """The router renormalises its top-k weights to sum to 1 (``router_top_value /= router_top_value.sum()``;
+    Qwen2-MoE's ``norm_topk_prob: false`` skips it; read for qwen2_moe only)."""
     router_group_limited: bool = False
     """The top-k is limited to the best expert groups (DeepSeek-V2 ``topk_method: group_limited_greedy``:
     the scores outside the ``topk_group`` best of ``n_group`` groups masked to 0 before the top-k)."""

@@ -152,6 +152,11 @@ MOE_FAMILIES.update({
     "hf-deepseekv2": ("moe/deepseek-v2-lite", _DSV2),
     "hf-deepseekv2-q": ("moe/deepseek-v2-lite", {**_DSV2, "q_lora_rank": 48}),
     "hf-deepseekv2-sv": ("moe/deepseek-v2-lite", {**_DSV2, "vocab_size": 256}),
+    # Qwen1.5-MoE: the shared expert (as wide as the dense MLP here) behind its sigmoid gate, qkv biases
+    "hf-qwen2moe": ("moe/qwen1.5-moe-a2.7b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176,
+                                             "shared_expert_intermediate_size": 344, "bos_token_id": 0, "eos_token_id": 1}),
+    "hf-qwen2moe-sv": ("moe/qwen1.5-moe-a2.7b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176, "vocab_size": 256,
+                                                "shared_expert_intermediate_size": 344, "bos_token_id": 0, "eos_token_id": 1}),
 })
 LONG_FAMILIES.update(MOE_FAMILIES)  # full overrides like the long families' (hf_config, specs, run_row)
 
@@ -341,6 +346,10 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     ("hf-deepseekv2-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-deepseekv2", 3, 2, 1, 2, 256, "full", "bf16"),
     ("hf-deepseekv2-q", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv2-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
     ("hf-deepseekv2-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-deepseekv2-q", 0, 2, 1, 2, 256, "full", "fp32"),
+    # Qwen1.5-MoE: the sigmoid-gated shared expert, qkv biases, top-k not renormalised (moe.py)
+    ("hf-qwen2moe", 0, 2, 1, 2, 256, "none", "bf16"), ("hf-qwen2moe-sv", 1, 1, 1, 4, 256, "none", "fp32"),
+    ("hf-qwen2moe-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-qwen2moe", 3, 1, 2, 2, 256, "full", "fp32"),
+    ("hf-qwen2moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"), ("hf-qwen2moe", "fsdp2-keep", 1, 1, 2, 256, "full", "fp32"),
 ]
 
 

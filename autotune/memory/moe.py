@@ -41,20 +41,20 @@ def expert_width(m: ModelSpec) -> int:
 def _routing_weight_bytes(m: ModelSpec, p: int) -> int:
     """Bytes of one routing weight: Mixtral's router returns the fp32 top-k probabilities
     (modeling_mixtral.py ``MixtralTopKRouter``: softmax of ``router_logits.float()``); Qwen3-MoE's
-    casts them back (modeling_qwen3_moe.py ``router_top_value.to(router_logits.dtype)``)."""
-    return p if m.qk_norm == "head" else 4
+    and Qwen2-MoE's (qk-norm per head / the gated shared expert) cast them back (modeling_qwen3_moe.py,
+    modeling_qwen2_moe.py ``router_top_value.to(router_logits.dtype)``)."""
+    return p if (m.qk_norm == "head" or m.shared_expert_gate) else 4
 
 
-SIZED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2")
+SIZED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "qwen2_moe")
 """The HF model_type values whose MoE block this module sizes (the blocks of other MoE families differ:
 granitemoe's parallel experts and multipliers, phimoe's sparsemixer router, OLMoE's unnormalised
-top-k, Qwen2-MoE's gated shared expert, DeepSeek-V3's sigmoid router, gpt-oss's biases; docs/moe.md)."""
+top-k, DeepSeek-V3's sigmoid router, gpt-oss's biases; docs/moe.md)."""
 
 
 _FAMILY_WHY = {
     "deepseek_v3": "its sigmoid router with the score-correction bias and its cos/sin rotary are another code path "
                    "than deepseek_v2's",
-    "qwen2_moe": "the shared expert's sigmoid gate and the qkv biases",
 }
 """Why a family's MoE block is not sized, where one line says more than its model_type."""
 
@@ -62,20 +62,22 @@ _FAMILY_WHY = {
 def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
     """Why the memory model does not size this MoE model of HF ``model_type`` (None: it does): the
     routed MoE block of Mixtral / Qwen3-MoE in every layer (no shared expert, no biases, RMSNorm, no MLA);
-    DeepSeek-V2's, with its ungated shared experts and latent attention (autotune/memory/mla.py)."""
+    DeepSeek-V2's, with its ungated shared experts and latent attention (autotune/memory/mla.py);
+    Qwen2-MoE's, with its sigmoid-gated shared expert and qkv biases."""
     if not (m.is_moe or m.is_mla):
         return None
     if m.implementation != "hf" or model_type not in SIZED_FAMILIES:
         why = _FAMILY_WHY.get(model_type or "", "")
         return f"{', '.join(SIZED_FAMILIES)} only, not model_type {model_type or 'unknown'}" + (f" ({why})" if why else "")
-    deepseek = model_type == "deepseek_v2"
+    deepseek, qwen2 = model_type == "deepseek_v2", model_type == "qwen2_moe"
     why = [name for name, bad in (
-        ("shared experts", (m.shared_expert_intermediate_size and not deepseek) or m.shared_expert_gate),
+        ("shared experts", (m.shared_expert_intermediate_size and not (deepseek or qwen2))
+         or m.shared_expert_gate != qwen2),
         ("multi-head latent attention", m.is_mla != deepseek),
         ("eager attention", deepseek and m.attn_implementation != "sdpa"),
         ("dense layers among the sparse ones", m.num_dense_layers),
         ("router / expert biases", m.router_bias or m.expert_bias),
-        ("biased linears", m.bias or m.qkv_bias),
+        ("biased linears", m.bias or (m.qkv_bias and not qwen2)),
         ("LayerNorm", m.norm != "rmsnorm"),
         ("attention sinks", m.attention_sinks),
         ("qk-norm over the whole projection (OLMoE's unnormalised top-k)", m.qk_norm == "full"),
@@ -95,6 +97,8 @@ def router_saved_per_token(m: ModelSpec, p: int = 4) -> float:
     copy of the input in 16-bit training (4h), the softmax (E), topk's indices (k), no renormalisation;
     group-limited: the bool mask of ``masked_fill`` (E; the group max / topk nodes die in the forward)."""
     e, k = m.num_experts, m.num_experts_per_tok
+    if not m.router_norm_topk:  # Qwen2-MoE's norm_topk_prob: false (modeling_qwen2_moe.py Qwen2MoeTopKRouter)
+        return 4 * e + 8 * k
     if m.router_fp32:
         return (4 * m.hidden_size if p < 4 else 0) + 4 * e + 8 * k + (e if m.router_group_limited else 0)
     return 4 * e + 8 * k + 4 + 4 * k
@@ -116,6 +120,8 @@ def moe_saved_per_token(m: ModelSpec, p: int) -> float:
     the router's and the routed pairs'."""
     # DeepSeek-V2's shared experts: one gated MLP on the block input (DeepseekV2MLP: gate, up, silu, product)
     shared = 4 * p * m.shared_expert_intermediate_size
+    if m.shared_expert_gate:  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x) keeps both factors
+        shared += p + p * m.hidden_size
     return router_saved_per_token(m, p) + m.num_experts_per_tok * pair_saved(m, p) + shared
 
 
@@ -151,12 +157,32 @@ def moe_backward_transient(m: ModelSpec, p: int, tokens: int) -> float:
     fs = m.shared_expert_intermediate_size
     if not fs:
         return float(max(weights, gate, gate_up))
+    if m.shared_expert_gate:
+        return _qwen2_backward(m, p, tokens, max(weights, gate, gate_up))
     # DeepSeek-V2's shared experts run their backward first (computed last): a dense gated MLP's peak (two
     # f-wide factor gradients, its down weight gradient); then the routed instants with its saved tensors
     # released, its three weight gradients and its input gradient (h, awaiting the routed one) alive
     # (allocation traces of DeepseekV2Moe's backward, torch 2.13 CPU, docs/moe.md)
     shared = 2 * p * fs * tokens + p * fs * h
     return float(max(shared, max(weights, gate, gate_up) - (4 * p * fs - p * h) * tokens + 3 * p * fs * h))
+
+
+def _qwen2_backward(m: ModelSpec, p: int, tokens: int, routed: float) -> float:
+    """Qwen2MoeSparseMoeBlock's backward peak beyond the saved set (bytes per block), from allocation traces
+    (torch 2.13 CPU; the block alone, whose harness adds one h-wide copy of the output gradient that the
+    benchmark's real steps do not have): the gate multiply (both factor gradients, h wide, and the broadcast
+    product before its sum); the routed instants (``routed``) with the shared output's gradient, the gate
+    linear's input and weight gradients alive and the multiply's saved shared output and sigmoid released;
+    then, the routed pairs, router and gate released and every weight gradient and the block input's summed
+    gradient kept, the shared expert's dense backward (it ran first in the forward)."""
+    h, f, e, fs, k, t = m.hidden_size, expert_width(m), m.num_experts, m.shared_expert_intermediate_size, \
+        m.num_experts_per_tok, tokens
+    mul = (2 * p * h + p) * t
+    before = (p * h - p) * t + p * h
+    base = (2 * p * h - router_saved_per_token(m, p) - k * pair_saved(m, p) - p - p * h) * t - moe_fixed_bytes(m, p) \
+        + p * (3 * e * h * f + e * h + h)
+    shared = base + p * fs * h + (2 * p * fs - p * h) * t
+    return float(max(mul, routed + before, shared))
 
 
 def down_weight_elements(m: ModelSpec) -> int:
@@ -168,7 +194,7 @@ def down_weight_elements(m: ModelSpec) -> int:
 def ffn_weight_elements(m: ModelSpec) -> int:
     """Weights of one block's feed-forward (the router and all experts for a MoE)."""
     if m.is_moe:
-        shared = 3 * m.hidden_size * m.shared_expert_intermediate_size
+        shared = 3 * m.hidden_size * m.shared_expert_intermediate_size + (m.hidden_size if m.shared_expert_gate else 0)
         return m.num_experts * m.hidden_size + 3 * m.num_experts * m.hidden_size * expert_width(m) + shared
     return (3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size
 
@@ -177,9 +203,10 @@ def ffn_parameter_order(m: ModelSpec) -> list[int]:
     """A MoE block's feed-forward parameters in ``parameters()`` order: Mixtral registers the router
     before the experts (``MixtralSparseMoeBlock.__init__``: ``self.gate``, ``self.experts``), Qwen3-MoE
     after them (``Qwen3MoeSparseMoeBlock``: ``self.experts``, ``self.gate``), DeepSeek-V2 too and its
-    shared experts last (``DeepseekV2Moe``: experts, gate, shared_experts' gate, up, down); the experts'
+    shared experts last (``DeepseekV2Moe``: experts, gate, shared_experts' gate, up, down); Qwen2-MoE's
+    router first, its shared expert and its gate last (``Qwen2MoeSparseMoeBlock``); the experts'
     3-D ``gate_up_proj`` (E x 2f x h) then ``down_proj`` (E x h x f)."""
     h, f, e, fs = m.hidden_size, expert_width(m), m.num_experts, m.shared_expert_intermediate_size
     experts = [e * 2 * f * h, e * h * f]
-    shared = [fs * h] * 3 if fs else []
+    shared = ([fs * h] * 3 if fs else []) + ([h] if m.shared_expert_gate else [])  # Qwen2-MoE's shared_expert_gate
     return (experts + [e * h] if (m.qk_norm == "head" or m.router_fp32) else [e * h] + experts) + shared

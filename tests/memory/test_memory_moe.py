@@ -24,7 +24,7 @@ from conftest import ROOT
 
 MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
 FILES = sorted(glob.glob(os.path.join(MOE_DIR, "*.json")))
-SIZED = {"mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json"}
+SIZED = {"mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json", "qwen2-57b-a14b.json"}
 
 
 def _bench():
@@ -114,6 +114,23 @@ def test_moe_backward_peak_is_the_traced_one(tmp_path):
     assert moe.moe_backward_transient(big, 2, 16) == 3 * 2 * 8 * 4096 * 14336 - (2 * 2 * 14336 + 8) * 32
 
 
+def test_qwen2_moe_backward_peak_is_the_traced_one(tmp_path):
+    """Qwen1.5-MoE's block (4 experts top-2 of width 176, a 344-wide shared expert behind its sigmoid gate,
+    512 tokens; traced Qwen2MoeSparseMoeBlock backward, torch 2.13 CPU): the routing-weight multiply's
+    instant with the gate's gradients alive, 2,034.5 / 4,085 bytes per token above the saved set in bf16 /
+    fp32 less the h-wide output-gradient copy of the block-alone harness (the real steps lack it: the fp32
+    benchmark rows read +0.77% / +0.62% with it, -0.02% / -0.01% without); its router keeps no renormalisation (norm_topk_prob: false) and its weights in the model dtype."""
+    from autotune.config import hf_config_fields
+    from autotune.spec import ModelSpec
+
+    m = ModelSpec(**hf_config_fields(_bench()._hf_path("hf-qwen2moe", tmp_path)))
+    assert m.shared_expert_gate and not m.router_norm_topk and moe.not_sized(m, "qwen2_moe") is None
+    assert moe.moe_backward_transient(m, 2, 512) == (2034.5 - 2 * 128) * 512
+    assert moe.moe_backward_transient(m, 4, 512) == (4085 - 4 * 128) * 512
+    assert moe.router_saved_per_token(m, 2) == 4 * 4 + 8 * 2 and moe.pair_saved(m, 2) == 24 + 2 * (2 * 128 + 4 * 176) + 2
+    assert moe.ffn_parameter_order(m)[0] == 4 * 128 and moe.ffn_parameter_order(m)[-1] == 128
+
+
 def test_dense_models_unchanged_by_the_moe_hooks():
     """The hooks leave a dense model's terms as they were: the down projection is f x h, the
     feed-forward's weights 3 f h."""
@@ -124,7 +141,7 @@ def test_dense_models_unchanged_by_the_moe_hooks():
     assert moe.ffn_weight_elements(m) == 3 * m.hidden_size * m.intermediate_size
 
 
-@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe"])
+@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe", "hf-qwen2moe"])
 def test_moe_block_saved_tensors_match_transformers(name, tmp_path):
     """One tiny MoE block (4 experts, top-2) of the benchmark: what transformers saves for backward in
     it equals per_block_plain to the byte, bf16."""

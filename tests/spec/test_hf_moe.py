@@ -99,7 +99,8 @@ def _job(write, hf: str) -> str:
     return write(BASE.replace("preset: llama2-7b", f"hf_config: {hf}"))
 
 
-SIZED = ("mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json")  # accepted and sized: tests/memory/test_memory_moe.py
+SIZED = ("mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json",  # accepted and sized:
+         "qwen2-57b-a14b.json")  # tests/memory/test_memory_moe.py
 REFUSED = [f for f in FILES if os.path.basename(f) not in SIZED]
 
 
