@@ -163,7 +163,7 @@ def run_study(
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     screened = screen(cfg, space, headroom, params)
     # What is alive now (the screened candidates: ~10^5 objects) lives as long as the study: frozen, the
-    # cyclic collector stops rescanning it in every collection the trial loop triggers (~0.1 s of a run)
+    # cyclic collector stops rescanning it in every collection the trial loop triggers (docs/accuracy.md)
     gc.freeze()
     try:
         return _study(cfg, space, backend, screened, storage=storage, study_name=study_name, n_trials=n_trials,

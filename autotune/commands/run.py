@@ -51,7 +51,24 @@ def add_parser(sub: Any) -> None:
                      help="with --baseline: tolerated loss of the recommended point's tokens/s (default: 5%%)")
 
 
+def _load_numpy_single_threaded() -> None:
+    """Load numpy (Optuna's and the memory grid's) with one OpenBLAS thread unless the caller chose a number:
+    this process multiplies only small matrices, and OpenBLAS's idle worker threads spin on a core for a
+    while after loading (docs/accuracy.md, "Run speed"). The environment is restored: launched processes
+    (profiling workers) see the caller's."""
+    if "numpy" in sys.modules or "OPENBLAS_NUM_THREADS" in os.environ:
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        del os.environ["OPENBLAS_NUM_THREADS"]
+
+
 def run(args: argparse.Namespace) -> int:
+    _load_numpy_single_threaded()
     from autotune import compare
     from autotune.config import check_backend, load_config
     from autotune.output import config_dirs, recommendation_lines
