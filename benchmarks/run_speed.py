@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line.lstrip("- "))
     print("torch/deepspeed imported:", imported.strip().split("IMPORTED", 1)[-1].strip())
     print(f"load average during the runs: {os.getloadavg()[0]:.2f} (cores: {os.cpu_count()})")
+    if sys.dont_write_bytecode and not sys.pycache_prefix:  # each run compiles autotune/ from source
+        print("bytecode: PYTHONDONTWRITEBYTECODE is set, so every run compiles autotune's modules (an installed "
+              "wheel does not; docs/accuracy.md, Run speed)")
     n, wall, cpu = screen_speed(args.config, args.repeat)
     print(f"screen alone: {n} candidates, median of {args.repeat}: wall {wall:.3f} s ({n / wall:,.0f} candidates/s), "
           f"cpu {cpu:.3f} s ({n / cpu:,.0f} candidates/s)")
