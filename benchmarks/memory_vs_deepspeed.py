@@ -468,6 +468,8 @@ def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
     if ep:  # the busiest rank's dispatch: the largest output of an all-to-all fed tokens x top-k rows
         sent = row["mbs"] * row["seq"] * model.num_experts_per_tok
         out["received_rows"] = max(json.loads(f.read_text()).get(str(sent), 0) for f in d.glob("received_rows.*.json"))
+        # every measured micro-step's dispatch splits (rows per source rank and local expert, forward order), all ranks
+        out["routing_steps"] = [st for f in sorted(d.glob("routing_steps.*.json")) for st in json.loads(f.read_text())]
     return predict(out, workdir)
 
 
@@ -482,27 +484,37 @@ def predict(out: dict, workdir: Path) -> dict:
     out["error"] = (out["predicted"] - out["measured"]) / out["measured"]
     if out.get("received_rows"):  # expert parallelism: also at the measured routing (the mechanism's error)
         out["imbalance_measured"] = out["received_rows"] / (out["mbs"] * out["seq"] * model.num_experts_per_tok)
-        out["predicted_routing"] = _at_routing(out["imbalance_measured"], model, training, hardware, strategy)
+        mean = out["mbs"] * out["seq"] * model.num_experts_per_tok
+        # each micro-step at its routing: its dispatches' mean rows (the blocks' saves are affine in the rows, so
+        # L blocks at the mean keep what the L blocks keep) and each dispatch's own chunk loop; else the bound
+        out["predicted_routing"] = max(
+            (_at_routing(sum(map(sum, st)) / len(st) / mean, model, training, hardware, strategy, st)
+             for st in out.get("routing_steps") or [] if st),
+            default=_at_routing(out["imbalance_measured"], model, training, hardware, strategy))
         out["error_routing"] = (out["predicted_routing"] - out["measured"]) / out["measured"]
     return out
 
 
 def _at_routing(imbalance: float, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
-                strategy: Strategy) -> int:
+                strategy: Strategy, splits: list | None = None) -> int:
     """The peak predicted with ``imbalance`` (a measured step's busiest rank's received rows over the
-    mean) in place of MOE_LOAD_IMBALANCE: memory.expert_parallel.received_rows' default swapped for
-    the call, the activations' cache cleared before and after."""
+    mean) in place of MOE_LOAD_IMBALANCE and, when given, a micro-step's dispatch splits (``splits``,
+    forward order; backward runs them last first) in place of the bound over every split:
+    memory.expert_parallel.received_rows' default and chunk_rows swapped for the call, the
+    activations' cache cleared before and after."""
     import functools
 
     from autotune.memory import activations, expert_parallel
 
-    original = expert_parallel.received_rows
+    original, chunks = expert_parallel.received_rows, expert_parallel.chunk_rows
     expert_parallel.received_rows = functools.partial(original, imbalance=imbalance)
+    if splits:
+        expert_parallel.chunk_rows = lambda m, tokens, ep: tuple(tuple(reversed(c)) for c in splits)
     activations._breakdown.cache_clear()
     try:
         return estimate_memory(model, training, hardware, strategy, device="cpu").gpu["peak"]
     finally:
-        expert_parallel.received_rows = original
+        expert_parallel.received_rows, expert_parallel.chunk_rows = original, chunks
         activations._breakdown.cache_clear()
 
 

@@ -296,7 +296,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
 
 
 _U = ("n", "p", "r", "per_block", "root", "on_gpu", "u_root", "u_block", "flat", "cast_in", "grad_block", "all_grads",
-      "mlp_params", "rs_unit")
+      "mlp_params", "rs_unit", "rs_mlp", "rs_own")
 _u_fields = attrgetter(*_U)
 
 
@@ -361,15 +361,17 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     for i, valid in _points(a["num_checkpointed"], L, extra):
         done_blocks, saved, mlp, attention, frame = _block_point(a, i, other_saved, L, attention_gran)
         done = on_gpu * done_blocks * u["grad_block"]
-        rs_prev = np.where(done_blocks != 0, rs_block, 0.0)
+        rs_prev = np.where(done_blocks != 0, ur * u["rs_mlp"], 0.0)
         gathered = u_root + u_block * np.where(reshard, 1, i + 1) + np.where(reshard & (i > 0), flat, 0.0)
         pre = saved - np.where(frame != 0, a["per_block_plain"] - a["per_block_checkpointed"] + frame, 0.0)
         add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + flat,
             valid=valid & reshard & (i > 0) & (flat != 0) & (device == "cpu"))  # fsdp2: gloo's all-gather copy
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev, valid=valid)
         add("backward", sharded=done, unsharded=head_grad + up * u["mlp_params"],
-            activations=saved - a["mlp_saved_per_block"], buffers=gathered + rs_prev, valid=valid)
-        add("backward", sharded=done, unsharded=head_grad + u_block, activations=attention, buffers=gathered + rs_prev,
+            activations=saved - a["mlp_saved_per_block"], buffers=gathered + np.maximum(rs_prev, ur * u["rs_own"]),
+            valid=valid)
+        add("backward", sharded=done, unsharded=head_grad + u_block, activations=attention,
+            buffers=gathered + np.where(u["rs_own"] != 0, ur * u["rs_own"], rs_prev),
             valid=valid & (a["attention_backward_transient"] - a["mlp_saved_per_block"] > 0))
         after = saved - a["per_block_plain"] - frame
         add("backward", sharded=done, unsharded=head_grad + u_block, activations=after, buffers=gathered + rs_block,

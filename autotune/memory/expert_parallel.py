@@ -72,35 +72,75 @@ def ep_saved(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
     return float(sent * (24 + 2 * p * h + p) + rows * p * (h + 4 * f) - sent * pair_saved(m, p))
 
 
+def chunk_rows(m: ModelSpec, tokens: int, ep: int) -> tuple[tuple[int, ...], ...] | None:
+    """The rows of each (source rank, local expert) chunk a rank receives, in the order backward runs
+    them (the last created first), one tuple per dispatch; None: the routing is unknown, and
+    ``ep_backward_transient`` bounds every split of ``received_rows``. The analytical model never
+    knows the routing (memory_vs_deepspeed.py fills this in with a measured step's splits)."""
+    return None
+
+
+def _chunk_instants(m: ModelSpec, p: int, ep: int, sent: int, rows: int, n: int, before: int, later: bool) -> float:
+    """The largest instant of one chunk's backward (``n`` rows, ``before`` rows of the chunks run before
+    it, whose four saved f-wide rows are gone; ``later``: not the first chunk run, so the received rows'
+    gradient buffer and both weight buffers exist), beyond the block's saved tensors, the combine's
+    saves released. Always live: the cat's gradient (the combine all-to-all backward's R x h output)
+    and that all-to-all's S x h input (gloo's work holds it; the allocation trace frees it from
+    another thread during the second chunk). In order (torch 2.13, derivatives.yaml mm / select /
+    slice, FunctionsManual.cpp ``select_backward``, input_buffer.cpp ``accumulate``):
+    * down's weight gradient (h f) and input gradient (n f), then SelectBackward0's zeros (El h f,
+      the first chunk's kept as the down buffer, a later one's added into it and freed);
+    * the gated product's backward (its saved product released by down's backward): two n x f
+      gradients next to down's input gradient;
+    * gate_up's weight gradient (2 f h) and input gradient (n h), the chunk's saves released, then
+      SelectBackward0's zeros (2 El h f; the first kept as the gate_up buffer);
+    * SliceBackward0's zeros (R x h; the first kept as the received rows' gradient buffer) beside the
+      chunk's input gradient."""
+    h, f, local = m.hidden_size, expert_width(m), m.num_experts // ep
+    w = p * local * h * f  # one local-experts weight of h x f (down; gate_up is two)
+    live = p * h * rows + p * h * sent - (2 * sent * p * h + sent * p) - 4 * p * f * before
+    buffers = p * h * rows + 3 * w if later else 0
+    down = live + buffers + p * h * f + p * f * n + w
+    product = live + (buffers if later else w) + 2 * p * f * n
+    gate_up = live + (buffers if later else w) + p * h * n + 2 * p * f * h + 2 * w - 4 * p * f * n
+    slice_ = live + (buffers if later else 3 * w) + p * h * n + p * h * rows - 4 * p * f * n
+    return float(max(down, product, gate_up, slice_))
+
+
+def _chunk_loop(m: ModelSpec, p: int, ep: int, sent: int, chunks: tuple[int, ...]) -> float:
+    """The chunk loop's peak for one dispatch's chunks (rows each, in backward order)."""
+    rows, before, out = sum(chunks), 0, 0.0
+    for j, n in enumerate(chunks):
+        out = max(out, _chunk_instants(m, p, ep, sent, rows, n, before, j > 0))
+        before += n
+    return out
+
+
 def ep_backward_transient(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
     """The experts' backward peak beyond the block's saved tensors under EP (bytes per block), the
-    largest of these instants of expert_parallel.py ``forward``'s backward (S sent rows, R received,
-    El = E / ep local experts, c the E chunks of (source rank, local expert), last created first):
+    largest of these instants of expert_parallel.py ``forward``'s backward (S sent rows, R received):
     * the combine's multiply (MulBackward0): ``index_add``'s source gradient (index_select, S x h,
       its saved source released), the combined rows' gradient and the weights' product before its
       sum (S x h each);
     * the combine's all-to-all backward (``_AlltoAllSingle.backward``: an R x h output), the
       multiply's saved rows and weights and the index_add's source released;
-    * the gate_up weight gradient of the second chunk processed: each chunk's weight is ``W[e]``
-      (SelectBackward0: zeros of the whole E_l-expert tensor, torch/csrc/autograd/FunctionsManual.cpp
-      ``select_backward``), summed in autograd's input buffer (input_buffer.cpp ``accumulate``: the
-      first kept, later ones added): the down (El h f) and gate_up (2 El h f) buffers, the new gate_up
-      zeros (2 El h f), the mm's 2f x h weight gradient, next to the cat's gradient (R x h, its views
-      alive until every chunk's down backward) and the received rows' gradient buffer (SliceBackward0:
-      zeros of R x h per chunk, the first kept); the chunks' released saves are not subtracted (their
-      sizes depend on the routing) and a chunk's input gradient (n x h) is at most its released 4f
-      per row (h <= 4f), so this bounds every later chunk too;
-    * the second chunk's slice backward: a third R x h (its zeros) beside the two, the weights' buffers.
-    From torch 2.13's autograd engine order (a higher sequence number first: chunk by chunk)."""
-    h, f = m.hidden_size, expert_width(m)
-    local = m.num_experts // ep
+    * the chunk loop (``_chunk_instants``), chunk by chunk from the last created (torch 2.13's engine
+      runs a higher sequence number first). Each instant is affine in a chunk's rows n and the rows
+      run before it (n <= T = min(R, tokens): top-k picks distinct experts; n + before <= R), so with
+      the routing unknown (``chunk_rows`` None) the vertices bound every split: the first chunk with
+      0 or T rows, a later one at (0, 0), (T, 0), (0, R) or (T, R - T); given the measured splits,
+      their exact loop."""
+    h = m.hidden_size
     sent, rows = tokens * m.num_experts_per_tok, received_rows(m, tokens, ep)
     released = 2 * sent * p * h + sent * p  # the weighted rows, the combine multiply's saved rows and weights
     w = _routing_weight_bytes(m, p)
     combine = 2 * p * h * sent + max(w, 4) * sent
     exchange = p * h * rows + p * h * sent - released
-    spare = max(0, rows * (h - 4 * f)) * p  # a chunk's input gradient beyond its released saves (none if h <= 4f)
-    weights = p * (5 * local * h * f + 2 * f * h) + 2 * p * h * rows - released + spare
-    second_slice = p * 3 * local * h * f + 3 * p * h * rows - released + spare
-    return float(max(combine, exchange, weights, second_slice))
-
+    splits = chunk_rows(m, tokens, ep)
+    if splits is None:
+        top = min(rows, tokens)  # a chunk: one source rank's rows for one expert, at most one per token
+        loop = max(_chunk_instants(m, p, ep, sent, rows, n, b, later) for n, b, later in (
+            (0, 0, False), (top, 0, False), (0, 0, True), (top, 0, True), (0, rows, True), (top, rows - top, True)))
+    else:
+        loop = max(_chunk_loop(m, p, ep, sent, tuple(c)) for c in splits)
+    return float(max(combine, exchange, loop))

@@ -78,6 +78,12 @@ class _Units(NamedTuple):
     rs_unit: int
     """Parameters of a block's largest unit (its reduce-scatter input): the block, or with expert
     parallelism the larger of its dense part and its experts unit."""
+    rs_mlp: int
+    """Parameters of the unit whose reduce-scatter input is live during a block's MLP backward (the unit
+    before it in backward order): the later block, or with expert parallelism its dense unit."""
+    rs_own: int
+    """With expert parallelism, the block's experts unit, whose reduce-scatter input is live during the
+    block's attention backward (its post-backward came first); 0 without (then as the MLP's)."""
 
 
 def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
@@ -90,7 +96,8 @@ def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
                u_root=p * root, u_block=p * per_block,
                flat=p * per_block if n > 1 else 0.0, cast_in=p * per_block / n if p < 4 else 0.0,
                grad_block=on_gpu * 4 * per_block / n, all_grads=on_gpu * 4 * m.num_parameters / n,
-               mlp_params=ffn_weight_elements(m), rs_unit=per_block)  # a MoE's: its router and every expert (moe.py)
+               mlp_params=ffn_weight_elements(m), rs_unit=per_block,
+               rs_mlp=per_block, rs_own=0)  # a MoE's: its router and every expert (moe.py)
     if s.expert_parallel_size <= 1 or not m.is_moe:
         return u
     # expert parallelism: the block's dense unit (n ranks) and its experts unit (E / ep experts over
@@ -101,7 +108,11 @@ def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
     return u._replace(u_block=p * (e.dense + e.local),
                       flat=p * max(e.dense if n > 1 else 0, e.local if e.mod_ep > 1 else 0),
                       cast_in=p * max(e.dense / n, e.local / e.mod_ep) if p < 4 else 0.0,
-                      mlp_params=u.mlp_params - block_expert_elements(m) + e.local, rs_unit=max(e.dense, e.local))
+                      mlp_params=u.mlp_params - block_expert_elements(m) + e.local, rs_unit=max(e.dense, e.local),
+                      # the backward's units: layers.i, its experts, layers.i-1, ... (FSDP2 runs and prefetches
+                      # them in reverse post-forward order, _fsdp_state.py _pre_backward; one reduce-scatter
+                      # input kept until the next post-backward, _fsdp_param_group.py post_backward)
+                      rs_mlp=e.dense, rs_own=e.local)
 
 
 def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,
@@ -202,7 +213,7 @@ def _blocks_backward(add: Callable[..., None], u: _Units, act: ActivationBreakdo
     # (up to the second-last) break the linearity in the block index: both ends of that run too
     for pt in backward_blocks(act, s, L, other_saved, (1, L - 2)):
         done = u.on_gpu * pt.done * u.grad_block
-        rs_prev = u.r * u.rs_unit if pt.done else 0.0  # the previous unit's reduce-scatter input
+        rs_prev = u.r * u.rs_mlp if pt.done else 0.0  # the previous unit's reduce-scatter input
         # gathered: the root, this block (all blocks up to it without resharding) and, resharded,
         # the next block's all-gather prefetched during this one's backward
         gathered = u.u_root + u.u_block * (1 if reshard else pt.block + 1) \
@@ -218,11 +229,12 @@ def _blocks_backward(add: Callable[..., None], u: _Units, act: ActivationBreakdo
         # gradients come after the multiply's backward has released its f-wide gradients
         add("backward", sharded=done, unsharded=head_grad, activations=pt.mlp, buffers=gathered + rs_prev)
         # the MLP done: all its weight gradients, its saved tensors released
+        # (with expert parallelism the experts' post-backward: their reduce-scatter input replaces the other)
         add("backward", sharded=done, unsharded=head_grad + u.p * u.mlp_params,
-            activations=pt.saved - act.mlp_saved_per_block, buffers=gathered + rs_prev)
+            activations=pt.saved - act.mlp_saved_per_block, buffers=gathered + max(rs_prev, u.r * u.rs_own))
         if pt.attention is not None:
             add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=pt.attention,
-                buffers=gathered + rs_prev)
+                buffers=gathered + (u.r * u.rs_own if u.rs_own else rs_prev))
         # post-backward (the block's activations gone, the previous reduce-scatter input released):
         # its gradients copied into a new reduce-scatter input, then freed before the reduce output
         # (the new shard) is allocated; accumulating, that output is added into the existing shard

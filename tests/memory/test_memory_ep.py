@@ -12,7 +12,8 @@ import pytest
 from autotune.config import load_config
 from autotune.memory import PREDICTION_MARGIN, activation_breakdown, estimate_memory
 from autotune.memory import moe
-from autotune.memory.expert_parallel import block_expert_elements, ep_saved, ep_units, received_rows
+from autotune.memory import expert_parallel
+from autotune.memory.expert_parallel import block_expert_elements, ep_backward_transient, ep_saved, ep_units, received_rows
 from autotune.memory.fsdp2 import _units
 from autotune.spec import TrainingSpec
 from autotune.strategy import Strategy, validation_errors
@@ -83,6 +84,42 @@ def test_ep_units_and_shards():
     # the busiest rank's rows: the stated factor x the mean, at most every row that can reach it
     assert received_rows(m, 1000, 8) == -(-1.45 * 8000 // 1)
     assert received_rows(m, 1000, 1) == 8000  # one rank receives its own rows, no more
+
+
+def test_ep_chunk_loop_bound_covers_every_split(monkeypatch):
+    """With the routing unknown, the backward's chunk loop is bounded at the vertices of (a chunk's rows,
+    the rows run before it): no split of the received rows into the E chunks (each at most one row per
+    token, backward order) exceeds it, and splits that put a vertex's rows first or last reach it."""
+    import random
+
+    m = load_config(QWEN).model
+    rng = random.Random(0)
+
+    def fill(head, rest, tail, tokens):  # head chunks, the rest's rows in <= tokens chunks, tail chunks
+        middle = []
+        while len(middle) < m.num_experts - len(head) - len(tail):
+            middle.append(min(tokens, rest))
+            rest -= middle[-1]
+        assert rest == 0
+        return tuple(head) + tuple(middle) + tuple(tail)
+
+    def at(split, p, tokens, ep):
+        monkeypatch.setattr(expert_parallel, "chunk_rows", lambda *_: (split,))
+        got = ep_backward_transient(m, p, tokens, ep)
+        monkeypatch.undo()
+        return got
+
+    for p, tokens, ep in ((2, 1024, 2), (4, 512, 8), (2, 64, 4)):
+        rows = received_rows(m, tokens, ep)
+        bound, top = ep_backward_transient(m, p, tokens, ep), min(rows, tokens)
+        for skew in (0.0, 1.0, 4.0, 50.0):
+            for _ in range(5):
+                weights = [rng.random() ** skew for _ in range(m.num_experts)]
+                split = [min(tokens, int(rows * w / sum(weights))) for w in weights]
+                assert at(tuple(split), p, tokens, ep) <= bound
+        vertices = [fill((0,), rows, (), tokens), fill((top,), rows - top, (), tokens), fill((0, 0), rows, (), tokens),
+                    fill((0, top), rows - top, (), tokens), fill((), rows, (0,), tokens), fill((), rows - top, (top,), tokens)]
+        assert max(at(v, p, tokens, ep) for v in vertices) == bound
 
 
 def test_ep_rules_and_default_space_points_survive():
