@@ -51,6 +51,7 @@ torch, transformers and deepspeed are imported inside the functions.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from typing import Any, Iterator, Optional
 
@@ -244,19 +245,21 @@ def causal_lm_loss(model: Any, batch: dict, mpu: Any = None, tiled: bool = False
     ``engine.backward`` and a ``(loss / GAS).backward()`` loop: 1 / GAS). The tiled head's backward
     runs inside the forward, so it is given that gradient up front and the loss passes the
     gradient 1 on to the tiles: the head's gradient then matches the untiled one under gradient
-    accumulation too (DeepSpeed's own TiledFusedLogitsLoss use misses the 1 / GAS)."""
-
+    accumulation too (DeepSpeed's own TiledFusedLogitsLoss use misses the 1 / GAS). HF Trainer's
+    ``num_items_in_batch`` (the accumulation's tokens) makes the loss sum / it with gradient 1
+    (trainer.py ``training_step`` then skips its / GAS), as HF's ForCausalLMLoss."""
     kwargs = dict(batch)
     labels, shift = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
-    kwargs.pop("num_items_in_batch", None)
+    items = kwargs.pop("num_items_in_batch", None)
+    loss_gradient = 1.0 if items is not None else loss_gradient
     kwargs["use_cache"] = False
     out = model.base_model(**kwargs)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     y = _shifted(labels, shift)
     good = (y != -100).sum()
-    denominator = good.clone()
+    denominator = good.clone() if items is None else good.new_zeros(()) + items
     sp = sp_world_size(mpu)
-    if sp > 1:
+    if sp > 1 and items is None:
         import torch.distributed as dist
 
         dist.all_reduce(denominator, group=mpu.get_sequence_parallel_group())
@@ -291,8 +294,7 @@ def use_long_context_loss(model: Any, mpu: Any = None, tiled: bool = False, shar
     then the tiled and/or sequence-parallel loss, so ``engine(**batch)`` keeps DeepSpeed's own
     forward around it. ``zero_stage``: the DeepSpeed ZeRO stage the model trains under (3 scales
     the Ulysses gradient seed, ``causal_lm_loss``); ``gradient_accumulation_steps``: the loss is
-    back-propagated with 1 / this (DeepSpeed's engine.backward, FSDP2's (loss / GAS).backward()).
-    Returns the model."""
+    back-propagated with 1 / this (DeepSpeed's engine.backward, FSDP2's (loss / GAS).backward())."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     scale = float(sp_world_size(mpu)) if int(zero_stage) == 3 else 1.0
@@ -302,6 +304,11 @@ def use_long_context_loss(model: Any, mpu: Any = None, tiled: bool = False, shar
                                       loss_gradient=1.0 / max(1, int(gradient_accumulation_steps)))
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
+    # the model's signature (self prepended: a bound method drops it), so HF Trainer keeps the batch's
+    # columns and passes num_items_in_batch (trainer.py _remove_unused_columns, model_accepts_loss_kwargs)
+    sig = inspect.signature(model.forward)
+    forward.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *sig.parameters.values()])
     model.forward = types.MethodType(forward, model)
     return model
 

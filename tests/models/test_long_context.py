@@ -85,6 +85,41 @@ def test_tiled_head_is_told_the_loss_gradient_of_gradient_accumulation():
         assert head_ok is ok
 
 
+@pytest.mark.parametrize("tiled", [True, False])
+def test_hf_trainer_with_the_long_context_loss_takes_the_plain_models_step(tmp_path, tiled):
+    """HF Trainer over GAS 2 micro-batches with uneven label counts: Trainer passes num_items_in_batch
+    and does not divide by GAS (trainer.py training_step), the plain model returns sum / num_items;
+    the long-context loss honours it and keeps the model's signature (else Trainer drops the batch's
+    columns), so one SGD step equals the plain model's."""
+    from transformers import Trainer, TrainingArguments
+
+    model = _llama()
+    g = torch.Generator().manual_seed(3)
+    data = []
+    for i in range(2):
+        ids = torch.randint(0, 256, (32,), generator=g)
+        labels = ids.clone()
+        labels[: 3 + 9 * i] = -100  # 28 and 19 counted tokens: a mean of means is not the token mean
+        data.append({"input_ids": ids, "labels": labels})
+
+    def step(m):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                                 max_steps=1, learning_rate=0.5, optim="sgd", max_grad_norm=0.0, report_to=[],
+                                 use_cpu=True, save_strategy="no", logging_strategy="no", lr_scheduler_type="constant")
+        trainer = Trainer(model=m, args=args, train_dataset=data)
+        trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(data)  # the same order
+        trainer.train()
+        return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = step(copy.deepcopy(model))
+    m = copy.deepcopy(model)
+    lc.use_long_context_loss(m, tiled=tiled, shards=3, gradient_accumulation_steps=2)
+    got = step(m)
+    assert (want["lm_head.weight"] - start["lm_head.weight"]).abs().max() > 0
+    _assert_same({n: got[n] - start[n] for n in got}, {n: want[n] - start[n] for n in want}, rtol=1e-4, atol=1e-7)
+
+
 def test_tiled_tied_head_gives_the_untiled_gradients():
     model = _llama(tied=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
