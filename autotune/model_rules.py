@@ -24,19 +24,23 @@ def int_tuple(low: int, high: int) -> Checker:
     return check
 
 
-def _model_type(hf_path: Optional[str]) -> Optional[str]:
-    """The config.json's model_type (its text_config's when nested); None without a file."""
+def _text_config(hf_path: Optional[str]) -> dict:
+    """The config.json (its text_config when nested); {} without a readable file."""
     if not hf_path:
-        return None
+        return {}
     import json
 
     try:
         with open(hf_path) as f:
             cfg = json.load(f)
     except (OSError, ValueError):
-        return None
-    return cfg.get("model_type") if "num_hidden_layers" in cfg or "text_config" not in cfg else (
-        cfg["text_config"].get("model_type"))
+        return {}
+    return cfg if "num_hidden_layers" in cfg or "text_config" not in cfg else cfg["text_config"]
+
+
+def _model_type(hf_path: Optional[str]) -> Optional[str]:
+    """The config.json's model_type (its text_config's when nested); None without a file."""
+    return _text_config(hf_path).get("model_type")
 
 
 def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
@@ -54,6 +58,11 @@ def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
         parts.append(f"mixture-of-experts ({spec.num_experts} experts, top-{spec.num_experts_per_tok})")
     if spec.is_mla and why:
         parts.append(f"multi-head latent attention (kv_lora_rank {spec.kv_lora_rank})")
+    if spec.is_moe and not parts and _text_config(hf_path).get("output_router_logits"):
+        # the model then keeps every layer's router logits for load_balancing_loss_func (modeling_mixtral.py)
+        raise ConfigError(f"{hf_path}: output_router_logits: true adds the auxiliary load-balancing loss, whose "
+                          "tensors (every layer's router logits, kept to the loss) are not sized; set it false",
+                          path="model.hf_config")
     if parts:
         where = f"{hf_path}: " if hf_path else ""
         raise ConfigError(f"{where}{' with '.join(parts)} is described exactly ({spec.num_parameters:,} parameters) "

@@ -124,6 +124,18 @@ def test_refused_in_one_line_with_the_exact_count(path, light, write, capsys, mo
     assert ("multi-head latent attention" in err[0]) == ("deepseek" in path)
 
 
+@pytest.mark.parametrize("name", SIZED)
+def test_the_auxiliary_loss_is_refused_not_left_out(name, tmp_path, write, capsys):
+    """output_router_logits: true makes the model keep every layer's router logits for its
+    load-balancing loss, which the memory model does not size: one line, exit 2; false is sized."""
+    raw = json.load(open(os.path.join(MOE_DIR, name)))
+    for value, code in ((True, 2), (False, 0)):
+        (tmp_path / "config.json").write_text(json.dumps({**raw, "output_router_logits": value}))
+        assert main(["estimate", _job(write, str(tmp_path / "config.json"))]) == code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (code == 0 and not err) or (len(err) == 1 and "output_router_logits: true" in err[0]), err
+
+
 def test_explicit_expert_fields_are_refused_too(write):
     with pytest.raises(ConfigError, match="activations are not modelled") as err:
         load_config(write(BASE.replace("preset: llama2-7b", "preset: llama2-7b, num_experts: 8, num_experts_per_tok: 2")))
