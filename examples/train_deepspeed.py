@@ -25,8 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
+
+from autotune.worker.dist_env import one_process_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,16 +39,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                     help="set by the deepspeed launcher")
     return ap.parse_args(argv)
-
-
-def one_process_env() -> None:
-    """torchrun's variables for a plain ``python`` run: a 1-process group on a free local port."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
+
+from autotune.worker.dist_env import one_process_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,17 +34,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fsdp2", required=True, help="the front point's FSDP2 layout (fsdp2_configs/<k>.json)")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps to run (default 2)")
     return ap.parse_args(argv)
-
-
-def one_process_env() -> None:
-    """torchrun's variables for a plain ``python`` run: a 1-process group on a free local port."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
 
 
 def long_context_strategy(layout: dict):

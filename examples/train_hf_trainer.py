@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+
+from autotune.worker.dist_env import one_process_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,17 +30,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-steps", type=int, default=20)
     ap.add_argument("--output-dir", default="hf_trainer_out")
     return ap.parse_args(argv)
-
-
-def one_process_env() -> None:
-    """torchrun's variables for a plain ``python`` run (DeepSpeed otherwise looks for MPI): a
-    1-process group on a free local port."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def main(argv: list[str] | None = None) -> int:

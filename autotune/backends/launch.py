@@ -35,7 +35,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from autotune.backends.logs import last_error_line
+from autotune.worker.dist_env import free_port  # noqa: F401  (re-exported: the tests launch with it)
 
 LAUNCH_ENV = "AUTOTUNE_LAUNCH_ID"
 MEMORY_ENV = "AUTOTUNE_WORKER_RLIMIT_AS"
@@ -143,12 +143,6 @@ def failure_of(res: LaunchResult) -> Optional[tuple[str, str]]:
 
 
 # ---------------------------------------------------------------- commands
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_command(launcher: str, nproc: int, job_path: str, *, num_nodes: int = 1,

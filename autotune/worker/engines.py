@@ -8,18 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from autotune.worker.cpu_memory import CpuMemoryProbe
+from autotune.worker.dist_env import free_port
 from autotune.worker.protocol import WorkerJob
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def process_groups(engine: Any) -> list:
