@@ -121,4 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from autotune.errors import ConfigError
+
+    try:
+        sys.exit(main())
+    except (OSError, ConfigError, json.JSONDecodeError) as err:  # a file named on the command line: one line
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
