@@ -176,8 +176,8 @@ def test_the_meter_writes_a_worker_result_and_stops(tmp_path):
 
 
 @pytest.mark.slow
-# one trial through HF Trainer + DeepSpeed (its launches are the suite's slowest), two through Lightning
-@pytest.mark.parametrize("example,engine,trials", [("hf-trainer-script", "deepspeed", 1), ("lightning-script", "fsdp2", 2)])
+# each example as the README runs it (--trials 2)
+@pytest.mark.parametrize("example,engine,trials", [("hf-trainer-script", "deepspeed", 2), ("lightning-script", "fsdp2", 2)])
 def test_the_example_scripts_are_profiled_for_real(tmp_path, example, engine, trials):
     proc = subprocess.run([sys.executable, "-m", "autotune", "run", str(ROOT / "examples" / f"{example}.yaml"),
                            "--trials", str(trials), "--out", str(tmp_path), "--name", "r"], capture_output=True,
