@@ -18,15 +18,11 @@ from autotune.memory.fsdp2 import _units
 from autotune.spec import TrainingSpec
 from autotune.strategy import Strategy, validation_errors
 from conftest import ROOT
+from test_memory_moe import _bench, tiny_hf_model  # the benchmark module, its tiny HF models: one definition
 
 QWEN = str(Path(ROOT) / "examples" / "qwen3-30b-a3b.yaml")
 
 
-def _bench():
-    sys.path.insert(0, str(Path(ROOT) / "benchmarks"))
-    import memory_vs_deepspeed
-
-    return memory_vs_deepspeed
 
 
 @pytest.mark.parametrize("name, precision", [("hf-mixtral", "bf16"), ("hf-qwen3moe", "bf16"), ("hf-mixtral", "fp32")])
@@ -35,23 +31,13 @@ def test_ep_block_saved_tensors_match_the_experts_path(name, precision, tmp_path
     row stays, so R = S): what autograd saves equals the grouped block's bytes plus ep_saved's
     difference, to the byte (the sent rows' indices, combined rows and weights; the received rows'
     input, gate_up output, silu output and product; no grouped offsets)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    spec, model = tiny_hf_model(name, tmp_path, precision)
     import torch.distributed as dist
 
     sys.path.insert(0, str(Path(ROOT) / "tests"))
     from memory.test_memory_hf_blocks import _saved_bytes_of_block
-    from autotune.config import hf_config_fields
     from autotune.models.expert_parallel import expert_parallel, experts_modules
-    from autotune.spec import ModelSpec
 
-    path = _bench()._hf_path(name, tmp_path)
-    spec = ModelSpec(**hf_config_fields(path))
-    cfg = transformers.AutoConfig.from_pretrained(path)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for experts in experts_modules(model):

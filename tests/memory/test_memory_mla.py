@@ -5,9 +5,7 @@ line, and the screen's numpy walk on a DeepSeek-V2 job."""
 
 import json
 import os
-import sys
 import weakref
-from pathlib import Path
 
 import pytest
 
@@ -18,18 +16,10 @@ from autotune.memory.states import parameter_order
 from autotune.spec import ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, validate
 from conftest import ROOT
+from test_memory_moe import _bench, _job, assert_screen_equals_estimate  # one definition each
 
 MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
 LITE = os.path.join(MOE_DIR, "deepseek-v2-lite.json")
-
-
-def _bench():
-    sys.path.insert(0, str(Path(ROOT) / "benchmarks"))
-    try:
-        import memory_vs_deepspeed as bench
-    finally:
-        sys.path.pop(0)
-    return bench
 
 
 def _variant(tmp_path, **changes) -> str:
@@ -39,13 +29,6 @@ def _variant(tmp_path, **changes) -> str:
     path = tmp_path / "deepseek.json"
     path.write_text(json.dumps(cfg))
     return str(path)
-
-
-def _job(tmp_path, path: str) -> str:
-    job = tmp_path / "job.yaml"
-    job.write_text(f"model: {{hf_config: {path}}}\ntraining: {{seq_len: 4096, global_batch_size: 64}}\n"
-                   "hardware: {gpu: h100-80gb, gpus_per_node: 8}\n")
-    return str(job)
 
 
 def _alive_saved_bytes_of_block(model, index: int, batch: int, seq: int, vocab: int) -> int:
@@ -146,18 +129,4 @@ def test_deepseek_layouts_sized_or_refused_in_one_line(tmp_path):
 def test_screen_grid_equals_estimate_memory_on_deepseek_v2(tmp_path):
     """The screen's numpy walk (autotune/memory/_fast.py) gives a DeepSeek-V2 candidate the verdict and
     bytes estimate_memory gives it (the engines space on 8 H100s, CUDA and CPU)."""
-    from autotune.memory import _fast
-    from autotune.space import load_space
-
-    cfg = load_config(_job(tmp_path, _variant(tmp_path, first_k_dense_replace=0)))
-    m, tr, hw = cfg.model, cfg.training, cfg.hardware
-    pool = list(load_space("engines", precision=tr.precision).candidates(m))
-    computed = 0
-    for device in ("cuda", "cpu"):
-        for s, v in zip(pool, _fast.verdicts(m, tr, hw, pool, headroom=0.05, device=device)):
-            if v is None or validate(s, m, tr, hw):
-                continue
-            est = estimate_memory(m, tr, hw, s, headroom=0.05, device=device)
-            assert v == (est.fits, est.total_gpu_bytes), s
-            computed += 1
-    assert computed > 50
+    assert_screen_equals_estimate(load_config(_job(tmp_path, _variant(tmp_path, first_k_dense_replace=0))))

@@ -36,6 +36,41 @@ def _bench():
     return bench
 
 
+def tiny_hf_model(name: str, tmp_path, precision: str = "bf16") -> tuple:
+    """(ModelSpec, transformers model) of the memory benchmark's tiny HF family ``name`` (sdpa, seed 0)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from autotune.config import hf_config_fields
+    from autotune.spec import ModelSpec
+
+    path = _bench()._hf_path(name, tmp_path)
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return ModelSpec(**hf_config_fields(path)), transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
+def assert_screen_equals_estimate(cfg) -> None:
+    """The screen's numpy walk (autotune/memory/_fast.py) gives every valid candidate of the engines space
+    the verdict and bytes estimate_memory gives it, on CUDA and CPU (more than 50 compared)."""
+    from autotune.memory import _fast
+    from autotune.space import load_space
+    from autotune.strategy import validate
+
+    m, tr, hw = cfg.model, cfg.training, cfg.hardware
+    pool = list(load_space("engines", precision=tr.precision).candidates(m))
+    computed = 0
+    for device in ("cuda", "cpu"):
+        for s, v in zip(pool, _fast.verdicts(m, tr, hw, pool, headroom=0.05, device=device)):
+            if v is None or validate(s, m, tr, hw):
+                continue
+            est = estimate_memory(m, tr, hw, s, headroom=0.05, device=device)
+            assert v == (est.fits, est.total_gpu_bytes), s
+            computed += 1
+    assert computed > 50
+
+
 def _job(tmp_path, path: str) -> str:
     job = tmp_path / "job.yaml"
     job.write_text(f"model: {{hf_config: {path}}}\ntraining: {{seq_len: 4096, global_batch_size: 64}}\n"
@@ -145,19 +180,10 @@ def test_dense_models_unchanged_by_the_moe_hooks():
 def test_moe_block_saved_tensors_match_transformers(name, tmp_path):
     """One tiny MoE block (4 experts, top-2) of the benchmark: what transformers saves for backward in
     it equals per_block_plain to the byte, bf16."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    spec, model = tiny_hf_model(name, tmp_path)
     sys.path.insert(0, str(Path(ROOT) / "tests"))
     from memory.test_memory_hf_blocks import _saved_bytes_of_block
-    from autotune.config import hf_config_fields
-    from autotune.spec import ModelSpec
 
-    path = _bench()._hf_path(name, tmp_path)
-    spec = ModelSpec(**hf_config_fields(path))
-    cfg = transformers.AutoConfig.from_pretrained(path)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     got = _saved_bytes_of_block(model, model.model.layers, 1, 2, 128, spec.vocab_size)
     act = activation_breakdown(spec, TrainingSpec(seq_len=128, global_batch_size=2, precision="bf16"),
                                Strategy(micro_batch_size=2, precision="bf16"), device="cpu")
@@ -185,19 +211,4 @@ def test_stored_moe_rows_within_the_prediction_margin(tmp_path):
 def test_screen_grid_equals_estimate_memory_on_moe(name, tmp_path):
     """The screen's numpy walk (autotune/memory/_fast.py) gives a MoE candidate the verdict and bytes
     estimate_memory gives it (the engines space on 8 H100s, CUDA and CPU)."""
-    from autotune.memory import _fast
-    from autotune.space import load_space
-    from autotune.strategy import validate
-
-    cfg = load_config(_job(tmp_path, os.path.join(MOE_DIR, name)))
-    m, tr, hw = cfg.model, cfg.training, cfg.hardware
-    pool = list(load_space("engines", precision=tr.precision).candidates(m))
-    computed = 0
-    for device in ("cuda", "cpu"):
-        for s, v in zip(pool, _fast.verdicts(m, tr, hw, pool, headroom=0.05, device=device)):
-            if v is None or validate(s, m, tr, hw):
-                continue
-            est = estimate_memory(m, tr, hw, s, headroom=0.05, device=device)
-            assert v == (est.fits, est.total_gpu_bytes), s
-            computed += 1
-    assert computed > 50
+    assert_screen_equals_estimate(load_config(_job(tmp_path, os.path.join(MOE_DIR, name))))
