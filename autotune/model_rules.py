@@ -38,11 +38,6 @@ def _text_config(hf_path: Optional[str]) -> dict:
     return cfg if "num_hidden_layers" in cfg or "text_config" not in cfg else cfg["text_config"]
 
 
-def _model_type(hf_path: Optional[str]) -> Optional[str]:
-    """The config.json's model_type (its text_config's when nested); None without a file."""
-    return _text_config(hf_path).get("model_type")
-
-
 def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
     """A mixture-of-experts or latent-attention model is described exactly (its parameter count);
     the memory model sizes the routed MoE blocks of Mixtral / Qwen3-MoE (autotune.memory.moe
@@ -53,12 +48,13 @@ def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
     from autotune.memory.moe import not_sized
 
     parts = []
-    why = not_sized(spec, _model_type(hf_path))
+    cfg = _text_config(hf_path)
+    why = not_sized(spec, cfg.get("model_type"))
     if spec.is_moe and why:
         parts.append(f"mixture-of-experts ({spec.num_experts} experts, top-{spec.num_experts_per_tok})")
     if spec.is_mla and why:
         parts.append(f"multi-head latent attention (kv_lora_rank {spec.kv_lora_rank})")
-    if spec.is_moe and not parts and _text_config(hf_path).get("output_router_logits"):
+    if spec.is_moe and not parts and cfg.get("output_router_logits"):
         # the model then keeps every layer's router logits for load_balancing_loss_func (modeling_mixtral.py)
         raise ConfigError(f"{hf_path}: output_router_logits: true adds the auxiliary load-balancing loss, whose "
                           "tensors (every layer's router logits, kept to the loss) are not sized; set it false",
