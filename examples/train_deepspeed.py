@@ -25,9 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-from autotune.worker.dist_env import one_process_env
+from autotune.worker.dist_env import one_process_env, run_script
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -121,9 +120,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from autotune.errors import ConfigError
-
-    try:
-        sys.exit(main())
-    except (OSError, ConfigError, json.JSONDecodeError) as err:  # a file named on the command line: one line
-        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {err}")
+    run_script(main)
