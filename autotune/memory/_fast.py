@@ -23,6 +23,7 @@ from autotune.memory.activations import ActivationBreakdown, activation_breakdow
 from autotune.memory.common import PREDICTION_MARGIN
 from autotune.memory.estimate import _accumulation_carry
 from autotune.memory.fsdp2 import _units
+from autotune.memory.mixed import layer_kinds
 from autotune.memory.moe import down_weight_elements
 from autotune.memory.states import _model_states
 from autotune.spec import BYTES_PER_ELEMENT, GIB, HardwareSpec, ModelSpec, TrainingSpec
@@ -56,10 +57,11 @@ units_key = attrgetter("precision", "reduce_dtype", "offload_params", "sharding"
 """The knobs an FSDP2 candidate's ``units_row`` reads (``fsdp2._units``, the accumulation)."""
 
 
-def covered(s: Strategy) -> bool:
+def covered(s: Strategy, model: Optional[ModelSpec] = None) -> bool:
     """Whether the grid computes this strategy (else: estimate_memory): the first n blocks
-    checkpointed, not every k-th."""
-    return s.checkpoint_every is None
+    checkpointed, not every k-th, of a model whose blocks are of one kind (not a MoE with dense
+    layers among its sparse ones, memory/mixed.py)."""
+    return s.checkpoint_every is None and (model is None or layer_kinds(model) is None)
 
 
 def _table(strategies: Sequence[Strategy], key: Callable[[Strategy], tuple],
@@ -85,6 +87,8 @@ def verdicts(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s
     broken = (False, None)
     out: list[Optional[tuple[bool, Optional[int]]]] = [
         None if s.checkpoint_every is not None else (None if good else broken) for s, good in zip(strategies, ok)]
+    if layer_kinds(model) is not None:  # blocks of two kinds: estimate_memory walks each (covered())
+        return out
     for engine, walk in (("deepspeed", _deepspeed), ("fsdp2", _fsdp2)):
         idx = [i for i, (s, good) in enumerate(zip(strategies, ok))
                if good and s.engine == engine and s.checkpoint_every is None]  # covered()

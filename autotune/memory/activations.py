@@ -4,10 +4,11 @@ sec. 4, adapted to the reference decoders and HF families; see the package docst
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 from autotune.memory import mla, moe
+from autotune.memory.breakdown import ActivationBreakdown
 from autotune.memory.expert_parallel import ep_backward_transient, ep_saved
+from autotune.memory.mixed import dense_block_spec, layer_kinds, mixed_breakdown
 from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention
 from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -299,73 +300,6 @@ def _nonblock_saved_per_token(m: ModelSpec, p: int, mask_bytes: int = 1) -> floa
     return n
 
 
-@dataclass(frozen=True, slots=True)
-class ActivationBreakdown:
-    """The activation terms of one step on one GPU (``activation_breakdown``), bytes for one
-    micro-batch (``micro_batch_size`` x ``seq_len`` tokens); "per block" terms are for one decoder
-    block, the others for the whole model."""
-
-    blocks: float
-    """Saved activations of all blocks at the forward's end (checkpointed ones at what their
-    checkpoint keeps)."""
-    per_block_plain: float
-    """Saved activations of one block without checkpointing (per block)."""
-    per_block_checkpointed: float
-    """Saved activations of one checkpointed block at ``granularity`` (per block)."""
-    num_checkpointed: int
-    """Blocks checkpointed (``Strategy.num_checkpointed``, at most the layer count)."""
-    granularity: str
-    """The checkpointing granularity applied (``Strategy.checkpointing``; ``none`` when no block is
-    checkpointed)."""
-    nonblock: float
-    """Saved outside the blocks at the forward's end: the final norm, the embedding dropout mask,
-    ``logits_saved``, the rope tables and the masks / position ids a checkpoint keeps."""
-    logits_saved: float
-    """Part of ``nonblock`` the loss keeps: the fp32 log-softmax output (and the final logit
-    softcapping's tanh output)."""
-    loss_forward_transient: float
-    """At the forward's end, beyond what is saved: the logits (model dtype), their fp32 copy and
-    log_softmax's output."""
-    loss_backward_transient: float
-    """At the backward's start: the fp32 nll and log_softmax gradients next to the saved output."""
-    recompute: float
-    """What one checkpointed block's recomputation adds back (``per_block_plain -
-    per_block_checkpointed``; 0 without checkpointing; per block)."""
-    mlp_saved_per_block: float
-    """The MLP's saved intermediate tensors (2 or 4 f-wide, model dtype; per block)."""
-    attention_backward_transient: float
-    """Gradient buffers of the attention core's backward beyond its saved tensors (per block)."""
-    final_norm_saved: float
-    """What the final norm saves for backward (its output included)."""
-    forward_only_masks: float
-    """Masks alive during the decoder's forward only (the sliding-window bool mask when no
-    checkpoint keeps it); not part of ``nonblock``."""
-    final_norm_forward_extra: float
-    """At the end of the final norm's forward (its weight multiply), beyond its saved tensors: in
-    16-bit training the fp32 normalised value and the variance still bound to locals and the
-    norm's input bound by the caller; HF's decoder also keeps the embedding output (16-bit) and
-    the position ids bound (allocation traces, torch 2.13 CPU)."""
-    hidden_grad: float
-    """The hidden states' gradient flowing from block to block (one h-wide tensor, model dtype)."""
-    checkpoint_frame_kept: float
-    """What a checkpointed block's frame keeps during its backward beyond the recomputed set: the
-    RNG state (CPU) and ``_checkpoint_frame_kept`` (per checkpointed block; 0 without checkpointing)."""
-    final_norm_backward_live: float
-    """The final RMSNorm's backward at its peak, replacing ``final_norm_saved`` at that instant:
-    the fp32 input next to five fp32 h-wide tensors (PowBackward0's last multiply,
-    torch/csrc/autograd/FunctionsManual.cpp ``pow_backward``); LayerNorm: its saved tensors."""
-    mlp_backward_transient: float
-    """The MLP backward's peak beyond the block's saved tensors: ``_mlp_backward_transient`` plus
-    the down projection's weight gradient (f x h), or HF's composite GELU backward when larger
-    (per block)."""
-    logits_tokens: float
-    """Tokens whose logits exist whole at once on this GPU (the micro-batch's share of its sequences;
-    0 under ``tiled_loss``, whose model returns no logits): the logits the user's ``outputs`` keeps and
-    the lm_head's input gradient are this many rows of the vocabulary."""
-    offloaded: float
-    """Bytes of checkpointed block inputs held in host memory (``activation_offload`` cpu), per GPU."""
-
-
 def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Strategy,
                          device: str = "cuda") -> ActivationBreakdown:
     """Saved activations at the end of the forward pass (bytes per GPU) and the loss transients."""
@@ -374,10 +308,15 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     st = strategy
     offload = st.activation_offload != "none" and bool(n_ck) and st.checkpointing == "full"
     split = Split(st.sequence_parallel_size, st.context_parallel_size, st.tiled_loss, st.tiled_mlp, offload)
-    return _breakdown(model, training.seq_len, strategy.micro_batch_size, strategy.precision, n_ck,
-                      strategy.checkpointing if n_ck else "none",
-                      strategy.engine == "deepspeed" and strategy.zero_stage == 3,  # ZeRO-3 linears (_block_linears)
-                      device, split, strategy.expert_parallel_size if model.is_moe else 1)
+    knobs = (training.seq_len, strategy.micro_batch_size, strategy.precision, n_ck, strategy.checkpointing if n_ck else "none",
+             strategy.engine == "deepspeed" and strategy.zero_stage == 3,  # ZeRO-3 linears (_block_linears)
+             device, split)
+    act = _breakdown(model, *knobs, strategy.expert_parallel_size if model.is_moe else 1)
+    kinds = layer_kinds(model)
+    if kinds is None:
+        return act
+    # dense-MLP blocks among the MoE ones (memory/mixed.py): each block's terms from its kind
+    return mixed_breakdown(act, _breakdown(dense_block_spec(model), *knobs, 1), kinds, strategy.checkpointed_blocks(L))
 
 
 def sequence_bytes(model: ModelSpec, training: TrainingSpec) -> float:
@@ -416,7 +355,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     if split.offload:
         per_ck = 0.0  # the checkpoint's input lives in host memory until its block's backward
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
-    rope = mla.rope_table_bytes(m, s) if m.is_mla else 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
+    rope = mla.rope_table_bytes(m, s, p) if m.is_mla else 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
     nonblock = _nonblock_saved_per_token(m, p, mb) * tokens + rope
     V = m.vocab_size
     # Gemma2's final_logit_softcapping, cap * tanh(logits / cap): tanh keeps its output (model dtype)

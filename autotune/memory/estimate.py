@@ -7,6 +7,7 @@ from typing import Callable
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import MemoryEstimate
+from autotune.memory.mixed import blocks_within, kind_spec, layer_kinds, params_after
 from autotune.memory.moe import down_weight_elements
 from autotune.memory.states import _model_states, _States, grad_partition_elements
 from autotune.memory.walk import LOOPS, Candidate, Loop, backward_blocks, finish
@@ -168,27 +169,36 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
     # a checkpointed block is recomputed (its full activations) before its backward
     bucket = st.partition_after or 0
     block_params = m.block_params()
+    mixed = layer_kinds(m)  # dense-MLP blocks among MoE ones: blocks of two sizes (memory/mixed.py)
+    after = params_after(m) if mixed else ()
     # the state at block i is linear in i within a run of same-kind blocks, so only the ends of
     # each run (and both sides of the point where ZeRO-1/2's gradient partition appears) matter
     extra: set[int] = set()
     reduces: dict[int, bool] = {}  # block -> whether the gradient partition exists at its bucket reduce
     if bucket and block_params:
-        k = int(max(0.0, bucket - head) // block_params)  # blocks done before the partition exists
-        k2 = int(max(0.0, 2 * bucket - head) // block_params)  # ... before the second reduce
+        if mixed:
+            k, k2 = blocks_within(m, max(0.0, bucket - head)), blocks_within(m, max(0.0, 2 * bucket - head))
+        else:
+            k = int(max(0.0, bucket - head) // block_params)  # blocks done before the partition exists
+            k2 = int(max(0.0, 2 * bucket - head) // block_params)  # ... before the second reduce
         extra.update({L - 1 - k, L - 2 - k, L - 2 - k2})
         if st.reduce_flat:
             reduces = {L - 2 - k2: True, L - 2 - k: False}
     for pt in backward_blocks(act, s, L, other_saved, extra):
-        g_before = head_grad + pt.done * st.grad_per_block  # without ZeRO-1/2's gradient partition
-        g = g_before + (st.grads if bucket and head + pt.done * block_params > bucket else 0.0)
+        done = after[pt.block] if mixed else pt.done * block_params  # parameters of the blocks done
+        # without ZeRO-1/2's gradient partition (ZeRO-0 keeps every block's gradients)
+        g_before = head_grad + (p * done if (mixed and st.grad_per_block) else pt.done * st.grad_per_block)
+        g = g_before + (st.grads if bucket and head + done > bucket else 0.0)
         add("backward", grads=g, activations=pt.mlp, buffers=st.buffers_bwd, pending=pending_head)
         if pt.attention is not None:  # its attention backward: MLP tensors freed, the core's gradients appear
             add("backward", grads=g, activations=pt.attention, buffers=st.buffers_bwd, pending=pending_head)
-        if st.reduce_clone:  # ZeRO-3 on CPU: the down projection's weight gradient reduce-scattered by
+        dense = bool(mixed and mixed[pt.block])
+        clone = st.reduce_clone_dense if dense else st.reduce_clone
+        if clone:  # ZeRO-3 on CPU: the down projection's weight gradient reduce-scattered by
             # its hook, the linear's saved input released, its input gradient (as wide) alive; gloo's
             # copy of the gradient (states.py)
-            add("backward", grads=g, activations=pt.mlp - act.mlp_backward_transient,
-                buffers=st.buffers_bwd + p * down_weight_elements(m) + st.reduce_clone,
+            add("backward", grads=g, activations=pt.mlp - pt.act.mlp_backward_transient,
+                buffers=st.buffers_bwd + p * down_weight_elements(kind_spec(m, dense)) + clone,
                 pending=pending_head)
         if pt.block in reduces:  # a bucket is all-reduced during this block's backward
             add("backward", grads=g if reduces[pt.block] else g_before, activations=pt.saved,

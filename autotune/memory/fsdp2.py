@@ -39,6 +39,7 @@ from typing import Callable, NamedTuple
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import MemoryEstimate
 from autotune.memory.expert_parallel import block_expert_elements, ep_units
+from autotune.memory.mixed import dense_block_spec, layer_kinds, layer_params, saved_below
 from autotune.memory.moe import ffn_weight_elements
 from autotune.memory.walk import Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
@@ -91,7 +92,7 @@ def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
     p = BYTES_PER_ELEMENT[s.precision]
     per_block = m.block_params()
     on_gpu = 0.0 if s.offload_params == "cpu" else 1.0
-    root = m.num_parameters - m.num_hidden_layers * per_block
+    root = m.num_parameters - sum(layer_params(m))
     u = _Units(n=n, p=p, r=BYTES_PER_ELEMENT[s.reduce_dtype], per_block=per_block, root=root, on_gpu=on_gpu,
                u_root=p * root, u_block=p * per_block,
                flat=p * per_block if n > 1 else 0.0, cast_in=p * per_block / n if p < 4 else 0.0,
@@ -113,6 +114,16 @@ def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
                       # them in reverse post-forward order, _fsdp_state.py _pre_backward; one reduce-scatter
                       # input kept until the next post-backward, _fsdp_param_group.py post_backward)
                       rs_mlp=e.dense, rs_own=e.local)
+
+
+def _layer_units(m: ModelSpec, s: Strategy, hardware: HardwareSpec, u: _Units) -> list[_Units]:
+    """Each block's units by index: ``u`` for all, or with dense-MLP blocks among MoE ones (memory/mixed.py)
+    a dense block's sizes from its kind's spec, the root and the whole model's gradient shards from ``u``."""
+    kinds = layer_kinds(m)
+    if kinds is None:
+        return [u] * m.num_hidden_layers
+    d = _units(dense_block_spec(m), s, hardware)._replace(root=u.root, u_root=u.u_root, all_grads=u.all_grads)
+    return [d if dense else u for dense in kinds]
 
 
 def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,
@@ -148,28 +159,40 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
         cands.append(Candidate(phase, params + optimizer + grads + activations + logits + buffers, grads,
                                activations, logits, buffers))
 
+    us = _layer_units(m, s, hardware, u)  # each block's units (two sizes with dense layers among MoE ones)
+    mixed = us[0] is not us[-1] or any(x is not u for x in us)
+    all_blocks = u.u_block * L if not mixed else sum(x.u_block for x in us)  # every block gathered
+    last = us[-1]
     # forward, last block: its gather transient on top of every earlier block's saved activations
-    last_saved = act.per_block_checkpointed if (L - 1) in s.checkpointed_blocks(L) else act.per_block_plain
+    last_kind = act.dense if (act.dense is not None and act.dense_layers[-1]) else act
+    last_saved = last_kind.per_block_checkpointed if (L - 1) in s.checkpointed_blocks(L) else last_kind.per_block_plain
     add("forward", activations=saved_blocks - last_saved + other_saved + act.forward_only_masks,
-        buffers=u.u_root + u.u_block * (1 if reshard else L) + u.flat + u.cast_in)
+        buffers=u.u_root + (last.u_block if reshard else all_blocks) + last.flat + last.cast_in)
+    if mixed:  # an earlier block of the other kind: its own gather transient (memory/mixed.py)
+        below = saved_below(act, s.checkpointed_blocks(L), L)
+        for i in range(L - 1):
+            if us[i] is not last:
+                gathered = us[i].u_block if reshard else sum(x.u_block for x in us[:i + 1])
+                add("forward", activations=(below[i - 1] if i else 0.0) + other_saved + act.forward_only_masks,
+                    buffers=u.u_root + gathered + us[i].flat + us[i].cast_in)
     # the final norm's forward, inside the decoder's (activations.py final_norm_forward_extra)
     add("forward", activations=saved_blocks + other_saved + act.final_norm_forward_extra + act.forward_only_masks,
-        buffers=u.u_root + (0.0 if reshard else u.u_block * L) + u.flat)
+        buffers=u.u_root + (0.0 if reshard else all_blocks) + last.flat)
     # forward end: the loss transients (inside the model's forward: the root is still gathered; the
     # last block's flat buffer waits for the root's post-forward)
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act.loss_forward_transient,
-        buffers=u.u_root + (0.0 if reshard else u.u_block * L) + u.flat)
+        buffers=u.u_root + (0.0 if reshard else all_blocks) + last.flat)
     # backward start: the root gathered again, and (resharded) the last block's all-gather issued
     # as the root's backward prefetch (its flat buffer; copied out by the block's own hook);
     # the forward's last flat buffer was released by the root's post-forward
-    at_start = u.u_root + (u.flat if reshard else u.u_block * L)
+    at_start = u.u_root + (last.flat if reshard else all_blocks)
     if u.n > 1:
         # first the root's own pre-backward all-gather: its unsharded parameters are allocated by the
         # copy-out while the flat all-gather output still exists (_fsdp_collectives.py
         # foreach_all_gather_copy_out: alloc_all_gather_outputs, then copies from all_gather_output),
         # before the logits gradient
         add("backward", activations=saved_blocks + other_saved, logits=logits_saved,
-            buffers=2 * u.u_root + (0.0 if reshard else u.u_block * L))
+            buffers=2 * u.u_root + (0.0 if reshard else all_blocks))
     add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act.loss_backward_transient,
         buffers=at_start)
     # lm_head backward: its unsharded gradient stays until the root's post-backward
@@ -180,12 +203,12 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     add("backward", unsharded=head_grad, activations=saved_blocks + other_saved - act.final_norm_saved
         + act.final_norm_backward_live,
         buffers=at_start)
-    _blocks_backward(add, u, act, s, L, other_saved, head_grad, carry, u.flat if device == "cpu" else 0.0)
+    _blocks_backward(add, us, act, s, L, other_saved, head_grad, carry, device == "cpu")
     # backward end: the root's post-backward (head and embedding gradients, unsharded, then its
     # reduce-scatter input), every block's sharded gradient
     blocks_sharded = u.all_grads - u.on_gpu * 4 * u.root / u.n
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, activations=act.hidden_grad,
-        buffers=u.u_root + u.r * u.rs_unit)
+        buffers=u.u_root + u.r * us[0].rs_unit)
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, buffers=u.u_root + u.r * u.root)
     add("backward", sharded=u.all_grads, buffers=u.u_root + u.r * u.root)
     # optimizer step: AdamW foreach's fp32 temporary of the shard
@@ -198,31 +221,41 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     # (c10/cuda/CUDACachingAllocator.cpp, stream-ordered blocks): that stream's pool keeps the
     # largest buffers it held (the root's, and a block's next to the prefetched one) reserved,
     # outside what the peak's tensors can use
-    side_pool = u.u_root + 2 * u.u_block if (device == "cuda" and u.n > 1) else 0.0
+    pair = max((a.u_block + b.u_block for a, b in zip(us, us[1:])), default=2 * u.u_block) if mixed else 2 * u.u_block
+    side_pool = u.u_root + pair if (device == "cuda" and u.n > 1) else 0.0
     return finish(cands, m, training, hardware, s, headroom, params=params, optimizer=optimizer,
                   resident_grads=0.0, resident_buffers=0.0, cpu_per_gpu=host + act.offloaded, nvme_per_gpu=0.0,
                   reserved_elsewhere=side_pool)
 
 
-def _blocks_backward(add: Callable[..., None], u: _Units, act: ActivationBreakdown, s: Strategy, L: int,
-                     other_saved: float, head_grad: float, carry: float, gloo_copy: float = 0.0) -> None:
+def _blocks_backward(add: Callable[..., None], us: list[_Units], act: ActivationBreakdown, s: Strategy, L: int,
+                     other_saved: float, head_grad: float, carry: float, gloo: bool = False) -> None:
     """The candidates through the blocks' backward, last block to first (``add`` as in
-    estimate_fsdp2; ``gloo_copy``: the temporary of gloo's all-gather, CPU)."""
+    estimate_fsdp2; ``us``: each block's units; ``gloo``: gloo's all-gather makes a temporary, CPU)."""
     reshard = s.reshard_after_forward
+    uniform = all(x is us[0] for x in us)
+    done_after = [0.0] * L  # the gradient shards of the blocks after each one (blocks of two sizes)
+    for i in range(L - 2, -1, -1):
+        done_after[i] = done_after[i + 1] + us[i + 1].grad_block
     # the previous unit's reduce-scatter input (from the second block on) and the prefetched next block
     # (up to the second-last) break the linearity in the block index: both ends of that run too
     for pt in backward_blocks(act, s, L, other_saved, (1, L - 2)):
-        done = u.on_gpu * pt.done * u.grad_block
-        rs_prev = u.r * u.rs_mlp if pt.done else 0.0  # the previous unit's reduce-scatter input
+        i, u = pt.block, us[pt.block]
+        k = pt.act if pt.act is not None else act
+        done = u.on_gpu * (pt.done * u.grad_block if uniform else done_after[i])
+        rs_prev = u.r * us[i + 1].rs_mlp if pt.done else 0.0  # the previous unit's reduce-scatter input
         # gathered: the root, this block (all blocks up to it without resharding) and, resharded,
         # the next block's all-gather prefetched during this one's backward
-        gathered = u.u_root + u.u_block * (1 if reshard else pt.block + 1) \
-            + (u.flat if (reshard and pt.block > 0) else 0.0)
+        upto = u.u_block * (1 if reshard else i + 1) if uniform else (
+            u.u_block if reshard else sum(x.u_block for x in us[:i + 1]))
+        nxt = us[i - 1].flat if i > 0 else 0.0
+        gathered = u.u_root + upto + (nxt if (reshard and i > 0) else 0.0)
+        gloo_copy = nxt if gloo else 0.0
         if gloo_copy and reshard and pt.block > 0:
             # the block's pre-backward (before a checkpointed one's recomputation): the next block's
             # prefetched all-gather, whose gloo collective allocates a temporary as large as its flat
             # output (c10d::_allgather_base_ / gloo:all_gather, allocation traces; ProcessGroupGloo.cpp)
-            pre = pt.saved - (act.per_block_plain - act.per_block_checkpointed + pt.frame if pt.frame else 0.0)
+            pre = pt.saved - (k.per_block_plain - k.per_block_checkpointed + pt.frame if pt.frame else 0.0)
             add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + gloo_copy)
         # MLP backward at its peak: the down projection's weight gradient (unsharded, param_dtype) is
         # part of the MLP's transient (activations.py _mlp_backward_transient); the other weight
@@ -231,14 +264,14 @@ def _blocks_backward(add: Callable[..., None], u: _Units, act: ActivationBreakdo
         # the MLP done: all its weight gradients, its saved tensors released
         # (with expert parallelism the experts' post-backward: their reduce-scatter input replaces the other)
         add("backward", sharded=done, unsharded=head_grad + u.p * u.mlp_params,
-            activations=pt.saved - act.mlp_saved_per_block, buffers=gathered + max(rs_prev, u.r * u.rs_own))
+            activations=pt.saved - k.mlp_saved_per_block, buffers=gathered + max(rs_prev, u.r * u.rs_own))
         if pt.attention is not None:
             add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=pt.attention,
                 buffers=gathered + (u.r * u.rs_own if u.rs_own else rs_prev))
         # post-backward (the block's activations gone, the previous reduce-scatter input released):
         # its gradients copied into a new reduce-scatter input, then freed before the reduce output
         # (the new shard) is allocated; accumulating, that output is added into the existing shard
-        after = pt.saved - act.per_block_plain - pt.frame
+        after = pt.saved - k.per_block_plain - pt.frame
         add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=after,
             buffers=gathered + u.r * u.rs_unit)
         add("backward", sharded=(carry if carry else done) + u.grad_block, unsharded=head_grad, activations=after,

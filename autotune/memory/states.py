@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from autotune.memory import mla, moe
 from autotune.memory.common import _partition
+from autotune.memory.mixed import dense_block_spec, layer_kinds
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size
 from autotune.engine_configs import EngineSettings, engine_settings, gradient_accumulation_steps
@@ -37,8 +38,11 @@ def _persistent_params(m: ModelSpec, threshold: int) -> int:
         block += [m.q_size, m.kv_size, m.kv_size, d] + [m.intermediate_size] * (2 if m.gated_mlp else 1) + [d]
     block += mla.parameter_order(m) if m.is_mla else [d * m.q_size, d * m.kv_size, d * m.kv_size, m.q_size * d]
     f = m.intermediate_size
-    block += moe.ffn_parameter_order(m) if m.is_moe else [d * f] * (3 if m.gated_mlp else 2)
-    sizes += block * m.num_hidden_layers
+    dense_mlp = [d * f] * (3 if m.gated_mlp else 2)
+    moe_mlp = moe.ffn_parameter_order(m) if m.is_moe else dense_mlp
+    # each block with its own feed-forward (dense-MLP blocks among MoE ones: memory/mixed.py)
+    for dense in layer_kinds(m) or (False,) * m.num_hidden_layers:
+        sizes += block + (dense_mlp if dense else moe_mlp)
     sizes += norm + [m.vocab_size * d]
     if m.position_embedding == "learned":
         sizes.append(m.max_position_embeddings * d)
@@ -74,20 +78,27 @@ def parameter_order(m: ModelSpec) -> list[int]:
         mlp_in = lin(d, 2 * f, out_b) if m.fused_qkv else lin(d, f, out_b) + lin(d, f, out_b)
     else:
         mlp_in = lin(d, f, out_b)
-    mlp = moe.ffn_parameter_order(m) if m.is_moe else mlp_in + lin(f, d, out_b)
+    dense_mlp = mlp_in + lin(f, d, out_b)
     norms = norm * m.norms_per_block
-    if m.implementation == "reference":
-        block = norm + qkv + o + norm + mlp
-    elif m.linear_addmm or m.parallel_residual:  # GPT-2: ln_1 attn ln_2 mlp; GPT-NeoX: norms first
-        block = (norms + qkv + o + mlp) if m.parallel_residual else (norm + qkv + o + norm + mlp)
-    elif m.fused_qkv:  # Phi-3: o_proj is registered before qkv_proj
-        block = o + qkv + mlp + norms
-    else:
-        block = qkv + o + qk_norm + mlp + norms
-    if m.implementation == "reference":
-        block = block + qk_norm
+
+    def block(mlp: list[int]) -> list[int]:
+        if m.implementation == "reference":
+            return norm + qkv + o + norm + mlp + qk_norm
+        if m.linear_addmm or m.parallel_residual:  # GPT-2: ln_1 attn ln_2 mlp; GPT-NeoX: norms first
+            return (norms + qkv + o + mlp) if m.parallel_residual else (norm + qkv + o + norm + mlp)
+        if m.fused_qkv:  # Phi-3: o_proj is registered before qkv_proj
+            return o + qkv + mlp + norms
+        return qkv + o + qk_norm + mlp + norms
+
     out = [m.vocab_size * d] + ([m.max_position_embeddings * d] if m.position_embedding == "learned" else [])
-    out += block * m.num_hidden_layers + norm
+    kinds = layer_kinds(m)
+    if kinds is None:
+        out += block(moe.ffn_parameter_order(m) if m.is_moe else dense_mlp) * m.num_hidden_layers
+    else:  # a MoE's dense-MLP blocks among its sparse ones, in layer order (memory/mixed.py)
+        moe_block, dense_block = block(moe.ffn_parameter_order(m)), block(dense_mlp)
+        for dense in kinds:
+            out += dense_block if dense else moe_block
+    out += norm
     if not m.tie_word_embeddings:
         out.append(m.vocab_size * d)
     return out
@@ -133,6 +144,7 @@ class _States:
     partition_after: float = 0.0  # ZeRO-1/2: grads (elements) after which the partition buffer exists
     reduce_flat: float = 0.0      # ZeRO-1/2, several ranks: flat copy of a bucket while it is all-reduced
     reduce_clone: float = 0.0     # ZeRO-3 on CPU, several ranks: gloo's copy of a gradient it reduce-scatters
+    reduce_clone_dense: float = 0.0  # the same for the dense-MLP blocks of a MoE with dense layers (mixed.py)
     cpu: float = 0.0              # host bytes per GPU (offload)
     nvme: float = 0.0             # NVMe bytes per GPU
 
@@ -257,6 +269,8 @@ def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, es: EngineS
         # _reduce_scatter_base: ``inputTensor.clone()``, seen as aten::clone under
         # c10d::_reduce_scatter_base_ in the allocation trace); NCCL writes from the input directly
         out.reduce_clone = p * moe.down_weight_elements(m)  # a MoE's: every expert's down_proj
+    if device == "cpu" and dp > 1 and layer_kinds(m) and moe.down_weight_elements(dense_block_spec(m)) > rb:
+        out.reduce_clone_dense = p * moe.down_weight_elements(dense_block_spec(m))  # a dense block's, as above
     if off_opt:
         # stage3.py: self.device = "cpu" when the optimizer is offloaded, and the gradient
         # partitions (grad_partitions_flat_buffer, gradient_accumulation_dtype = model dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterable, Literal, NamedTuple, Optional
 
 from autotune.memory.activations import ActivationBreakdown
+from autotune.memory.mixed import block_kinds, saved_below
 from autotune.memory.common import GPU_COMPONENTS, MemoryEstimate, PREDICTION_MARGIN, _gib, overhead_bytes
 from autotune.reason import Reason
 from autotune.spec import GIB, HardwareSpec, ModelSpec, TrainingSpec
@@ -30,6 +31,9 @@ class BlockPoint(NamedTuple):
     """During its attention backward (None when that is never larger than ``mlp``)."""
     frame: float = 0.0
     """Part of ``saved`` its checkpoint frame keeps beyond the recomputed set (released with the block)."""
+    act: Optional[ActivationBreakdown] = None
+    """The block's own kind of terms (dense-MLP blocks among MoE ones: ``ActivationBreakdown.dense``);
+    None: the step's record."""
 
 
 def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: int, other_saved: float,
@@ -42,6 +46,8 @@ def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: in
     within a run of same-kind blocks, so with the first n blocks checkpointed the ends of both runs
     suffice (plus ``extra_points``); with every k-th block checkpointed every block is visited."""
     L = num_layers
+    if act.dense is not None:
+        return _mixed_blocks(act, strategy, L, other_saved)
     n_ck = act.num_checkpointed
     per_plain, per_ck = act.per_block_plain, act.per_block_checkpointed
     every = strategy.checkpoint_every if n_ck else None
@@ -64,7 +70,28 @@ def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: in
         a = remaining + (per_plain - per_ck if ck else 0.0) + block_other + frame
         # a checkpointed attention module is recomputed only after the MLP's backward
         a_mlp = a - (per_plain - per_ck) - frame if (ck and act.granularity == "attention") else a
-        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None, frame))
+        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None, frame, act))
+    return out
+
+
+def _mixed_blocks(act: ActivationBreakdown, strategy: Strategy, L: int, other_saved: float) -> list[BlockPoint]:
+    """``backward_blocks`` for blocks of two kinds (memory/mixed.py): every block visited, each with its
+    kind's saved bytes, recomputation, frame and transients; what is still saved below it summed block
+    by block."""
+    kinds = block_kinds(act, L)
+    ck = set(strategy.checkpointed_blocks(L))
+    below = saved_below(act, strategy.checkpointed_blocks(L), L)
+    block_other = other_saved - act.final_norm_saved + act.hidden_grad
+    out = []
+    for i in range(L - 1, -1, -1):
+        k, is_ck = kinds[i], i in ck
+        frame = k.checkpoint_frame_kept if is_ck else 0.0
+        recompute = k.per_block_plain - k.per_block_checkpointed if is_ck else 0.0
+        a = below[i] + recompute + block_other + frame
+        a_mlp = a - recompute - frame if (is_ck and act.granularity == "attention") else a
+        attn_delta = k.attention_backward_transient - k.mlp_saved_per_block
+        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + k.mlp_backward_transient, a + attn_delta if attn_delta > 0 else None,
+                              frame, k))
     return out
 
 

@@ -24,7 +24,8 @@ from conftest import ROOT
 
 MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
 FILES = sorted(glob.glob(os.path.join(MOE_DIR, "*.json")))
-SIZED = {"mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json", "qwen2-57b-a14b.json"}
+SIZED = {"mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json", "qwen2-57b-a14b.json",
+         "deepseek-v2-lite.json"}  # its dense block 0: test_memory_dense_layers.py
 
 
 def _bench():
