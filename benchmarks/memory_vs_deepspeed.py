@@ -158,6 +158,14 @@ MOE_FAMILIES.update({
     "hf-qwen2moe-sv": ("moe/qwen1.5-moe-a2.7b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176, "vocab_size": 256,
                                                 "shared_expert_intermediate_size": 344, "bos_token_id": 0, "eos_token_id": 1}),
 })
+# dense-MLP blocks among the MoE ones (memory/mixed.py): DeepSeek-V2-Lite's first_k_dense_replace 1 as published
+# (block 0 a DeepseekV2MLP of intermediate_size), Qwen1.5-MoE's mlp_only_layers (block 1 a Qwen2MoeMLP)
+MOE_FAMILIES.update({
+    "hf-deepseekv2-dense": ("moe/deepseek-v2-lite", {**_DSV2, "first_k_dense_replace": 1}),
+    "hf-qwen2moe-dense": ("moe/qwen1.5-moe-a2.7b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176,
+                                                   "shared_expert_intermediate_size": 344, "mlp_only_layers": [1],
+                                                   "bos_token_id": 0, "eos_token_id": 1}),
+})
 LONG_FAMILIES.update(MOE_FAMILIES)  # full overrides like the long families' (hf_config, specs, run_row)
 
 # strategies each HF family is measured with: (ZeRO stage, ranks, grad. accumulation, ckpt, precision)
@@ -350,6 +358,10 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     ("hf-qwen2moe", 0, 2, 1, 2, 256, "none", "bf16"), ("hf-qwen2moe-sv", 1, 1, 1, 4, 256, "none", "fp32"),
     ("hf-qwen2moe-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-qwen2moe", 3, 1, 2, 2, 256, "full", "fp32"),
     ("hf-qwen2moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"), ("hf-qwen2moe", "fsdp2-keep", 1, 1, 2, 256, "full", "fp32"),
+    # dense-MLP blocks among the MoE ones (memory/mixed.py)
+    ("hf-deepseekv2-dense", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv2-dense", 3, 2, 1, 2, 256, "full", "bf16"),
+    ("hf-deepseekv2-dense", "fsdp2", 2, 1, 2, 256, "none", "fp32"), ("hf-qwen2moe-dense", 2, 2, 1, 4, 256, "none", "bf16"),
+    ("hf-qwen2moe-dense", "fsdp2-keep", 1, 1, 2, 256, "full", "fp32"), ("hf-qwen2moe-dense", 1, 1, 1, 2, 256, "selective", "bf16"),
 ]
 
 

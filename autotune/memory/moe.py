@@ -75,8 +75,6 @@ def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
          or m.shared_expert_gate != qwen2),
         ("multi-head latent attention", m.is_mla != deepseek),
         ("eager attention", deepseek and m.attn_implementation != "sdpa"),
-        ("dense layers among the sparse ones (first_k_dense_replace, mlp_only_layers, decoder_sparse_step: "
-         "the memory model sizes uniform blocks)", m.num_dense_layers),
         ("router / expert biases", m.router_bias or m.expert_bias),
         ("biased linears", m.bias or (m.qkv_bias and not qwen2)),
         ("LayerNorm", m.norm != "rmsnorm"),
