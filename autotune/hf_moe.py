@@ -110,4 +110,13 @@ def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str
             if method not in ("greedy", "group_limited_greedy"):
                 refuse(f"topk_method {method}", "DeepseekV2TopkRouter runs greedy or group_limited_greedy only")
             new.update(router_fp32=True, router_group_limited=method == "group_limited_greedy")
+        else:
+            # modeling_deepseek_v3.py DeepseekV3TopkRouter: fp32 linear, sigmoid + e_score_correction_bias, the
+            # noaux_tc group-limited top-k whatever topk_method says; DeepseekV3Attention: cos/sin rotary,
+            # on the even/odd slices when rope_interleave (apply_rotary_pos_emb_interleave)
+            experts, groups = int(new["num_experts"]), int(val("n_group", 8) or 1)
+            if experts % groups:
+                refuse(f"n_group {groups}", f"{experts} routed experts do not split into {groups} groups")
+            new.update(router_fp32=True, router_sigmoid=True, router_norm_topk=bool(val("norm_topk_prob", True)),
+                       mla_rotary="interleave" if val("rope_interleave", True) else "half")
     return new

@@ -143,6 +143,14 @@ class ModelSpec:
     router_group_limited: bool = False
     """The top-k is limited to the best expert groups (DeepSeek-V2 ``topk_method: group_limited_greedy``:
     the scores outside the ``topk_group`` best of ``n_group`` groups masked to 0 before the top-k)."""
+    router_sigmoid: bool = False
+    """DeepSeek-V3's router (``DeepseekV3TopkRouter``): sigmoid scores plus the fp32
+    ``e_score_correction_bias`` buffer, the ``noaux_tc`` top-k over the ``topk_group`` best of ``n_group``
+    groups (always), the top-k weights gathered from the scores and renormalised when router_norm_topk."""
+    mla_rotary: Literal["complex", "half", "interleave"] = "complex"
+    """MLA's rotary product: DeepSeek-V2's complex ``freqs_cis`` product (``complex``), DeepSeek-V3's cos/sin
+    product with ``rotate_half`` (``half``, ``rope_interleave: false``) or on the even/odd slices
+    (``interleave``, its default); read for MLA models only."""
     q_lora_rank: Optional[int] = None
     """Multi-head latent attention (DeepSeek-V2/V3): rank of the query down-projection (with an
     RMSNorm of that width); None with kv_lora_rank set: a plain q_proj."""

@@ -152,6 +152,12 @@ MOE_FAMILIES.update({
     "hf-deepseekv2": ("moe/deepseek-v2-lite", _DSV2),
     "hf-deepseekv2-q": ("moe/deepseek-v2-lite", {**_DSV2, "q_lora_rank": 48}),
     "hf-deepseekv2-sv": ("moe/deepseek-v2-lite", {**_DSV2, "vocab_size": 256}),
+    # DeepSeek-V3: DeepSeek-V2's shape above on V3's config.json (its sigmoid router with the correction bias,
+    # noaux_tc top-k over the best 1 of 2 groups, cos/sin rotary on interleaved pairs; docs/moe.md), q LoRA;
+    # "-sv": a 256-token vocabulary and the rotate_half rotary (rope_interleave false)
+    "hf-deepseekv3": ("moe/deepseek-v3", {**_DSV2, "q_lora_rank": 48, "n_group": 2, "topk_group": 1}),
+    "hf-deepseekv3-sv": ("moe/deepseek-v3", {**_DSV2, "q_lora_rank": 48, "n_group": 2, "topk_group": 1,
+                                             "vocab_size": 256, "rope_interleave": False}),
     # Qwen1.5-MoE: the shared expert (as wide as the dense MLP here) behind its sigmoid gate, qkv biases
     "hf-qwen2moe": ("moe/qwen1.5-moe-a2.7b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176,
                                              "shared_expert_intermediate_size": 344, "bos_token_id": 0, "eos_token_id": 1}),
@@ -354,6 +360,11 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     ("hf-deepseekv2-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-deepseekv2", 3, 2, 1, 2, 256, "full", "bf16"),
     ("hf-deepseekv2-q", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv2-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
     ("hf-deepseekv2-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-deepseekv2-q", 0, 2, 1, 2, 256, "full", "fp32"),
+    # DeepSeek-V3: the sigmoid router with the correction bias, group-limited top-k, cos/sin rotary (moe.py, mla.py)
+    ("hf-deepseekv3", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv3", 1, 2, 1, 2, 256, "none", "fp32"),
+    ("hf-deepseekv3-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-deepseekv3", 3, 2, 1, 2, 256, "full", "bf16"),
+    ("hf-deepseekv3", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv3-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
+    ("hf-deepseekv3-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-deepseekv3", 0, 2, 1, 2, 256, "full", "fp32"),
     # Qwen1.5-MoE: the sigmoid-gated shared expert, qkv biases, top-k not renormalised (moe.py)
     ("hf-qwen2moe", 0, 2, 1, 2, 256, "none", "bf16"), ("hf-qwen2moe-sv", 1, 1, 1, 4, 256, "none", "fp32"),
     ("hf-qwen2moe-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-qwen2moe", 3, 1, 2, 2, 256, "full", "fp32"),

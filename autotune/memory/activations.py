@@ -355,7 +355,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     if split.offload:
         per_ck = 0.0  # the checkpoint's input lives in host memory until its block's backward
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
-    rope = mla.rope_table_bytes(m, s) if m.is_mla else 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
+    rope = mla.rope_table_bytes(m, s, p) if m.is_mla else 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
     nonblock = _nonblock_saved_per_token(m, p, mb) * tokens + rope
     V = m.vocab_size
     # Gemma2's final_logit_softcapping, cap * tanh(logits / cap): tanh keeps its output (model dtype)

@@ -1,5 +1,6 @@
-"""Multi-head latent attention in the memory model: what transformers 5's DeepSeek-V2 attention
-(models/deepseek_v2/modeling_deepseek_v2.py ``DeepseekV2Attention``) keeps for backward and adds
+"""Multi-head latent attention in the memory model: what transformers 5's DeepSeek-V2 and V3 attention
+(models/deepseek_v2/modeling_deepseek_v2.py ``DeepseekV2Attention``, deepseek_v3's ``DeepseekV3Attention``:
+the same block but for its cos/sin rotary) keeps for backward and adds
 during it, its rotary table and its parameters in registration order (docs/moe.md).
 
 The block: ``q_proj`` (or ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` with ``q_lora_rank``),
@@ -43,7 +44,9 @@ def attention_saved(m: ModelSpec, p: int, s: int, device: str) -> float:
     * the q LoRA's RMSNorm (q_lora_rank wide); none with a plain ``q_proj`` (its output is not saved);
     * kv_a_layernorm (kv_lora_rank wide); in fp32 its input is the split view of kv_a_proj_with_mqa's
       output (``.to(torch.float32)`` a no-op), whose storage holds the rope key too (+4 r);
-    * the rotary product saves only the shared freqs_cis table (``rope_table_bytes``, outside the block);
+    * the rotary product saves only the shared freqs_cis or cos / sin table (``rope_table_bytes``, outside
+      the block; DeepSeek-V3's ``apply_rotary_pos_emb`` / ``_interleave``: the multiplies by cos and sin
+      save the table alone, ``rotate_half``'s neg and cat nothing);
     * the CPU math kernel (``math_kernel``): fp32 copies of the scaled q and k (a x qk each), v's fp32
       contiguous copy (a x v), the fp32 softmax output (a x s);
     * the flash kernels (same head dims, or CUDA's memory-efficient kernel): the concatenated query and
@@ -78,10 +81,12 @@ def backward_transient(m: ModelSpec, p: int, s: int, tokens: int, device: str) -
     return weight + per_token * tokens
 
 
-def rope_table_bytes(m: ModelSpec, s: int) -> float:
-    """The rotary table every block's complex product saves (DeepseekV2RotaryEmbedding.forward:
-    ``torch.polar`` of the position ids' frequencies, complex64 (1, s, qk_rope_head_dim / 2))."""
-    return 4.0 * s * m.qk_rope_head_dim
+def rope_table_bytes(m: ModelSpec, s: int, p: int = 4) -> float:
+    """The rotary table every block's rotary product saves: DeepSeek-V2's complex64 freqs_cis
+    (DeepseekV2RotaryEmbedding.forward: ``torch.polar``, (1, s, qk_rope_head_dim / 2)); DeepSeek-V3's cos and
+    sin in the model dtype (DeepseekV3RotaryEmbedding.forward: ``cos.to(dtype=x.dtype)``, (1, s, rope dim)
+    each; the multiplies by the table save it, not q or k: the table needs no gradient)."""
+    return 4.0 * s * m.qk_rope_head_dim if m.mla_rotary == "complex" else 2.0 * p * s * m.qk_rope_head_dim
 
 
 def parameter_order(m: ModelSpec) -> list[int]:

@@ -46,30 +46,28 @@ def _routing_weight_bytes(m: ModelSpec, p: int) -> int:
     return p if (m.qk_norm == "head" or m.shared_expert_gate) else 4
 
 
-SIZED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "qwen2_moe")
+SIZED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "qwen2_moe", "deepseek_v3")
 """The HF model_type values whose MoE block this module sizes (the blocks of other MoE families differ:
 granitemoe's parallel experts and multipliers, phimoe's sparsemixer router, OLMoE's unnormalised
-top-k, DeepSeek-V3's sigmoid router, gpt-oss's biases; docs/moe.md)."""
+top-k, gpt-oss's biases; docs/moe.md)."""
 
 
-_FAMILY_WHY = {
-    "deepseek_v3": "its sigmoid router with the score-correction bias and its cos/sin rotary are another code path "
-                   "than deepseek_v2's",
-}
+_FAMILY_WHY: dict[str, str] = {}
 """Why a family's MoE block is not sized, where one line says more than its model_type."""
 
 
 def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
     """Why the memory model does not size this MoE model of HF ``model_type`` (None: it does): the
     routed MoE block of Mixtral / Qwen3-MoE in every layer (no shared expert, no biases, RMSNorm, no MLA);
-    DeepSeek-V2's, with its ungated shared experts and latent attention (autotune/memory/mla.py);
+    DeepSeek-V2's and V3's, with their ungated shared experts and latent attention (autotune/memory/mla.py;
+    V3's sigmoid router and cos/sin rotary: ``router_sigmoid``, ``mla_rotary``);
     Qwen2-MoE's, with its sigmoid-gated shared expert and qkv biases."""
     if not (m.is_moe or m.is_mla):
         return None
     if m.implementation != "hf" or model_type not in SIZED_FAMILIES:
         why = _FAMILY_WHY.get(model_type or "", "")
         return f"{', '.join(SIZED_FAMILIES)} only, not model_type {model_type or 'unknown'}" + (f" ({why})" if why else "")
-    deepseek, qwen2 = model_type == "deepseek_v2", model_type == "qwen2_moe"
+    deepseek, qwen2 = model_type in ("deepseek_v2", "deepseek_v3"), model_type == "qwen2_moe"
     why = [name for name, bad in (
         ("shared experts", (m.shared_expert_intermediate_size and not (deepseek or qwen2))
          or m.shared_expert_gate != qwen2),
@@ -94,8 +92,14 @@ def router_saved_per_token(m: ModelSpec, p: int = 4) -> float:
     Qwen3-MoE's ``norm_topk_prob: false`` skips the last (4 + 4k bytes fewer: a bound).
     DeepSeek-V2 (``router_fp32``; modeling_deepseek_v2.py ``DeepseekV2TopkRouter.forward``): the fp32
     copy of the input in 16-bit training (4h), the softmax (E), topk's indices (k), no renormalisation;
-    group-limited: the bool mask of ``masked_fill`` (E; the group max / topk nodes die in the forward)."""
+    group-limited: the bool mask of ``masked_fill`` (E; the group max / topk nodes die in the forward).
+    DeepSeek-V3 (``router_sigmoid``): the fp32 input copy (4h, 16-bit), the sigmoid output (E), the int64
+    index of ``scores.gather`` (k) and, with ``norm_topk_prob``, the in-place division's fp32 quotient (k)
+    and denominator (1); the corrected scores, the group top-k and the masked_fill of the choice die in
+    the forward (only the indices leave them), ``* routed_scaling_factor`` saves no tensor."""
     e, k = m.num_experts, m.num_experts_per_tok
+    if m.router_sigmoid:  # DeepSeek-V3 (modeling_deepseek_v3.py DeepseekV3TopkRouter.forward): see below
+        return (4 * m.hidden_size if p < 4 else 0) + 4 * e + 8 * k + (4 + 4 * k if m.router_norm_topk else 0)
     if not m.router_norm_topk:  # Qwen2-MoE's norm_topk_prob: false (modeling_qwen2_moe.py Qwen2MoeTopKRouter)
         return 4 * e + 8 * k
     if m.router_fp32:
