@@ -60,11 +60,13 @@ def collect_rows(study: Study, space: SearchSpace, cfg: Config) -> list[TrialRow
     from autotune.search import trial_strategy
 
     rows = []
+    built: dict[tuple, Strategy] = {}  # params -> strategy: trials repeat candidates
     for t in study.get_trials(deepcopy=False):
         if t.state.name not in ("COMPLETE", "PRUNED", "FAIL"):
             continue
         try:
-            strategy = trial_strategy(t, space, cfg)
+            params = tuple(t.params.items())
+            strategy = built.get(params) or built.setdefault(params, trial_strategy(t, space, cfg))
         except ValueError:
             if TrialAttrs.of(t).interrupted:  # cut short while its knobs were being chosen: nothing ran
                 continue

@@ -75,9 +75,8 @@ class UnsyncedJournalFileBackend(JournalFileBackend):
         # in a batch the lock is held: the file ends at log _file_end and the batch's logs follow it
         if log_number_from < self._file_end:
             yield from super().read_logs(log_number_from)
-        for k, (log, _) in enumerate(self._held):
-            if self._file_end + k >= log_number_from:
-                yield log
+        for log, _ in self._held[max(0, log_number_from - self._file_end):]:
+            yield log
 
     @contextlib.contextmanager
     def batched(self) -> Iterator[None]:

@@ -11,6 +11,7 @@ are autotune.engine_configs', which reads this module.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, get_args
 
@@ -156,14 +157,11 @@ class Strategy:
     def __post_init__(self) -> None:
         # knobs that do not apply to the engine take one fixed value, so a strategy has one
         # identity (``key``) whatever the caller passed for them
+        # (set in the instance dict, as object.__setattr__ would one by one: a screen makes ~10^4 strategies)
         if self.engine == "fsdp2":
-            fixed: dict[str, Any] = {"zero_stage": 3, "offload_optimizer": self.offload_params,
-                                     **{k: None for k in _DEEPSPEED_BUFFERS},
-                                     **{k: _DEFAULTS[k] for k in _DEEPSPEED_LAYOUT}}
+            vars(self).update(_FSDP2_FIXED, offload_optimizer=self.offload_params)
         else:
-            fixed = {k: _DEFAULTS[k] for k in _FSDP2_ONLY}
-        for name, value in fixed.items():
-            object.__setattr__(self, name, value)
+            vars(self).update(_DEEPSPEED_FIXED)
 
     def num_checkpointed(self, num_layers: int) -> int:
         if self.checkpointing == "none":
@@ -196,7 +194,7 @@ class Strategy:
 
     def key(self) -> tuple:
         """Hashable identity used to detect repeated candidates (field values in order)."""
-        return tuple(getattr(self, name) for name in _FIELD_NAMES)
+        return _field_values(self)
 
     def describe(self, num_layers: Optional[int] = None) -> str:
         """The strategy in words, e.g. ``ZeRO-3, optimizer->cpu, mbs 4, full ckpt 32/32, bf16``."""
@@ -251,6 +249,11 @@ _DEEPSPEED_LAYOUT = tuple(k for k, f in _FIELDS.items() if f.metadata["engine"] 
                           and not f.metadata["buffer"] and k not in ("zero_stage", "offload_optimizer"))
 """DeepSpeed's other knobs (fixed at their defaults for fsdp2; zero_stage and offload_optimizer
 take fsdp2's own values)."""
+_FSDP2_FIXED = {"zero_stage": 3, **{k: None for k in _DEEPSPEED_BUFFERS}, **{k: _DEFAULTS[k] for k in _DEEPSPEED_LAYOUT}}
+"""What __post_init__ sets under engine fsdp2 (and offload_optimizer = offload_params)."""
+_DEEPSPEED_FIXED = {k: _DEFAULTS[k] for k in _FSDP2_ONLY}
+"""What __post_init__ sets under engine deepspeed."""
+_field_values = operator.attrgetter(*_FIELD_NAMES)
 
 KNOBS: tuple[str, ...] = knobs.searched(Strategy)
 """The knobs a search space varies, in the order they are suggested to Optuna; also the strategy
@@ -279,7 +282,24 @@ def knob_applies(knob: str, strategy: "Strategy | Mapping[str, Any]") -> bool:
     before ``knob`` in the nesting order; a missing engine is deepspeed): the field's ``engine``
     and ``applies`` metadata (the bucket knobs at the stages whose DeepSpeed config carries them,
     see to_deepspeed_config)."""
-    return knobs.applies(_FIELDS[knob], knobs.getter(strategy))
+    get = (strategy.get if type(strategy) is dict else strategy.__getattribute__ if type(strategy) is Strategy
+           else knobs.getter(strategy))
+    key = (knob, *map(get, _APPLIES_READS[knob]))  # the answer depends on these values only
+    try:
+        return _APPLIES_SEEN[key]
+    except KeyError:
+        applies = _APPLIES_SEEN[key] = knobs.applies(_FIELDS[knob], get)
+        return applies
+    except TypeError:  # an unhashable value
+        return knobs.applies(_FIELDS[knob], get)
+
+
+_APPLIES_READS = {k: (("engine",) if f.metadata["engine"] else ()) + (f.metadata["applies"].reads
+                                                                      if f.metadata["applies"] else ())
+                  for k, f in _FIELDS.items()}
+"""Knob -> the knobs whether it applies reads (its engine, its condition's ``reads``)."""
+_APPLIES_SEEN: dict[tuple, bool] = {}
+"""(knob, the values it reads) -> knob_applies: a search asks it ~20,000 times over a few dozen answers."""
 
 
 def strategy_from_dict(values: Mapping[str, Any]) -> "Strategy":
