@@ -19,8 +19,8 @@ from autotune.checks import (Checker, bool_, check_section, choice, float_, int_
                              read_yaml, show, str_)
 from autotune.backends.script_command import check_command
 from autotune.errors import ConfigError
-from autotune.hf_config import check_exact_count, map_hf_config, read_hf_config
-from autotune.model_rules import check_model_training, check_modelled, int_tuple
+from autotune.hf_config import check_block_bytes, check_exact_count, map_hf_config, read_hf_config
+from autotune.model_rules import check_model_training, check_modelled, check_stated_balance, int_tuple
 from autotune.spec import OPTIMIZER_TYPES, GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, OptimizerSpec, TrainingSpec
 from autotune.knobs import getter, knob_fields, literal_choices
 from autotune.strategy import Strategy, ignored_knobs, validation_errors
@@ -149,6 +149,8 @@ MODEL_FIELDS: dict[str, Checker] = {
     "shared_expert_intermediate_size": int_(0, 1 << 24),
     "shared_expert_gate": bool_,
     "dense_layers": int_tuple(0, 10_000),
+    "moe_load_imbalance": optional(float_(1.0, 1e6)),
+    "ep_rank_imbalance": optional(float_(1.0, 1e6)),
     "router_bias": bool_,
     "expert_bias": bool_,
     "q_lora_rank": optional(int_(1, 1 << 20)),
@@ -390,6 +392,7 @@ def _model(raw: Any, base_dir: str) -> tuple[ModelSpec, Optional[str], Optional[
             f"({merged['num_attention_heads']}) unless head_dim is given", path="model.hidden_size")
     spec = ModelSpec(**merged)
     check_modelled(spec, hf_path)
+    check_stated_balance(spec)
     return spec, factory, hf_path
 
 
@@ -397,19 +400,26 @@ def hf_config_fields(path: str, exact_check: bool = True) -> dict[str, Any]:
     """Map a Hugging Face config.json onto ModelSpec fields (read as JSON), checked like explicit
     fields. ``exact_check`` (when torch and transformers are importable): refuse the file unless
     the mapped description has exactly the parameters of the transformers model
-    (hf_config.check_exact_count)."""
+    (hf_config.check_exact_count) and, for a family no test proves, the memory model's per-block
+    activations what its blocks keep for backward (hf_config.check_block_bytes)."""
     cfg = read_hf_config(path)
+    out = _checked_hf_fields(cfg, path)
+    if exact_check:
+        check_exact_count(cfg, out, path)
+        check_block_bytes(cfg, out, path, _checked_hf_fields)
+    return out
+
+
+def _checked_hf_fields(cfg: dict, path: str) -> dict[str, Any]:
+    """map_hf_config's fields of the config.json object ``cfg``, each checked as the explicit field."""
     try:
         mapped = map_hf_config(cfg, path)
-        out = {k: (MODEL_FIELDS[k](v, f"model.hf_config:{k}") if k in MODEL_FIELDS else v) for k, v in mapped.items()}
+        return {k: (MODEL_FIELDS[k](v, f"model.hf_config:{k}") if k in MODEL_FIELDS else v) for k, v in mapped.items()}
     except (TypeError, ValueError, AttributeError, OverflowError, KeyError) as err:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"{path}: a value has the wrong type or range ({type(err).__name__}: {show(str(err))})",
                           path="model.hf_config") from None
-    if exact_check:
-        check_exact_count(cfg, out, path)
-    return out
 
 
 def _training(raw: Any) -> TrainingSpec:

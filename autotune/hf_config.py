@@ -101,6 +101,55 @@ def check_exact_count(cfg: dict, fields_: dict, path: str) -> None:
                           path="model.hf_config")
 
 
+BLOCK_TOLERANCE = 0.005
+"""How far (relative) a measured block may be from the memory model's bytes (the per-family test's bound,
+tests/memory/test_memory_hf_blocks.py)."""
+
+
+def check_block_bytes(cfg: dict, fields_: dict, path: str, fields_of: Callable[[dict, str], dict]) -> None:
+    """With torch + transformers, for a dense model_type outside EXACT_FAMILIES: the memory model's
+    per-block activations (``block_activation_bytes_per_token``, CPU, no checkpointing) must be what the
+    family's blocks keep for backward, shrunk to CPU size (autotune.hf_blocks), in bf16 and fp32 and in
+    every compared block, within BLOCK_TOLERANCE; else the file is refused in one line naming the worst
+    block. A family the measurement cannot run is refused too: its activations cannot be checked.
+    ``fields_of(cfg, path)``: ModelSpec fields of a config.json object (autotune.config's checked map)."""
+    from autotune import hf_blocks
+    from autotune.hf_count import HFCountError
+
+    cfg = text_model_config(cfg, path)
+    kind = model_type(cfg)
+    spec = ModelSpec(**{"name": "hf", **fields_})
+    if kind in EXACT_FAMILIES or spec.is_moe or spec.is_mla or not hf_blocks.available():
+        return
+    from autotune.memory import block_activation_bytes_per_token
+
+    small_cfg = hf_blocks.shrink(cfg)
+    try:
+        small = ModelSpec(**{"name": "hf", **fields_of(small_cfg, path)})
+        measured = hf_blocks.saved_bytes_of_blocks(small_cfg, small.attn_implementation)
+    except (ConfigError, HFCountError) as err:
+        why = str(err).split(": ", 1)[-1] if isinstance(err, ConfigError) else str(err)
+        raise ConfigError(f"{path}: model_type {show(kind)}: its activations cannot be checked against transformers "
+                          f"({why}); it is not among the families proven exact ({', '.join(EXACT_FAMILIES)})",
+                          path="model.hf_config") from None
+    worst = (0.0, "", 0, 0, 0.0)
+    for precision, blocks in measured.items():
+        p = hf_blocks.PRECISIONS[precision]
+        tokens = hf_blocks.BATCH * hf_blocks.SEQ
+        predicted = block_activation_bytes_per_token(small, p, hf_blocks.SEQ, "none", mask_bytes=p, device="cpu") * tokens
+        for i, got in enumerate(blocks, start=1):
+            err_ = predicted / got - 1 if got else float("inf")
+            if abs(err_) > abs(worst[0]):
+                worst = (err_, precision, i, got, predicted)
+    if abs(worst[0]) > BLOCK_TOLERANCE:
+        err_, precision, i, got, predicted = worst
+        raise ConfigError(
+            f"{path}: model_type {show(kind)}: the memory model's block activations are {err_:+.2%} off what "
+            f"transformers keeps for backward ({precision}, block {i} of the model shrunk to width 128: "
+            f"{predicted:,.0f} predicted, {got:,} measured bytes); this family's forward is not described "
+            f"exactly, its memory would be mis-sized", path="model.hf_config")
+
+
 _Getter = Callable[..., Any]
 """``get(*keys, default=None)``: the first of ``keys`` the config sets, else ``default`` (required
 when None: a one-line error names the file and the keys)."""

@@ -50,7 +50,7 @@ COUNT_TIMEOUT_S = 600
 """How long the child process may take to build the model on the meta device."""
 
 
-def _available() -> bool:
+def available() -> bool:
     """torch and transformers are installed (found without importing them; a None entry in
     sys.modules blocks an import, as a light install's missing package)."""
     for name in ("torch", "transformers"):
@@ -79,7 +79,7 @@ def _cache_key(raw: dict, num_layers: int) -> str:
             f"transformers {importlib.metadata.version('transformers')}")
 
 
-def _read_cache() -> dict:
+def read_cache() -> dict:
     try:
         with open(cache_path(), encoding="utf-8") as fh:
             data = json.load(fh)
@@ -88,10 +88,10 @@ def _read_cache() -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(key: str, count: int) -> None:
+def write_cache(key: str, value: Any) -> None:
     """Add one entry (an unwritable cache only costs the next run a child process)."""
     path = cache_path()
-    data = {**_read_cache(), key: count}
+    data = {**read_cache(), key: value}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -102,21 +102,28 @@ def _write_cache(key: str, count: int) -> None:
         pass
 
 
-def _count_in_child(raw: dict, num_layers: int) -> int:
-    """``hf_parameter_count`` in a child process (this one stays torch-free)."""
+def child_answer(module: str, payload: dict, timeout_s: int, what: str) -> dict:
+    """``python -m module`` with ``payload`` as JSON on stdin; its last stdout line as JSON (this process
+    stays torch-free). HFCountError (one line) on a timeout, a crash or an ``error`` answer."""
     try:
-        proc = subprocess.run([sys.executable, "-m", "autotune.hf_count"], capture_output=True, text=True,
-                              input=json.dumps({"raw": raw, "num_layers": num_layers}), timeout=COUNT_TIMEOUT_S)
+        proc = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True,
+                              input=json.dumps(payload), timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise HFCountError(f"building the model on the meta device took over {COUNT_TIMEOUT_S} s") from None
+        raise HFCountError(f"{what} took over {timeout_s} s") from None
     try:
         answer = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
         tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
-        raise HFCountError(f"the parameter count's child process failed (exit {proc.returncode}: {tail})") from None
+        raise HFCountError(f"{what}: the child process failed (exit {proc.returncode}: {tail})") from None
     if "error" in answer:
         raise HFCountError(answer["error"])
-    return int(answer["count"])
+    return answer
+
+
+def _count_in_child(raw: dict, num_layers: int) -> int:
+    """``hf_parameter_count`` in a child process."""
+    return int(child_answer("autotune.hf_count", {"raw": raw, "num_layers": num_layers}, COUNT_TIMEOUT_S,
+                            "building the model on the meta device")["count"])
 
 
 def _count(raw: dict, layers: int) -> int:
@@ -150,16 +157,16 @@ def hf_parameter_count(raw: dict, num_layers: int) -> Optional[int]:
     (shared tensors once); None without torch/transformers; HFCountError if it cannot be built.
     Counted here when this process has imported torch and transformers, else read from the cache
     or counted in a child process and cached."""
-    if not _available():
+    if not available():
         return None
     if sys.modules.get("torch") is not None and sys.modules.get("transformers") is not None:
         return _count_here(raw, num_layers)
     key = _cache_key(raw, num_layers)
-    cached = _read_cache().get(key)
+    cached = read_cache().get(key)
     if isinstance(cached, int):
         return cached
     count = _count_in_child(raw, num_layers)
-    _write_cache(key, count)
+    write_cache(key, count)
     return count
 
 

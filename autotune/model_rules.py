@@ -38,6 +38,28 @@ def _text_config(hf_path: Optional[str]) -> dict:
     return cfg if "num_hidden_layers" in cfg or "text_config" not in cfg else cfg["text_config"]
 
 
+def check_stated_balance(spec: ModelSpec) -> None:
+    """The stated load-imbalance factors fit the model: only a MoE model has them; the busiest expert
+    cannot take more than every token (moe_load_imbalance <= experts / top-k: top-k picks distinct
+    experts); an EP rank's received rows average its experts, so not above the busiest expert's."""
+    expert, rank = spec.moe_load_imbalance, spec.ep_rank_imbalance
+    if (expert or rank) and not spec.is_moe:
+        key = "moe_load_imbalance" if expert else "ep_rank_imbalance"
+        raise ConfigError(f"{key} is stated for a model without routed experts (num_experts 0)", path=f"model.{key}")
+    if not spec.is_moe:
+        return
+    most = spec.num_experts / spec.num_experts_per_tok
+    if expert and expert > most:
+        raise ConfigError(f"moe_load_imbalance {expert} is above experts / top-k = {most:g}: the busiest expert "
+                          f"would take more than every token", path="model.moe_load_imbalance")
+    from autotune.memory.moe import expert_imbalance
+
+    if rank and rank > expert_imbalance(spec):
+        raise ConfigError(f"ep_rank_imbalance {rank} is above the busiest expert's factor "
+                          f"{expert_imbalance(spec):g} (moe_load_imbalance): a rank's received rows average "
+                          f"its experts", path="model.ep_rank_imbalance")
+
+
 def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
     """A mixture-of-experts or latent-attention model is described exactly (its parameter count);
     the memory model sizes the routed MoE blocks of Mixtral / Qwen3-MoE (autotune.memory.moe

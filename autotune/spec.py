@@ -129,6 +129,15 @@ class ModelSpec:
     """Indices of the blocks of a MoE model that keep the dense MLP of intermediate_size (DeepSeek's
     first ``first_k_dense_replace``; Qwen-MoE's ``mlp_only_layers`` and the blocks off its
     ``decoder_sparse_step``)."""
+    moe_load_imbalance: Optional[float] = None
+    """Stated load imbalance: the busiest expert's routed tokens over the mean (tokens x top-k /
+    experts), what per-expert buffers are sized with (expert parallelism's per-chunk rows); at most
+    experts / top-k; None: ``memory.moe.MOE_LOAD_IMBALANCE``. State what the run's router does (a trained
+    router with its auxiliary loss balances better than one at init)."""
+    ep_rank_imbalance: Optional[float] = None
+    """Stated imbalance of expert parallelism's ranks: the busiest EP rank's received rows over the mean
+    (tokens x top-k), at most moe_load_imbalance (a rank's experts average the busiest one out);
+    None: moe_load_imbalance."""
     router_bias: bool = False
     """The router ``Linear(d, num_experts)`` has a bias (gpt-oss)."""
     expert_bias: bool = False

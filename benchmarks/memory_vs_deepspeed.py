@@ -515,29 +515,36 @@ def predict(out: dict, workdir: Path) -> dict:
              for st in out.get("routing_steps") or [] if st),
             default=_at_routing(out["imbalance_measured"], model, training, hardware, strategy))
         out["error_routing"] = (out["predicted_routing"] - out["measured"]) / out["measured"]
+        # the stated factors a user who measured this routing would give (ModelSpec.moe_load_imbalance: the
+        # largest chunk, one source rank's rows for one expert, over its mean; ep_rank_imbalance: the rank's)
+        chunks = [n for st in out.get("routing_steps") or [] for dispatch in st for n in dispatch]
+        if chunks:
+            out["expert_imbalance_measured"] = max(chunks) * model.num_experts / mean
+            stated = model.replace(moe_load_imbalance=out["expert_imbalance_measured"],
+                                   ep_rank_imbalance=out["imbalance_measured"])
+            out["predicted_stated"] = estimate_memory(stated, training, hardware, strategy, device="cpu").gpu["peak"]
+            out["error_stated"] = (out["predicted_stated"] - out["measured"]) / out["measured"]
     return out
 
 
 def _at_routing(imbalance: float, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                 strategy: Strategy, splits: list | None = None) -> int:
     """The peak predicted with ``imbalance`` (a measured step's busiest rank's received rows over the
-    mean) in place of MOE_LOAD_IMBALANCE and, when given, a micro-step's dispatch splits (``splits``,
+    mean) as the model's ``ep_rank_imbalance`` and, when given, a micro-step's dispatch splits (``splits``,
     forward order; backward runs them last first) in place of the bound over every split:
-    memory.expert_parallel.received_rows' default and chunk_rows swapped for the call, the
-    activations' cache cleared before and after."""
-    import functools
-
+    memory.expert_parallel.chunk_rows swapped for the call (the analytical model never knows the
+    routing), the activations' cache cleared before and after."""
     from autotune.memory import activations, expert_parallel
 
-    original, chunks = expert_parallel.received_rows, expert_parallel.chunk_rows
-    expert_parallel.received_rows = functools.partial(original, imbalance=imbalance)
+    chunks = expert_parallel.chunk_rows
     if splits:
         expert_parallel.chunk_rows = lambda m, tokens, ep: tuple(tuple(reversed(c)) for c in splits)
     activations._breakdown.cache_clear()
     try:
-        return estimate_memory(model, training, hardware, strategy, device="cpu").gpu["peak"]
+        return estimate_memory(model.replace(ep_rank_imbalance=imbalance), training, hardware, strategy,
+                               device="cpu").gpu["peak"]
     finally:
-        expert_parallel.received_rows, expert_parallel.chunk_rows = original, chunks
+        expert_parallel.chunk_rows = chunks
         activations._breakdown.cache_clear()
 
 
@@ -641,6 +648,9 @@ def main(argv: list[str] | None = None) -> int:
             return head + f"  {r.get('status')}: {str(r.get('reason'))[:200]}"
         routing = (f"  at the measured routing (imbalance {r['imbalance_measured']:.3f}): {100 * r['error_routing']:+.2f}%"
                    if r.get("error_routing") is not None else "")
+        if r.get("error_stated") is not None:
+            routing += (f"; stated factors {r['expert_imbalance_measured']:.3f} / {r['imbalance_measured']:.3f}: "
+                        f"{100 * r['error_stated']:+.2f}%")
         return (head + f"{r['measured'] / 2**20:>13.2f}{r['predicted'] / 2**20:>14.2f}{100 * r['error']:>+8.2f}"
                 f"  {r['measured_phase']}/{r['predicted_phase']}" + routing)
 

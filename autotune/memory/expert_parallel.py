@@ -9,16 +9,17 @@ the rest of the block (attention, norms, router) is a unit sharded over all n ra
 experts' rank by ``all_to_all_single`` (dispatch), one gated MLP per (source rank, local expert)
 chunk of the R rows this rank receives, sent back (combine), weighted and summed per token.
 
-Pure arithmetic. ``received_rows`` is where load imbalance enters: R is the busiest rank's rows,
-``MOE_LOAD_IMBALANCE`` x the mean (tokens x top-k: each rank sends as many rows as it receives on
-average), at most every row that can reach it.
+Pure arithmetic. Load imbalance enters twice, as stated factors: R, the busiest rank's received rows,
+is ``rank_imbalance`` x the mean (tokens x top-k: each rank sends as many rows as it receives on
+average), at most every row that can reach it; a chunk (one source rank's rows for one expert) is at
+most the busiest expert's tokens, ``moe.worst_expert_tokens`` (``moe_load_imbalance`` x the mean).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
-from autotune.memory.moe import MOE_LOAD_IMBALANCE, _routing_weight_bytes, expert_width, pair_saved
+from autotune.memory.moe import _routing_weight_bytes, expert_imbalance, expert_width, pair_saved, worst_expert_tokens
 from autotune.spec import ModelSpec
 
 
@@ -27,13 +28,19 @@ def block_expert_elements(m: ModelSpec) -> int:
     return 3 * m.num_experts * m.hidden_size * expert_width(m)
 
 
-def received_rows(m: ModelSpec, tokens: int, ep: int, imbalance: float = MOE_LOAD_IMBALANCE) -> int:
+def rank_imbalance(m: ModelSpec) -> float:
+    """The busiest EP rank's received rows over the mean: the stated ``ep_rank_imbalance``, else the
+    busiest expert's factor (``moe.expert_imbalance``: a bound, a rank's experts average it out)."""
+    return m.ep_rank_imbalance or expert_imbalance(m)
+
+
+def received_rows(m: ModelSpec, tokens: int, ep: int, imbalance: Optional[float] = None) -> int:
     """Rows the busiest EP rank receives by the dispatch (``all_to_all_single`` of the sorted rows,
-    expert_parallel.py ``forward``): ``imbalance`` x the mean tokens x top-k, at most every token of
-    the ep ranks once per local expert it can pick (top-k picks distinct experts)."""
+    expert_parallel.py ``forward``): ``imbalance`` (default ``rank_imbalance``) x the mean tokens x top-k,
+    at most every token of the ep ranks once per local expert it can pick (top-k picks distinct experts)."""
     local = m.num_experts // ep
     cap = ep * tokens * min(m.num_experts_per_tok, local)
-    return int(min(cap, -(-imbalance * tokens * m.num_experts_per_tok // 1)))
+    return int(min(cap, -(-(imbalance or rank_imbalance(m)) * tokens * m.num_experts_per_tok // 1)))
 
 
 class EpUnits(NamedTuple):
@@ -126,7 +133,7 @@ def ep_backward_transient(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
       multiply's saved rows and weights and the index_add's source released;
     * the chunk loop (``_chunk_instants``), chunk by chunk from the last created (torch 2.13's engine
       runs a higher sequence number first). Each instant is affine in a chunk's rows n and the rows
-      run before it (n <= T = min(R, tokens): top-k picks distinct experts; n + before <= R), so with
+      run before it (n <= T = min(R, the busiest expert's tokens, moe.worst_expert_tokens); n + before <= R), so with
       the routing unknown (``chunk_rows`` None) the vertices bound every split: the first chunk with
       0 or T rows, a later one at (0, 0), (T, 0), (0, R) or (T, R - T); given the measured splits,
       their exact loop."""
@@ -138,7 +145,7 @@ def ep_backward_transient(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
     exchange = p * h * rows + p * h * sent - released
     splits = chunk_rows(m, tokens, ep)
     if splits is None:
-        top = min(rows, tokens)  # a chunk: one source rank's rows for one expert, at most one per token
+        top = min(rows, worst_expert_tokens(m, tokens))  # a chunk: one source rank's rows for one expert
         loop = max(_chunk_instants(m, p, ep, sent, rows, n, b, later) for n, b, later in (
             (0, 0, False), (top, 0, False), (0, 0, True), (top, 0, True), (0, rows, True), (top, rows - top, True)))
     else:

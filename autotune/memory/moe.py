@@ -17,20 +17,26 @@ from typing import Optional
 
 from autotune.spec import ModelSpec
 
-MOE_LOAD_IMBALANCE = 1.45
-"""Worst expert's routed tokens over the mean (tokens x top-k / experts), the factor per-expert buffers
-are sized with (measured at init on the tiny Mixtral / Qwen3-MoE of benchmarks/memory_vs_deepspeed.py,
-docs/moe.md: at most 1.44). transformers' default ``grouped_mm`` path, the one sized here, has no
-per-expert buffer: every tensor is tokens x top-k rows, so its bytes are exact for any routing and
-the factor multiplies nothing; a per-expert layout (the eager expert loop, expert parallelism's
-tokens per EP rank) takes its worst expert as this factor x the mean."""
+MOE_LOAD_IMBALANCE = 1.5
+"""Worst expert's routed tokens over the mean (tokens x top-k / experts) where the job states none
+(``ModelSpec.moe_load_imbalance``): what the routers of the tiny Mixtral / Qwen3-MoE of
+benchmarks/memory_vs_deepspeed.py do at init, rounded up from the largest measured (docs/moe.md, Load
+imbalance). transformers' default ``grouped_mm`` path, the one sized here, has no per-expert buffer:
+every tensor is tokens x top-k rows, so its bytes are exact for any routing and the factor multiplies
+nothing; a per-expert layout (expert parallelism's chunks and tokens per EP rank) takes its worst
+expert as this factor x the mean."""
 
 
-def worst_expert_tokens(m: ModelSpec, tokens: int, imbalance: float = MOE_LOAD_IMBALANCE) -> int:
-    """Routed tokens of the busiest expert: ``imbalance`` x the mean, at most every token (top-k picks
-    distinct experts: an expert sees a token once)."""
+def expert_imbalance(m: ModelSpec) -> float:
+    """The busiest expert's tokens over the mean: the stated ``moe_load_imbalance``, else the default."""
+    return m.moe_load_imbalance or MOE_LOAD_IMBALANCE
+
+
+def worst_expert_tokens(m: ModelSpec, tokens: int, imbalance: Optional[float] = None) -> int:
+    """Routed tokens of the busiest expert: ``imbalance`` (default ``expert_imbalance``) x the mean, at
+    most every token (top-k picks distinct experts: an expert sees a token once)."""
     mean = tokens * m.num_experts_per_tok / max(1, m.num_experts)
-    return int(min(tokens, -(-imbalance * mean // 1)))
+    return int(min(tokens, -(-(imbalance or expert_imbalance(m)) * mean // 1)))
 
 
 def expert_width(m: ModelSpec) -> int:

@@ -182,3 +182,51 @@ def test_worker_says_why_it_stopped(tmp_path, capsys, monkeypatch):
     line = capsys.readouterr().out
     assert "0 evaluations, stopped because every one of the" in line
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+
+
+MIXTRAL = os.path.join(EXAMPLES, "mixtral-8x7b.yaml")
+
+
+def _model_job(tmp_path, base: str, **model):
+    """``base`` copied into tmp_path with ``model`` keys added (its hf_config made absolute)."""
+    import yaml
+
+    with open(base) as fh:
+        job = yaml.safe_load(fh)
+    if "hf_config" in job["model"]:
+        job["model"]["hf_config"] = os.path.normpath(os.path.join(EXAMPLES, job["model"]["hf_config"]))
+    job["model"].update(model)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return str(path)
+
+
+@pytest.mark.parametrize("model,needle", [
+    (dict(moe_load_imbalance=4.5), "model.moe_load_imbalance: moe_load_imbalance 4.5 is above experts / top-k = 4"),
+    (dict(moe_load_imbalance=1.2, ep_rank_imbalance=1.3), "model.ep_rank_imbalance: ep_rank_imbalance 1.3 is above"),
+    (dict(moe_load_imbalance=0.9), "model.moe_load_imbalance"),
+])
+def test_a_stated_load_imbalance_the_model_cannot_have_is_one_line(tmp_path, capsys, model, needle):
+    """The stated factors (ModelSpec.moe_load_imbalance, ep_rank_imbalance) are checked against the model:
+    one line naming the key, exit 2; a factor that fits changes the EP points' bytes, not the others'."""
+    assert main(["estimate", _model_job(tmp_path, MIXTRAL, **model)]) == 2
+    _one_line_error(capsys, needle)
+
+
+def test_a_stated_load_imbalance_on_a_dense_model_is_one_line(tmp_path, capsys):
+    assert main(["estimate", _model_job(tmp_path, LLAMA, moe_load_imbalance=1.2)]) == 2
+    _one_line_error(capsys, "model.moe_load_imbalance: moe_load_imbalance is stated for a model without routed experts")
+
+
+def test_a_stated_load_imbalance_moves_the_ep_points_only(tmp_path):
+    from autotune.config import load_config
+    from autotune.memory import estimate_memory
+    from autotune.strategy import Strategy
+
+    default, stated = (load_config(_model_job(tmp_path, MIXTRAL, **model))
+                       for model in ({}, dict(moe_load_imbalance=1.2, ep_rank_imbalance=1.1)))
+    m, tr, hw = default.model, default.training, default.hardware
+    ep, plain = (Strategy(engine="fsdp2", expert_parallel_size=e, micro_batch_size=1, checkpointing="full")
+                 for e in (8, 1))
+    backward = {s: [estimate_memory(x, tr, hw, s).phases["backward"] for x in (stated.model, m)] for s in (ep, plain)}
+    assert backward[ep][0] < backward[ep][1] and backward[plain][0] == backward[plain][1], backward

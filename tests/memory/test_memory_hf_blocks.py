@@ -11,6 +11,7 @@ import os
 import pytest
 
 from autotune.config import hf_config_fields
+from autotune.hf_blocks import saved_bytes_per_block
 from autotune.memory.activations import _composite_gelu_backward_transient, _mlp_backward_transient
 from autotune.memory import activation_breakdown, block_activation_bytes_per_token
 from autotune.spec import ModelSpec, TrainingSpec
@@ -45,28 +46,6 @@ def _small_config(path: str, tmp_path) -> str:
     return str(out)
 
 
-def _saved_bytes_of_block(model, layers, index: int, batch: int, seq: int, vocab: int) -> int:
-    """Bytes of the storages (parameters excluded) autograd saves inside ``layers[index]``'s forward
-    that no earlier part of the forward saved (rotary tables and masks are shared by all blocks)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    first_seen: dict[int, tuple[int, int]] = {}  # storage -> (block it was first saved in, bytes)
-    where = [-1]
-    for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(lambda *a, i=i: where.__setitem__(0, i))
-        layer.register_forward_hook(lambda *a: where.__setitem__(0, -1))
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            first_seen.setdefault(ptr, (where[0], t.untyped_storage().nbytes()))
-        return t
-
-    x = torch.randint(0, vocab, (batch, seq))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=x, labels=x, use_cache=False)
-    return sum(n for block, n in first_seen.values() if block == index)
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("path", FILES, ids=[os.path.basename(f)[:-5] for f in FILES])
 def test_block_activations_match_transformers(path, precision, tmp_path):
@@ -82,7 +61,7 @@ def test_block_activations_match_transformers(path, precision, tmp_path):
     layers = model.transformer.h if hasattr(model, "transformer") else (
         model.gpt_neox.layers if hasattr(model, "gpt_neox") else model.model.layers)
     batch, seq = 2, 64
-    measured = _saved_bytes_of_block(model, layers, 1, batch, seq, cfg.vocab_size)
+    measured = saved_bytes_per_block(model, layers, torch.randint(0, cfg.vocab_size, (batch, seq)))[1]
     p = 2 if precision == "bf16" else 4
     predicted = block_activation_bytes_per_token(spec, p, seq, "none", mask_bytes=p, device="cpu") * batch * seq
     assert predicted == pytest.approx(measured, rel=0.005), (spec.name, predicted, measured)
@@ -265,7 +244,7 @@ def test_sliding_window_mask_saved_per_block(window, tmp_path):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16).train()
     batch, seq = 2, 64
-    measured = _saved_bytes_of_block(model, model.model.layers, 1, batch, seq, hf.vocab_size)
+    measured = saved_bytes_per_block(model, model.model.layers, torch.randint(0, hf.vocab_size, (batch, seq)))[1]
     predicted = block_activation_bytes_per_token(spec, 2, seq, "none", mask_bytes=2, device="cpu") * batch * seq
     assert predicted == pytest.approx(measured, rel=0.005), (window, predicted, measured)
     unmasked = block_activation_bytes_per_token(dataclasses.replace(spec, sliding_window=None), 2, seq, "none",

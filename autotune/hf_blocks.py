@@ -1,0 +1,183 @@
+"""What a config.json family's blocks keep for backward, measured (torch + transformers), for the families
+whose activations no test proves (model_type outside hf_config.EXACT_FAMILIES).
+
+A parameter count that matches (autotune.hf_count) does not make the activations right: a family can have
+the Llama-shaped parameters and another forward (GLM's partial interleaved rotary, Helium's or Seed-OSS's
+own blocks). ``saved_bytes_of_blocks(raw)`` shrinks the file to CPU size with its own switches kept
+(``shrink``: ``BLOCKS`` blocks, width 128, 4 heads), runs one forward of the transformers model with
+autograd's saved-tensor hooks (bf16 and fp32, batch ``BATCH`` x ``SEQ`` tokens) and returns the bytes each
+block saved that no earlier part of the forward saved; hf_config.check_block_bytes compares them with the
+memory model's ``block_activation_bytes_per_token`` of the same shrunk file.
+
+As autotune.hf_count: measured here when this process has imported torch and transformers, else in a child
+process (``python -m autotune.hf_blocks``; the simulate path never imports torch) and cached in the same
+cache file under a ``blocks:`` key per shrunk config, BLOCKS_VERSION and transformers version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import io
+import json
+import logging
+import sys
+import warnings
+from typing import Any
+
+from autotune.hf_count import HFCountError, available, child_answer, read_cache, write_cache
+
+BLOCKS = 4
+"""Blocks of the shrunk model; blocks 1.. are compared (block 0 also saves what every block shares)."""
+BATCH, SEQ = 2, 64
+"""The measured forward's batch and sequence length."""
+PRECISIONS = {"bf16": 2, "fp32": 4}
+"""The dtypes measured (name -> bytes per element)."""
+BLOCKS_VERSION = 1
+"""Part of each cache key: raise it when the measurement changes (``shrink``, ``_measure``)."""
+TIMEOUT_S = 600
+"""How long the child process may take."""
+
+_WIDTH = {"hidden_size": 128, "n_embd": 128, "d_model": 128, "intermediate_size": 344, "n_inner": 512,
+          "ffn_hidden_size": 344, "vocab_size": 512, "padded_vocab_size": 512, "max_position_embeddings": 512,
+          "n_positions": 512, "max_seq_len": 512, "head_dim": 32}
+"""Size keys set to CPU size where the file sets them (the family's switches are left as they are)."""
+_HEADS = ("num_attention_heads", "n_head", "n_heads")
+_KV_HEADS = ("num_key_value_heads", "multi_query_group_num", "kv_n_heads")
+_LAYERS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+_DROP = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map",
+         "quantization_config")
+
+
+def shrink(cfg: dict) -> dict:
+    """``cfg`` (a text model's config.json object) at CPU size: ``BLOCKS`` blocks, width 128, 4 heads
+    (kv heads 4 if the file has as many as heads, else 2, or 1 for multi-query), head dim 32 where set,
+    a 512-token vocabulary; token ids past it set to 0; per-layer lists cut to the blocks."""
+    out = {k: v for k, v in cfg.items() if k not in _DROP and v is not None}
+    heads = next((out[k] for k in _HEADS if isinstance(out.get(k), int)), None)
+    for key, value in _WIDTH.items():
+        if isinstance(out.get(key), int):
+            out[key] = value
+    for key in _HEADS:
+        if isinstance(out.get(key), int):
+            out[key] = 4
+    for key in _KV_HEADS:
+        if isinstance(out.get(key), int):
+            kv = out[key]
+            out[key] = 4 if kv == heads else 1 if kv == 1 else 2
+    for key in _LAYERS:
+        if isinstance(out.get(key), int):
+            out[key] = BLOCKS
+    for key, value in out.items():
+        if isinstance(value, list) and len(value) >= BLOCKS and key.startswith("layer"):
+            out[key] = value[:BLOCKS]
+        if key.endswith("token_id") and isinstance(value, int) and value >= 512:
+            out[key] = 0
+    return out
+
+
+def _cache_key(small: dict) -> str:
+    body = json.dumps(small, sort_keys=True, default=str)
+    return (f"blocks:{hashlib.sha256(body.encode()).hexdigest()}:v{BLOCKS_VERSION}:"
+            f"transformers {importlib.metadata.version('transformers')}")
+
+
+def saved_bytes_of_blocks(small: dict, attn_implementation: str) -> dict[str, list[int]]:
+    """precision -> the bytes blocks 1.. of the shrunk config ``small`` keep for backward (parameters and
+    what an earlier part of the forward saved excluded); HFCountError (one line) if transformers cannot
+    build or run it. Cached; measured in a child process unless torch and transformers are imported."""
+    if sys.modules.get("torch") is not None and sys.modules.get("transformers") is not None:
+        return _measure_here(small, attn_implementation)
+    key = f"{_cache_key(small)}:{attn_implementation}"
+    cached = read_cache().get(key)
+    if isinstance(cached, dict) and set(cached) == set(PRECISIONS):
+        return cached
+    answer = child_answer("autotune.hf_blocks", {"small": small, "attn": attn_implementation}, TIMEOUT_S,
+                          "measuring the blocks' saved tensors")
+    write_cache(key, answer["bytes"])
+    return answer["bytes"]
+
+
+_MEASURED: dict[str, dict[str, list[int]]] = {}
+"""This process's measurements (key -> bytes): a fuzzed or repeated job measures once."""
+
+
+def _measure_here(small: dict, attn: str) -> dict[str, list[int]]:
+    key = f"{_cache_key(small)}:{attn}"
+    if key not in _MEASURED:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), \
+                    contextlib.redirect_stdout(io.StringIO()):
+                warnings.simplefilter("ignore")
+                _MEASURED[key] = {name: _measure(small, attn, name) for name in PRECISIONS}
+        except Exception as err:  # any failure of transformers on this config is the user's input
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise HFCountError(f"transformers cannot run model_type {small.get('model_type', 'llama')!r} shrunk "
+                               f"to {BLOCKS} blocks of width 128 ({type(err).__name__}: {first})") from None
+    return _MEASURED[key]
+
+
+def _measure(small: dict, attn: str, precision: str) -> list[int]:
+    """One forward of the shrunk model in ``precision`` under saved-tensor hooks: per block, the bytes of
+    the storages first saved inside it (parameters excluded; rotary tables and masks are shared)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(small)
+    config = AutoConfig.for_model(cfg.pop("model_type", None) or "llama", **cfg)
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == BLOCKS)
+    return saved_bytes_per_block(model, layers, torch.randint(0, int(config.vocab_size), (BATCH, SEQ)))[1:]
+
+
+def saved_bytes_per_block(model: Any, layers: Any, input_ids: Any) -> list[int]:
+    """One training forward of ``model`` (with labels) under autograd's saved-tensor hooks: per block of
+    ``layers``, the bytes of the storages first saved inside it (parameters excluded; what an earlier part
+    of the forward saved, as the rotary tables and masks every block shares, counted there)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    first_seen: dict[int, tuple[int, int]] = {}  # storage -> (block it was first saved in, bytes)
+    where = [-1]
+    hooks = []
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(lambda *a, i=i: where.__setitem__(0, i)))
+        hooks.append(layer.register_forward_hook(lambda *a: where.__setitem__(0, -1)))
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            first_seen.setdefault(ptr, (where[0], t.untyped_storage().nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=input_ids, labels=input_ids, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    return [sum(n for block, n in first_seen.values() if block == i) for i in range(len(layers))]
+
+
+def main() -> int:
+    """The child process: ``{"small": config, "attn": implementation}`` on stdin, ``{"bytes": {...}}`` or
+    ``{"error": one line}`` on stdout."""
+    job = json.load(sys.stdin)
+    try:
+        answer: dict[str, Any] = {"bytes": _measure_here(job["small"], job["attn"])}
+    except HFCountError as err:
+        answer = {"error": str(err)}
+    print(json.dumps(answer))
+    return 0
+
+
+__all__ = ["BLOCKS", "available", "saved_bytes_of_blocks", "saved_bytes_per_block", "shrink"]
+
+if __name__ == "__main__":
+    sys.exit(main())

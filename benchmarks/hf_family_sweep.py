@@ -1,0 +1,89 @@
+"""Every causal-LM family of the installed transformers through ``model.hf_config``: which are sized, which
+refused and why, and that each refusal is one line (no traceback, no silent mis-size).
+
+    python benchmarks/hf_family_sweep.py                  # every model_type of MODEL_FOR_CAUSAL_LM_MAPPING
+    python benchmarks/hf_family_sweep.py --only glm,granite --json /tmp/sweep.json
+
+Each family's config.json is transformers' default config of that model_type (``AutoConfig.for_model``),
+read by autotune.config.hf_config_fields in this process (torch and transformers imported, so the parameter
+count and the block measurement run here, not in children). Outcomes: accepted (described exactly; a MoE
+layout the memory model does not size is refused later, by the job: model_rules.check_modelled); refused:
+parameters (the description's count differs), activations (hf_blocks: a block off by more than 0.5%), not
+checked (the shrunk model cannot run), not built, unmapped (a key the mapping needs is missing), other (a
+value outside its choices, a layout hf_config refuses); crash: anything but a one-line ConfigError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def outcome(text: str) -> str:
+    """The refusal's kind from its one line."""
+    if "transformers builds" in text:
+        return "refused: parameters"
+    if "block activations are" in text:
+        return "refused: activations"
+    if "cannot be checked" in text:
+        return "refused: not checked"
+    if "cannot build" in text or "cannot run" in text:
+        return "refused: not built"
+    if " has none of " in text or "is not among the families" in text:
+        return "refused: unmapped"
+    return "refused: other"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated model_type values")
+    parser.add_argument("--json", help="write {model_type: [outcome, line]} here")
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    import torch  # noqa: F401  (measured in this process)
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from autotune.config import hf_config_fields
+    from autotune.errors import ConfigError
+
+    transformers.logging.set_verbosity_error()
+    kinds = args.only.split(",") if args.only else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    results: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in kinds:
+            try:
+                cfg = transformers.AutoConfig.for_model(kind).to_dict()
+            except Exception as err:  # noqa: BLE001 (a family without a default config)
+                results[kind] = ["no default config", type(err).__name__]
+                continue
+            cfg["model_type"] = kind
+            path = os.path.join(tmp, f"{kind}.json")
+            with open(path, "w") as fh:
+                json.dump(cfg, fh, default=str)
+            try:
+                hf_config_fields(path)
+                results[kind] = ["accepted", ""]
+            except ConfigError as err:
+                text = str(err).replace(path, f"{kind}.json")
+                results[kind] = ["crash: multi-line" if "\n" in text else outcome(text), text]
+            except Exception as err:  # noqa: BLE001 (what the sweep looks for)
+                results[kind] = ["crash", f"{type(err).__name__}: {err}"[:300]]
+            print(f"{kind:28s} {results[kind][0]:22s} {results[kind][1][:150]}", flush=True)
+    counts = collections.Counter(r[0] for r in results.values())
+    print(f"\n{len(results)} model_types: " + ", ".join(f"{n} {k}" for k, n in counts.most_common()))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return 1 if any(k.startswith("crash") for k in counts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

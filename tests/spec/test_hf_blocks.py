@@ -1,0 +1,100 @@
+"""A family outside hf_config.EXACT_FAMILIES is sized only if its blocks keep for backward what the
+memory model says (autotune.hf_blocks, hf_config.check_block_bytes): shrinking keeps the family's
+switches, a family whose forward differs is refused in one line, one that matches is sized, one the
+measurement cannot run is refused, and a torch-free process measures in a child and caches it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autotune.config import hf_config_fields
+from autotune.errors import ConfigError
+from autotune.hf_blocks import BLOCKS, shrink
+from autotune.hf_config import EXACT_FAMILIES
+from conftest import ROOT
+
+
+def test_shrink_sets_the_sizes_and_keeps_the_switches():
+    cfg = {"model_type": "glm", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
+           "intermediate_size": 13696, "num_hidden_layers": 40, "vocab_size": 151552, "head_dim": 128,
+           "partial_rotary_factor": 0.5, "attention_bias": True, "eos_token_id": 151329, "pad_token_id": 3,
+           "torch_dtype": "bfloat16", "layer_types": ["full_attention"] * 40, "rms_norm_eps": 1e-5}
+    small = shrink(cfg)
+    assert (small["hidden_size"], small["num_attention_heads"], small["num_key_value_heads"]) == (128, 4, 2)
+    assert small["num_hidden_layers"] == BLOCKS and len(small["layer_types"]) == BLOCKS
+    assert small["head_dim"] == 32 and small["vocab_size"] == 512 and small["eos_token_id"] == 0
+    assert small["pad_token_id"] == 3 and "torch_dtype" not in small
+    assert {k: small[k] for k in ("partial_rotary_factor", "attention_bias", "rms_norm_eps")} == \
+        {"partial_rotary_factor": 0.5, "attention_bias": True, "rms_norm_eps": 1e-5}
+    assert shrink({**cfg, "num_key_value_heads": 32})["num_key_value_heads"] == 4  # multi-head stays so
+    assert shrink({**cfg, "num_key_value_heads": 1})["num_key_value_heads"] == 1  # multi-query too
+
+
+def _family_file(tmp_path, kind: str) -> str:
+    """transformers' default config of ``kind`` as a config.json."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(kind).to_dict()
+    cfg["model_type"] = kind
+    path = tmp_path / f"{kind}.json"
+    path.write_text(json.dumps(cfg, default=str))
+    return str(path)
+
+
+def test_a_family_whose_blocks_differ_is_refused_in_one_line(tmp_path):
+    """GLM has Llama's parameters (its count matches) but another forward (its partial rotary on
+    interleaved pairs): its blocks keep about 5% more than the memory model says."""
+    pytest.importorskip("torch")
+    assert "glm" not in EXACT_FAMILIES
+    with pytest.raises(ConfigError) as err:
+        hf_config_fields(_family_file(tmp_path, "glm"))
+    text = str(err.value)
+    assert "\n" not in text and err.value.path == "model.hf_config" and "model_type 'glm'" in text
+    assert "block activations are -" in text and "mis-sized" in text
+
+
+def test_a_family_whose_blocks_match_is_sized(tmp_path):
+    pytest.importorskip("torch")
+    assert "granite" not in EXACT_FAMILIES
+    fields = hf_config_fields(_family_file(tmp_path, "granite"))
+    assert fields["hidden_size"] > 128  # the file's own size: only the check shrinks it
+
+
+def test_a_family_the_measurement_cannot_run_is_refused(tmp_path):
+    """MPT has no sdpa attention in transformers: what the memory model would size cannot run."""
+    pytest.importorskip("torch")
+    with pytest.raises(ConfigError) as err:
+        hf_config_fields(_family_file(tmp_path, "mpt"))
+    assert "\n" not in str(err.value) and "cannot be checked" in str(err.value)
+
+
+def test_a_torch_free_process_measures_in_a_child_and_caches(tmp_path):
+    """The CLI's process never imports torch: the measurement runs in ``python -m autotune.hf_blocks``
+    and lands in the cache file, which a second load reads (no child)."""
+    pytest.importorskip("transformers")
+    path = _family_file(tmp_path, "granite")
+    env = {**os.environ, "AUTOTUNE_CACHE_DIR": str(tmp_path / "cache")}
+    code = (f"import subprocess, sys\nfrom autotune.config import hf_config_fields\nhf_config_fields({path!r})\n"
+            "subprocess.run = None\n"  # a second load must not start a child
+            f"hf_config_fields({path!r})\nassert 'torch' not in sys.modules\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cache = json.loads((tmp_path / "cache" / "hf_counts.json").read_text())
+    blocks = [v for k, v in cache.items() if k.startswith("blocks:")]
+    assert len(blocks) == 1 and set(blocks[0]) == {"bf16", "fp32"} and len(blocks[0]["bf16"]) == BLOCKS - 1
+
+
+def test_an_exact_family_is_not_measured(tmp_path, monkeypatch):
+    """The families tests prove (EXACT_FAMILIES) skip the measurement."""
+    pytest.importorskip("transformers")
+    from autotune import hf_blocks
+
+    def never(*args):
+        raise AssertionError("measured an exact family")
+
+    monkeypatch.setattr(hf_blocks, "saved_bytes_of_blocks", never)
+    hf_config_fields(os.path.join(ROOT, "tests", "data", "hf", "llama-3.2-1b.json"))
+    with pytest.raises(AssertionError):
+        hf_config_fields(_family_file(tmp_path, "granite"))
