@@ -16,17 +16,13 @@ cache file under a ``blocks:`` key per shrunk config, BLOCKS_VERSION and transfo
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
-import io
 import json
-import logging
 import sys
-import warnings
 from typing import Any
 
-from autotune.hf_count import HFCountError, available, child_answer, read_cache, write_cache
+from autotune.hf_count import HFCountError, available, child_answer, read_cache, transformers_quietly, write_cache
 
 BLOCKS = 4
 """Blocks of the shrunk model; blocks 1.. are compared (block 0 also saves what every block shares)."""
@@ -106,19 +102,9 @@ _MEASURED: dict[str, dict[str, list[int]]] = {}
 def _measure_here(small: dict, attn: str) -> dict[str, list[int]]:
     key = f"{_cache_key(small)}:{attn}"
     if key not in _MEASURED:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        logging.getLogger("transformers").setLevel(logging.ERROR)
-        try:
-            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), \
-                    contextlib.redirect_stdout(io.StringIO()):
-                warnings.simplefilter("ignore")
-                _MEASURED[key] = {name: _measure(small, attn, name) for name in PRECISIONS}
-        except Exception as err:  # any failure of transformers on this config is the user's input
-            first = (str(err).strip().splitlines() or [""])[0][:200]
-            raise HFCountError(f"transformers cannot run model_type {small.get('model_type', 'llama')!r} shrunk "
-                               f"to {BLOCKS} blocks of width 128 ({type(err).__name__}: {first})") from None
+        with transformers_quietly(f"run model_type {small.get('model_type', 'llama')!r} shrunk to {BLOCKS} "
+                                  f"blocks of width 128"):
+            _MEASURED[key] = {name: _measure(small, attn, name) for name in PRECISIONS}
     return _MEASURED[key]
 
 

@@ -28,7 +28,7 @@ import os
 import subprocess
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 _PER_LAYER_LISTS = ("layer_types",)
@@ -170,8 +170,10 @@ def hf_parameter_count(raw: dict, num_layers: int) -> Optional[int]:
     return count
 
 
-def _count_here(raw: dict, num_layers: int) -> int:
-    """The count in this process (imports torch and transformers)."""
+@contextlib.contextmanager
+def transformers_quietly(what: str) -> Iterator[None]:
+    """transformers' logging, warnings and prints silenced; any exception it raises (the user's config)
+    becomes a one-line HFCountError ``transformers cannot {what} (Type: first line)``."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -180,15 +182,20 @@ def _count_here(raw: dict, num_layers: int) -> int:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), \
                 contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            if num_layers <= FULL_BUILD_LAYERS:
-                return _count(raw, num_layers)
-            one, two, probe = _count(raw, 1), _count(raw, 2), _count(raw, FULL_BUILD_LAYERS)
-            if probe != one + (FULL_BUILD_LAYERS - 1) * (two - one):  # layers not all alike
-                return _count(raw, num_layers)
+            yield
     except Exception as err:  # any failure of transformers on this config is the user's input
         first = (str(err).strip().splitlines() or [""])[0][:200]
-        raise HFCountError(f"transformers cannot build model_type {raw.get('model_type', 'llama')!r} from it "
-                           f"({type(err).__name__}: {first})") from None
+        raise HFCountError(f"transformers cannot {what} ({type(err).__name__}: {first})") from None
+
+
+def _count_here(raw: dict, num_layers: int) -> int:
+    """The count in this process (imports torch and transformers)."""
+    with transformers_quietly(f"build model_type {raw.get('model_type', 'llama')!r} from it"):
+        if num_layers <= FULL_BUILD_LAYERS:
+            return _count(raw, num_layers)
+        one, two, probe = _count(raw, 1), _count(raw, 2), _count(raw, FULL_BUILD_LAYERS)
+        if probe != one + (FULL_BUILD_LAYERS - 1) * (two - one):  # layers not all alike
+            return _count(raw, num_layers)
     return one + (num_layers - 1) * (two - one)
 
 
