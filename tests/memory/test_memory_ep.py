@@ -150,12 +150,14 @@ def test_stored_ep_rows_at_their_routing_within_the_margin(tmp_path):
 def test_ep_step_measured_not_under_predicted(tmp_path):
     """One real EP step (2 gloo ranks, EP 2, tiny Qwen3-MoE, the benchmark's worker: apply's expert units,
     the all-to-alls, clip_grad_norm over two meshes): it runs, and the model does not under-predict its
-    worst step at the routing it measured nor at the stated factor."""
+    worst step at the routing it measured, at the default factor nor at the factors it measured stated."""
     pytest.importorskip("transformers")
     bench = _bench()
     row = dict(zip(bench.ROW_KEYS, ("hf-qwen3moe-sv", "fsdp2", 2, 1, 2, 128, "none", "bf16")),
                knobs={"expert_parallel_size": 2})
     out = bench.run_row(row, tmp_path, timeout=300)
     assert out["status"] == "ok", out.get("reason")
-    assert 1.0 <= out["imbalance_measured"] <= out["expert_imbalance_measured"] <= MOE_LOAD_IMBALANCE
-    assert out["error"] >= out["error_routing"] >= -PREDICTION_MARGIN, out
+    # 256 tokens per rank: the busiest chunk can pass the default factor (1.70 measured here; docs/moe.md),
+    # which still over-predicts, as the factors stated at what the step measured do
+    assert 1.0 <= out["imbalance_measured"] <= out["expert_imbalance_measured"], out
+    assert min(out["error"], out["error_stated"]) >= out["error_routing"] >= -PREDICTION_MARGIN, out

@@ -280,8 +280,15 @@ HF_BASE = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "nu
 
 @pytest.fixture(scope="module")
 def hf_warm():
-    """model.hf_config counts parameters with transformers on the meta device (autotune.hf_count):
-    import it once, outside hypothesis's per-example deadline."""
+    """model.hf_config counts parameters with transformers on the meta device (autotune.hf_count) and
+    measures a shrunk block (autotune.hf_blocks): with torch and transformers imported in this process
+    both run here, not in a child process per fuzzed file (seconds each, past hypothesis's per-example
+    deadline); imported and warmed once, outside it."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
     from autotune.hf_count import hf_parameter_count
 
     hf_parameter_count(dict(HF_BASE), 1)

@@ -1,7 +1,8 @@
-"""A family outside hf_config.EXACT_FAMILIES is sized only if its blocks keep for backward what the
-memory model says (autotune.hf_blocks, hf_config.check_block_bytes): shrinking keeps the family's
-switches, a family whose forward differs is refused in one line, one that matches is sized, one the
-measurement cannot run is refused, and a torch-free process measures in a child and caches it."""
+"""A dense config.json is sized only if its blocks keep for backward what the memory model says
+(autotune.hf_blocks, hf_config.check_block_bytes): shrinking keeps the family's switches, a family whose
+forward differs is refused in one line, one that matches is sized, one the measurement cannot run is
+refused, a proven family's file with an untested switch is refused, and a torch-free process measures
+in a child and caches it."""
 
 import json
 import os
@@ -86,15 +87,27 @@ def test_a_torch_free_process_measures_in_a_child_and_caches(tmp_path):
     assert len(blocks) == 1 and set(blocks[0]) == {"bf16", "fp32"} and len(blocks[0]["bf16"]) == BLOCKS - 1
 
 
-def test_an_exact_family_is_not_measured(tmp_path, monkeypatch):
-    """The families tests prove (EXACT_FAMILIES) skip the measurement."""
-    pytest.importorskip("transformers")
+def test_a_proven_familys_file_with_an_untested_switch_is_refused(tmp_path):
+    """A family the tests prove (EXACT_FAMILIES) is measured too: its file can set a switch no test
+    covers (GPT-2 with activation_function relu: the memory model counts the GELU's saved tensors);
+    the published file passes."""
+    pytest.importorskip("torch")
+    gpt2 = os.path.join(ROOT, "tests", "data", "hf", "gpt2.json")
+    assert "gpt2" in EXACT_FAMILIES and hf_config_fields(gpt2)["hidden_act"] == "gelu_new"
+    relu = tmp_path / "relu.json"
+    relu.write_text(json.dumps({**json.load(open(gpt2)), "activation_function": "relu"}))
+    with pytest.raises(ConfigError) as err:
+        hf_config_fields(str(relu))
+    assert "\n" not in str(err.value) and "block activations are +" in str(err.value)
+
+
+def test_moe_and_latent_attention_files_are_not_measured(monkeypatch):
+    """MoE / MLA blocks are sized family by family and proven by tests/memory: not measured here."""
     from autotune import hf_blocks
 
     def never(*args):
-        raise AssertionError("measured an exact family")
+        raise AssertionError("measured a MoE file")
 
     monkeypatch.setattr(hf_blocks, "saved_bytes_of_blocks", never)
-    hf_config_fields(os.path.join(ROOT, "tests", "data", "hf", "llama-3.2-1b.json"))
-    with pytest.raises(AssertionError):
-        hf_config_fields(_family_file(tmp_path, "granite"))
+    for name in ("mixtral-8x7b-v0.1.json", "deepseek-v2-lite.json"):
+        hf_config_fields(os.path.join(ROOT, "tests", "data", "hf", "moe", name))

@@ -175,8 +175,8 @@ def test_a_torch_free_process_counts_in_a_child_and_caches_the_count(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     assert int(first.stdout) == 8_030_261_248  # Llama-3.1-8B's model card
     cache = tmp_path / "cache" / "hf_counts.json"
-    entries = json.loads(cache.read_text())
-    assert list(entries.values()) == [8_030_261_248]
+    entries = {k: v for k, v in json.loads(cache.read_text()).items() if not k.startswith("blocks:")}
+    assert list(entries.values()) == [8_030_261_248]  # (beside it, the block measurement: test_hf_blocks.py)
     cache.write_text(json.dumps({key: 8_030_261_249 for key in entries}))
     second = load()
     assert second.returncode != 0 and "transformers builds 8,030,261,249" in second.stderr
