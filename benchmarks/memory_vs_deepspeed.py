@@ -168,6 +168,9 @@ MOE_FAMILIES.update({
 # (block 0 a DeepseekV2MLP of intermediate_size), Qwen1.5-MoE's mlp_only_layers (block 1 a Qwen2MoeMLP)
 MOE_FAMILIES.update({
     "hf-deepseekv2-dense": ("moe/deepseek-v2-lite", {**_DSV2, "first_k_dense_replace": 1}),
+    # DeepSeek-V3's router and rotary with its dense first blocks (the published file: first_k_dense_replace 3)
+    "hf-deepseekv3-dense": ("moe/deepseek-v3", {**_DSV2, "q_lora_rank": 48, "n_group": 2, "topk_group": 1,
+                                                "first_k_dense_replace": 1}),
     "hf-qwen2moe-dense": ("moe/qwen1.5-moe-a2.7b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176,
                                                    "shared_expert_intermediate_size": 344, "mlp_only_layers": [1],
                                                    "bos_token_id": 0, "eos_token_id": 1}),
@@ -373,6 +376,8 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     ("hf-deepseekv2-dense", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv2-dense", 3, 2, 1, 2, 256, "full", "bf16"),
     ("hf-deepseekv2-dense", "fsdp2", 2, 1, 2, 256, "none", "fp32"), ("hf-qwen2moe-dense", 2, 2, 1, 4, 256, "none", "bf16"),
     ("hf-qwen2moe-dense", "fsdp2-keep", 1, 1, 2, 256, "full", "fp32"), ("hf-qwen2moe-dense", 1, 1, 1, 2, 256, "selective", "bf16"),
+    ("hf-deepseekv3-dense", 3, 2, 1, 2, 256, "full", "bf16"), ("hf-deepseekv3-dense", "fsdp2", 2, 1, 2, 256, "none", "fp32"),
+    ("hf-deepseekv3-dense", 1, 1, 1, 2, 256, "none", "bf16"),
 ]
 
 
