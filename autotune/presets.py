@@ -41,6 +41,10 @@ MODEL_PRESETS: list[dict[str, Any]] = [
     dict(name="mistral-7b", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
          intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768,
          source=_HF.format("mistralai/Mistral-7B-v0.1")),
+    # Qwen3 (dense): Llama's blocks with an RMSNorm of head_dim on each query and key head (q_norm / k_norm).
+    dict(name="qwen3-32b", num_hidden_layers=64, hidden_size=5120, num_attention_heads=64, num_key_value_heads=8,
+         head_dim=128, intermediate_size=25600, vocab_size=151936, max_position_embeddings=40960, qk_norm="head",
+         source=_HF.format("Qwen/Qwen3-32B")),
     # MPT: LayerNorm without bias, GELU MLP (expansion 4), ALiBi (no position parameters), tied head.
     dict(name="mpt-7b", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
          intermediate_size=16384, vocab_size=50432, hidden_act="gelu", tie_word_embeddings=True,

@@ -20,6 +20,7 @@ PUBLISHED = {
     "llama3-70b": 70_553_706_496,
     "mistral-7b": 7_241_732_096,
     "mpt-7b": 6_649_286_656,
+    "qwen3-32b": 32_762_123_264,  # transformers 5.24 on the meta device (the model card: 32.8B)
 }
 
 
