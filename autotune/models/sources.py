@@ -211,7 +211,26 @@ def build_hf_model(hf_config: str, seed: int = 0) -> BuiltModel:
     return BuiltModel(module, batch_fn, "hf")
 
 
+_NOT_IN_REFERENCE = ("qk_norm", "qkv_bias", "fused_qkv", "parallel_residual", "rotary_concat", "linear_addmm",
+                     "norms_per_block", "num_attention_masks", "sliding_window", "attn_logit_softcapping",
+                     "final_logit_softcapping", "num_experts", "kv_lora_rank", "attention_sinks", "lm_head_bias")
+"""ModelSpec fields the reference decoder (autotune.models.reference) does not build: a spec that sets one
+away from its default would profile another model than the one sized."""
+
+
+def reference_unbuilt(spec: Any) -> list[str]:
+    """The fields of ``spec`` set to what the reference decoder does not build (empty: it builds ``spec``)."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(spec)}
+    return [name for name in _NOT_IN_REFERENCE if getattr(spec, name) != defaults[name]]
+
+
 def build_reference_model(spec: Any, seed: int = 0) -> BuiltModel:
+    unbuilt = reference_unbuilt(spec)
+    if unbuilt:
+        raise UserModelError(f"the reference decoder does not build {', '.join(unbuilt)} of model {spec.name!r}: "
+                             f"give model.hf_config (its config.json) to profile it")
     from autotune.models.reference import build_model, synthetic_batch
 
     module = build_model(spec)

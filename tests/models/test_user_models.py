@@ -149,6 +149,15 @@ def test_reference_source_matches_the_spec():
     assert loss_of(built.module(**batch)).ndim == 0
 
 
+def test_reference_source_refuses_what_it_does_not_build():
+    """A spec the reference decoder cannot build (Qwen3's per-head q/k norms) is not profiled as another
+    model: one sentence naming the fields (the worker records it as status error)."""
+    from autotune.presets import model_from_name
+
+    with pytest.raises(UserModelError, match="does not build qk_norm of model 'qwen3-32b'"):
+        build_for_job({}, model_from_name("qwen3-32b", num_hidden_layers=1), TRAIN)
+
+
 def test_hf_source_from_config_with_partial_checkpointing(tmp_path):
     pytest.importorskip("transformers")
     cfg = {"model_type": "llama", "num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 4,
