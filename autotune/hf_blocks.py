@@ -117,11 +117,12 @@ def _measure(small: dict, attn: str, precision: str) -> list[int]:
     cfg = dict(small)
     config = AutoConfig.for_model(cfg.pop("model_type", None) or "llama", **cfg)
     config._attn_implementation = attn
-    torch.manual_seed(0)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
-    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == BLOCKS)
-    return saved_bytes_per_block(model, layers, torch.randint(0, int(config.vocab_size), (BATCH, SEQ)))[1:]
+    with torch.random.fork_rng(devices=[]):  # seeded here, the caller's generator left as it was
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+        layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == BLOCKS)
+        return saved_bytes_per_block(model, layers, torch.randint(0, int(config.vocab_size), (BATCH, SEQ)))[1:]
 
 
 def saved_bytes_per_block(model: Any, layers: Any, input_ids: Any) -> list[int]:
