@@ -3,6 +3,7 @@ refused and why, and that each refusal is one line (no traceback, no silent mis-
 
     python benchmarks/hf_family_sweep.py                  # every model_type of MODEL_FOR_CAUSAL_LM_MAPPING
     python benchmarks/hf_family_sweep.py --only glm,granite --json /tmp/sweep.json
+    python benchmarks/hf_family_sweep.py --variants         # the proven families' files with switches changed
 
 Each family's config.json is transformers' default config of that model_type (``AutoConfig.for_model``),
 read by autotune.config.hf_config_fields in this process (torch and transformers imported, so the parameter
@@ -41,42 +42,69 @@ def outcome(text: str) -> str:
     return "refused: other"
 
 
+VARIANTS = [  # (a published file of tests/data/hf, the switches changed): switches no per-family test covers
+    ("llama-3.2-1b.json", dict(attention_bias=True, mlp_bias=True)), ("llama-3.2-1b.json", dict(hidden_act="gelu")),
+    ("llama-3.2-1b.json", dict(attention_dropout=0.1)), ("llama-3.2-1b.json", dict(head_dim=64)),
+    ("llama-3.2-1b.json", dict(tie_word_embeddings=False)), ("mistral-7b-v0.1.json", dict(head_dim=16)),
+    ("qwen2-0.5b.json", dict(hidden_act="gelu")), ("qwen3-0.6b.json", dict(attention_bias=True)),
+    ("phi-3-mini-4k.json", dict(resid_pdrop=0.1)), ("phi-3-mini-4k.json", dict(partial_rotary_factor=0.5)),
+    ("gemma2-2b.json", dict(attn_logit_softcapping=None)), ("olmo2-7b.json", dict(attention_bias=True)),
+    ("gpt2.json", dict(activation_function="relu")), ("gpt2.json", dict(scale_attn_by_inverse_layer_idx=True)),
+    ("gpt2.json", dict(reorder_and_upcast_attn=True)), ("pythia-160m.json", dict(rotary_pct=1.0)),
+    ("pythia-160m.json", dict(use_parallel_residual=False)),
+    ("pythia-160m.json", dict(attention_dropout=0.1, hidden_dropout=0.1)),
+]
+
+
+def _configs(args: argparse.Namespace, transformers) -> list[tuple[str, dict | None]]:
+    """(label, config.json object or None when the family has no default config) to sweep."""
+    if args.variants:
+        hf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "hf")
+        return [(f"{name[:-5]} {changes}", {**json.load(open(os.path.join(hf, name))), **changes})
+                for name, changes in VARIANTS]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out: list[tuple[str, dict | None]] = []
+    for kind in args.only.split(",") if args.only else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            out.append((kind, {**transformers.AutoConfig.for_model(kind).to_dict(), "model_type": kind}))
+        except Exception:  # noqa: BLE001 (a family without a default config)
+            out.append((kind, None))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated model_type values")
     parser.add_argument("--json", help="write {model_type: [outcome, line]} here")
+    parser.add_argument("--variants", action="store_true", help="the proven families' files with switches changed")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     import torch  # noqa: F401  (measured in this process)
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from autotune.config import hf_config_fields
     from autotune.errors import ConfigError
 
     transformers.logging.set_verbosity_error()
-    kinds = args.only.split(",") if args.only else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     results: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in kinds:
-            try:
-                cfg = transformers.AutoConfig.for_model(kind).to_dict()
-            except Exception as err:  # noqa: BLE001 (a family without a default config)
-                results[kind] = ["no default config", type(err).__name__]
+        for i, (label, cfg) in enumerate(_configs(args, transformers)):
+            if cfg is None:
+                results[label] = ["no default config", ""]
                 continue
-            cfg["model_type"] = kind
-            path = os.path.join(tmp, f"{kind}.json")
+            path = os.path.join(tmp, f"{i}.json")
             with open(path, "w") as fh:
                 json.dump(cfg, fh, default=str)
             try:
                 hf_config_fields(path)
-                results[kind] = ["accepted", ""]
+                results[label] = ["accepted", ""]
             except ConfigError as err:
-                text = str(err).replace(path, f"{kind}.json")
-                results[kind] = ["crash: multi-line" if "\n" in text else outcome(text), text]
+                text = str(err).replace(path, "config.json")
+                results[label] = ["crash: multi-line" if "\n" in text else outcome(text), text]
             except Exception as err:  # noqa: BLE001 (what the sweep looks for)
-                results[kind] = ["crash", f"{type(err).__name__}: {err}"[:300]]
-            print(f"{kind:28s} {results[kind][0]:22s} {results[kind][1][:150]}", flush=True)
+                results[label] = ["crash", f"{type(err).__name__}: {err}"[:300]]
+            print(f"{label:28s} {results[label][0]:22s} {results[label][1][:150]}", flush=True)
     counts = collections.Counter(r[0] for r in results.values())
     print(f"\n{len(results)} model_types: " + ", ".join(f"{n} {k}" for k, n in counts.most_common()))
     if args.json:
