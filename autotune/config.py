@@ -19,7 +19,7 @@ from autotune.checks import (Checker, bool_, check_section, choice, float_, int_
                              read_yaml, show, str_)
 from autotune.backends.script_command import check_command
 from autotune.errors import ConfigError
-from autotune.hf_config import check_block_bytes, check_exact_count, map_hf_config, read_hf_config
+from autotune.hf_config import check_block_bytes, check_exact_count, map_hf_config, read_hf_config, warm_checks
 from autotune.model_rules import check_model_training, check_modelled, check_stated_balance, int_tuple
 from autotune.spec import OPTIMIZER_TYPES, GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, OptimizerSpec, TrainingSpec
 from autotune.knobs import getter, knob_fields, literal_choices
@@ -405,6 +405,7 @@ def hf_config_fields(path: str, exact_check: bool = True) -> dict[str, Any]:
     cfg = read_hf_config(path)
     out = _checked_hf_fields(cfg, path)
     if exact_check:
+        warm_checks(cfg, out, path, _checked_hf_fields)  # one child process for both, where neither is cached
         check_exact_count(cfg, out, path)
         check_block_bytes(cfg, out, path, _checked_hf_fields)
     return out

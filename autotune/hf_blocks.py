@@ -73,10 +73,10 @@ def shrink(cfg: dict) -> dict:
     return out
 
 
-def _cache_key(small: dict) -> str:
+def _cache_key(small: dict, attn: str) -> str:
     body = json.dumps(small, sort_keys=True, default=str)
     return (f"blocks:{hashlib.sha256(body.encode()).hexdigest()}:v{BLOCKS_VERSION}:"
-            f"transformers {importlib.metadata.version('transformers')}")
+            f"transformers {importlib.metadata.version('transformers')}:{attn}")
 
 
 def saved_bytes_of_blocks(small: dict, attn_implementation: str) -> dict[str, list[int]]:
@@ -85,7 +85,7 @@ def saved_bytes_of_blocks(small: dict, attn_implementation: str) -> dict[str, li
     build or run it. Cached; measured in a child process unless torch and transformers are imported."""
     if sys.modules.get("torch") is not None and sys.modules.get("transformers") is not None:
         return _measure_here(small, attn_implementation)
-    key = f"{_cache_key(small)}:{attn_implementation}"
+    key = _cache_key(small, attn_implementation)
     cached = read_cache().get(key)
     if isinstance(cached, dict) and set(cached) == set(PRECISIONS):
         return cached
@@ -95,12 +95,34 @@ def saved_bytes_of_blocks(small: dict, attn_implementation: str) -> dict[str, li
     return answer["bytes"]
 
 
+def warm(raw: dict, num_layers: int, small: dict, attn_implementation: str) -> None:
+    """Fill the cache for hf_count.hf_parameter_count(raw, num_layers) and saved_bytes_of_blocks(small, attn)
+    with one child process where neither is cached (a torch-free process; each alone starts its own).
+    Never raises: a part the child could not compute is left to its own call, which reports it."""
+    if not available() or (sys.modules.get("torch") is not None and sys.modules.get("transformers") is not None):
+        return
+    from autotune.hf_count import count_cache_key
+
+    count_key, blocks_key = count_cache_key(raw, num_layers), _cache_key(small, attn_implementation)
+    cache = read_cache()
+    if count_key in cache or blocks_key in cache:  # one is there: the other's own child costs no more
+        return
+    try:
+        answer = child_answer("autotune.hf_blocks", {"small": small, "attn": attn_implementation, "raw": raw,
+                                                     "num_layers": num_layers}, TIMEOUT_S, "the model checks")
+    except HFCountError:
+        return
+    for key, part in ((count_key, "count"), (blocks_key, "bytes")):
+        if part in answer:
+            write_cache(key, answer[part])
+
+
 _MEASURED: dict[str, dict[str, list[int]]] = {}
 """This process's measurements (key -> bytes): a fuzzed or repeated job measures once."""
 
 
 def _measure_here(small: dict, attn: str) -> dict[str, list[int]]:
-    key = f"{_cache_key(small)}:{attn}"
+    key = _cache_key(small, attn)
     if key not in _MEASURED:
         with transformers_quietly(f"run model_type {small.get('model_type', 'llama')!r} shrunk to {BLOCKS} "
                                   f"blocks of width 128"):
@@ -154,12 +176,27 @@ def saved_bytes_per_block(model: Any, layers: Any, input_ids: Any) -> list[int]:
 
 def main() -> int:
     """The child process: ``{"small": config, "attn": implementation}`` on stdin, ``{"bytes": {...}}`` or
-    ``{"error": one line}`` on stdout."""
+    ``{"error": one line}`` on stdout; with ``"raw"`` and ``"num_layers"`` too (``warm``), also
+    ``{"count": n}``, and a part that failed is left out (no ``error``)."""
+    from autotune.hf_count import hf_parameter_count
+
     job = json.load(sys.stdin)
-    try:
-        answer: dict[str, Any] = {"bytes": _measure_here(job["small"], job["attn"])}
-    except HFCountError as err:
-        answer = {"error": str(err)}
+    answer: dict[str, Any] = {}
+    if "raw" in job:
+        import torch  # noqa: F401  (imported: the count runs here, not in a child of this child)
+        import transformers  # noqa: F401
+
+        for part, compute in (("count", lambda: hf_parameter_count(job["raw"], int(job["num_layers"]))),
+                              ("bytes", lambda: _measure_here(job["small"], job["attn"]))):
+            try:
+                answer[part] = compute()
+            except HFCountError:
+                pass
+    else:
+        try:
+            answer["bytes"] = _measure_here(job["small"], job["attn"])
+        except HFCountError as err:
+            answer = {"error": str(err)}
     print(json.dumps(answer))
     return 0
 

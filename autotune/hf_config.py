@@ -101,6 +101,39 @@ def check_exact_count(cfg: dict, fields_: dict, path: str) -> None:
                           path="model.hf_config")
 
 
+def _measured(fields_: dict) -> bool:
+    """Whether check_block_bytes measures the model: a dense one, torch and transformers installed."""
+    from autotune import hf_blocks
+
+    spec = ModelSpec(**{"name": "hf", **fields_})
+    return not (spec.is_moe or spec.is_mla) and hf_blocks.available()
+
+
+def _shrunk(cfg: dict, path: str, fields_of: Callable[[dict, str], dict]) -> tuple[dict, ModelSpec]:
+    """The text model's config shrunk to CPU size (hf_blocks.shrink) and its ModelSpec (ConfigError if the
+    shrunk file maps to none)."""
+    from autotune import hf_blocks
+
+    small_cfg = hf_blocks.shrink(text_model_config(cfg, path))
+    return small_cfg, ModelSpec(**{"name": "hf", **fields_of(small_cfg, path)})
+
+
+def warm_checks(cfg: dict, fields_: dict, path: str, fields_of: Callable[[dict, str], dict]) -> None:
+    """Before check_exact_count and check_block_bytes in a torch-free process: one child process fills the
+    cache for both (each would start its own, importing torch and transformers again). Never raises:
+    what it could not fill, the checks compute and report themselves."""
+    from autotune import hf_blocks
+
+    if not _measured(fields_):
+        return
+    try:
+        small_cfg, small = _shrunk(cfg, path, fields_of)
+    except ConfigError:
+        return
+    spec = ModelSpec(**{"name": "hf", **fields_})
+    hf_blocks.warm(text_model_config(cfg, path), spec.num_hidden_layers, small_cfg, small.attn_implementation)
+
+
 BLOCK_TOLERANCE = 0.005
 """How far (relative) a measured block may be from the memory model's bytes (the per-family test's bound,
 tests/memory/test_memory_hf_blocks.py)."""
@@ -118,16 +151,13 @@ def check_block_bytes(cfg: dict, fields_: dict, path: str, fields_of: Callable[[
     from autotune import hf_blocks
     from autotune.hf_count import HFCountError
 
-    cfg = text_model_config(cfg, path)
-    kind = model_type(cfg)
-    spec = ModelSpec(**{"name": "hf", **fields_})
-    if spec.is_moe or spec.is_mla or not hf_blocks.available():
+    kind = model_type(text_model_config(cfg, path))
+    if not _measured(fields_):
         return
     from autotune.memory import block_activation_bytes_per_token
 
-    small_cfg = hf_blocks.shrink(cfg)
     try:
-        small = ModelSpec(**{"name": "hf", **fields_of(small_cfg, path)})
+        small_cfg, small = _shrunk(cfg, path, fields_of)
         measured = hf_blocks.saved_bytes_of_blocks(small_cfg, small.attn_implementation)
     except (ConfigError, HFCountError) as err:
         why = str(err).split(": ", 1)[-1] if isinstance(err, ConfigError) else str(err)

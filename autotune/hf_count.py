@@ -73,7 +73,7 @@ def cache_path() -> str:
     return os.path.join(folder, "hf_counts.json")
 
 
-def _cache_key(raw: dict, num_layers: int) -> str:
+def count_cache_key(raw: dict, num_layers: int) -> str:
     body = json.dumps(raw, sort_keys=True, default=str)
     return (f"{hashlib.sha256(body.encode()).hexdigest()}:{num_layers}:v{COUNT_VERSION}:"
             f"transformers {importlib.metadata.version('transformers')}")
@@ -161,7 +161,7 @@ def hf_parameter_count(raw: dict, num_layers: int) -> Optional[int]:
         return None
     if sys.modules.get("torch") is not None and sys.modules.get("transformers") is not None:
         return _count_here(raw, num_layers)
-    key = _cache_key(raw, num_layers)
+    key = count_cache_key(raw, num_layers)
     cached = read_cache().get(key)
     if isinstance(cached, int):
         return cached

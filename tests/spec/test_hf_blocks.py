@@ -72,12 +72,15 @@ def test_a_family_the_measurement_cannot_run_is_refused(tmp_path):
 
 
 def test_a_torch_free_process_measures_in_a_child_and_caches(tmp_path):
-    """The CLI's process never imports torch: the measurement runs in ``python -m autotune.hf_blocks``
-    and lands in the cache file, which a second load reads (no child)."""
+    """The CLI's process never imports torch: the parameter count and the measurement run in one
+    ``python -m autotune.hf_blocks`` child (hf_config.warm_checks) and land in the cache file, which a
+    second load reads (no child)."""
     pytest.importorskip("transformers")
     path = _family_file(tmp_path, "granite")
     env = {**os.environ, "AUTOTUNE_CACHE_DIR": str(tmp_path / "cache")}
-    code = (f"import subprocess, sys\nfrom autotune.config import hf_config_fields\nhf_config_fields({path!r})\n"
+    code = ("import subprocess, sys\nfrom autotune.config import hf_config_fields\nruns = []\n"
+            "real = subprocess.run\nsubprocess.run = lambda *a, **k: runs.append(a) or real(*a, **k)\n"
+            f"hf_config_fields({path!r})\nassert len(runs) == 1, runs\n"
             "subprocess.run = None\n"  # a second load must not start a child
             f"hf_config_fields({path!r})\nassert 'torch' not in sys.modules\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
