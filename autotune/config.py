@@ -400,8 +400,8 @@ def hf_config_fields(path: str, exact_check: bool = True) -> dict[str, Any]:
     """Map a Hugging Face config.json onto ModelSpec fields (read as JSON), checked like explicit
     fields. ``exact_check`` (when torch and transformers are importable): refuse the file unless
     the mapped description has exactly the parameters of the transformers model
-    (hf_config.check_exact_count) and, for a family no test proves, the memory model's per-block
-    activations what its blocks keep for backward (hf_config.check_block_bytes)."""
+    (hf_config.check_exact_count) and, for a dense file, the memory model's per-block activations
+    what its blocks keep for backward (hf_config.check_block_bytes)."""
     cfg = read_hf_config(path)
     out = _checked_hf_fields(cfg, path)
     if exact_check:

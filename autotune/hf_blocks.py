@@ -1,17 +1,19 @@
-"""What a config.json family's blocks keep for backward, measured (torch + transformers), for the families
-whose activations no test proves (model_type outside hf_config.EXACT_FAMILIES).
+"""What a dense config.json's blocks keep for backward, measured (torch + transformers), so that
+hf_config.check_block_bytes can compare it with the memory model for every dense file, the proven
+families' too (a file can set a switch no test covers).
 
 A parameter count that matches (autotune.hf_count) does not make the activations right: a family can have
 the Llama-shaped parameters and another forward (GLM's partial interleaved rotary, Helium's or Seed-OSS's
-own blocks). ``saved_bytes_of_blocks(raw)`` shrinks the file to CPU size with its own switches kept
-(``shrink``: ``BLOCKS`` blocks, width 128, 4 heads), runs one forward of the transformers model with
+own blocks). ``saved_bytes_of_blocks(small, attn)`` takes the file shrunk to CPU size with its own switches
+kept (``shrink``: ``BLOCKS`` blocks, width 128, 4 heads), runs one forward of the transformers model with
 autograd's saved-tensor hooks (bf16 and fp32, batch ``BATCH`` x ``SEQ`` tokens) and returns the bytes each
 block saved that no earlier part of the forward saved; hf_config.check_block_bytes compares them with the
 memory model's ``block_activation_bytes_per_token`` of the same shrunk file.
 
 As autotune.hf_count: measured here when this process has imported torch and transformers, else in a child
-process (``python -m autotune.hf_blocks``; the simulate path never imports torch) and cached in the same
-cache file under a ``blocks:`` key per shrunk config, BLOCKS_VERSION and transformers version.
+process (``python -m autotune.hf_blocks``; the simulate path never imports torch; ``warm`` has one child do
+the parameter count too) and cached in the same cache file under a ``blocks:`` key per shrunk config,
+BLOCKS_VERSION, transformers version and attention implementation.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import json
 import sys
 from typing import Any
 
-from autotune.hf_count import HFCountError, available, child_answer, read_cache, transformers_quietly, write_cache
+from autotune.hf_count import (DROP_KEYS, LAYER_KEYS, HFCountError, available, child_answer, imported_here, read_cache,
+                               transformers_quietly, write_cache)
 
 BLOCKS = 4
 """Blocks of the shrunk model; blocks 1.. are compared (block 0 also saves what every block shares)."""
@@ -41,9 +44,7 @@ _WIDTH = {"hidden_size": 128, "n_embd": 128, "d_model": 128, "intermediate_size"
 """Size keys set to CPU size where the file sets them (the family's switches are left as they are)."""
 _HEADS = ("num_attention_heads", "n_head", "n_heads")
 _KV_HEADS = ("num_key_value_heads", "multi_query_group_num", "kv_n_heads")
-_LAYERS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
-_DROP = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map",
-         "quantization_config")
+_DROP = DROP_KEYS + ("quantization_config",)
 
 
 def shrink(cfg: dict) -> dict:
@@ -62,7 +63,7 @@ def shrink(cfg: dict) -> dict:
         if isinstance(out.get(key), int):
             kv = out[key]
             out[key] = 4 if kv == heads else 1 if kv == 1 else 2
-    for key in _LAYERS:
+    for key in LAYER_KEYS:
         if isinstance(out.get(key), int):
             out[key] = BLOCKS
     for key, value in out.items():
@@ -83,7 +84,7 @@ def saved_bytes_of_blocks(small: dict, attn_implementation: str) -> dict[str, li
     """precision -> the bytes blocks 1.. of the shrunk config ``small`` keep for backward (parameters and
     what an earlier part of the forward saved excluded); HFCountError (one line) if transformers cannot
     build or run it. Cached; measured in a child process unless torch and transformers are imported."""
-    if sys.modules.get("torch") is not None and sys.modules.get("transformers") is not None:
+    if imported_here():
         return _measure_here(small, attn_implementation)
     key = _cache_key(small, attn_implementation)
     cached = read_cache().get(key)
@@ -99,7 +100,7 @@ def warm(raw: dict, num_layers: int, small: dict, attn_implementation: str) -> N
     """Fill the cache for hf_count.hf_parameter_count(raw, num_layers) and saved_bytes_of_blocks(small, attn)
     with one child process where neither is cached (a torch-free process; each alone starts its own).
     Never raises: a part the child could not compute is left to its own call, which reports it."""
-    if not available() or (sys.modules.get("torch") is not None and sys.modules.get("transformers") is not None):
+    if not available() or imported_here():
         return
     from autotune.hf_count import count_cache_key
 

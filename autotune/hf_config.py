@@ -101,11 +101,10 @@ def check_exact_count(cfg: dict, fields_: dict, path: str) -> None:
                           path="model.hf_config")
 
 
-def _measured(fields_: dict) -> bool:
+def _measured(spec: ModelSpec) -> bool:
     """Whether check_block_bytes measures the model: a dense one, torch and transformers installed."""
     from autotune import hf_blocks
 
-    spec = ModelSpec(**{"name": "hf", **fields_})
     return not (spec.is_moe or spec.is_mla) and hf_blocks.available()
 
 
@@ -124,13 +123,13 @@ def warm_checks(cfg: dict, fields_: dict, path: str, fields_of: Callable[[dict, 
     what it could not fill, the checks compute and report themselves."""
     from autotune import hf_blocks
 
-    if not _measured(fields_):
+    spec = ModelSpec(**{"name": "hf", **fields_})
+    if not _measured(spec):
         return
     try:
         small_cfg, small = _shrunk(cfg, path, fields_of)
     except ConfigError:
         return
-    spec = ModelSpec(**{"name": "hf", **fields_})
     hf_blocks.warm(text_model_config(cfg, path), spec.num_hidden_layers, small_cfg, small.attn_implementation)
 
 
@@ -151,8 +150,7 @@ def check_block_bytes(cfg: dict, fields_: dict, path: str, fields_of: Callable[[
     from autotune import hf_blocks
     from autotune.hf_count import HFCountError
 
-    kind = model_type(text_model_config(cfg, path))
-    if not _measured(fields_):
+    if not _measured(ModelSpec(**{"name": "hf", **fields_})):
         return
     from autotune.memory import block_activation_bytes_per_token
 
@@ -160,6 +158,7 @@ def check_block_bytes(cfg: dict, fields_: dict, path: str, fields_of: Callable[[
         small_cfg, small = _shrunk(cfg, path, fields_of)
         measured = hf_blocks.saved_bytes_of_blocks(small_cfg, small.attn_implementation)
     except (ConfigError, HFCountError) as err:
+        kind = model_type(text_model_config(cfg, path))
         why = str(err).split(": ", 1)[-1] if isinstance(err, ConfigError) else str(err)
         raise ConfigError(f"{path}: model_type {show(kind)}: its activations cannot be checked against transformers "
                           f"({why})",
@@ -176,7 +175,7 @@ def check_block_bytes(cfg: dict, fields_: dict, path: str, fields_of: Callable[[
     if abs(worst[0]) > BLOCK_TOLERANCE:
         err_, precision, i, got, predicted = worst
         raise ConfigError(
-            f"{path}: model_type {show(kind)}: the memory model's block activations are {err_:+.2%} off what "
+            f"{path}: model_type {show(model_type(text_model_config(cfg, path)))}: the memory model's block activations are {err_:+.2%} off what "
             f"transformers keeps for backward ({precision}, block {i} of the model shrunk to width 128: "
             f"{predicted:,.0f} predicted, {got:,} measured bytes); this file's forward is not described "
             f"exactly, its memory would be mis-sized", path="model.hf_config")

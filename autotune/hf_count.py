@@ -30,12 +30,14 @@ import sys
 import warnings
 from typing import Any, Iterator, Optional
 
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+"""The keys a config.json names its layer count by (the families transformers maps)."""
 _PER_LAYER_LISTS = ("layer_types",)
 FULL_BUILD_LAYERS = 256
 """Configs up to this many layers are built whole on the meta device (a few milliseconds per layer);
 deeper ones are extrapolated when their layers are alike."""
-_DROP = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map")
+DROP_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map")
+"""Keys of a config.json that do not shape the model built from it (dropped before building)."""
 
 
 class HFCountError(Exception):
@@ -45,7 +47,7 @@ class HFCountError(Exception):
 CACHE_ENV = "AUTOTUNE_CACHE_DIR"
 """The folder of autotune's cache files (default ``$XDG_CACHE_HOME/autotune``, else ``~/.cache/autotune``)."""
 COUNT_VERSION = 1
-"""Part of each cache key: raise it when the way a count is made changes (``_count``, ``_DROP``)."""
+"""Part of each cache key: raise it when the way a count is made changes (``_count``, ``DROP_KEYS``)."""
 COUNT_TIMEOUT_S = 600
 """How long the child process may take to build the model on the meta device."""
 
@@ -64,6 +66,11 @@ def available() -> bool:
         except (ImportError, ValueError):
             return False
     return True
+
+
+def imported_here() -> bool:
+    """This process has imported torch and transformers: counts and measurements run here, not in a child."""
+    return sys.modules.get("torch") is not None and sys.modules.get("transformers") is not None
 
 
 def cache_path() -> str:
@@ -132,9 +139,9 @@ def _count(raw: dict, layers: int) -> int:
 
     cfg = dict(raw)
     kind = cfg.pop("model_type", None) or "llama"
-    for key in _DROP:
+    for key in DROP_KEYS:
         cfg.pop(key, None)
-    for key in _LAYER_KEYS:
+    for key in LAYER_KEYS:
         if key in cfg:
             cfg[key] = layers
     for key in _PER_LAYER_LISTS:
@@ -159,7 +166,7 @@ def hf_parameter_count(raw: dict, num_layers: int) -> Optional[int]:
     or counted in a child process and cached."""
     if not available():
         return None
-    if sys.modules.get("torch") is not None and sys.modules.get("transformers") is not None:
+    if imported_here():
         return _count_here(raw, num_layers)
     key = count_cache_key(raw, num_layers)
     cached = read_cache().get(key)

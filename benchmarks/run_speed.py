@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             env["PYTHONPYCACHEPREFIX"] = os.path.join(out, "pycache")
             for i in range(args.repeat + 1):  # the first run writes the bytecode, unmeasured
                 proc, wall, _ = _timed_run(args.config, out, f"b{i}", env)
+                if proc.returncode != 0:
+                    print(proc.stderr, file=sys.stderr)
+                    return 1
                 cached += [wall] if i else []
         summary = open(os.path.join(out, "r0", "summary.md")).read()
         probe = ("import sys, runpy; sys.argv = ['autotune', 'run', %r, '--out', %r, '--name', 'probe', '--json'];"

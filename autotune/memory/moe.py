@@ -58,10 +58,6 @@ granitemoe's parallel experts and multipliers, phimoe's sparsemixer router, OLMo
 top-k, gpt-oss's biases; docs/moe.md)."""
 
 
-_FAMILY_WHY: dict[str, str] = {}
-"""Why a family's MoE block is not sized, where one line says more than its model_type."""
-
-
 def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
     """Why the memory model does not size this MoE model of HF ``model_type`` (None: it does): the
     routed MoE block of Mixtral / Qwen3-MoE in every layer (no shared expert, no biases, RMSNorm, no MLA);
@@ -71,8 +67,7 @@ def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
     if not (m.is_moe or m.is_mla):
         return None
     if m.implementation != "hf" or model_type not in SIZED_FAMILIES:
-        why = _FAMILY_WHY.get(model_type or "", "")
-        return f"{', '.join(SIZED_FAMILIES)} only, not model_type {model_type or 'unknown'}" + (f" ({why})" if why else "")
+        return f"{', '.join(SIZED_FAMILIES)} only, not model_type {model_type or 'unknown'}"
     deepseek, qwen2 = model_type in ("deepseek_v2", "deepseek_v3"), model_type == "qwen2_moe"
     why = [name for name, bad in (
         ("shared experts", (m.shared_expert_intermediate_size and not (deepseek or qwen2))
