@@ -1,0 +1,367 @@
+"""The rows of the memory benchmark (benchmarks/memory_vs_deepspeed.py): the model shapes, the Hugging
+Face families shrunk to CPU size, and each group of (model, stage, ranks, GA, mbs, seq, ckpt, precision)
+rows with the grids built from them. Pure data and small helpers: no torch, no process launched."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ROW_KEYS = ("model", "stage", "nproc", "ga", "mbs", "seq", "ckpt", "precision")
+"""The keys of a row's tuple, in order."""
+
+MODELS = {
+    # Llama-style: RMSNorm, RoPE, SwiGLU, GQA, untied head
+    "llama-s": dict(name="llama-s", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=344, vocab_size=2048, max_position_embeddings=1024),
+    "llama-m": dict(name="llama-m", num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
+                    num_key_value_heads=8, intermediate_size=688, vocab_size=4096, max_position_embeddings=1024),
+    # Llama-style with a small vocabulary: the peak falls in the blocks' backward or the optimizer
+    # step instead of the loss
+    "llama-sv": dict(name="llama-sv", num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
+                     num_key_value_heads=4, intermediate_size=688, vocab_size=256, max_position_embeddings=1024),
+    # the measured tables' models (data/measured/tiny-gpt2-2rank-quiet, tiny-llama-engines-2rank-quiet)
+    "tiny-gpt2": dict(name="tiny-gpt2", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                      num_key_value_heads=4, intermediate_size=512, vocab_size=1024, hidden_act="gelu_new",
+                      tie_word_embeddings=True, norm="layernorm", bias=True, position_embedding="learned",
+                      max_position_embeddings=256),
+    "tiny-llama": dict(name="tiny-llama", num_hidden_layers=4, hidden_size=192, num_attention_heads=6,
+                       num_key_value_heads=2, intermediate_size=512, vocab_size=2048, max_position_embeddings=256),
+    # GPT-2-style: LayerNorm with bias, GELU, learned positions, tied head, residual dropout
+    "gpt2-s": dict(name="gpt2-s", num_hidden_layers=3, hidden_size=192, num_attention_heads=6,
+                   num_key_value_heads=6, intermediate_size=768, vocab_size=4096, hidden_act="gelu_new",
+                   tie_word_embeddings=True, norm="layernorm", bias=True, position_embedding="learned",
+                   max_position_embeddings=1024, hidden_dropout=0.1),
+    "gpt2-eager": dict(name="gpt2-eager", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                       num_key_value_heads=4, intermediate_size=512, vocab_size=2048, hidden_act="gelu_new",
+                       tie_word_embeddings=True, norm="layernorm", bias=True, position_embedding="learned",
+                       max_position_embeddings=1024, attn_implementation="eager", attention_dropout=0.1,
+                       hidden_dropout=0.1),
+}
+
+
+# Hugging Face transformers models (``model.hf_config``: built with from_config, sdpa attention,
+# HF's own loss and gradient_checkpointing_enable); rows run only when transformers is installed.
+# Each family is its published config.json (tests/data/hf/, sources in its README) shrunk to a
+# CPU-sized shape: the family's own switches (norms, biases, qk-norm, tied head, dropout,
+# softcapping, parallel residual...) are kept, only the sizes below are replaced.
+HF_DIR = ROOT / "tests" / "data" / "hf"
+_SMALL = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "intermediate_size": 344, "vocab_size": 2048, "max_position_embeddings": 1024}
+HF_FAMILIES = {
+    "hf-llama": ("llama-3.2-1b", {"head_dim": 32}),
+    "hf-mistral": ("mistral-7b-v0.1", {"sliding_window": 4096}),
+    "hf-qwen2": ("qwen2-0.5b", {}),
+    "hf-qwen3": ("qwen3-0.6b", {"head_dim": 32}),
+    "hf-gemma": ("gemma-7b", {"head_dim": 32, "num_key_value_heads": 4}),
+    # eager attention with attention-logit softcapping, 4 norms per block, final-logit softcapping
+    "hf-gemma2": ("gemma2-2b", {"head_dim": 32, "num_key_value_heads": 2, "query_pre_attn_scalar": 32}),
+    "hf-phi3": ("phi-3-mini-4k", {"num_key_value_heads": 4, "pad_token_id": 0, "bos_token_id": 1,
+                                  "eos_token_id": 2}),
+    "hf-olmo2": ("olmo2-7b", {"num_key_value_heads": 4, "pad_token_id": 0, "eos_token_id": 2}),
+    # GPT-2 with its default dropout 0.1 (attention, residual, embedding); the others have none
+    "hf-gpt2": ("gpt2", {"n_layer": 2, "n_embd": 128, "n_head": 4, "n_inner": 512, "n_positions": 1024,
+                         "vocab_size": 2048}),
+    "hf-neox": ("pythia-160m", {"num_key_value_heads": None, "intermediate_size": 512, "bos_token_id": 0,
+                                "eos_token_id": 0}),
+}
+# long sequences (1024-4096 tokens) on tiny widths, so a real step takes seconds: three of the families
+# above shrunk further, with small vocabularies so the peak can fall inside the blocks' backward
+_LONG = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "intermediate_size": 172, "max_position_embeddings": 4096}
+LONG_FAMILIES = {
+    "hf-llama-long": ("llama-3.2-1b", {**_LONG, "vocab_size": 512}),
+    "hf-qwen2-long": ("qwen2-0.5b", {**_LONG, "vocab_size": 1024}),
+    "hf-gemma-long": ("gemma-7b", {**_LONG, "vocab_size": 256}),
+    # Mistral's sliding window (4096): at seq >= 4096 transformers builds the attention mask
+    "hf-mistral-long": ("mistral-7b-v0.1", {**_LONG, "vocab_size": 256, "sliding_window": 4096}),
+    # a 64-token vocabulary: the loss is small, so unchecked the final norm's backward is the peak
+    "hf-llama-v64": ("llama-3.2-1b", {**_LONG, "vocab_size": 64}),
+}
+# mixture-of-experts (issue 25): the published Mixtral / Qwen3-MoE config.json (tests/data/hf/moe) shrunk to
+# 4 experts, top-2, on the HF shape above (transformers' default grouped_mm experts path); "-sv": a
+# 256-token vocabulary, so the peak can fall in the blocks' backward instead of the loss
+_MOE = {**_SMALL, "head_dim": 32, "num_experts_per_tok": 2}
+MOE_FAMILIES = {
+    "hf-mixtral": ("moe/mixtral-8x7b-v0.1", {**_MOE, "num_local_experts": 4}),
+    "hf-qwen3moe": ("moe/qwen3-30b-a3b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176}),
+    "hf-mixtral-sv": ("moe/mixtral-8x7b-v0.1", {**_MOE, "num_local_experts": 4, "vocab_size": 256}),
+    "hf-qwen3moe-sv": ("moe/qwen3-30b-a3b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176,
+                                              "vocab_size": 256}),
+}
+# DeepSeek-V2 (multi-head latent attention, 1 shared expert; docs/moe.md): DeepSeek-V2-Lite's config.json
+# shrunk the same way, every layer routed (first_k_dense_replace 0), a plain q_proj (q_lora_rank null, as
+# published) or the q LoRA ("-q"); query/key heads 32 + 16 wide, values 32 (sdpa's CPU math kernel)
+_DSV2 = {**_SMALL, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 176, "n_shared_experts": 1, "first_k_dense_replace": 0, "kv_lora_rank": 64,
+         "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "bos_token_id": 0, "eos_token_id": 1}
+MOE_FAMILIES.update({
+    "hf-deepseekv2": ("moe/deepseek-v2-lite", _DSV2),
+    "hf-deepseekv2-q": ("moe/deepseek-v2-lite", {**_DSV2, "q_lora_rank": 48}),
+    "hf-deepseekv2-sv": ("moe/deepseek-v2-lite", {**_DSV2, "vocab_size": 256}),
+    # DeepSeek-V3: DeepSeek-V2's shape above on V3's config.json (its sigmoid router with the correction bias,
+    # noaux_tc top-k over the best 1 of 2 groups, cos/sin rotary on interleaved pairs; docs/moe.md), q LoRA;
+    # "-sv": a 256-token vocabulary and the rotate_half rotary (rope_interleave false)
+    "hf-deepseekv3": ("moe/deepseek-v3", {**_DSV2, "q_lora_rank": 48, "n_group": 2, "topk_group": 1}),
+    "hf-deepseekv3-sv": ("moe/deepseek-v3", {**_DSV2, "q_lora_rank": 48, "n_group": 2, "topk_group": 1,
+                                             "vocab_size": 256, "rope_interleave": False}),
+    # Qwen1.5-MoE: the shared expert (as wide as the dense MLP here) behind its sigmoid gate, qkv biases
+    "hf-qwen2moe": ("moe/qwen1.5-moe-a2.7b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176,
+                                             "shared_expert_intermediate_size": 344, "bos_token_id": 0, "eos_token_id": 1}),
+    "hf-qwen2moe-sv": ("moe/qwen1.5-moe-a2.7b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176, "vocab_size": 256,
+                                                "shared_expert_intermediate_size": 344, "bos_token_id": 0, "eos_token_id": 1}),
+})
+# dense-MLP blocks among the MoE ones (memory/mixed.py): DeepSeek-V2-Lite's first_k_dense_replace 1 as published
+# (block 0 a DeepseekV2MLP of intermediate_size), Qwen1.5-MoE's mlp_only_layers (block 1 a Qwen2MoeMLP)
+MOE_FAMILIES.update({
+    "hf-deepseekv2-dense": ("moe/deepseek-v2-lite", {**_DSV2, "first_k_dense_replace": 1}),
+    # DeepSeek-V3's router and rotary with its dense first blocks (the published file: first_k_dense_replace 3)
+    "hf-deepseekv3-dense": ("moe/deepseek-v3", {**_DSV2, "q_lora_rank": 48, "n_group": 2, "topk_group": 1,
+                                                "first_k_dense_replace": 1}),
+    "hf-qwen2moe-dense": ("moe/qwen1.5-moe-a2.7b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176,
+                                                   "shared_expert_intermediate_size": 344, "mlp_only_layers": [1],
+                                                   "bos_token_id": 0, "eos_token_id": 1}),
+})
+LONG_FAMILIES.update(MOE_FAMILIES)  # full overrides like the long families' (hf_config, specs, run_row)
+
+# strategies each HF family is measured with: (ZeRO stage, ranks, grad. accumulation, ckpt, precision)
+HF_STRATEGIES = [(0, 1, 1, "none", "bf16"), (1, 2, 2, "none", "bf16"), (2, 1, 4, "full", "bf16"),
+                 (3, 2, 1, "full", "bf16"), (0, 2, 2, "full", "fp32"), (2, 2, 1, "none", "fp32"),
+                 (3, 1, 2, "none", "bf16"), (1, 1, 4, "full", "fp32")]
+
+
+def hf_config(name: str) -> dict:
+    base, over = HF_FAMILIES.get(name) or LONG_FAMILIES[name]
+    cfg = json.loads((HF_DIR / f"{base}.json").read_text())
+    if cfg["model_type"] != "gpt2" and name in HF_FAMILIES:
+        cfg.update(_SMALL)
+    cfg.update(over)
+    return {k: v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}  # DeepSeek's null: a plain q_proj
+
+
+def hf_grid() -> list[dict]:
+    rows = []
+    for j, (stage, nproc, ga, ck, prec) in enumerate(HF_STRATEGIES):  # strategy-major: a partial run is balanced
+        for i, model in enumerate(HF_FAMILIES):
+            mbs, seq = ((2, 256), (4, 128))[(i + j) % 2]
+            rows.append(dict(model=model, stage=stage, nproc=nproc, ga=ga, mbs=mbs, seq=seq, ckpt=ck, precision=prec))
+    return rows
+
+
+def _hf_path(name: str, workdir: Path) -> str:
+    path = workdir / f"{name}.json"
+    if not path.exists():
+        path.write_text(json.dumps(hf_config(name)))
+    return str(path)
+
+
+REFERENCE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision)
+    ("llama-s", 0, 1, 1, 1, 256, "none", "bf16"), ("llama-s", 2, 2, 2, 2, 256, "none", "bf16"),
+    ("llama-m", 3, 2, 4, 4, 128, "full", "bf16"), ("llama-m", 1, 1, 2, 4, 64, "selective", "fp32"),
+    ("gpt2-s", 2, 2, 4, 2, 256, "full", "fp32"), ("gpt2-s", 3, 1, 1, 2, 512, "none", "bf16"),
+    ("gpt2-eager", 1, 2, 1, 4, 64, "selective", "bf16"), ("gpt2-eager", 0, 2, 4, 1, 256, "none", "bf16"),
+]
+
+
+# off-grid checks: other shapes, gradient accumulation 3, other stage/rank/precision mixes
+SPOT_ROWS = [("hf-llama", 2, 2, 3, 1, 512, "full", "bf16"), ("hf-qwen3", 3, 2, 4, 2, 128, "none", "fp32"),
+             ("hf-gemma2", 0, 2, 4, 1, 256, "none", "fp32"), ("hf-phi3", 1, 1, 3, 3, 128, "full", "bf16"),
+             ("hf-neox", 2, 2, 2, 2, 256, "full", "fp32"), ("hf-gpt2", 3, 1, 3, 2, 256, "none", "fp32"),
+             ("hf-olmo2", 0, 1, 4, 1, 512, "none", "bf16"), ("hf-mistral", 1, 2, 1, 3, 192, "full", "fp32")]
+
+
+# module-level checkpointing (attention / mlp module recomputed, the other kept) and op-level, HF and reference
+GRANULARITY_ROWS = [("hf-llama", 2, 2, 2, 2, 256, "attention", "bf16"), ("hf-gpt2", 1, 1, 2, 2, 256, "mlp", "fp32"),
+                    ("hf-phi3", 3, 2, 1, 2, 256, "mlp", "bf16"), ("hf-gemma2", 0, 1, 4, 2, 256, "attention", "fp32"),
+                    ("hf-neox", 2, 1, 1, 4, 128, "attention", "fp32"), ("hf-qwen3", 0, 2, 2, 4, 128, "mlp", "bf16"),
+                    ("llama-m", 3, 2, 2, 4, 128, "attention", "bf16"), ("gpt2-s", 1, 1, 2, 2, 256, "mlp", "bf16"),
+                    # op-level selective checkpointing (torchtitan's policy, autotune.models.checkpointing.op_sac_context)
+                    ("hf-llama", 0, 1, 2, 2, 256, "op", "bf16"), ("hf-qwen2", 3, 2, 1, 4, 128, "op", "fp32"),
+                    ("hf-phi3", 2, 2, 2, 2, 256, "op", "bf16"), ("hf-gpt2", 1, 2, 1, 2, 256, "op", "fp32"),
+                    ("hf-gemma2", 2, 1, 2, 2, 256, "op", "bf16"), ("llama-s", 1, 1, 4, 2, 256, "op", "bf16")]
+
+
+# selective checkpointing of HF models (the attention core recomputed: the attention function wrapped
+# through transformers' AttentionInterface, autotune.models.checkpointing.checkpoint_attention_core)
+SELECTIVE_ROWS = [("hf-llama", 0, 1, 2, 2, 256, "selective", "bf16"), ("hf-qwen3", 2, 2, 1, 4, 128, "selective", "fp32"),
+                  ("hf-phi3", 2, 1, 2, 2, 256, "selective", "bf16"), ("hf-gemma2", 0, 2, 1, 2, 256, "selective", "bf16"),
+                  ("hf-gpt2", 0, 1, 1, 2, 256, "selective", "fp32"), ("hf-olmo2", 3, 2, 1, 2, 256, "selective", "bf16"),
+                  ("hf-llama", "fsdp2", 2, 1, 2, 256, "selective", "bf16"), ("hf-neox", "fsdp2", 1, 2, 4, 128, "selective", "fp32"),
+                  ("hf-mistral", "fsdp2-keep", 2, 1, 2, 256, "selective/2", "fp32")]
+
+# every k-th block checkpointed ("<granularity>/<k>"), both engines
+EVERY_K_ROWS = [("hf-llama", 2, 2, 1, 2, 256, "full/2", "bf16"), ("llama-m", 0, 1, 2, 2, 128, "op/2", "fp32"),
+                ("hf-qwen3", "fsdp2", 2, 1, 2, 256, "attention/2", "bf16")]
+
+# the fsdp2 engine (autotune.models.fsdp2.apply: fully_shard per block + root, MixedPrecisionPolicy with
+# param_dtype = precision, AdamW foreach): stage "fsdp2" (reshard_after_forward), "fsdp2-keep"
+# (reshard_after_forward False), "fsdp2-rbf16" (reduce_dtype bf16)
+FSDP2_ROWS = [("llama-s", "fsdp2", 1, 1, 1, 256, "none", "bf16"), ("llama-s", "fsdp2", 2, 2, 2, 256, "none", "bf16"),
+              ("llama-m", "fsdp2", 2, 1, 4, 128, "full", "bf16"), ("llama-m", "fsdp2-keep", 2, 1, 4, 128, "full", "bf16"),
+              ("gpt2-s", "fsdp2", 2, 2, 2, 256, "full", "fp32"), ("gpt2-s", "fsdp2-keep", 1, 1, 2, 256, "none", "bf16"),
+              ("hf-llama", "fsdp2", 2, 1, 2, 256, "op", "bf16"), ("hf-llama", "fsdp2", 1, 2, 2, 256, "op", "fp32"),
+              ("hf-qwen3", "fsdp2", 2, 1, 2, 256, "mlp", "bf16"), ("hf-gemma2", "fsdp2", 2, 1, 2, 256, "full", "bf16"),
+              ("hf-gpt2", "fsdp2-rbf16", 2, 1, 2, 256, "attention", "bf16"), ("hf-phi3", "fsdp2-keep", 2, 2, 2, 128, "op", "bf16"),
+              ("hf-neox", "fsdp2", 1, 1, 4, 128, "none", "fp32"), ("llama-m", "fsdp2-rbf16", 2, 2, 2, 128, "op", "bf16"),
+              # small vocabulary: peaks inside the blocks' backward and at the optimizer step
+              ("llama-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"), ("llama-sv", "fsdp2-keep", 2, 2, 4, 256, "full", "bf16"),
+              ("llama-sv", "fsdp2", 1, 1, 2, 256, "op", "fp32"), ("llama-sv", "fsdp2", 1, 1, 1, 32, "full", "fp32")]
+
+
+# ZeRO-1/2 on 2 ranks under gradient accumulation 1/2/4/8, fp32 and bf16, small activations: the peak
+# at the reduce that ends a backward (ZeRO-2: every micro-step; ZeRO-1: the boundary, where the carried
+# gradients have moved into the reduce buckets), or in a later micro-step's backward. 8 measured
+# optimizer steps, not 2: the CPU measurement once let gloo's worker thread hold the flat all-reduced
+# copy past the partition's allocation in about 1 reduce in 4 to 1 in 30 (now the worker yields to it,
+# autotune.worker.engines._yield_after_collectives); more steps show that no such step is left
+GA_ROWS = [("llama-s", stage, 2, ga, 1, 128, "full" if ga in (1, 4) else "none", prec)
+           for stage in (1, 2) for prec in ("fp32", "bf16") for ga in (1, 2, 4, 8)]
+GA_ROWS_STEPS = 8
+
+
+# the measured tables' shapes where the model was off (fp32, 2 ranks, GA 8 or 4 as the tables ran them):
+# ZeRO-2's gradient partition holding a straddling parameter whole, ZeRO-3's reduce-scatter copy on
+# gloo, FSDP2's root all-gather copy-out at the start of backward, and FSDP2 with full checkpointing
+TABLE_ROWS = [("tiny-gpt2", 2, 2, 8, 1, 64, "none", "fp32"), ("tiny-gpt2", 2, 2, 4, 2, 64, "full", "bf16"),
+              ("tiny-gpt2", 3, 2, 8, 1, 64, "full", "fp32"), ("tiny-gpt2", 3, 2, 8, 1, 64, "none", "fp32"),
+              ("tiny-llama", "fsdp2-keep", 2, 8, 1, 96, "none", "fp32"), ("tiny-llama", "fsdp2", 2, 8, 1, 96, "full", "fp32"),
+              ("tiny-llama", "fsdp2-keep", 2, 4, 2, 96, "full", "fp32"), ("tiny-llama", "fsdp2", 2, 4, 2, 96, "full", "fp32")]
+
+# DeepSpeed ZeRO-0 on the llama-sv shape of the two FSDP2 rows the checkpoint frame explained (the
+# same mechanism without FSDP2), and the same shape unchecked in bf16 (its peak: the final RMSNorm's
+# backward, which the DeepSpeed walk does not visit; docs/accuracy.md)
+FRAME_ROWS = [("llama-sv", 0, 1, 1, 2, 256, "op", "fp32"), ("llama-sv", 0, 1, 1, 4, 256, "full", "bf16"),
+              ("llama-sv", 0, 1, 1, 4, 256, "none", "bf16")]
+
+
+def long_rows() -> list[tuple]:
+    """Long sequences with and without checkpointing: every (ZeRO stage, checkpointing) pair on each
+    long family, seq 1024/2048/4096, mbs 1/2, 1 and 2 ranks and bf16/fp32 rotating so each family sees
+    each value (a partial run stays balanced)."""
+    rows = []
+    pairs = [(z, ck) for ck in ("none", "full", "op") for z in range(4)]
+    for j, (stage, ck) in enumerate(pairs):
+        for i, model in enumerate(("hf-llama-long", "hf-qwen2-long", "hf-gemma-long")):
+            k = i + j
+            seq = (1024, 2048, 4096)[k % 3]
+            mbs = (1, 2)[(k // 3) % 2] if seq < 4096 else 1
+            nproc = (1, 2)[(i + j // 2) % 2]
+            prec = "fp32" if (k % 4 == 3) else "bf16"
+            rows.append((model, stage, nproc, 1, mbs, seq, ck, prec))
+    # and the settings of two held-out shorter-sequence checks (ZeRO-2 full seq 512 mbs 2, ZeRO-3
+    # unchecked seq 256, bf16, 1 rank) on the tiny Llama
+    rows += [("hf-llama-long", 2, 1, 1, 2, 512, "full", "bf16"), ("hf-llama-long", 3, 1, 1, 2, 256, "none", "bf16")]
+    return rows + [("hf-llama-v64", 0, 1, 1, 1, 4096, "none", "bf16"), ("hf-llama-v64", 1, 2, 1, 1, 2048, "none", "bf16"),
+                   ("hf-llama-v64", 2, 1, 1, 2, 1024, "none", "bf16"), ("hf-llama-v64", 3, 2, 1, 1, 2048, "none", "bf16"),
+                   ("hf-llama-v64", 2, 2, 1, 1, 4096, "full", "bf16"), ("hf-llama-v64", 0, 1, 1, 1, 2048, "op", "fp32"),
+                   # the sliding window at and below the sequence
+                   ("hf-mistral-long", 0, 1, 1, 1, 4096, "none", "bf16"), ("hf-mistral-long", 2, 2, 1, 1, 4096, "full", "bf16"),
+                   ("hf-mistral-long", 1, 1, 1, 1, 4096, "op", "fp32"), ("hf-mistral-long", 3, 2, 1, 2, 4096, "none", "bf16"),
+                   ("hf-mistral-long", 0, 2, 1, 2, 2048, "full", "bf16")]
+
+
+LONG_ROWS = long_rows()
+
+
+# issue 24's long-context knobs (autotune.models.long_context through the worker): Ulysses sequence
+# parallel 2 on 2 ranks ("sp"), the tiled loss ("tl", TiledFusedLogitsLoss: one 1-GiB tile at these
+# sizes), the tiled MLP ("tm", ceil(seq / hidden) tiles), activation offload of the checkpointed
+# inputs to host ("ao", full checkpointing), alone and together, on 9 HF families (Gemma-2: eager
+# attention, no Ulysses), ZeRO 0-3 and fsdp2 (context parallel has no CPU kernel: not measured),
+# 1 and 2 ranks, bf16/fp32. Row = ROW_KEYS + "knobs" (Strategy fields)
+_LC = {"sp": {"sequence_parallel_size": 2}, "tl": {"tiled_loss": True}, "tm": {"tiled_mlp": True},
+       "ao": {"activation_offload": "cpu"}}
+LONG_CONTEXT_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision, knobs)
+    ("hf-llama", 2, 2, 1, 1, 512, "none", "bf16", "sp"), ("hf-qwen3", 3, 2, 1, 2, 256, "full", "fp32", "sp"),
+    ("hf-mistral", 1, 2, 1, 1, 512, "full", "bf16", "sp+tm"), ("hf-phi3", 0, 2, 1, 2, 256, "none", "fp32", "sp+tl"),
+    ("hf-llama", 0, 1, 1, 2, 512, "none", "bf16", "tl"), ("hf-gemma", 3, 1, 1, 2, 256, "full", "fp32", "tl"),
+    ("hf-olmo2", 2, 2, 1, 2, 256, "none", "bf16", "tl"), ("hf-gpt2", 1, 1, 1, 2, 256, "none", "fp32", "tm"),
+    ("hf-neox", 2, 2, 1, 2, 256, "full", "bf16", "tm"), ("hf-qwen2", 3, 2, 1, 2, 256, "none", "bf16", "tm"),
+    ("hf-llama", 0, 1, 1, 2, 256, "full", "bf16", "ao"), ("hf-qwen3", 2, 2, 1, 2, 256, "full", "fp32", "ao"),
+    ("hf-gemma2", "fsdp2", 2, 1, 1, 512, "full", "bf16", "ao"), ("hf-llama", "fsdp2", 1, 1, 2, 256, "none", "fp32", "tl+tm"),
+    ("hf-mistral", 3, 2, 1, 1, 512, "full", "bf16", "sp+tl+tm+ao"),
+    ("hf-llama-long", 2, 2, 1, 1, 2048, "none", "bf16", "sp"), ("hf-qwen2-long", 1, 1, 1, 1, 2048, "full", "bf16", "tl+tm"),
+    ("hf-gemma-long", 0, 2, 1, 1, 2048, "full", "fp32", "sp+ao"),
+]
+
+
+def long_context_grid() -> list[dict]:
+    """LONG_CONTEXT_ROWS as grid rows (``knobs``: the long-context Strategy fields of the row)."""
+    rows = []
+    for *head, names in LONG_CONTEXT_ROWS:
+        knobs: dict = {}
+        for name in names.split("+"):
+            knobs.update(_LC[name])
+        rows.append(dict(zip(ROW_KEYS, head), knobs=knobs))
+    return rows
+
+
+MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 and fsdp2, 1/2 ranks, fp32/bf16
+    ("hf-mixtral", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-qwen3moe", 0, 2, 1, 2, 256, "full", "fp32"),
+    ("hf-mixtral", 1, 2, 2, 2, 256, "none", "fp32"), ("hf-qwen3moe", 1, 1, 1, 4, 128, "none", "bf16"),
+    ("hf-mixtral", 2, 2, 1, 2, 256, "full", "bf16"), ("hf-qwen3moe", 2, 1, 2, 2, 256, "none", "fp32"),
+    ("hf-mixtral", 3, 1, 1, 4, 128, "full", "fp32"), ("hf-qwen3moe", 3, 2, 1, 2, 256, "none", "bf16"),
+    ("hf-mixtral", "fsdp2", 2, 1, 2, 256, "none", "bf16"), ("hf-qwen3moe", "fsdp2", 1, 1, 2, 256, "full", "fp32"),
+    ("hf-mixtral-sv", 0, 1, 1, 4, 256, "none", "bf16"), ("hf-qwen3moe-sv", 2, 2, 1, 4, 256, "none", "bf16"),
+    ("hf-mixtral-sv", 3, 2, 1, 2, 256, "none", "fp32"), ("hf-qwen3moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
+    ("hf-mixtral-sv", "fsdp2-keep", 1, 1, 4, 256, "full", "bf16"), ("hf-qwen3moe-sv", 1, 1, 2, 4, 256, "full", "fp32"),
+    # DeepSeek-V2: latent attention (plain q_proj / q LoRA), 1 shared expert (memory/mla.py, moe.py)
+    ("hf-deepseekv2", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv2-q", 1, 2, 1, 2, 256, "none", "fp32"),
+    ("hf-deepseekv2-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-deepseekv2", 3, 2, 1, 2, 256, "full", "bf16"),
+    ("hf-deepseekv2-q", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv2-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
+    ("hf-deepseekv2-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-deepseekv2-q", 0, 2, 1, 2, 256, "full", "fp32"),
+    # DeepSeek-V3: the sigmoid router with the correction bias, group-limited top-k, cos/sin rotary (moe.py, mla.py)
+    ("hf-deepseekv3", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv3", 1, 2, 1, 2, 256, "none", "fp32"),
+    ("hf-deepseekv3-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-deepseekv3", 3, 2, 1, 2, 256, "full", "bf16"),
+    ("hf-deepseekv3", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv3-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
+    ("hf-deepseekv3-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-deepseekv3", 0, 2, 1, 2, 256, "full", "fp32"),
+    # Qwen1.5-MoE: the sigmoid-gated shared expert, qkv biases, top-k not renormalised (moe.py)
+    ("hf-qwen2moe", 0, 2, 1, 2, 256, "none", "bf16"), ("hf-qwen2moe-sv", 1, 1, 1, 4, 256, "none", "fp32"),
+    ("hf-qwen2moe-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-qwen2moe", 3, 1, 2, 2, 256, "full", "fp32"),
+    ("hf-qwen2moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"), ("hf-qwen2moe", "fsdp2-keep", 1, 1, 2, 256, "full", "fp32"),
+    # dense-MLP blocks among the MoE ones (memory/mixed.py)
+    ("hf-deepseekv2-dense", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-deepseekv2-dense", 3, 2, 1, 2, 256, "full", "bf16"),
+    ("hf-deepseekv2-dense", "fsdp2", 2, 1, 2, 256, "none", "fp32"), ("hf-qwen2moe-dense", 2, 2, 1, 4, 256, "none", "bf16"),
+    ("hf-qwen2moe-dense", "fsdp2-keep", 1, 1, 2, 256, "full", "fp32"), ("hf-qwen2moe-dense", 1, 1, 1, 2, 256, "selective", "bf16"),
+    ("hf-deepseekv3-dense", 3, 2, 1, 2, 256, "full", "bf16"), ("hf-deepseekv3-dense", "fsdp2", 2, 1, 2, 256, "none", "fp32"),
+    ("hf-deepseekv3-dense", 1, 1, 1, 2, 256, "none", "bf16"),
+]
+
+
+# expert parallelism 2 on 2 gloo ranks (fsdp2: each block's E / 2 experts their own fully_shard unit,
+# all_to_all_single dispatch and combine; autotune.models.fsdp2.apply), predicted with the stated
+# MOE_LOAD_IMBALANCE for the rows each rank receives (docs/moe.md "Expert parallelism")
+MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_parallel_size 2
+    ("hf-mixtral", "fsdp2", 2, 1, 2, 256, "none", "bf16"), ("hf-qwen3moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
+    ("hf-mixtral-sv", "fsdp2", 2, 1, 4, 256, "none", "fp32"), ("hf-qwen3moe", "fsdp2-keep", 2, 1, 2, 256, "full", "fp32"),
+    ("hf-mixtral-sv", "fsdp2", 2, 2, 2, 256, "full", "bf16"), ("hf-qwen3moe-sv", "fsdp2", 2, 1, 4, 256, "selective", "fp32"),
+]
+
+
+def moe_grid() -> list[dict]:
+    """MOE_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
+    return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS]
+            + [dict(zip(ROW_KEYS, r), knobs={"expert_parallel_size": 2}) for r in MOE_EP_ROWS])
+
+
+def row_key(row: dict) -> tuple:
+    """A row's identity (--reuse): ROW_KEYS, and its long-context knobs when it has any."""
+    key = tuple(row.get(k, 1 if k == "ga" else None) for k in ROW_KEYS)
+    return key + (json.dumps(row["knobs"], sort_keys=True),) if row.get("knobs") else key
+
+
+def grid(quick: bool) -> list[dict]:
+    """Reference-decoder rows, the checkpointing-granularity rows and the fsdp2 rows (the HF
+    families, hf_grid, carry most of the accuracy claim)."""
+    rows = [dict(zip(ROW_KEYS, r)) for r in REFERENCE_ROWS]
+    if quick:
+        return rows[::3]
+    have_hf = importlib.util.find_spec("transformers") is not None
+    return (rows + [dict(zip(ROW_KEYS, r)) for r in GRANULARITY_ROWS + SELECTIVE_ROWS + EVERY_K_ROWS + FSDP2_ROWS
+                    if have_hf or r[0] not in HF_FAMILIES]
+            + [dict(zip(ROW_KEYS, r), measure_steps=GA_ROWS_STEPS) for r in GA_ROWS]
+            + [dict(zip(ROW_KEYS, r)) for r in TABLE_ROWS + FRAME_ROWS]
+            + [dict(zip(ROW_KEYS, r)) for r in LONG_ROWS if have_hf])
