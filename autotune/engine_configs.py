@@ -1,11 +1,13 @@
-"""A strategy's engine configs: the DeepSpeed config JSON and the FSDP2 layout, and the
-data-parallel arithmetic they share (autotune.strategy owns Strategy; this module reads it)."""
+"""A strategy's engine configs: the DeepSpeed config JSON and the FSDP2 layout, the data-parallel
+arithmetic they share, and a DeepSpeed strategy in FSDP terms (autotune.strategy owns Strategy; this
+module reads it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+from autotune.knobs import long_context_fields
 from autotune.spec import HardwareSpec, ModelSpec, OptimizerSpec, TrainingSpec
 from autotune.strategy import Strategy, batch_ranks, data_parallel_size
 
@@ -255,22 +257,43 @@ def expert_parallel_layout(strategy: Strategy, model: ModelSpec, hardware: Hardw
             "dispatch": "all_to_all_single", "combine": "all_to_all_single"}
 
 
-def long_context_knobs(strategy: Strategy) -> dict[str, Any]:
-    """The strategy's model-side long-context knobs that are not at their defaults (the calls of
-    autotune.models.long_context; no engine config has a key for them): empty for a plain point."""
-    s = strategy
-    out: dict[str, Any] = {}
-    if s.sequence_parallel_size > 1:
-        out["sequence_parallel_size"] = s.sequence_parallel_size
-    if s.context_parallel_size > 1:
-        out["context_parallel_size"] = s.context_parallel_size
-    if s.tiled_loss:
-        out["tiled_loss"] = True
-    if s.tiled_mlp:
-        out["tiled_mlp"] = True
-    if s.activation_offload != "none":
-        out["activation_offload"] = s.activation_offload
+FSDP_SHARDING: dict[int, Optional[str]] = {0: "NO_SHARD", 1: None, 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
+"""ZeRO stage -> the FSDP ShardingStrategy that shards the same states (torch/distributed/fsdp/api.py
+ShardingStrategy). ZeRO-1 has none: FSDP cannot shard optimizer states alone (SHARD_GRAD_OP also shards
+gradients, as ZeRO-2 does; NO_SHARD shards nothing)."""
+FSDP_NO_EQUIVALENT = "none: FSDP has no optimizer-state-only sharding (ZeRO-1)"
+"""What ``fsdp_equivalent`` says where FSDP_SHARDING has no equivalent."""
+
+
+def fsdp_equivalent(strategy: Strategy, hardware: HardwareSpec) -> dict[str, Any]:
+    """The same strategy in PyTorch FSDP terms, for users who train with FSDP."""
+    sharding = FSDP_SHARDING[strategy.zero_stage]
+    out: dict[str, Any] = {
+        "sharding_strategy": sharding,
+        "cpu_offload": strategy.offload_params == "cpu" or strategy.offload_optimizer == "cpu",
+        "activation_checkpointing": strategy.checkpointing,
+    }
+    notes = [FSDP_NO_EQUIVALENT] if sharding is None else []
+    if strategy.zero_stage == 3 and hardware.num_nodes > 1:
+        out["alternative"] = "HYBRID_SHARD (shard within a node, replicate across nodes)"
+    if "nvme" in (strategy.offload_params, strategy.offload_optimizer):
+        notes.append("FSDP has no NVMe offload; use DeepSpeed ZeRO-Infinity for this point")
+    if notes:
+        out["note"] = "; ".join(notes)
     return out
+
+
+def fsdp_equivalent_text(fsdp: dict[str, Any]) -> str:
+    """One line for ``fsdp_equivalent``'s result: the sharding strategy, or why there is none."""
+    return fsdp["sharding_strategy"] or FSDP_NO_EQUIVALENT
+
+
+def long_context_knobs(strategy: Any) -> dict[str, Any]:
+    """The strategy's model-side long-context knobs (``long_context`` in their metadata) that are not
+    at their defaults (the calls of autotune.models.long_context; no engine config has a key for
+    them): empty for a plain point. A strategy-like object without a knob has it at its default."""
+    return {f.name: v for f in long_context_fields(Strategy)
+            for v in [getattr(strategy, f.name, f.default)] if v != f.default}
 
 
 def engine_config(strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec

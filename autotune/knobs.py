@@ -25,6 +25,12 @@ value's log2 over the space's span; blocks: the fraction of blocks checkpointed,
 ONE_HOT = 1 / math.sqrt(2)
 """The one-hot weight that puts two levels of a knob at unit distance."""
 
+MemoryTerm = Literal["rules", "activations", "states", "units"]
+"""A term of the memory model the screen computes once per distinct key (memory/_fast.py): rules =
+``strategy.validate``; activations = ``activation_breakdown``; states = a DeepSpeed candidate's model
+states and buckets; units = an FSDP2 candidate's units and accumulation."""
+MEMORY_TERMS: tuple[MemoryTerm, ...] = typing.get_args(MemoryTerm)
+
 Getter = Callable[[str], Any]
 """Reads one knob's value from a strategy or from the values chosen so far (None: not chosen)."""
 
@@ -47,7 +53,8 @@ def knob(default: Any, *, help: str, search_order: Optional[int], nest: Optional
          engine: Optional[str] = None, applies: Optional[When] = None,
          int_range: Optional[tuple[int, Optional[int]]] = None, buffer: bool = False,
          space: Optional[tuple[Any, ...]] = None, of_layers: bool = False, added: bool = False,
-         from_training: Optional[str] = None, feature: Optional[Feature] = None) -> Any:
+         from_training: Optional[str] = None, feature: Optional[Feature] = None,
+         memory: Optional[tuple[MemoryTerm, ...]] = None, long_context: bool = False) -> Any:
     """A strategy field. ``help``: what it does (CLI help, docs). ``search_order``: its place in
     the knobs a search space varies (the order Optuna is asked and the trials.csv columns; None:
     not searched); ``nest``: its place in the nesting of the space's candidates (outermost first,
@@ -60,12 +67,16 @@ def knob(default: Any, *, help: str, search_order: Optional[int], nest: Optional
     give ``all`` or fractions of the model's blocks). ``added``: added after the first trials.csv
     format (a record without it means the default). ``from_training``: a job file (strategy
     section, search space) that omits it takes this field of its training section instead.
-    ``feature``: how the search's residual model sees it (None: not at all, or through another knob)."""
+    ``feature``: how the search's residual model sees it (None: not at all, or through another knob).
+    ``memory``: the memory terms whose value it changes (the screen's cache keys, ``memory_key``;
+    None: every term, so a new knob can make no cached term stale). ``long_context``: a model-side
+    long-context knob (autotune.models.long_context applies it; no engine config has a key for it)."""
     return dataclasses.field(default=default, metadata={
         "help": " ".join(help.split()), "search_order": search_order,
         "nest": search_order if nest is None else nest, "flag": flag, "engine": engine, "applies": applies,
         "int_range": int_range, "buffer": buffer, "space": space, "of_layers": of_layers, "added": added,
-        "from_training": from_training, "feature": feature})
+        "from_training": from_training, "feature": feature,
+        "memory": MEMORY_TERMS if memory is None else memory, "long_context": long_context})
 
 
 def knob_fields(cls: type) -> tuple[dataclasses.Field, ...]:
@@ -94,6 +105,17 @@ def nesting(cls: type) -> tuple[str, ...]:
         late = [r for r in reads if r in order and order.index(r) > i]
         assert not late, f"{name} is nested before {late}, which it reads"
     return order
+
+
+def memory_key(cls: type, term: MemoryTerm) -> tuple[str, ...]:
+    """The knobs whose value changes the memory term ``term`` (field order): the screen computes the
+    term once per distinct tuple of their values."""
+    return tuple(f.name for f in knob_fields(cls) if term in f.metadata["memory"])
+
+
+def long_context_fields(cls: type) -> tuple[dataclasses.Field, ...]:
+    """The model-side long-context knobs (field order)."""
+    return tuple(f for f in knob_fields(cls) if f.metadata["long_context"])
 
 
 def flagged(cls: type) -> tuple[str, ...]:

@@ -26,8 +26,9 @@ from autotune.runfiles import (FRONT_FILE, TRIALS_FILE, RunData, TrialRecord, po
                                write_trials_csv)
 from autotune.space import SearchSpace
 from autotune.spec import GIB
-from autotune.strategy import Strategy, fsdp_equivalent, fsdp_equivalent_text
-from autotune.engine_configs import gradient_accumulation_steps, to_deepspeed_config, to_fsdp2_config
+from autotune.strategy import Strategy
+from autotune.engine_configs import (fsdp_equivalent, fsdp_equivalent_text, gradient_accumulation_steps,
+                                     to_deepspeed_config, to_fsdp2_config)
 from autotune.trainers import checkpointing_call, deepspeed_launch, fsdp2_launch, write_trainer_files
 from autotune.trial_attrs import TrialAttrs
 

@@ -53,13 +53,6 @@ PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
 REDUCE_DTYPES: tuple[ReduceDtype, ...] = get_args(ReduceDtype)
 
-FSDP_SHARDING: dict[int, Optional[str]] = {0: "NO_SHARD", 1: None, 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
-"""ZeRO stage -> the FSDP ShardingStrategy that shards the same states (torch/distributed/fsdp/api.py
-ShardingStrategy). ZeRO-1 has none: FSDP cannot shard optimizer states alone (SHARD_GRAD_OP also shards
-gradients, as ZeRO-2 does; NO_SHARD shards nothing)."""
-FSDP_NO_EQUIVALENT = "none: FSDP has no optimizer-state-only sharding (ZeRO-1)"
-"""What ``fsdp_equivalent`` says where FSDP_SHARDING has no equivalent."""
-
 _CKPT_ON = When("checkpointing != none", ("checkpointing",), lambda get: get("checkpointing") != "none")
 _CKPT_FULL = When("checkpointing full", ("checkpointing",), lambda get: get("checkpointing") == "full")
 _NO_EVERY = When("checkpoint_every unset", ("checkpoint_every",), lambda get: get("checkpoint_every") is None)
@@ -73,82 +66,103 @@ _ZERO = {"1-3": When("zero_stage >= 1", ("zero_stage",), lambda get: get("zero_s
 class Strategy:
     """How one training job is laid out on the GPUs."""
 
-    engine: Engine = knob("deepspeed", search_order=0, feature=("switch", ONE_HOT), flag=True, added=True, help="""Training engine: deepspeed
+    engine: Engine = knob("deepspeed", search_order=0, feature=("switch", ONE_HOT), flag=True, added=True,
+                          memory=("rules", "activations"), help="""Training engine: deepspeed
         (ZeRO stages 0-3) or fsdp2 (PyTorch fully_shard on every decoder layer plus the root; parameters,
         gradients and optimizer states always sharded).""")
-    zero_stage: ZeroStage = knob(0, search_order=1, feature=("levels", ONE_HOT), flag=True, engine="deepspeed", space=(0, 1, 2, 3), help="""
+    zero_stage: ZeroStage = knob(0, search_order=1, feature=("levels", ONE_HOT), flag=True, engine="deepspeed",
+                                 space=(0, 1, 2, 3), memory=("rules", "activations", "states"), help="""
         ZeRO stage 0-3 (0 = plain data parallel); fsdp2 is always 3, fully sharded.""")
-    micro_batch_size: int = knob(1, search_order=4, feature=("log2", 1.0), flag=True, int_range=(1, 1 << 20), space=(1, 2, 4, 8),
+    micro_batch_size: int = knob(1, search_order=4, feature=("log2", 1.0), flag=True, int_range=(1, 1 << 20),
+                                 space=(1, 2, 4, 8), memory=("rules", "activations", "states", "units"),
                                  help="Sequences per GPU per forward/backward.")
-    checkpointing: Checkpointing = knob("none", search_order=5, feature=("blocks", 1.0), flag=True, space=("none", "full"), help="""
+    checkpointing: Checkpointing = knob("none", search_order=5, feature=("blocks", 1.0), flag=True,
+                                        space=("none", "full"), memory=("rules", "activations"), help="""
         Activation checkpointing granularity: selective = attention core recomputed (Korthikanti et al. 2022
         sec. 5); attention / mlp = that module of the block recomputed, the other kept (module-level selective
         recompute, the norms stay outside); op = torchtitan's op-level selective checkpointing of the block
         (attention outputs and every other matmul output kept, the rest recomputed); full = whole block
         recomputed.""")
     checkpoint_every: Optional[int] = knob(None, search_order=6, nest=7, flag=True, int_range=(1, 10_000),
-                                           applies=_CKPT_ON, added=True, help="""Checkpoint every k-th block
+                                           applies=_CKPT_ON, added=True, memory=("rules", "activations"),
+                                           help="""Checkpoint every k-th block
         (blocks k-1, 2k-1, ...; torchtitan's layer-frequency selective option), L // k blocks in all; unset:
         the first checkpoint_layers blocks instead.""")
     checkpoint_layers: Optional[int] = knob(None, search_order=7, nest=8, flag=True, int_range=(0, 10_000),
-                                            applies=_CKPT_ON & _NO_EVERY, space=("all",), of_layers=True, help="""
+                                            applies=_CKPT_ON & _NO_EVERY, space=("all",), of_layers=True,
+                                            memory=("rules", "activations"), help="""
         Number of blocks checkpointed, the first ones, 0..num_layers (unset: all of them). Not with
         checkpoint_every.""")
-    offload_optimizer: Offload = knob("none", search_order=2, feature=("levels", ONE_HOT), flag=True, engine="deepspeed", help="""Where
+    offload_optimizer: Offload = knob("none", search_order=2, feature=("levels", ONE_HOT), flag=True,
+                                      engine="deepspeed", memory=("rules", "states"), help="""Where
         optimizer states and fp32 master weights live (ZeRO >= 1; fsdp2: follows offload_params, as
         CPUOffloadPolicy moves both).""")
-    offload_params: Offload = knob("none", search_order=3, feature=("levels", ONE_HOT), flag=True, help="""Where the sharded parameters
+    offload_params: Offload = knob("none", search_order=3, feature=("levels", ONE_HOT), flag=True,
+                                   memory=("rules", "states", "units"), help="""Where the sharded parameters
         live between uses (deepspeed: ZeRO-3 only; fsdp2: cpu = CPUOffloadPolicy, sharded parameters,
         gradients and the optimizer step on the host).""")
-    precision: Precision = knob("bf16", search_order=8, feature=("levels", ONE_HOT), nest=6, flag=True, from_training="precision", help="""
-        Compute precision (unset: the job's training.precision); fp16 adds dynamic loss scaling (fsdp2: MixedPrecisionPolicy.param_dtype;
-        the sharded parameters stay fp32).""")
-    reshard_after_forward: Literal[True, False] = knob(True, search_order=9, feature=("switch", 0.5), flag=True, engine="fsdp2",
-                                                       added=True, help="""Free each layer's unsharded
+    precision: Precision = knob("bf16", search_order=8, feature=("levels", ONE_HOT), nest=6, flag=True,
+                                from_training="precision", memory=("rules", "activations", "states", "units"), help="""
+        Compute precision (unset: the job's training.precision); fp16 adds dynamic loss scaling (fsdp2:
+        MixedPrecisionPolicy.param_dtype; the sharded parameters stay fp32).""")
+    reshard_after_forward: Literal[True, False] = knob(True, search_order=9, feature=("switch", 0.5), flag=True,
+                                                       engine="fsdp2", added=True, memory=("units",),
+                                                       help="""Free each layer's unsharded
         parameters after its forward and all-gather them again for its backward (ZeRO-3-like); false keeps
         them from forward to backward (ZeRO-2-like).""")
-    sharding: Sharding = knob("full", search_order=10, feature=("switch", 0.5), flag=True, engine="fsdp2", added=True, help="""full =
+    sharding: Sharding = knob("full", search_order=10, feature=("switch", 0.5), flag=True, engine="fsdp2", added=True,
+                              memory=("rules", "units"), help="""full =
         shard over every GPU; hybrid = shard within a node and replicate across nodes (HSDP, a 2-D device
         mesh; needs more than one node).""")
-    reduce_dtype: ReduceDtype = knob("fp32", search_order=11, feature=("switch", 0.5), flag=True, engine="fsdp2", added=True, help="""
+    reduce_dtype: ReduceDtype = knob("fp32", search_order=11, feature=("switch", 0.5), flag=True, engine="fsdp2",
+                                     added=True, memory=("units",), help="""
         Dtype of the gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype).""")
-    reduce_bucket_size: Optional[int] = knob(None, search_order=12, feature=("set", 0.5), flag=False, engine="deepspeed",
-                                             applies=_ZERO["1-3"], int_range=(1, None), buffer=True, help="""
+    reduce_bucket_size: Optional[int] = knob(None, search_order=12, feature=("set", 0.5), flag=False,
+                                             engine="deepspeed", applies=_ZERO["1-3"], int_range=(1, None), buffer=True,
+                                             memory=("states",), help="""
         Elements per gradient reduce bucket (auto: autotune's choice, see default_buckets).""")
-    allgather_bucket_size: Optional[int] = knob(None, search_order=13, feature=("set", 0.5), flag=False, engine="deepspeed",
-                                                applies=_ZERO["1-2"], int_range=(1, None), buffer=True,
-                                                help="Elements per parameter all-gather bucket (auto: autotune's "
-                                                "choice).")
-    prefetch_bucket_size: Optional[int] = knob(None, search_order=14, feature=("set", 0.5), flag=False, engine="deepspeed",
-                                               applies=_ZERO["3"], int_range=(1, None), buffer=True,
+    allgather_bucket_size: Optional[int] = knob(None, search_order=13, feature=("set", 0.5), flag=False,
+                                                engine="deepspeed", applies=_ZERO["1-2"], int_range=(1, None),
+                                                buffer=True, memory=(),
+                                                help="Elements per parameter all-gather bucket (auto: autotune's choice).")
+    prefetch_bucket_size: Optional[int] = knob(None, search_order=14, feature=("set", 0.5), flag=False,
+                                               engine="deepspeed", applies=_ZERO["3"], int_range=(1, None), buffer=True,
+                                               memory=("states",),
                                                help="Elements prefetched ahead of use (auto: autotune's choice).")
     param_persistence_threshold: Optional[int] = knob(None, search_order=None, flag=False, engine="deepspeed",
-                                                      applies=_ZERO["3"], int_range=(0, None), buffer=True, help="""
+                                                      applies=_ZERO["3"], int_range=(0, None), buffer=True,
+                                                      memory=("states",), help="""
         Parameters smaller than this stay unpartitioned (auto: autotune's choice).""")
     sequence_parallel_size: int = knob(1, search_order=15, feature=("log2", 1.0), flag=True, engine="deepspeed",
-                                       int_range=(1, 1 << 16), added=True, help="""DeepSpeed Ulysses sequence
+                                       int_range=(1, 1 << 16), added=True, memory=("rules", "activations", "states"),
+                                       long_context=True, help="""DeepSpeed Ulysses sequence
         parallelism (ALST, arXiv 2506.13996; deepspeed/runtime/sequence_parallel/ulysses_sp.py): each group of
         this many GPUs splits every sequence into equal shards and exchanges the attention heads by
         all-to-all around attention; data parallel = GPUs / this. ZeRO still shards over every GPU.""")
     context_parallel_size: int = knob(1, search_order=16, feature=("log2", 1.0), flag=True, engine="fsdp2",
-                                      int_range=(1, 1 << 16), added=True, help="""torch context parallelism
+                                      int_range=(1, 1 << 16), added=True, memory=("rules", "activations", "units"),
+                                      long_context=True, help="""torch context parallelism
         (torch/distributed/tensor/experimental/_attention.py, ring attention; torchtitan's cp degree): each group
         of this many GPUs splits every sequence into 2 x this load-balanced chunks and passes key/value
         chunks around a ring inside attention; data parallel = GPUs / this; FSDP2 shards over every GPU.""")
     tiled_loss: Literal[False, True] = knob(False, search_order=17, feature=("switch", 0.5), flag=True, added=True,
+                                            memory=("activations",), long_context=True,
                                             help="""Compute the head's logits and the loss in sequence tiles
         (DeepSpeed TiledFusedLogitsLoss), each tile's forward and backward at once: the full logits never
         exist.""")
     tiled_mlp: Literal[False, True] = knob(False, search_order=18, feature=("switch", 0.5), flag=True, added=True,
+                                           memory=("activations",), long_context=True,
                                            help="""Run each block's MLP over sequence tiles of hidden_size
         tokens (DeepSpeed TiledMLP): only the MLP input is saved, each tile recomputed in backward.""")
-    activation_offload: ActivationOffload = knob("none", search_order=19, feature=("switch", 0.5), flag=True, added=True,
-                                       applies=_CKPT_FULL, help="""Where the checkpointed blocks' saved inputs
+    activation_offload: ActivationOffload = knob("none", search_order=19, feature=("switch", 0.5), flag=True,
+                                                 added=True, applies=_CKPT_FULL, memory=("rules", "activations"),
+                                                 long_context=True, help="""Where the checkpointed blocks' saved inputs
         live between forward and backward (cpu: host memory, copied back before each block's
         recomputation; ALST's activation checkpoint offload).""")
 
     expert_parallel_size: int = knob(1, search_order=20, feature=("log2", 1.0), flag=True, engine="fsdp2",
-                                     int_range=(1, 1 << 16), added=True, help="""Expert parallelism of an MoE
+                                     int_range=(1, 1 << 16), added=True, memory=("rules", "activations", "units"),
+                                     help="""Expert parallelism of an MoE
         model (torchtitan's expert_parallel_degree, torchtitan/distributed/expert_parallel.py ExpertParallel):
         each group of this many data parallel GPUs splits every MoE block's routed experts between them and
         sends each token to the GPU of its experts (all_to_all_single: dispatch) and back (combine); the
@@ -451,30 +465,6 @@ def _expert_parallel_errors(s: Strategy, model: ModelSpec, hardware: HardwareSpe
 def validate(strategy: Strategy, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec) -> list[str]:
     """Rules a strategy must satisfy to be runnable at all; returns the broken ones in words."""
     return [message for _, message in validation_errors(strategy, model, training, hardware)]
-
-
-def fsdp_equivalent(strategy: Strategy, hardware: HardwareSpec) -> dict[str, Any]:
-    """The same strategy in PyTorch FSDP terms, for users who train with FSDP."""
-    sharding = FSDP_SHARDING[strategy.zero_stage]
-    out: dict[str, Any] = {
-        "sharding_strategy": sharding,
-        "cpu_offload": strategy.offload_params == "cpu" or strategy.offload_optimizer == "cpu",
-        "activation_checkpointing": strategy.checkpointing,
-    }
-    notes = [FSDP_NO_EQUIVALENT] if sharding is None else []
-    if strategy.zero_stage == 3 and hardware.num_nodes > 1:
-        out["alternative"] = "HYBRID_SHARD (shard within a node, replicate across nodes)"
-    if "nvme" in (strategy.offload_params, strategy.offload_optimizer):
-        notes.append("FSDP has no NVMe offload; use DeepSpeed ZeRO-Infinity for this point")
-    if notes:
-        out["note"] = "; ".join(notes)
-    return out
-
-
-def fsdp_equivalent_text(fsdp: dict[str, Any]) -> str:
-    """One line for ``fsdp_equivalent``'s result: the sharding strategy, or why there is none."""
-    return fsdp["sharding_strategy"] or FSDP_NO_EQUIVALENT
-
 
 
 def ignored_knobs(given: Mapping[str, Any], strategy: Strategy) -> list[tuple[str, str]]:

@@ -10,7 +10,8 @@ from autotune.config import Config, check_strategy, load_config
 from autotune.errors import ConfigError
 from autotune.spec import GIB
 from autotune.knobs import knob_fields, literal_choices
-from autotune.strategy import FLAG_KNOBS, Strategy, fsdp_equivalent_text, ignored_knobs
+from autotune.engine_configs import fsdp_equivalent_text
+from autotune.strategy import FLAG_KNOBS, Strategy, ignored_knobs
 
 
 def add_parser(sub: Any) -> None:
@@ -57,7 +58,7 @@ def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dic
     """Everything ``autotune estimate --json`` prints, as one JSON-able dict."""
     from autotune.memory import estimate_memory
     from autotune.simulate import simulate
-    from autotune.strategy import fsdp_equivalent
+    from autotune.engine_configs import fsdp_equivalent
     from autotune.engine_configs import gradient_accumulation_steps, to_deepspeed_config, to_fsdp2_config
 
     provenance = None

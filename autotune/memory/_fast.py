@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from autotune.knobs import memory_key
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import PREDICTION_MARGIN
 from autotune.memory.estimate import _accumulation_carry
@@ -38,22 +39,14 @@ _ACT_FIELDS = ("blocks", "per_block_plain", "per_block_checkpointed", "num_check
 _act_fields = attrgetter(*_ACT_FIELDS)
 
 
-rules_key = attrgetter("engine", "zero_stage", "micro_batch_size", "offload_params", "offload_optimizer",
-                       "checkpoint_layers", "checkpoint_every", "sharding", "precision", "checkpointing",
-                       "sequence_parallel_size", "context_parallel_size", "activation_offload",
-                       "expert_parallel_size")
+rules_key = attrgetter(*memory_key(Strategy, "rules"))
 """The knobs ``strategy.validation_errors`` reads."""
-activation_key = attrgetter("micro_batch_size", "precision", "checkpointing", "checkpoint_layers", "checkpoint_every",
-                            "engine", "zero_stage", "sequence_parallel_size", "context_parallel_size", "tiled_loss",
-                            "tiled_mlp", "activation_offload", "expert_parallel_size")
+activation_key = attrgetter(*memory_key(Strategy, "activations"))
 """The knobs ``activation_breakdown`` reads (and whether the last block is checkpointed)."""
-states_key = attrgetter("zero_stage", "offload_optimizer", "offload_params", "precision", "micro_batch_size",
-                        "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold",
-                        "sequence_parallel_size")
+states_key = attrgetter(*memory_key(Strategy, "states"))
 """The knobs a DeepSpeed candidate's ``states_row`` reads (``_model_states``, ``default_buckets``,
 ``_accumulation_carry``)."""
-units_key = attrgetter("precision", "reduce_dtype", "offload_params", "sharding", "micro_batch_size",
-                       "reshard_after_forward", "context_parallel_size", "expert_parallel_size")
+units_key = attrgetter(*memory_key(Strategy, "units"))
 """The knobs an FSDP2 candidate's ``units_row`` reads (``fsdp2._units``, the accumulation)."""
 
 

@@ -305,14 +305,11 @@ class Fsdp2Engine:
         return out
 
 
-LONG_CONTEXT_KNOBS = ("sequence_parallel_size", "context_parallel_size", "tiled_loss", "tiled_mlp", "activation_offload")
-
-
 def long_context_on(strategy: Any) -> list[str]:
     """The strategy's long-context knobs that are not at their defaults."""
-    defaults = {"sequence_parallel_size": 1, "context_parallel_size": 1, "tiled_loss": False, "tiled_mlp": False,
-                "activation_offload": "none"}
-    return [k for k in LONG_CONTEXT_KNOBS if getattr(strategy, k, defaults[k]) != defaults[k]]
+    from autotune.engine_configs import long_context_knobs
+
+    return list(long_context_knobs(strategy))
 
 
 def apply_long_context(ctx: Context, built: Any, strategy: Any, seq_len: int, gas: int = 1) -> Any:

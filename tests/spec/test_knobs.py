@@ -1,9 +1,11 @@
 """One knob list: every list of knobs, checker, column, flag and docs row is read off Strategy's fields."""
 
 import argparse
+import ast
 import dataclasses
 import itertools
 import os
+import pathlib
 from typing import Literal
 
 import pytest
@@ -13,13 +15,13 @@ from autotune.commands.estimate import add_strategy_flags
 from autotune.config import STRATEGY_SCHEMA, load_config, strategy_schema
 from autotune.errors import ConfigError
 from autotune.knob_docs import BEGIN, END
-from autotune.knobs import knob, knob_fields, knob_table, nesting, searched
+from autotune.knobs import MEMORY_TERMS, knob, knob_fields, knob_table, long_context_fields, memory_key, nesting, searched
 from autotune.presets import gpu_from_name, model_from_name
 from autotune.runfiles import CSV_COLUMNS, csv_columns, strategy_from_record
 from autotune.space import load_space, space_schema
 from autotune.spec import HardwareSpec, TrainingSpec
 from autotune.strategy import CHECKPOINTINGS, FLAG_KNOBS, KNOBS, Strategy, ZERO_STAGES, knob_applies, knob_choices
-from autotune.engine_configs import to_deepspeed_config
+from autotune.engine_configs import long_context_knobs, to_deepspeed_config
 from conftest import BASE, ROOT
 
 FIELDS = [f.name for f in dataclasses.fields(Strategy)]
@@ -156,10 +158,39 @@ def test_a_field_added_to_a_copy_of_strategy_reaches_every_artefact(write):
         parser.parse_args(["--tensor-parallel", "3"])
     columns = csv_columns(extended)
     assert columns[2:2 + len(KNOBS) + 2] == [*KNOBS, *new]
+    # a knob that names no memory terms is in every cache key of the screen (none can go stale)
+    assert all(memory_key(extended, term)[-2:] == new for term in MEMORY_TERMS)
+    assert memory_key(extended, "units") == memory_key(Strategy, "units") + new
+    assert [f.name for f in long_context_fields(extended)] == [f.name for f in long_context_fields(Strategy)]
     table = knob_table(extended)
     assert "| `tensor_parallel` (`--tensor-parallel`) | 1, 2, 4 | 1 | 1 | always | Tensor-parallel degree. |" in table
     assert "| `chunks` (`--chunks`) | integer 1..64 | 1 | 1 | engine fsdp2 | Loss chunks. |" in table
     assert table.count("\n") == knob_table(Strategy).count("\n") + 2
+
+
+def test_no_module_but_strategy_lists_knob_names():
+    """A tuple, list, set or call that names two or more knobs in string literals is a knob list;
+    only strategy.py writes those (the rest read them off the fields: memory_key, long_context_fields,
+    searched, ...). Config files' keys (dict keys) are not lists of knobs."""
+    names = set(FIELDS)
+    offenders = []
+    for path in sorted(pathlib.Path(ROOT, "autotune").rglob("*.py")):
+        if path.name == "strategy.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            elts = (node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+                    else node.args if isinstance(node, ast.Call) else [])
+            named = {e.value for e in elts if isinstance(e, ast.Constant) and e.value in names}
+            if len(named) >= 2:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {sorted(named)}")
+    assert not offenders
+
+
+def test_long_context_knobs_are_the_marked_fields_off_their_defaults():
+    assert long_context_knobs(Strategy()) == {}
+    s = Strategy(sequence_parallel_size=4, tiled_loss=True, checkpointing="full", activation_offload="cpu")
+    assert long_context_knobs(s) == {"sequence_parallel_size": 4, "tiled_loss": True, "activation_offload": "cpu"}
+    assert long_context_knobs(Strategy(engine="fsdp2", context_parallel_size=2)) == {"context_parallel_size": 2}
 
 
 def test_docs_config_holds_the_generated_knob_table():

@@ -3,8 +3,8 @@
 import pytest
 
 from autotune import HardwareSpec, Strategy, TrainingSpec, gpu_from_name, model_from_name
-from autotune.strategy import fsdp_equivalent, validate
-from autotune.engine_configs import gradient_accumulation_steps, to_deepspeed_config
+from autotune.strategy import validate
+from autotune.engine_configs import fsdp_equivalent, gradient_accumulation_steps, to_deepspeed_config
 
 MODEL = model_from_name("llama2-7b")
 TRAIN = TrainingSpec(seq_len=4096, global_batch_size=64)
