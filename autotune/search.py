@@ -95,7 +95,7 @@ def _sweep_sampler(seed: int) -> Any:
 class StudyOutcome:
     """What run_study returns: the study and the bookkeeping the outputs need."""
 
-    study: Any
+    study: Study
     screened: list[Screened]
     interrupted: bool = False
     evaluated: dict[tuple, int] = field(default_factory=dict)
