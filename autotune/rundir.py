@@ -389,7 +389,21 @@ def _check_before_creating(cfg: Config, backend: str) -> SearchSpace:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
     if cls.launches_workers:
         _check_profiling_installed(cfg, space.values["engine"])
+        _check_profiled_model_builds(cfg)
     return space
+
+
+def _check_profiled_model_builds(cfg: Config) -> None:
+    """A job without model.hf_config or model.python is profiled on the reference decoder, which
+    refuses a spec it does not build (models.sources.reference_unbuilt: qk_norm, a MoE, ...): refuse
+    before starting instead of failing every trial with that line."""
+    from autotune.models.sources import reference_unbuilt
+
+    unbuilt = [] if (cfg.model_factory or cfg.hf_config) else reference_unbuilt(cfg.model)
+    if unbuilt:
+        raise ConfigError(f"the reference decoder a profiled run trains does not build {', '.join(unbuilt)} of "
+                          f"model {cfg.model.name!r}: give model.hf_config (its config.json) or model.python to "
+                          f"profile it, or run --backend simulate", file=cfg.path, path="model")
 
 
 def _check_profiling_installed(cfg: Config, engines: tuple[str, ...]) -> None:

@@ -128,6 +128,17 @@ def test_profile_backend_without_torch_names_it(monkeypatch):
     assert "needs torch" in str(err.value) and "pip install" in str(err.value) and err.value.path == "--backend"
 
 
+def test_profiling_a_preset_the_reference_decoder_does_not_build_is_refused_before_any_trial(tmp_path, capsys):
+    """qwen3-32b sets qk_norm: refused up front when profiled (before, every trial failed with the
+    worker's line); nothing is written."""
+    job = _job(tmp_path, **{"model.preset": "qwen3-32b", "model.num_hidden_layers": 1})
+    out = tmp_path / "runs"
+    assert main(["run", job, "--backend", "profile", "--trials", "2", "--out", str(out)]) == 2
+    err = _one_line_error(capsys, "does not build qk_norm of model 'qwen3-32b'")
+    assert err.startswith(f"autotune: error: {job}: model: ") and "model.hf_config" in err
+    assert not out.exists()
+
+
 def test_a_crash_names_the_exception_from_the_log(tmp_path):
     from autotune.backends.launch import LaunchResult, failure_of
 
