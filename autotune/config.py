@@ -19,7 +19,8 @@ from autotune.checks import (Checker, bool_, check_section, choice, float_, int_
                              read_yaml, show, str_)
 from autotune.backends.script_command import check_command
 from autotune.errors import ConfigError
-from autotune.hf_config import check_block_bytes, check_exact_count, map_hf_config, read_hf_config, warm_checks
+from autotune.hf_config import (check_block_bytes, check_exact_count, map_hf_config, read_hf_config, unchecked_note,
+                                warm_checks)
 from autotune.model_rules import check_model_training, check_modelled, check_stated_balance, int_tuple
 from autotune.spec import OPTIMIZER_TYPES, GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, OptimizerSpec, TrainingSpec
 from autotune.knobs import getter, knob_fields, literal_choices
@@ -88,6 +89,9 @@ class Config:
     """``package.module:function`` building the user's own nn.Module (profiling only)."""
     hf_config: Optional[str] = None
     """Resolved path of the HF config.json the model came from, if any."""
+    notes: tuple[str, ...] = ()
+    """What reading the job could not check (hf_config.unchecked_note), one line each; the commands
+    that size the model print them on stderr (``autotune: note: ...``)."""
 
 
 SAMPLERS = literal_choices(SearchSection)["sampler"]
@@ -338,8 +342,10 @@ def _load(path: str) -> Config:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
     if profile.backend == "script" and not profile.command:
         raise ConfigError("backend script needs profile.command, the training command to run", path="profile.command")
+    note = unchecked_note(hf_path, model) if hf_path else None
     return Config(path=path, model=model, training=training, hardware=hardware, strategy=strategy,
-                  search=search, profile=profile, model_factory=factory, hf_config=hf_path)
+                  search=search, profile=profile, model_factory=factory, hf_config=hf_path,
+                  notes=(note,) if note else ())
 
 
 def from_training(training: "TrainingSpec | Mapping[str, Any]", cls: type = Strategy) -> dict[str, Any]:

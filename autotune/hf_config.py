@@ -5,7 +5,7 @@ accepting only the families whose description is proven exact (EXACT_FAMILIES)."
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from autotune.checks import show
 from autotune.errors import ConfigError
@@ -99,6 +99,22 @@ def check_exact_count(cfg: dict, fields_: dict, path: str) -> None:
     elif exact != spec.num_parameters:
         raise ConfigError(f"{path}: model_type {show(kind)}: {describe_difference(spec, exact)}",
                           path="model.hf_config")
+
+
+def unchecked_note(path: str, spec: ModelSpec) -> Optional[str]:
+    """What autotune could not check of the config.json it sized (None: nothing): without torch +
+    transformers neither check_exact_count nor check_block_bytes can build the file, so a proven
+    family's file is sized from its description alone (a switch no test covers, such as GPT-2's
+    ``activation_function: relu``, would go unseen): said, never silent."""
+    from autotune.hf_count import available
+
+    if available():
+        return None
+    what = "parameter count" if (spec.is_moe or spec.is_mla) else "parameter count and activations"
+    kind = model_type(text_model_config(read_hf_config(path), path))
+    return (f"{path}: sized from autotune's description of model_type {show(kind)} without torch and "
+            f"transformers, so its {what} were not checked against the transformers model; install the hf "
+            f"extra ({HF_EXTRA}) to check them")
 
 
 def _measured(spec: ModelSpec) -> bool:

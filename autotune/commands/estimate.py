@@ -6,7 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from autotune.config import Config, check_strategy, load_config
+from autotune.commands._job import load_job
+from autotune.config import Config, check_strategy
 from autotune.errors import ConfigError
 from autotune.spec import GIB
 from autotune.knobs import knob_fields, literal_choices
@@ -169,7 +170,7 @@ def format_estimate(r: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
+    cfg = load_job(args.config)
     overrides = {k: getattr(args, k) for k in FLAG_KNOBS if getattr(args, k) is not None}
     strategy = cfg.strategy.replace(**overrides)
     for key, message in ignored_knobs(overrides, strategy):

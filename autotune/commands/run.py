@@ -81,14 +81,15 @@ def run(args: argparse.Namespace) -> int:
     _load_numpy_single_threaded()
     _skip_collection_at_exit()
     from autotune import compare
-    from autotune.config import check_backend, load_config
+    from autotune.commands._job import load_job
+    from autotune.config import check_backend
     from autotune.output import config_dirs, recommendation_lines
     from autotune.report import write_report
     from autotune.rundir import open_run
 
     if args.backend is not None:
         check_backend(args.backend, "--backend")
-    cfg = load_config(args.config)
+    cfg = load_job(args.config)
     if args.sampler:
         import dataclasses
 

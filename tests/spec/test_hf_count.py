@@ -111,6 +111,11 @@ def test_light_install_accepts_proven_families(path, monkeypatch, write, capsys)
     # seq_len under Gemma-3's 512-token window: longer, its mix of sliding and full layers is refused
     job = write(BASE.replace("preset: llama2-7b", f"hf_config: {path}").replace("seq_len: 4096", "seq_len: 256"))
     assert main(["estimate", job]) == 0, capsys.readouterr().err
+    # sized, and said to be unchecked: one note line on stderr naming the file and the hf extra
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"autotune: note: {os.path.join(os.path.dirname(job), path)}: ")
+    assert "were not checked against the transformers model" in err[0] and "autotune[hf]" in err[0]
+    assert ("activations" in err[0]) == (not load_config(job).model.is_moe)
 
 
 def test_undescribed_family_is_refused_in_one_line(write, tmp_path, capsys):
