@@ -147,7 +147,18 @@ def predict(row: dict) -> dict:
             "host_gib": beyond.cpu_bytes_per_node / GIB, "phase": beyond.peak_phase,
             "published_need_gib": at_published.total_gpu_bytes / GIB,
             "published_host_gib": at_published.cpu_bytes_per_node / GIB, "published_memory": row["published_memory"],
-            "memory_seq": memory_seq}
+            "memory_seq": memory_seq, **failed_check(job, row)}
+
+
+def failed_check(job: "Job", row: dict) -> dict:
+    """Where the source reports a longer run out of memory (``failed_seq``): whether the model says it
+    fits there (it must not: that is under-prediction) and, if it does, what it says is needed."""
+    if not row.get("failed_seq"):
+        return {"failed_seq": None}
+    failed = int(row["failed_seq"])
+    est = job.estimate(failed - failed % step_of(job.strategy))
+    return {"failed_seq": failed, "fits_at_failed": est.fits, "failed_need_gib": est.total_gpu_bytes / GIB,
+            "failed_host_gib": est.cpu_bytes_per_node / GIB, "failed_evidence": row["failed_evidence"]}
 
 
 def _log_distance(ratio: float) -> float:
@@ -176,6 +187,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for x in results:
         print(f"{x['run']:<34}{x['memory_seq']:>11,}{x['published_need_gib']:>9.1f}{x['published_host_gib']:>10.1f}  "
               f"{x['published_memory'] or '-'}")
+    failed = [x for x in results if x["failed_seq"]]
+    print("\nat the shortest length the source reports out of memory (failed_seq): the model must say it does not "
+          "fit; 'FITS' is under-prediction")
+    print(f"{'run':<34}{'failed':>11}  {'verdict':<14}{'need GiB':>9}{'host GiB':>10}  evidence")
+    for x in failed:
+        print(f"{x['run']:<34}{x['failed_seq']:>11,}  {'FITS' if x['fits_at_failed'] else 'does not fit':<14}"
+              f"{x['failed_need_gib']:>9.1f}{x['failed_host_gib']:>10.1f}  {x['failed_evidence']}")
     skipped = [r["run"] for r in chosen if not predictable(r)]
     if skipped:
         print(f"not predicted (no model autotune can build; note column): {', '.join(skipped)}")
@@ -185,6 +203,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         worst = max(tested, key=lambda x: _log_distance(x["ratio"]))
         print(f"{len(tested)} tested rows: worst {worst['run']} {worst['ratio']:.2f}; "
               f"outside {BAND[0]}-{BAND[1]}: {', '.join(outside) if outside else 'none'}")
+        wrong = [x["run"] for x in tested if x["failed_seq"] and x["fits_at_failed"]]
+        print(f"{sum(1 for x in tested if x['failed_seq'])} tested rows with a reported out-of-memory length; "
+              f"said to fit there: {', '.join(wrong) if wrong else 'none'}")
     return 0
 
 

@@ -8,7 +8,7 @@
 - ``torchtitan.toml`` (fsdp2 points): torchtitan's job file (autotune.trainers.torchtitan_toml);
 - ``checkpointing.json``: the point's checkpointing as ``autotune.apply_checkpointing`` takes it
   and, for a long-context point, its knobs as ``autotune.models.long_context.apply_long_context``
-  takes them (``long_context``; examples/train_deepspeed.py reads both);
+  takes them (``long_context``; autotune.examples.train_deepspeed reads both);
 - ``README.md``: how to use each, and what a trainer cannot express.
 
 Everything is derived from the strategy, the job and the engine config (pure: no torch)."""
@@ -32,10 +32,11 @@ from autotune.trainers.common import (Point, checkpointing_call, checkpointing_s
                                       model_side_long_context)
 
 TRAINERS_DIR = "trainers"
-EXAMPLE_SCRIPT = "examples/train_deepspeed.py"
-"""The plain-DeepSpeed example script the launch line names (relative to an autotune checkout)."""
-FSDP2_EXAMPLE_SCRIPT = "examples/train_fsdp2.py"
-"""The FSDP2 example script an fsdp2 point's torchrun line names (relative to an autotune checkout)."""
+EXAMPLE_MODULE = "autotune.examples.train_deepspeed"
+"""The plain-DeepSpeed example script the launch line runs (``deepspeed --module``: shipped with autotune,
+so the line runs from any directory)."""
+FSDP2_EXAMPLE_MODULE = "autotune.examples.train_fsdp2"
+"""The FSDP2 example script an fsdp2 point's torchrun line runs (``torchrun -m``)."""
 FILES = {"hf_args": "hf_trainer_args.json", "hf_ds_config": "hf_ds_config.json", "accelerate": "accelerate.yaml",
          "lightning": "lightning.json", "torchtitan": "torchtitan.toml", "checkpointing": "checkpointing.json",
          "readme": "README.md"}
@@ -46,11 +47,12 @@ __all__ = ["FILES", "TRAINERS_DIR", "Point", "checkpointing_call", "deepspeed_la
 
 
 def deepspeed_launch(run_dir: str, cfg: Config, ds_config_rel: str, trainers_rel: str) -> str:
-    """The plain-DeepSpeed launch line: the example script, with absolute paths of the job file, the
-    DeepSpeed config and the point's checkpointing.json (so it runs from an autotune checkout)."""
+    """The plain-DeepSpeed launch line: the example script as a module, with absolute paths of the job
+    file, the DeepSpeed config and the point's checkpointing.json (so it runs from any directory)."""
     hw = cfg.hardware
     run = os.path.abspath(run_dir)
-    args = (f"{EXAMPLE_SCRIPT} --job {os.path.abspath(cfg.path)} --deepspeed {os.path.join(run, ds_config_rel)} "
+    args = (f"--module {EXAMPLE_MODULE} --job {os.path.abspath(cfg.path)} "
+            f"--deepspeed {os.path.join(run, ds_config_rel)} "
             f"--checkpointing {os.path.join(run, trainers_rel, FILES['checkpointing'])}")
     if hw.num_nodes > 1:
         return f"deepspeed --hostfile hostfile --num_nodes {hw.num_nodes} --num_gpus {hw.gpus_per_node} {args}"
@@ -58,10 +60,10 @@ def deepspeed_launch(run_dir: str, cfg: Config, ds_config_rel: str, trainers_rel
 
 
 def fsdp2_launch(run_dir: str, cfg: Config, layout_rel: str) -> str:
-    """An fsdp2 point's torchrun line (several nodes: a c10d rendezvous): the example script, with
-    absolute paths of the job file and the point's layout (so it runs from an autotune checkout)."""
+    """An fsdp2 point's torchrun line (several nodes: a c10d rendezvous): the example script as a
+    module, with absolute paths of the job file and the point's layout (so it runs from any directory)."""
     hw = cfg.hardware
-    args = (f"{FSDP2_EXAMPLE_SCRIPT} --job {os.path.abspath(cfg.path)} "
+    args = (f"-m {FSDP2_EXAMPLE_MODULE} --job {os.path.abspath(cfg.path)} "
             f"--fsdp2 {os.path.join(os.path.abspath(run_dir), layout_rel)}")
     if hw.num_nodes > 1:
         return (f"torchrun --nnodes {hw.num_nodes} --nproc_per_node {hw.gpus_per_node} --rdzv_backend c10d "
@@ -136,13 +138,13 @@ def _readme(p: Point, files: dict[str, Any]) -> str:
         lines += ["## torchtitan", "", f"`torchrun ... -m torchtitan.train --job.config_file {FILES['torchtitan']}`"]
         lines += [f"- {d}" for d in (*torchtitan_toml.differences(p), torchtitan_toml.YOURS)] + [""]
     if s.engine == "deepspeed":
-        lines += ["## Plain DeepSpeed", "", f"`{EXAMPLE_SCRIPT}` (front.json `launch`): `deepspeed.initialize` with "
-                  "the point's config, its checkpointing from checkpointing.json"
+        lines += ["## Plain DeepSpeed", "", f"`python -m {EXAMPLE_MODULE}` (front.json `launch`): "
+                  "`deepspeed.initialize` with the point's config, its checkpointing from checkpointing.json"
                   + (" and its long-context calls (checkpointing.json `long_context`)." if model_side_long_context(s)
                      else ".")]
     else:
-        lines += ["## Plain PyTorch (FSDP2)", "", f"`{FSDP2_EXAMPLE_SCRIPT}` (front.json `launch`): `autotune.apply` "
-                  "with the point's layout (fsdp2_configs/<k>.json: checkpointing, then fully_shard), its optimizer "
+        lines += ["## Plain PyTorch (FSDP2)", "", f"`python -m {FSDP2_EXAMPLE_MODULE}` (front.json `launch`): "
+                  "`autotune.apply` with the point's layout (fsdp2_configs/<k>.json: checkpointing, then fully_shard), its optimizer "
                   "and clipping; fsdp2_configs/<k>.py is the same layout as plain torch code"
                   + (" (the one to use for context parallel)." if s.context_parallel_size > 1 else ".")]
     lines += ["", f"Checkpointing in the model: `{checkpointing_call(p.cfg, s)}`"]

@@ -71,7 +71,7 @@ LONG_CONTEXT = "autotune.models.long_context"
 
 def long_context_spec(p: Point) -> Optional[dict[str, Any]]:
     """What ``autotune.models.long_context.apply_long_context(model, strategy, seq_length)`` takes
-    for the point: its ``strategy`` (``Strategy.as_dict``; examples/train_deepspeed.py rebuilds it
+    for the point: its ``strategy`` (``Strategy.as_dict``; autotune.examples.train_deepspeed rebuilds it
     with ``autotune.Strategy(**strategy)``) and the global sequence, with the ``knobs`` that are not
     at their defaults and the ``call`` in words; None when the point has none of them."""
     s = p.strategy
@@ -162,7 +162,7 @@ def expert_parallel_line(p: Point) -> list[str]:
         return []
     return [f"expert_parallel_size {ep}: neither the FSDP settings nor accelerate's ParallelismConfig (dp_replicate, "
             "dp_shard, tp, cp, sp) has an expert dimension, so this point cannot be expressed here; use torchtitan.toml "
-            "(expert_parallel_degree), the FSDP2 launch line (examples/train_fsdp2.py), the snippet or Lightning"]
+            "(expert_parallel_degree), the FSDP2 launch line (autotune.examples.train_fsdp2), the snippet or Lightning"]
 
 
 def _loss_scale_args(p: Point, with_mpu: bool) -> str:

@@ -103,7 +103,7 @@ def check_fsdp2_profile_run(run: Path) -> None:
         assert layout["fully_shard"]["reshard_after_forward"] == point["strategy"]["reshard_after_forward"]
         compile((run / point["fsdp2_snippet"]).read_text(), point["fsdp2_snippet"], "exec")
         launch = point["launch"].split()  # the example script with the job's and the layout's absolute paths
-        assert launch[:3] == ["torchrun", "--nproc_per_node", "2"] and launch[3] == "examples/train_fsdp2.py"
+        assert launch[:5] == ["torchrun", "--nproc_per_node", "2", "-m", "autotune.examples.train_fsdp2"]
         assert Path(launch[launch.index("--fsdp2") + 1]) == (run / point["fsdp2_config"]).absolute()
         assert Path(launch[launch.index("--job") + 1]).is_absolute()
     assert not (run / "ds_configs").exists()  # no DeepSpeed point, no empty DeepSpeed folder

@@ -1,5 +1,5 @@
 """What a long-context front point ships (issue 24's output side): the DeepSpeed config of a Ulysses
-point (parsed by DeepSpeed, in one process and on 2 gloo ranks through examples/train_deepspeed.py),
+point (parsed by DeepSpeed, in one process and on 2 gloo ranks through autotune.examples.train_deepspeed),
 the FSDP2 layout and snippet of a context-parallel point, and each trainer's files naming the
 long-context calls or saying in one line that the trainer cannot express the knob."""
 
@@ -180,7 +180,7 @@ def test_trainer_files_of_a_context_parallel_point(tmp_path):
 
 @pytest.mark.slow
 def test_the_example_script_trains_a_ulysses_point_on_two_ranks(tmp_path):
-    """examples/train_deepspeed.py, as the point's launch line runs it, on 2 gloo ranks: Ulysses
+    """autotune.examples.train_deepspeed, as the point's launch line runs it, on 2 gloo ranks: Ulysses
     (sp 2, so DeepSpeed counts 1 data-parallel rank), the tiled loss and MLP, and the offload of
     checkpointed inputs, through apply_long_context and shard_batch (each rank 16 of the 32 tokens)."""
     pytest.importorskip("transformers")
@@ -189,7 +189,7 @@ def test_the_example_script_trains_a_ulysses_point_on_two_ranks(tmp_path):
                  checkpointing="full", activation_offload="cpu", precision="fp32")
     _, keys = _write(tmp_path, cfg, s)
     launch = keys["launch"].split()
-    args = launch[launch.index("examples/train_deepspeed.py"):]
-    out = run_ranks(tmp_path, [sys.executable, *args, "--steps", "2"], timeout=300, cwd=ROOT)[0]
+    args = launch[launch.index("--module") + 1:]
+    out = run_ranks(tmp_path, [sys.executable, "-m", *args, "--steps", "2"], timeout=300, cwd=ROOT)[0]
     assert "long context: mpu = autotune.models.long_context.apply_long_context(" in out
     assert "step 1: loss" in out and "micro-batches of 16 tokens per rank" in out

@@ -367,33 +367,36 @@ def test_trainer_files_are_pure(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_fsdp2_launch_line_trains_with_the_example_script(example_runs):
-    """The recommended point of examples/tiny-cpu-fsdp2.yaml: its torchrun line's script and arguments
-    run (one process here, as ``python``: the mesh is built over the processes at hand)."""
+def test_an_fsdp2_launch_line_trains_with_the_example_script(example_runs, tmp_path):
+    """The recommended point of examples/tiny-cpu-fsdp2.yaml: its torchrun line's module and arguments
+    run from another directory (one process here, as ``python -m``: the mesh is built over the processes
+    at hand)."""
     import subprocess
 
     best = json.loads((example_runs["tiny-cpu-fsdp2"] / "best.json").read_text())
     launch = best["launch"].split()
     assert launch[0] == "torchrun" and Path(launch[launch.index("--fsdp2") + 1]).is_file()
-    script = launch.index("examples/train_fsdp2.py")
-    proc = subprocess.run([sys.executable, *launch[script:], "--steps", "2"], cwd=ROOT, capture_output=True,
+    script = launch.index("-m")  # torchrun -m autotune.examples.train_fsdp2: any directory, as python -m
+    assert launch[script + 1] == "autotune.examples.train_fsdp2"
+    proc = subprocess.run([sys.executable, *launch[script:], "--steps", "2"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fully_shard on" in proc.stdout and "step 1: loss" in proc.stdout
 
 
 @pytest.mark.slow
-def test_the_launch_line_trains_with_the_example_script(example_runs):
-    """The recommended point of examples/tiny-cpu.yaml: its launch line's script and arguments run
-    (one process here, as ``python``; the deepspeed launcher passes the same arguments)."""
+def test_the_launch_line_trains_with_the_example_script(example_runs, tmp_path):
+    """The recommended point of examples/tiny-cpu.yaml: its launch line's module and arguments run from
+    another directory (one process here, as ``python -m``; the deepspeed launcher passes the same arguments)."""
     import subprocess
 
     run = example_runs["tiny-cpu"]
     best = json.loads((run / "best.json").read_text())
     launch = best["launch"].split()
-    script = launch.index("examples/train_deepspeed.py")
+    script = launch.index("--module")  # deepspeed --module autotune.examples.train_deepspeed: as python -m
+    assert launch[script + 1] == "autotune.examples.train_deepspeed"
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, *launch[script:], "--steps", "2"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", *launch[script + 1:], "--steps", "2"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 1: loss" in proc.stdout

@@ -1,6 +1,6 @@
 """Train a few steps with a front point's DeepSpeed config: the script front.json's ``launch`` line names.
 
-    deepspeed --num_gpus 8 examples/train_deepspeed.py --job JOB.yaml \
+    deepspeed --num_gpus 8 --module autotune.examples.train_deepspeed --job JOB.yaml \
         --deepspeed RUN/ds_configs/0.json --checkpointing RUN/trainers/0/checkpointing.json
 
 It builds the job's model as autotune profiles it (autotune.models.sources.build_for_job: the
@@ -13,7 +13,7 @@ long-context point (checkpointing.json ``long_context``: Ulysses, tiled loss / M
 offload; a Hugging Face model) gets ``autotune.models.long_context.apply_long_context`` before
 ``deepspeed.initialize(mpu=...)``, and under Ulysses every batch goes through ``shard_batch``.
 
-Without a launcher (``python examples/train_deepspeed.py ...``) it runs as one process over gloo,
+Without a launcher (``python -m autotune.examples.train_deepspeed ...``) it runs as one process over gloo,
 which is how it runs on a CPU (``DS_ACCELERATOR=cpu``). A config written for more GPUs than the
 processes that run it keeps its micro-batch and accumulation; ``train_batch_size`` is then
 recomputed by DeepSpeed for the world size at hand (said on stdout). On a CPU DeepSpeed has no fused

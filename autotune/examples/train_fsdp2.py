@@ -1,6 +1,6 @@
 """Train a few steps with a front point's FSDP2 layout: the script an fsdp2 point's ``launch`` line names.
 
-    torchrun --nproc_per_node 8 examples/train_fsdp2.py --job JOB.yaml --fsdp2 RUN/fsdp2_configs/0.json
+    torchrun --nproc_per_node 8 -m autotune.examples.train_fsdp2 --job JOB.yaml --fsdp2 RUN/fsdp2_configs/0.json
 
 It builds the job's model as autotune profiles it (autotune.models.sources.build_for_job: the
 reference decoder, the Hugging Face model of ``model.hf_config``, or the user's ``model.python``
@@ -13,7 +13,7 @@ for fp16, a ShardedGradScaler). Replace the model and the batches with yours; th
 calls stay. A context-parallel point is refused here: its batches run inside torch's
 ``context_parallel`` (CUDA only), which the point's snippet (``fsdp2_configs/<k>.py``) does.
 
-Without a launcher (``python examples/train_fsdp2.py ...``) it runs as one process over gloo, which
+Without a launcher (``python -m autotune.examples.train_fsdp2 ...``) it runs as one process over gloo, which
 is how it runs on a CPU. A layout written for more GPUs than the processes that run it keeps its
 micro-batch and accumulation; the mesh is then built over the processes at hand (said on stdout).
 """
