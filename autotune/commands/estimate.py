@@ -151,7 +151,11 @@ def format_estimate(r: dict[str, Any]) -> str:
     lines.append(f"{'usable of the GPU':<30}{r['gpu_usable_bytes'] / scale:>10.2f}   "
                  f"({r['gpu_capacity_bytes'] / scale:.2f} {unit} less {100 * r['headroom']:g}% headroom)")
     if r["cpu_memory_bytes"]:
-        lines.append(f"{'CPU RAM / node':<18}{r['cpu_memory_bytes'] / scale:>10.2f}")
+        s = r["strategy"]
+        lower = s["engine"] == "deepspeed" and s["offload_optimizer"] == "cpu"
+        lines.append(f"{'CPU RAM / node':<18}{r['cpu_memory_bytes'] / scale:>10.2f}"
+                     + ("   (tensor bytes: a lower bound under ZeRO optimizer offload, docs/long-context.md)"
+                        if lower else ""))
     if r["nvme_bytes"]:
         lines.append(f"{'NVMe / node':<18}{r['nvme_bytes'] / scale:>10.2f}")
     if r.get("memory_provenance"):

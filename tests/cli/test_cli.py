@@ -45,6 +45,20 @@ def test_estimate_table_and_does_not_fit_reasons(capsys):
     assert out["fits"] and out["cpu_memory_bytes"] > 16 * 6.7e9  # fp32 master + moments + grads on the host
 
 
+def test_host_ram_under_zero_optimizer_offload_is_called_a_lower_bound(capsys):
+    """The recipes that ran out of host RAM were sized below it (docs/long-context.md): said, not silent."""
+    llama = LLAMA
+    assert main(["estimate", llama, "--zero-stage", "3", "--offload-optimizer", "cpu"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU RAM / node")]
+    assert "a lower bound under ZeRO optimizer offload" in line
+    assert main(["estimate", llama, "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu",
+                 "--engine", "deepspeed"]) == 0
+    assert "a lower bound" in capsys.readouterr().out
+    assert main(["estimate", llama, "--engine", "fsdp2", "--offload-params", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU RAM / node" in out and "a lower bound" not in out
+
+
 def test_uncalibrated_gpu_is_marked(write, capsys):
     path = write("model: {preset: gpt2}\ntraining: {seq_len: 1024, global_batch_size: 8}\n"
                  "hardware: {gpu: h200-141gb, gpus_per_node: 1}\n")
