@@ -386,17 +386,18 @@ def test_an_fsdp2_launch_line_trains_with_the_example_script(example_runs, tmp_p
 
 @pytest.mark.slow
 def test_the_launch_line_trains_with_the_example_script(example_runs, tmp_path):
-    """The recommended point of examples/tiny-cpu.yaml: its launch line's module and arguments run from
-    another directory (one process here, as ``python -m``; the deepspeed launcher passes the same arguments)."""
+    """The recommended point of examples/tiny-cpu.yaml: its launch line runs as written, DeepSpeed's
+    launcher and all, from another directory (one process on the CPU)."""
     import subprocess
 
     run = example_runs["tiny-cpu"]
     best = json.loads((run / "best.json").read_text())
     launch = best["launch"].split()
-    script = launch.index("--module")  # deepspeed --module autotune.examples.train_deepspeed: as python -m
-    assert launch[script + 1] == "autotune.examples.train_deepspeed"
+    assert launch[:5] == ["deepspeed", "--num_gpus", "1", "--module", "autotune.examples.train_deepspeed"]
+    # verbatim, through DeepSpeed's own launcher (this interpreter's), from another directory
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", *launch[script + 1:], "--steps", "2"], cwd=tmp_path, env=env,
+    proc = subprocess.run([launcher, *launch[1:], "--steps", "2"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 1: loss" in proc.stdout
