@@ -25,7 +25,6 @@ KNOWN_OUTSIDE = {
     "alst-70b-16xh100-sp16-all": "1.85: host RAM limits the model, 1324 GiB/node at the published 1.2M "
                                  "(1.5M ran out)",
     "alst-70b-32xh100-sp32-all": "1.35: host RAM, 1516 GiB/node where the recipe says 'at the brink of cpu-oom'",
-    "alst-qwen3-32b-1xh100-all": "1.46: held-out Qwen3-32B on one H100; the recipe says nothing of 230K being its limit",
 }
 
 
