@@ -28,8 +28,9 @@ KNOWN_OUTSIDE = {
 }
 
 
-def _marked(row):
-    reason = KNOWN_OUTSIDE.get(row["run"])
+def _marked(row, known=KNOWN_OUTSIDE):
+    """The row as a test parameter, a strict xfail where ``known`` names it."""
+    reason = known.get(row["run"])
     marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
     return pytest.param(row, marks=marks, id=row["run"])
 
@@ -82,12 +83,6 @@ SAID_TO_FIT_WHERE_IT_RAN_OUT = {
 }
 
 
-def _failed_marked(row):
-    reason = SAID_TO_FIT_WHERE_IT_RAN_OUT.get(row["run"])
-    marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-    return pytest.param(row, marks=marks, id=row["run"])
-
-
 def test_every_failed_length_has_its_evidence_and_lies_beyond_the_published_run():
     failed = [r for r in ROWS if r["failed_seq"]]
     assert len([r for r in failed if r in TESTED]) >= 8
@@ -97,7 +92,7 @@ def test_every_failed_length_has_its_evidence_and_lies_beyond_the_published_run(
     assert set(SAID_TO_FIT_WHERE_IT_RAN_OUT) <= {r["run"] for r in failed if r in TESTED}
 
 
-@pytest.mark.parametrize("row", [_failed_marked(r) for r in TESTED if r["failed_seq"]])
+@pytest.mark.parametrize("row", [_marked(r, SAID_TO_FIT_WHERE_IT_RAN_OUT) for r in TESTED if r["failed_seq"]])
 def test_a_length_the_run_ran_out_of_memory_at_does_not_fit(row):
     """Under-prediction is the failure direction: where the source reports the run out of memory, the
     model must say it does not fit (with the run's strategy and autotune's default headroom)."""
