@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"step {step}: loss {loss.item():.4f} ({mbs} x {gas} micro-batches of {seq_len // sp} tokens "
                   "per rank)")
+    dist.barrier()  # every rank past its last collective before any tears the group down (gloo can abort)
     dist.destroy_process_group()
     return 0
 

@@ -39,9 +39,9 @@ def long_context_strategy(layout: dict):
     """The layout's tiling / activation offload as the Strategy apply_long_context reads (None: none)."""
     import autotune
 
-    lc = {k: v for k, v in (layout.get("long_context") or {}).items()
-          if k in ("tiled_loss", "tiled_mlp", "activation_offload")}
-    if not any(v not in (False, "none", None) for v in lc.values()):
+    lc = dict(layout.get("long_context") or {})  # the knobs off their defaults (engine_configs.long_context_knobs)
+    lc.pop("context_parallel_size", None)  # the layout's context_parallel section: refused in main
+    if not lc:
         return None
     ckpt = "full" if lc.get("activation_offload", "none") != "none" else "none"
     return autotune.Strategy(engine="fsdp2", checkpointing=ckpt, **lc)
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:
             print(f"step {step}: loss {loss.item() * gas:.4f} ({mbs} x {gas} micro-batches of {seq_len} tokens)")
+    dist.barrier()  # every rank past its last collective before any tears the group down (gloo can abort)
     dist.destroy_process_group()
     return 0
 

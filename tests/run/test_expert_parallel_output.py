@@ -189,6 +189,7 @@ def _ep_rank(out: str) -> None:
             diff = max(diff, float((g - w).abs().max() / w.abs().max().clamp(min=1e-12)))
         results[mode] = {"loss": float(total) / 2, "want": float(want), "diff": diff}
     Path(f"{out}.{dist.get_rank()}").write_text(json.dumps(results))
+    dist.barrier()  # both ranks done with every collective before either tears the group down
     dist.destroy_process_group()
 
 
