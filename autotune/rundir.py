@@ -389,6 +389,7 @@ def _check_before_creating(cfg: Config, backend: str) -> SearchSpace:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
     if cls.launches_workers:
         _check_profiling_installed(cfg, space.values["engine"])
+    if cls.builds_model:
         _check_profiled_model_builds(cfg)
     return space
 

@@ -78,6 +78,10 @@ class Backend:
     launches_workers: ClassVar[bool] = False
     """It trains in launched worker processes of this interpreter, which therefore needs torch (and
     DeepSpeed, transformers where the job uses them): a run refuses to start without them."""
+    builds_model: ClassVar[bool] = False
+    """Its workers build the job's model themselves (autotune.models.sources.build_for_job: the
+    reference decoder unless the job gives model.hf_config or model.python), so a model that source
+    cannot build is refused before a run starts."""
     evaluated_as: ClassVar[str] = "measured"
     """What its evaluated points are, in the report's words."""
 

@@ -53,6 +53,7 @@ class DeepSpeedBackend(Backend):
 
     name = "profile"
     launches_workers = True
+    builds_model = True
 
     def __init__(self, cfg: Config, run_dir: str, *, nproc: Optional[int] = None, device: str = "auto",
                  memory_limit_bytes: Optional[int] = None, optimizer_impl: str = "auto", memory: str = "auto",

@@ -43,6 +43,7 @@ class ScriptBackend(DeepSpeedBackend):
 
     name = "script"
     launches_workers = True
+    builds_model = False  # the user's script builds its own model
     evaluated_as = "measured in your script"
 
     def __init__(self, cfg: Any, run_dir: str, **kwargs: Any) -> None:

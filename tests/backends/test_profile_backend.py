@@ -147,6 +147,8 @@ def test_capabilities_not_names_decide(tmp_path):
     assert [backend_class(n).measures for n in ("simulate", "profile", "replay")] == [False, True, True]
     assert [backend_class(n).in_memory_study for n in ("simulate", "profile", "replay")] == [True, False, True]
     assert [backend_class(n).launches_workers for n in ("simulate", "profile", "replay")] == [False, True, False]
+    names = ("simulate", "profile", "replay", "script")
+    assert [backend_class(n).builds_model for n in names] == [False, True, False, False]
 
 
 def test_build_command_launchers():

@@ -137,6 +137,11 @@ def test_profiling_a_preset_the_reference_decoder_does_not_build_is_refused_befo
     err = _one_line_error(capsys, "does not build qk_norm of model 'qwen3-32b'")
     assert err.startswith(f"autotune: error: {job}: model: ") and "model.hf_config" in err
     assert not out.exists()
+    # the script backend trains the user's own model: nothing of the reference decoder to refuse
+    from autotune.config import load_config
+    from autotune.rundir import _check_before_creating
+
+    assert _check_before_creating(load_config(job), "script") is not None
 
 
 def test_a_crash_names_the_exception_from_the_log(tmp_path):
