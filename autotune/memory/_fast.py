@@ -7,7 +7,7 @@ themselves (model states: ``states._model_states``; activations: ``activation_br
 rules: ``strategy.validate``); the step walk of estimate.py / fsdp2.py (and walk.py's blocks and
 verdict) is transcribed to numpy arrays over the candidates, in the same order of operations
 (float64; every integer stays below 2**53, so integer and float arithmetic agree), an instant a
-candidate does not have masked out. tests/test_screen_fast.py checks it against
+candidate does not have masked out. tests/search/test_screen_fast.py checks it against
 ``estimate_memory`` on every candidate of several spaces; a change to the walk goes in both.
 Strategies outside what the grid covers (``checkpoint_every``) are left to ``estimate_memory``.
 """

@@ -22,7 +22,7 @@ LEVEL_PRIOR_SD = 0.37
 """Prior sd of one level's log-throughput offset: the RMS, over the measured tables of data/measured/
 and their categorical knobs, of the sd between that knob's level means of log(measured / simulated)
 with the job file's own parameters (docs/search.md, "The level prior"; `python
-benchmarks/level_prior.py` prints it; tests/test_level_prior.py keeps it equal)."""
+benchmarks/level_prior.py` prints it; tests/search/test_level_prior.py keeps it equal)."""
 REACH_Z = 2.326
 """A level "could reach the front" while one of its eligible candidates' one-sided 99% upper bounds
 (mean + REACH_Z sd of log tokens/s, memory at its lower bound) clears the measured front by more
