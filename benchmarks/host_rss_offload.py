@@ -1,0 +1,124 @@
+"""Host memory of DeepSpeed ZeRO-3 with ``offload_optimizer: cpu`` (DeepSpeedCPUAdam), as the process's
+resident set sees it, against the memory model's tensor bytes: is there host memory per parameter
+beyond the tensors (issue 24: the ALST recipes ran out of host RAM where the model counts less,
+docs/long-context.md "Where the recipes ran out of memory")?
+
+    python benchmarks/host_rss_offload.py            # two model sizes, one process each, CPU accelerator
+
+Each size runs in its own process: the reference decoder (bf16, a short sequence so activations are
+small), ``deepspeed.initialize`` with the config autotune writes for ZeRO-3 + optimizer offload, and
+``--steps`` optimizer steps. Read from /proc/self/status after each phase: VmRSS and VmHWM (peak). On
+the CPU accelerator the "GPU" partitions live in host memory too, so the model's figure compared is
+its GPU peak plus its host bytes (``estimate_memory(..., device="cpu")``). The slope between the two
+sizes (bytes per parameter) cancels the process's fixed memory (libraries, the op builds).
+RSS misses short peaks (NOTES: not tensor ground truth); what this reads is the memory that stays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+SIZES = {"small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8),
+         "large": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=12)}
+"""Two reference decoders (about 0.14 B and 0.40 B parameters, vocabulary 32000)."""
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def child(size: str, steps: int) -> dict:
+    """One size in this process (run by main in a subprocess)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from autotune.worker.dist_env import one_process_env
+
+    one_process_env()
+    import deepspeed
+
+    from autotune.engine_configs import to_deepspeed_config
+    from autotune.memory import estimate_memory
+    from autotune.models.reference import build_model, count_parameters, synthetic_batch
+    from autotune.presets import gpu_from_name
+    from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
+    from autotune.strategy import Strategy
+
+    spec = ModelSpec(name=f"rss-{size}", num_attention_heads=16, num_key_value_heads=16, vocab_size=32000,
+                     **SIZES[size])
+    training = TrainingSpec(seq_len=64, global_batch_size=1, precision="bf16")
+    hardware = HardwareSpec(gpu=gpu_from_name("a100-80gb"), gpus_per_node=1, cpu_memory_gib=64)  # sizes only
+    strategy = Strategy(zero_stage=3, offload_optimizer="cpu", precision="bf16")
+    est = estimate_memory(spec, training, hardware, strategy, device="cpu")
+    base = _status()
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_model(spec)
+    built = count_parameters(model)  # before ZeRO-3 partitions the module's parameters
+    config = to_deepspeed_config(strategy, spec, training, hardware)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    after_init = _status()
+    x, y = synthetic_batch(spec, 1, training.seq_len)
+    per_step = []
+    for step in range(steps):
+        loss = engine(x, y)["loss"]  # the reference decoder returns its loss and logits
+        engine.backward(loss)
+        engine.step()
+        per_step.append(_status())
+    return {"size": size, "parameters": spec.num_parameters, "built_parameters": built,
+            "predicted_tensor_bytes": int(est.gpu["peak"] + est.cpu_bytes_per_node),
+            "predicted_host_bytes": int(est.cpu_bytes_per_node), "base": base, "after_init": after_init,
+            "steps": per_step}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per size (default 3)")
+    ap.add_argument("--child", choices=sorted(SIZES), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args.steps)))
+        return 0
+    results = {}
+    for size in SIZES:
+        proc = subprocess.run([sys.executable, __file__, "--child", size, "--steps", str(args.steps)],
+                              capture_output=True, text=True, timeout=1800,
+                              env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"})
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not line:
+            print(f"{size}: failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+            return 1
+        results[size] = json.loads(line[0][7:])
+    gib = float(1 << 30)
+    print(f"{'size':<7}{'params':>14}{'model tensors GiB':>19}{'RSS after init':>16}{'RSS after steps':>17}"
+          f"{'peak RSS':>10}")
+    for r in results.values():
+        last = r["steps"][-1]
+        print(f"{r['size']:<7}{r['parameters']:>14,}{r['predicted_tensor_bytes'] / gib:>19.2f}"
+              f"{r['after_init']['VmRSS'] / gib:>16.2f}{last['VmRSS'] / gib:>17.2f}{last['VmHWM'] / gib:>10.2f}")
+    s, b = results["small"], results["large"]
+    dn = b["parameters"] - s["parameters"]
+
+    def slope(get) -> float:
+        return (get(b) - get(s)) / dn
+
+    print(f"per parameter (large - small, {dn:,} parameters): model tensors "
+          f"{slope(lambda r: r['predicted_tensor_bytes']):.1f} B; RSS after init "
+          f"{slope(lambda r: r['after_init']['VmRSS']):.1f} B; RSS after the last step "
+          f"{slope(lambda r: r['steps'][-1]['VmRSS']):.1f} B; peak RSS {slope(lambda r: r['steps'][-1]['VmHWM']):.1f} B")
+    for i in range(len(s["steps"])):
+        print(f"  after step {i + 1}: RSS {slope(lambda r: r['steps'][i]['VmRSS']):.1f} B/param, peak "
+              f"{slope(lambda r: r['steps'][i]['VmHWM']):.1f} B/param")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
