@@ -106,7 +106,27 @@ def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dic
             "deepspeed_config": to_deepspeed_config(strategy, cfg.model, cfg.training, cfg.hardware)}),
         "memory_fidelity": "traced" if trace else "analytic",
         **({"memory_provenance": provenance} if provenance else {}),
+        **({"routed_load_factors": routed_load_factors(cfg.model)} if strategy.expert_parallel_size > 1 else {}),
     }
+
+
+def routed_load_factors(model: Any) -> dict[str, Any]:
+    """What an expert-parallel estimate assumed of the routing it cannot know: the busiest expert's
+    tokens and the busiest EP rank's received rows over their means (memory.moe.expert_imbalance,
+    memory.expert_parallel.rank_imbalance), and whether the job stated them."""
+    from autotune.memory.expert_parallel import rank_imbalance
+    from autotune.memory.moe import expert_imbalance
+
+    return {"busiest_expert": expert_imbalance(model), "busiest_rank": rank_imbalance(model),
+            "stated": model.moe_load_imbalance is not None or model.ep_rank_imbalance is not None}
+
+
+def routed_load_line(f: dict[str, Any]) -> str:
+    """The routing an expert-parallel estimate assumed, in one line."""
+    how = ("as the job states them" if f["stated"] else "autotune's default bounds: state model.moe_load_imbalance "
+           "and model.ep_rank_imbalance from a measured routing, docs/moe.md")
+    return (f"routed loads: busiest expert {f['busiest_expert']:g} x the mean, busiest EP rank "
+            f"{f['busiest_rank']:g} x ({how})")
 
 
 def fsdp2_line(layout: dict[str, Any]) -> str:
@@ -137,6 +157,7 @@ def format_estimate(r: dict[str, Any]) -> str:
         f"strategy: {r['strategy_text']} (gradient accumulation {r['gradient_accumulation_steps']})",
         f"FSDP equivalent: {fsdp_equivalent_text(r['fsdp'])}" if "fsdp" in r else
         fsdp2_line(r["fsdp2_config"]),
+        *([routed_load_line(r["routed_load_factors"])] if "routed_load_factors" in r else []),
         "",
         f"{'component (at the peak)':<30}{unit:>10}{'share':>9}",
     ]

@@ -117,6 +117,29 @@ def test_estimate_names_an_fsdp2_points_expert_and_context_meshes(capsys, job, f
     assert says in line and ("parallel" in line) == bool(flags), line
 
 
+def test_an_expert_parallel_estimate_says_what_routing_it_assumed(capsys, tmp_path):
+    """The routing is unknown to the model: an EP estimate names the load factors it sized with."""
+    mixtral = os.path.join(EXAMPLES, "mixtral-8x7b.yaml")
+    flags = ["--engine", "fsdp2", "--expert-parallel-size", "8"]
+    assert main(["estimate", mixtral, *flags]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("routed loads: ")]
+    assert "busiest expert 1.5 x the mean, busiest EP rank 1.5 x (autotune's default bounds" in line
+    assert main(["estimate", mixtral, *flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["routed_load_factors"] == {
+        "busiest_expert": 1.5, "busiest_rank": 1.5, "stated": False}
+    assert main(["estimate", mixtral, "--engine", "fsdp2", "--json"]) == 0
+    assert "routed_load_factors" not in json.loads(capsys.readouterr().out)
+    import yaml
+
+    job = yaml.safe_load(open(mixtral))
+    job["model"].update(moe_load_imbalance=1.2, ep_rank_imbalance=1.1,
+                        hf_config=os.path.normpath(os.path.join(EXAMPLES, job["model"]["hf_config"])))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert main(["estimate", str(tmp_path / "job.yaml"), *flags]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("routed loads: ")]
+    assert "busiest expert 1.2 x the mean, busiest EP rank 1.1 x (as the job states them)" in line
+
+
 def test_tiny_model_estimate_in_mib(capsys):
     assert main(["estimate", os.path.join(EXAMPLES, "tiny-cpu.yaml")]) == 0
     text = capsys.readouterr().out
