@@ -235,6 +235,8 @@ def _ulysses_rank(stage: int, tiled: bool, out: str) -> None:
                                                  "shape": list(batch["input_ids"].shape),
                                                  "max_rel_grad_diff": max(diff.values()), "loader": shards,
                                                  "first_ids": [int(ids[0, 0]), int(ids[0, 32])]}))
+    torch.distributed.barrier()  # both ranks past their last collective: then tear down (gloo can abort at exit)
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
