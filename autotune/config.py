@@ -324,7 +324,7 @@ def _load(path: str) -> Config:
         if required not in top:
             raise ConfigError(f"missing required section {required!r}", path=required)
     base_dir = os.path.dirname(os.path.abspath(path))
-    model, factory, hf_path = _model(top["model"], base_dir)
+    model, factory, hf_path, notes = _model(top["model"], base_dir)
     training = _training(top["training"])
     check_model_training(model, training)
     hardware = _hardware(top["hardware"])
@@ -342,10 +342,8 @@ def _load(path: str) -> Config:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
     if profile.backend == "script" and not profile.command:
         raise ConfigError("backend script needs profile.command, the training command to run", path="profile.command")
-    note = unchecked_note(hf_path, model) if hf_path else None
     return Config(path=path, model=model, training=training, hardware=hardware, strategy=strategy,
-                  search=search, profile=profile, model_factory=factory, hf_config=hf_path,
-                  notes=(note,) if note else ())
+                  search=search, profile=profile, model_factory=factory, hf_config=hf_path, notes=notes)
 
 
 def from_training(training: "TrainingSpec | Mapping[str, Any]", cls: type = Strategy) -> dict[str, Any]:
@@ -363,7 +361,9 @@ def check_strategy(strategy: Strategy, model: ModelSpec, training: TrainingSpec,
         raise ConfigError(message, path=f"{prefix}{key}")
 
 
-def _model(raw: Any, base_dir: str) -> tuple[ModelSpec, Optional[str], Optional[str]]:
+def _model(raw: Any, base_dir: str) -> tuple[ModelSpec, Optional[str], Optional[str], tuple[str, ...]]:
+    """The model section: its spec, ``model.python`` factory, resolved ``model.hf_config`` path and the
+    notes on what could not be checked of it (Config.notes)."""
     section = check_section(raw, "model", MODEL_SCHEMA)
     preset = section.pop("preset", None)
     hf = section.pop("hf_config", None)
@@ -372,12 +372,13 @@ def _model(raw: Any, base_dir: str) -> tuple[ModelSpec, Optional[str], Optional[
         raise ConfigError("give either preset or hf_config, not both", path="model.hf_config")
     if factory is not None and (":" not in factory or not all(part.strip() for part in factory.split(":", 1))):
         raise ConfigError(f"expected 'package.module:function', but got {show(factory)}"[:200], path="model.python")
-    hf_path = None
+    hf_path, hf_cfg = None, None
     if preset:
         base = {f.name: getattr(presets.model_from_name(preset), f.name) for f in fields(ModelSpec)}
     elif hf:
         hf_path = os.path.join(base_dir, hf)
-        base = hf_config_fields(hf_path)
+        hf_cfg = read_hf_config(hf_path)
+        base = _hf_fields(hf_cfg, hf_path)
     else:
         missing = [k for k in REQUIRED_MODEL if k not in section]
         if missing:
@@ -399,7 +400,8 @@ def _model(raw: Any, base_dir: str) -> tuple[ModelSpec, Optional[str], Optional[
     spec = ModelSpec(**merged)
     check_modelled(spec, hf_path)
     check_stated_balance(spec)
-    return spec, factory, hf_path
+    note = unchecked_note(hf_cfg, hf_path, spec) if hf_cfg is not None else None
+    return spec, factory, hf_path, (note,) if note else ()
 
 
 def hf_config_fields(path: str, exact_check: bool = True) -> dict[str, Any]:
@@ -408,7 +410,11 @@ def hf_config_fields(path: str, exact_check: bool = True) -> dict[str, Any]:
     the mapped description has exactly the parameters of the transformers model
     (hf_config.check_exact_count) and, for a dense file, the memory model's per-block activations
     what its blocks keep for backward (hf_config.check_block_bytes)."""
-    cfg = read_hf_config(path)
+    return _hf_fields(read_hf_config(path), path, exact_check)
+
+
+def _hf_fields(cfg: dict, path: str, exact_check: bool = True) -> dict[str, Any]:
+    """hf_config_fields of the config.json object ``cfg``, read from ``path``."""
     out = _checked_hf_fields(cfg, path)
     if exact_check:
         warm_checks(cfg, out, path, _checked_hf_fields)  # one child process for both, where neither is cached

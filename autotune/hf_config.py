@@ -101,8 +101,9 @@ def check_exact_count(cfg: dict, fields_: dict, path: str) -> None:
                           path="model.hf_config")
 
 
-def unchecked_note(path: str, spec: ModelSpec) -> Optional[str]:
-    """What autotune could not check of the config.json it sized (None: nothing): without torch +
+def unchecked_note(cfg: dict, path: str, spec: ModelSpec) -> Optional[str]:
+    """What autotune could not check of the config.json ``cfg`` (read from ``path``) it sized as ``spec``
+    (None: nothing): without torch +
     transformers neither check_exact_count nor check_block_bytes can build the file, so a proven
     family's file is sized from its description alone (a switch no test covers, such as GPT-2's
     ``activation_function: relu``, would go unseen): said, never silent."""
@@ -111,7 +112,7 @@ def unchecked_note(path: str, spec: ModelSpec) -> Optional[str]:
     if available():
         return None
     what = "parameter count" if (spec.is_moe or spec.is_mla) else "parameter count and activations"
-    kind = model_type(text_model_config(read_hf_config(path), path))
+    kind = model_type(text_model_config(cfg, path))
     return (f"{path}: sized from autotune's description of model_type {show(kind)} without torch and "
             f"transformers, so its {what} were not checked against the transformers model; install the hf "
             f"extra ({HF_EXTRA}) to check them")

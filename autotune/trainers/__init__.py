@@ -144,8 +144,8 @@ def _readme(p: Point, files: dict[str, Any]) -> str:
                      else ".")]
     else:
         lines += ["## Plain PyTorch (FSDP2)", "", f"`python -m {FSDP2_EXAMPLE_MODULE}` (front.json `launch`): "
-                  "`autotune.apply` with the point's layout (fsdp2_configs/<k>.json: checkpointing, then fully_shard), its optimizer "
-                  "and clipping; fsdp2_configs/<k>.py is the same layout as plain torch code"
+                  "`autotune.apply` with the point's layout (fsdp2_configs/<k>.json: checkpointing, then fully_shard), "
+                  "its optimizer and clipping; fsdp2_configs/<k>.py is the same layout as plain torch code"
                   + (" (the one to use for context parallel)." if s.context_parallel_size > 1 else ".")]
     lines += ["", f"Checkpointing in the model: `{checkpointing_call(p.cfg, s)}`"]
     if model_side_long_context(s):
