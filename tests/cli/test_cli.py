@@ -47,14 +47,13 @@ def test_estimate_table_and_does_not_fit_reasons(capsys):
 
 def test_host_ram_under_zero_optimizer_offload_is_called_a_lower_bound(capsys):
     """The recipes that ran out of host RAM were sized below it (docs/long-context.md): said, not silent."""
-    llama = LLAMA
-    assert main(["estimate", llama, "--zero-stage", "3", "--offload-optimizer", "cpu"]) == 0
+    assert main(["estimate", LLAMA, "--zero-stage", "3", "--offload-optimizer", "cpu"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU RAM / node")]
     assert "a lower bound under ZeRO optimizer offload" in line
-    assert main(["estimate", llama, "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu",
+    assert main(["estimate", LLAMA, "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu",
                  "--engine", "deepspeed"]) == 0
     assert "a lower bound" in capsys.readouterr().out
-    assert main(["estimate", llama, "--engine", "fsdp2", "--offload-params", "cpu"]) == 0
+    assert main(["estimate", LLAMA, "--engine", "fsdp2", "--offload-params", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "CPU RAM / node" in out and "a lower bound" not in out
 
