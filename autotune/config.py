@@ -229,6 +229,7 @@ TRAINING_SCHEMA: dict[str, Checker] = {
     "global_batch_size": int_(1, 1 << 30),
     "precision": choice(*literal_choices(TrainingSpec)["precision"]),
     "optimizer": _optimizer,
+    "data_loader_fork": choice(*literal_choices(TrainingSpec)["data_loader_fork"]),
 }
 
 GPU_FIELDS: dict[str, Checker] = {

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, get_args
 
 Precision = Literal["bf16", "fp16", "fp32"]
+DataLoaderFork = Literal["none", "after_init", "each_epoch"]
 Norm = Literal["rmsnorm", "layernorm", "rmsnorm_fp32"]
 PositionEmbedding = Literal["rope", "learned", "alibi", "none"]
 AttnImplementation = Literal["sdpa", "eager"]
@@ -456,6 +457,18 @@ class TrainingSpec:
     optimizer: OptimizerSpec = OptimizerSpec()
     """The optimizer and its hyper-parameters (an OptimizerSpec; an optimizer type or a mapping of
     OptimizerSpec fields, as JSON gives them, is converted)."""
+    data_loader_fork: DataLoaderFork = "none"
+    """When the training loop's data loader forks its worker processes (torch's DataLoader with
+    num_workers > 0 and the fork start method, Linux's default), which matters under CPU offload: a
+    forked worker keeps the pages of the host partitions as they were at the fork, and every page the
+    trainer writes after it is copied (copy-on-write), so the host holds a second copy of each
+    partition that existed then. ``none``: no forked worker (num_workers 0, HF Trainer's default);
+    ``after_init``: forked once, after the engine is built and before the first optimizer step
+    (persistent workers; ArcticTraining: ``UlyssesSPDataLoaderAdapter`` iterates its loader in
+    ``__init__``), so the master weights and gradient partitions are copied, the lazily created
+    optimizer moments not; ``each_epoch``: forked again at every epoch (torch's default
+    persistent_workers False), from the second epoch with the moments copied too. Measured:
+    benchmarks/host_rss_offload.py --dl-workers 1."""
 
     def __post_init__(self) -> None:
         opt: Any = self.optimizer

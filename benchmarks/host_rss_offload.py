@@ -28,17 +28,36 @@ SIZES = {"small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_laye
 """Two reference decoders (0.17 B and 0.44 B parameters, vocabulary 32000)."""
 
 
+def _pss(pid: int) -> int:
+    """Proportional set size of one process (bytes; /proc/PID/smaps_rollup): summed over processes
+    that share pages it counts each physical page once."""
+    with open(f"/proc/{pid}/smaps_rollup") as fh:
+        for line in fh:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _status() -> dict[str, int]:
+    """This process's VmRSS / VmHWM, and ``tree_pss``: the PSS of it and its children (data-loader
+    workers), the physical memory they hold together."""
     out = {}
     with open("/proc/self/status") as fh:
         for line in fh:
             key, _, value = line.partition(":")
             if key in ("VmRSS", "VmHWM"):
                 out[key] = int(value.split()[0]) * 1024
+    me = os.getpid()
+    kids = []
+    for task in os.listdir(f"/proc/{me}/task"):
+        with open(f"/proc/{me}/task/{task}/children") as fh:
+            kids += [int(x) for x in fh.read().split()]
+    out["tree_pss"] = _pss(me) + sum(_pss(k) for k in kids)
+    out["children"] = len(kids)
     return out
 
 
-def child(size: str, steps: int) -> dict:
+def child(size: str, steps: int, dl_workers: int = 0) -> dict:
     """One size in this process (run by main in a subprocess)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from autotune.worker.dist_env import one_process_env
@@ -65,10 +84,22 @@ def child(size: str, steps: int) -> dict:
     built = count_parameters(model)  # before ZeRO-3 partitions the module's parameters
     config = to_deepspeed_config(strategy, spec, training, hardware)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    after_init = _status()
     x, y = synthetic_batch(spec, 1, training.seq_len)
+    batches = None
+    if dl_workers:
+        # ArcticTraining's loader (arctic_training/data/factory.py create_dataloader: num_workers
+        # dl_num_workers, persistent_workers) is first iterated after deepspeed.initialize
+        # (UlyssesSPDataLoaderAdapter.__init__: ``self.iter = iter(dl)``): its workers fork then
+        import torch
+
+        data = torch.utils.data.TensorDataset(x.repeat(steps, 1), y.repeat(steps, 1))
+        batches = iter(torch.utils.data.DataLoader(data, batch_size=1, num_workers=dl_workers,
+                                                   persistent_workers=True))
+    after_init = _status()
     per_step = []
     for step in range(steps):
+        if batches is not None:
+            x, y = next(batches)
         loss = engine(x, y)["loss"]  # the reference decoder returns its loss and logits
         engine.backward(loss)
         engine.step()
@@ -82,14 +113,17 @@ def child(size: str, steps: int) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per size (default 3)")
+    ap.add_argument("--dl-workers", type=int, default=0,
+                    help="data-loader worker processes, forked after deepspeed.initialize (default 0)")
     ap.add_argument("--child", choices=sorted(SIZES), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.steps)))
+        print("RESULT " + json.dumps(child(args.child, args.steps, args.dl_workers)))
         return 0
     results = {}
     for size in SIZES:
-        proc = subprocess.run([sys.executable, __file__, "--child", size, "--steps", str(args.steps)],
+        proc = subprocess.run([sys.executable, __file__, "--child", size, "--steps", str(args.steps),
+                               "--dl-workers", str(args.dl_workers)],
                               capture_output=True, text=True, timeout=1800,
                               env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"})
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -114,10 +148,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{slope(lambda r: r['predicted_tensor_bytes']):.1f} B; RSS after init "
           f"{slope(lambda r: r['after_init']['VmRSS']):.1f} B; RSS after the last step "
           f"{slope(lambda r: r['steps'][-1]['VmRSS']):.1f} B; peak RSS "
-          f"{slope(lambda r: r['steps'][-1]['VmHWM']):.1f} B")
+          f"{slope(lambda r: r['steps'][-1]['VmHWM']):.1f} B; PSS of the process and its workers after init "
+          f"{slope(lambda r: r['after_init']['tree_pss']):.1f} B, after the last step "
+          f"{slope(lambda r: r['steps'][-1]['tree_pss']):.1f} B")
     for i in range(len(s["steps"])):
         print(f"  after step {i + 1}: RSS {slope(lambda r: r['steps'][i]['VmRSS']):.1f} B/param, peak "
-              f"{slope(lambda r: r['steps'][i]['VmHWM']):.1f} B/param")
+              f"{slope(lambda r: r['steps'][i]['VmHWM']):.1f} B/param, PSS with workers "
+              f"{slope(lambda r: r['steps'][i]['tree_pss']):.1f} B/param")
     return 0
 
 

@@ -95,15 +95,18 @@ class Job:
     hardware: HardwareSpec
     strategy: Strategy
     loop: str
+    data_loader_fork: str = "none"
 
     @classmethod
     def of(cls, row: dict) -> "Job":
-        return cls(row["run"], model_from_name(row["model"]), hardware_of(row), strategy_of(row), row["loop"])
+        return cls(row["run"], model_from_name(row["model"]), hardware_of(row), strategy_of(row), row["loop"],
+                   row.get("data_loader_fork") or "none")
 
     def training(self, seq: int) -> TrainingSpec:
         # one micro-batch per batch rank, no accumulation (both ALST and torchtitan ran so)
         gbs = self.strategy.micro_batch_size * batch_ranks(self.hardware, self.strategy)
-        return TrainingSpec(seq_len=seq, global_batch_size=gbs, precision=self.strategy.precision)
+        return TrainingSpec(seq_len=seq, global_batch_size=gbs, precision=self.strategy.precision,
+                            data_loader_fork=self.data_loader_fork)  # type: ignore[arg-type]
 
     def check(self, seq: int) -> None:
         """Raise ConfigError naming the key of the first rule the strategy breaks at ``seq``."""

@@ -92,6 +92,7 @@ def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dic
         "peak_phase": mem.peak_phase,
         "peak_by_phase_bytes": dict(mem.phases),
         "cpu_memory_bytes": mem.cpu_bytes_per_node,
+        "data_loader_fork": cfg.training.data_loader_fork,
         "nvme_bytes": mem.nvme_bytes_per_node,
         "fits": mem.fits,
         "reasons": list(mem.reasons),
@@ -177,6 +178,8 @@ def format_estimate(r: dict[str, Any]) -> str:
         lines.append(f"{'CPU RAM / node':<18}{r['cpu_memory_bytes'] / scale:>10.2f}"
                      + ("   (tensor bytes: a lower bound under ZeRO optimizer offload, docs/long-context.md)"
                         if lower else ""))
+        lines.append(f"  with training.data_loader_fork: {r['data_loader_fork']} (a data loader's workers forked "
+                     "after the engine is built keep a copy of the host partitions; docs/config.md)")
     if r["nvme_bytes"]:
         lines.append(f"{'NVMe / node':<18}{r['nvme_bytes'] / scale:>10.2f}")
     if r.get("memory_provenance"):

@@ -23,7 +23,7 @@ from autotune.knobs import memory_key
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import PREDICTION_MARGIN
 from autotune.memory.estimate import _accumulation_carry
-from autotune.memory.fsdp2 import _units
+from autotune.memory.fsdp2 import _units, offload_host
 from autotune.memory.mixed import layer_kinds
 from autotune.memory.moe import down_weight_elements
 from autotune.memory.states import _model_states
@@ -382,7 +382,7 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], buffers=u_root + ur * u["root"])
     add("backward", sharded=u["all_grads"], buffers=u_root + ur * u["root"])
     add("optimizer", sharded=u["all_grads"], buffers=on_gpu * 4 * shard)
-    host = np.where(u["host"] > 0, (4 + 4 + k_opt + 4) * shard, 0.0)
+    host = np.where(u["host"] > 0, offload_host(training, shard, k_opt), 0.0)
     side_pool = np.where((un > 1) & (device == "cuda"), u_root + 2 * u_block, 0.0)
     return (*_verdict(w.best(), hardware, headroom, params=params, optimizer=optimizer, resident_grads=0.0,
                       resident_buffers=0.0, cpu_per_gpu=host + a["offloaded"], nvme_per_gpu=0.0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Optional
 
-from autotune.spec import GIB, HardwareSpec
+from autotune.spec import GIB, HardwareSpec, TrainingSpec
 
 
 GPU_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits", "buffers", "overhead")
@@ -65,6 +65,19 @@ def _gib(n: float) -> str:
 def _partition(n: int, dp: int) -> int:
     """Elements of one data-parallel partition (DeepSpeed pads to equal partitions)."""
     return -(-n // dp)
+
+
+def forked_copies(training: TrainingSpec, at_init: float, later: float) -> float:
+    """Host bytes per GPU that the data loader's forked workers keep a second copy of
+    (``TrainingSpec.data_loader_fork``). fork(2) shares the trainer's pages copy-on-write: a worker
+    keeps each page as it was at the fork and the trainer's first write to it afterwards copies it.
+    ``at_init``: the host partitions that exist once the engine is built and that every step
+    rewrites (master weights, gradient partitions, 16-bit copies); ``later``: those the first step
+    creates (the optimizer's moments, created lazily), copied only by a fork at a later epoch."""
+    fork = training.data_loader_fork
+    if fork == "none":
+        return 0.0
+    return at_init + (later if fork == "each_epoch" else 0.0)
 
 
 class DeferredEstimate(MemoryEstimate):

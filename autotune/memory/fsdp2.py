@@ -34,10 +34,10 @@ half precision): ``activation_breakdown``, with plain ``nn.Linear`` autograd.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
-from autotune.memory.common import MemoryEstimate
+from autotune.memory.common import MemoryEstimate, forked_copies
 from autotune.memory.expert_parallel import block_expert_elements, ep_units
 from autotune.memory.mixed import dense_block_spec, layer_kinds, layer_params, saved_below
 from autotune.memory.moe import ffn_weight_elements
@@ -85,6 +85,13 @@ class _Units(NamedTuple):
     rs_own: int
     """With expert parallelism, the block's experts unit, whose reduce-scatter input is live during the
     block's attention backward (its post-backward came first); 0 without (then as the MLP's)."""
+
+
+def offload_host(training: TrainingSpec, shard: Any, k_opt: float) -> Any:
+    """Host bytes per GPU under CPUOffloadPolicy ((4 + 4 + k_opt + 4) x the shard), with a forked
+    data loader's copies (``forked_copies``) of the fp32 shards; the moments come with the first
+    step, and the gradients are new every step (``zero_grad`` sets them to None)."""
+    return (4 + 4 + k_opt + 4) * shard + forked_copies(training, 4 * shard, k_opt * shard)
 
 
 def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
@@ -214,7 +221,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     # optimizer step: AdamW foreach's fp32 temporary of the shard
     add("optimizer", sharded=u.all_grads, buffers=u.on_gpu * 4 * shard)
 
-    host = (4 + 4 + k_opt + 4) * shard if s.offload_params == "cpu" else 0.0
+    host = offload_host(training, shard, k_opt) if s.offload_params == "cpu" else 0.0
     # CUDA: the flat all-gather buffers are allocated on FSDP2's all-gather stream
     # (_fsdp_collectives.py foreach_all_gather under ``all_gather_stream``), and the caching
     # allocator reuses a freed block only for the stream it was allocated on

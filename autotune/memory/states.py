@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from autotune.memory import mla, moe
-from autotune.memory.common import _partition
+from autotune.memory.common import _partition, forked_copies
 from autotune.memory.mixed import dense_block_spec, layer_kinds
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size
@@ -157,7 +157,7 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         return _zero0_states(m, s, es)
     if s.zero_stage in (1, 2):
         return _zero12_states(m, training, hardware, s, es)
-    return _zero3_states(m, hardware, s, es, device)
+    return _zero3_states(m, training, hardware, s, es, device)
 
 
 def _zero0_states(m: ModelSpec, s: Strategy, es: EngineSettings) -> _States:
@@ -210,6 +210,10 @@ def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         # + param_buffer_of_bit16_for_cpu_offload_groups: a pinned model-dtype copy of the
         # partition the updated master weights are cast into (stage_1_and_2.py, __init__)
         host = (4 + k_opt + 4 + p) * part + p * _largest_param(m) + (p * part if gas > 1 else 0)
+        # a forked data loader's copies: all of it but the moments and the accumulated gradients
+        # (created by the first step and backward: initialize_optimizer_states creates only .grad)
+        later = (k_opt + (p if gas > 1 else 0)) * part
+        host += forked_copies(training, host - later, later)
     else:
         out.optimizer = (4 + k_opt) * part
         out.buffers_bwd = 2 * p * bucket  # ipg double buffer (overlap_comm)
@@ -229,7 +233,8 @@ def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     return out
 
 
-def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, es: EngineSettings, device: str) -> _States:
+def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, es: EngineSettings,
+                  device: str) -> _States:
     """ZeRO-3 (DeepSpeedZeroOptimizer_Stage3), with optimizer and parameter offload."""
     k_opt = es.optimizer.state_bytes_per_parameter
     psi = m.num_parameters
@@ -300,6 +305,11 @@ def _zero3_states(m: ModelSpec, hardware: HardwareSpec, s: Strategy, es: EngineS
         # (autotune's offload_param config; AsyncPartitionedParameterSwapper)
         out.nvme += p * part
         host += es.buffers.param_nvme_buffer_count * es.buffers.param_nvme_buffer_size * p
+    # a forked data loader's copies: every host tensor above exists after deepspeed.initialize
+    # (initialize_optimizer_states creates the fp32 gradients) but the moments, which
+    # DeepSpeedCPUAdam creates in its first step
+    later = k_opt * part if s.offload_optimizer == "cpu" else 0.0
+    host += forked_copies(training, host - later, later)
     out.cpu = host
     return out
 
