@@ -145,12 +145,12 @@ def to_deepspeed_config(
         )
     nvme_path = hardware.nvme.path if hardware.nvme else "/local_nvme"
     if s.offload_optimizer != "none":
-        off: dict[str, Any] = {"device": s.offload_optimizer, "pin_memory": True}
+        off: dict[str, Any] = {"device": s.offload_optimizer, "pin_memory": s.pin_memory}
         if s.offload_optimizer == "nvme":
             off.update(nvme_path=nvme_path, buffer_count=buf.optimizer_nvme_buffer_count, fast_init=False)
         zero["offload_optimizer"] = off
     if s.offload_params != "none":
-        offp: dict[str, Any] = {"device": s.offload_params, "pin_memory": True}
+        offp: dict[str, Any] = {"device": s.offload_params, "pin_memory": s.pin_memory}
         if s.offload_params == "nvme":
             offp.update(nvme_path=nvme_path, buffer_count=buf.param_nvme_buffer_count,
                         buffer_size=buf.param_nvme_buffer_size, max_in_cpu=buf.param_max_in_cpu)
@@ -199,6 +199,7 @@ def to_fsdp2_config(
                         "reshard_after_forward": s.reshard_after_forward},
         "mp_policy": {"param_dtype": TORCH_DTYPES[s.precision], "reduce_dtype": TORCH_DTYPES[s.reduce_dtype]},
         "offload_policy": "CPUOffloadPolicy" if s.offload_params == "cpu" else None,
+        "offload_pin_memory": s.pin_memory if s.offload_params == "cpu" else None,
         "activation_checkpointing": {"granularity": s.checkpointing if n_ckpt else "none",
                                      "blocks": s.checkpointed_blocks(model.num_hidden_layers)},
         "micro_batch_size": s.micro_batch_size,

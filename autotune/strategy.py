@@ -56,6 +56,8 @@ REDUCE_DTYPES: tuple[ReduceDtype, ...] = get_args(ReduceDtype)
 _CKPT_ON = When("checkpointing != none", ("checkpointing",), lambda get: get("checkpointing") != "none")
 _CKPT_FULL = When("checkpointing full", ("checkpointing",), lambda get: get("checkpointing") == "full")
 _NO_EVERY = When("checkpoint_every unset", ("checkpoint_every",), lambda get: get("checkpoint_every") is None)
+_OFFLOADED = When("offload_optimizer or offload_params not none", ("offload_optimizer", "offload_params"),
+                  lambda get: get("offload_optimizer") != "none" or get("offload_params") != "none")
 _ZERO = {"1-3": When("zero_stage >= 1", ("zero_stage",), lambda get: get("zero_stage") >= 1),
          "1-2": When("zero_stage 1 or 2", ("zero_stage",), lambda get: get("zero_stage") in (1, 2)),
          "3": When("zero_stage 3", ("zero_stage",), lambda get: get("zero_stage") == 3)}
@@ -133,6 +135,11 @@ class Strategy:
                                                       applies=_ZERO["3"], int_range=(0, None), buffer=True,
                                                       memory=("states",), help="""
         Parameters smaller than this stay unpartitioned (auto: autotune's choice).""")
+    pin_memory: Literal[True, False] = knob(True, search_order=None, flag=True, added=True, applies=_OFFLOADED,
+                                            memory=("states", "units"), help="""Page-lock offload's host
+        buffers (DeepSpeed offload_optimizer / offload_param pin_memory; fsdp2: CPUOffloadPolicy(pin_memory)):
+        asynchronous copies at full PCIe speed, but on CUDA torch's pinned allocator rounds every pinned
+        tensor up to a power of two bytes (ATen/core/CachingHostAllocator.h) and keeps freed blocks cached.""")
     sequence_parallel_size: int = knob(1, search_order=15, feature=("log2", 1.0), flag=True, engine="deepspeed",
                                        int_range=(1, 1 << 16), added=True, memory=("rules", "activations", "states"),
                                        long_context=True, help="""DeepSpeed Ulysses sequence

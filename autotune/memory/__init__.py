@@ -34,7 +34,12 @@ allocation traces of real steps (torch.profiler, see benchmarks/memory_vs_deepsp
   ``offload_optimizer`` also moves the 16-bit gradient partitions to the host (stage3.py
   ``self.device``), nvme swaps master/moments/fp32 gradients to NVMe through pinned swap buffers;
   ``offload_param`` moves the 16-bit partitions to the host (cpu) or NVMe through pinned buffers,
-  and the GPU keeps the fetched working set. No figure is ever negative.
+  and the GPU keeps the fetched working set. Under ``pin_memory`` (autotune's default) on CUDA
+  every pinned host tensor is what torch's caching host allocator holds for it, the next power of
+  two (``common.pinned_bytes``; ZeRO-3 parameter offload also keeps each parameter's first pinned
+  partition cached); a data loader forking its workers after the engine is built
+  (``TrainingSpec.data_loader_fork``) doubles the host partitions the trainer rewrites
+  (``common.forked_copies``). No figure is ever negative.
 * Gradient accumulation (``_accumulation_carry``): what lives across micro-steps, per optimizer
   wrapper, with the DeepSpeed lines it comes from.
 * The training loop: ``loop="keep_outputs"`` (default) keeps ``outputs.logits`` alive through
@@ -60,7 +65,7 @@ accelerator (1 and 2 gloo ranks, ZeRO 0-3, checkpointing none/selective/full, bf
 and eager, Llama- and GPT-2-style) and compares ``peak`` (``device="cpu"``) with the peak tensor
 bytes of torch.profiler's allocation events (what was found on the way: docs/accuracy.md).
 
-Not modelled: tensor/pipeline/sequence parallelism, MoE, pinned-memory fragmentation, the
+Not modelled: tensor/pipeline parallelism, the
 caching allocator's block rounding beyond ``hardware.allocator_slack``, NCCL internals (part of
 ``cuda_context_gib``), attention dropout under sdpa on CPU (PyTorch's CPU flash kernel has no
 dropout, it falls back to the math kernel with s^2 buffers; on GPU dropout is free), the host

@@ -297,11 +297,12 @@ _U = ("n", "p", "r", "per_block", "root", "on_gpu", "u_root", "u_block", "flat",
 _u_fields = attrgetter(*_U)
 
 
-def units_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy) -> list[Any]:
-    """An FSDP2 candidate's layout (``_U``) and the walk's other per-strategy terms."""
+def units_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, device: str) -> list[Any]:
+    """An FSDP2 candidate's layout (``_U``) and the walk's other per-strategy terms (its host bytes last)."""
     u = _units(m, s, hardware)
     gas = gradient_accumulation_steps(s, training, hardware)
-    return [*_u_fields(u), u.all_grads if gas > 1 else 0.0, s.reshard_after_forward, s.offload_params == "cpu"]
+    return [*_u_fields(u), u.all_grads if gas > 1 else 0.0, s.reshard_after_forward,
+            offload_host(m, training, hardware, s, device)]
 
 
 def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
@@ -310,7 +311,7 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     m, L, V = model, model.num_hidden_layers, model.vocab_size
     k_opt = training.optimizer.state_bytes_per_parameter
     u = dict(zip(_U + ("carry", "reshard", "host"),
-                 _table(strategies, units_key, lambda s: units_row(m, training, hardware, s))))
+                 _table(strategies, units_key, lambda s: units_row(m, training, hardware, s, device))))
     a, attention_gran, last_ck = _activations(m, training, strategies, device)
     n = len(strategies)
     un, up, ur, carry, reshard = u["n"], u["p"], u["r"], u["carry"], u["reshard"] > 0
@@ -382,7 +383,7 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], buffers=u_root + ur * u["root"])
     add("backward", sharded=u["all_grads"], buffers=u_root + ur * u["root"])
     add("optimizer", sharded=u["all_grads"], buffers=on_gpu * 4 * shard)
-    host = np.where(u["host"] > 0, offload_host(training, shard, k_opt), 0.0)
+    host = u["host"]
     side_pool = np.where((un > 1) & (device == "cuda"), u_root + 2 * u_block, 0.0)
     return (*_verdict(w.best(), hardware, headroom, params=params, optimizer=optimizer, resident_grads=0.0,
                       resident_buffers=0.0, cpu_per_gpu=host + a["offloaded"], nvme_per_gpu=0.0,

@@ -67,6 +67,16 @@ def _partition(n: int, dp: int) -> int:
     return -(-n // dp)
 
 
+def pinned_bytes(nbytes: float, pinned: bool) -> float:
+    """Host bytes one tensor of ``nbytes`` holds: pinned on CUDA, the caching host allocator's block,
+    the next power of two (torch's ATen/core/CachingHostAllocator.h ``allocate``:
+    ``c10::llvm::PowerOf2Ceil(size)`` below pinned_max_round_threshold, unset by default), which it
+    keeps cached when the tensor is freed; pageable, ``nbytes``."""
+    if not pinned or nbytes <= 1:
+        return nbytes
+    return float(1 << (int(-(-nbytes // 1)) - 1).bit_length())
+
+
 def forked_copies(training: TrainingSpec, at_init: float, later: float) -> float:
     """Host bytes per GPU that the data loader's forked workers keep a second copy of
     (``TrainingSpec.data_loader_fork``). fork(2) shares the trainer's pages copy-on-write: a worker

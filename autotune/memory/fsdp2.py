@@ -34,13 +34,15 @@ half precision): ``activation_breakdown``, with plain ``nn.Linear`` autograd.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import functools
+from typing import Callable, NamedTuple
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
-from autotune.memory.common import MemoryEstimate, forked_copies
+from autotune.memory.common import MemoryEstimate, forked_copies, pinned_bytes
 from autotune.memory.expert_parallel import block_expert_elements, ep_units
 from autotune.memory.mixed import dense_block_spec, layer_kinds, layer_params, saved_below
-from autotune.memory.moe import ffn_weight_elements
+from autotune.memory.moe import expert_width, ffn_weight_elements
+from autotune.memory.states import parameter_shapes
 from autotune.memory.walk import Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -87,11 +89,40 @@ class _Units(NamedTuple):
     block's attention backward (its post-backward came first); 0 without (then as the MLP's)."""
 
 
-def offload_host(training: TrainingSpec, shard: Any, k_opt: float) -> Any:
-    """Host bytes per GPU under CPUOffloadPolicy ((4 + 4 + k_opt + 4) x the shard), with a forked
-    data loader's copies (``forked_copies``) of the fp32 shards; the moments come with the first
-    step, and the gradients are new every step (``zero_grad`` sets them to None)."""
-    return (4 + 4 + k_opt + 4) * shard + forked_copies(training, 4 * shard, k_opt * shard)
+@functools.lru_cache(maxsize=1024)
+def pinned_shards(m: ModelSpec, n: int, ep: int) -> float:
+    """Host bytes of every parameter's fp32 shard on the rank holding the most, each its own pinned
+    tensor (CPUOffloadPolicy(pin_memory): _fsdp_param.py ``padded_sharded_param.pin_memory()``, dim 0
+    chunked over the n ranks and padded to the first rank's chunk, ``chunks[0].size()``), as torch's
+    host allocator holds them (``pinned_bytes``); the reduced gradients are as many pinned blocks of
+    the same sizes (_fsdp_collectives.py ``foreach_reduce``: ``.to("cpu", non_blocking=True)``, which
+    allocates its output pinned). With expert parallelism a block's expert tensors hold E / ep experts
+    over the n / ep ranks of their unit (memory/expert_parallel.py)."""
+    e, mod_ep, hf = m.num_experts, max(1, n // ep), m.hidden_size * expert_width(m)
+    expert_sizes = {e * 2 * hf, e * hf} if (m.is_moe and ep > 1) else set()  # gate_up_proj, down_proj
+    out = 0.0
+    for d0, numel in parameter_shapes(m):
+        if d0 == e and numel in expert_sizes:
+            d0, numel, ranks = d0 // ep, numel // ep, mod_ep
+        else:
+            ranks = n
+        out += pinned_bytes(4 * -(-d0 // ranks) * (numel // d0), True)
+    return out
+
+
+def offload_host(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, device: str) -> float:
+    """Host bytes per GPU under CPUOffloadPolicy: the fp32 parameter shards, their gradients, the
+    moments and the optimizer step's fp32 temporary ((4 + 4 + k_opt + 4) x the shard; under
+    pin_memory on CUDA the shards and gradients as ``pinned_shards`` holds them), with a forked data
+    loader's copies (``forked_copies``) of the parameter shards: the moments come with the first step,
+    and the gradients are new every step (``zero_grad`` sets them to None). 0 without the policy."""
+    if s.offload_params != "cpu":
+        return 0.0
+    k_opt = engine_settings(m, training, s).optimizer.state_bytes_per_parameter
+    shard = m.num_parameters / shard_group_size(s, hardware)
+    on_host = (pinned_shards(m, shard_group_size(s, hardware), s.expert_parallel_size)
+               if (s.pin_memory and device == "cuda") else 4 * shard)
+    return 2 * on_host + (k_opt + 4) * shard + forked_copies(training, on_host, k_opt * shard)
 
 
 def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
@@ -221,7 +252,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     # optimizer step: AdamW foreach's fp32 temporary of the shard
     add("optimizer", sharded=u.all_grads, buffers=u.on_gpu * 4 * shard)
 
-    host = offload_host(training, shard, k_opt) if s.offload_params == "cpu" else 0.0
+    host = offload_host(m, training, hardware, s, device)
     # CUDA: the flat all-gather buffers are allocated on FSDP2's all-gather stream
     # (_fsdp_collectives.py foreach_all_gather under ``all_gather_stream``), and the caching
     # allocator reuses a freed block only for the stream it was allocated on

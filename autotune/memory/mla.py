@@ -89,10 +89,18 @@ def rope_table_bytes(m: ModelSpec, s: int, p: int = 4) -> float:
     return 4.0 * s * m.qk_rope_head_dim if m.mla_rotary == "complex" else 2.0 * p * s * m.qk_rope_head_dim
 
 
-def parameter_order(m: ModelSpec) -> list[int]:
-    """DeepseekV2Attention's parameters in registration order: q_proj, or q_a_proj, q_a_layernorm,
-    q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (no biases)."""
+def parameter_shapes(m: ModelSpec) -> list[tuple[int, int]]:
+    """DeepseekV2Attention's parameters in registration order, each as (first dimension, elements):
+    q_proj, or q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+    (nn.Linear weights are out x in; no biases)."""
     d, a, qk, v = m.hidden_size, m.num_attention_heads, qk_head_dim(m), v_head_dim(m)
     kv, ql = int(m.kv_lora_rank or 0), m.q_lora_rank
-    q = [d * a * qk] if ql is None else [d * ql, ql, ql * a * qk]
-    return q + [d * (kv + m.qk_rope_head_dim), kv, kv * a * (m.qk_nope_head_dim + v), a * v * d]
+    q = [(a * qk, d * a * qk)] if ql is None else [(ql, d * ql), (ql, ql), (a * qk, ql * a * qk)]
+    kv_nope_v = a * (m.qk_nope_head_dim + v)
+    return q + [(kv + m.qk_rope_head_dim, d * (kv + m.qk_rope_head_dim)), (kv, kv), (kv_nope_v, kv * kv_nope_v),
+                (d, a * v * d)]
+
+
+def parameter_order(m: ModelSpec) -> list[int]:
+    """Elements of each of ``parameter_shapes``."""
+    return [n for _, n in parameter_shapes(m)]

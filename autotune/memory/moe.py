@@ -203,14 +203,21 @@ def ffn_weight_elements(m: ModelSpec) -> int:
     return (3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size
 
 
-def ffn_parameter_order(m: ModelSpec) -> list[int]:
-    """A MoE block's feed-forward parameters in ``parameters()`` order: Mixtral registers the router
-    before the experts (``MixtralSparseMoeBlock.__init__``: ``self.gate``, ``self.experts``), Qwen3-MoE
-    after them (``Qwen3MoeSparseMoeBlock``: ``self.experts``, ``self.gate``), DeepSeek-V2 too and its
-    shared experts last (``DeepseekV2Moe``: experts, gate, shared_experts' gate, up, down); Qwen2-MoE's
-    router first, its shared expert and its gate last (``Qwen2MoeSparseMoeBlock``); the experts'
-    3-D ``gate_up_proj`` (E x 2f x h) then ``down_proj`` (E x h x f)."""
+def ffn_parameter_shapes(m: ModelSpec) -> list[tuple[int, int]]:
+    """A MoE block's feed-forward parameters in ``parameters()`` order, each as (first dimension,
+    elements): Mixtral registers the router before the experts (``MixtralSparseMoeBlock.__init__``:
+    ``self.gate``, ``self.experts``), Qwen3-MoE after them (``Qwen3MoeSparseMoeBlock``: ``self.experts``,
+    ``self.gate``), DeepSeek-V2 too and its shared experts last (``DeepseekV2Moe``: experts, gate,
+    shared_experts' gate, up, down); Qwen2-MoE's router first, its shared expert and its gate last
+    (``Qwen2MoeSparseMoeBlock``); the experts' 3-D ``gate_up_proj`` (E x 2f x h) then ``down_proj``
+    (E x h x f); the router E x h; Qwen2-MoE's shared_expert_gate 1 x h."""
     h, f, e, fs = m.hidden_size, expert_width(m), m.num_experts, m.shared_expert_intermediate_size
-    experts = [e * 2 * f * h, e * h * f]
-    shared = ([fs * h] * 3 if fs else []) + ([h] if m.shared_expert_gate else [])  # Qwen2-MoE's shared_expert_gate
-    return (experts + [e * h] if (m.qk_norm == "head" or m.router_fp32) else [e * h] + experts) + shared
+    experts = [(e, e * 2 * f * h), (e, e * h * f)]
+    shared = ([(fs, fs * h), (fs, fs * h), (h, fs * h)] if fs else []) + ([(1, h)] if m.shared_expert_gate else [])
+    router = [(e, e * h)]
+    return (experts + router if (m.qk_norm == "head" or m.router_fp32) else router + experts) + shared
+
+
+def ffn_parameter_order(m: ModelSpec) -> list[int]:
+    """Elements of each of ``ffn_parameter_shapes``."""
+    return [n for _, n in ffn_parameter_shapes(m)]

@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from autotune.memory import mla, moe
-from autotune.memory.common import _partition, forked_copies
+from autotune.memory.common import _partition, forked_copies, pinned_bytes
 from autotune.memory.mixed import dense_block_spec, layer_kinds
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size
@@ -52,28 +52,36 @@ def _persistent_params(m: ModelSpec, threshold: int) -> int:
 
 
 def parameter_order(m: ModelSpec) -> list[int]:
-    """Elements of each parameter tensor in ``model.parameters()`` order, the order ZeRO-1/2 flatten
-    and partition them in (stage_1_and_2.py: ``bit16_groups`` from the param group, no
+    """Elements of each parameter tensor in ``model.parameters()`` order (``parameter_shapes``)."""
+    return [n for _, n in parameter_shapes(m)]
+
+
+@functools.lru_cache(maxsize=256)
+def parameter_shapes(m: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """Each parameter tensor as (first dimension, elements) in ``model.parameters()`` order, the
+    order ZeRO-1/2 flatten and partition them in (stage_1_and_2.py: ``bit16_groups`` from the param group, no
     round_robin_gradients): autotune's reference decoders (autotune/models/reference.py ``Block``:
     norm, q, k, v, o, norm, gate, up, down) and the HF classes (modeling_llama.py and kin: attention,
     MLP, then the norms; modeling_phi3.py: o_proj before the fused qkv_proj, fused gate_up_proj;
     modeling_gpt2.py: ln_1, fused c_attn, c_proj, ln_2, c_fc, c_proj; modeling_gpt_neox.py: both
-    norms, then query_key_value, dense, dense_h_to_4h, dense_4h_to_h). Sums to num_parameters."""
+    norms, then query_key_value, dense, dense_h_to_4h, dense_4h_to_h). The first dimension is what
+    FSDP2 shards (nn.Linear weights are out x in, GPT-2's Conv1D in x out). Elements sum to
+    num_parameters."""
     d, f, q, kv = m.hidden_size, m.intermediate_size, m.q_size, m.kv_size
     qkv_b, out_b = m.bias or m.qkv_bias, m.bias
 
-    def lin(n_in: int, n_out: int, bias: bool) -> list[int]:
-        return [n_in * n_out] + ([n_out] if bias else [])
+    def lin(n_in: int, n_out: int, bias: bool) -> list[tuple[int, int]]:
+        return [(n_in if m.linear_addmm else n_out, n_in * n_out)] + ([(n_out, n_out)] if bias else [])
 
-    norm = [d, d] if (m.norm == "layernorm" and m.bias) else [d]
-    qk_norm = {"head": [m.head_size] * 2, "full": [q, kv]}.get(m.qk_norm, [])
+    norm = [(d, d), (d, d)] if (m.norm == "layernorm" and m.bias) else [(d, d)]
+    qk_norm = {"head": [(m.head_size, m.head_size)] * 2, "full": [(q, q), (kv, kv)]}.get(m.qk_norm, [])
     if m.fused_qkv or m.linear_addmm:  # GPT-2's Conv1D c_attn is fused too
         qkv = lin(d, q + 2 * kv, qkv_b)
     else:
         qkv = lin(d, q, qkv_b) + lin(d, kv, qkv_b) + lin(d, kv, qkv_b)
     o = lin(q, d, out_b)
     if m.is_mla:  # DeepSeek-V2's q / latent kv projections, their norms, o_proj (mla.py)
-        qkv, o = mla.parameter_order(m), []
+        qkv, o = mla.parameter_shapes(m), []
     if m.gated_mlp:
         mlp_in = lin(d, 2 * f, out_b) if m.fused_qkv else lin(d, f, out_b) + lin(d, f, out_b)
     else:
@@ -81,7 +89,7 @@ def parameter_order(m: ModelSpec) -> list[int]:
     dense_mlp = mlp_in + lin(f, d, out_b)
     norms = norm * m.norms_per_block
 
-    def block(mlp: list[int]) -> list[int]:
+    def block(mlp: list[tuple[int, int]]) -> list[tuple[int, int]]:
         if m.implementation == "reference":
             return norm + qkv + o + norm + mlp + qk_norm
         if m.linear_addmm or m.parallel_residual:  # GPT-2: ln_1 attn ln_2 mlp; GPT-NeoX: norms first
@@ -90,43 +98,70 @@ def parameter_order(m: ModelSpec) -> list[int]:
             return o + qkv + mlp + norms
         return qkv + o + qk_norm + mlp + norms
 
-    out = [m.vocab_size * d] + ([m.max_position_embeddings * d] if m.position_embedding == "learned" else [])
+    embed = (m.vocab_size, m.vocab_size * d)
+    out = [embed] + ([(m.max_position_embeddings, m.max_position_embeddings * d)]
+                     if m.position_embedding == "learned" else [])
     kinds = layer_kinds(m)
     if kinds is None:
-        out += block(moe.ffn_parameter_order(m) if m.is_moe else dense_mlp) * m.num_hidden_layers
+        out += block(moe.ffn_parameter_shapes(m) if m.is_moe else dense_mlp) * m.num_hidden_layers
     else:  # a MoE's dense-MLP blocks among its sparse ones, in layer order (memory/mixed.py)
-        moe_block, dense_block = block(moe.ffn_parameter_order(m)), block(dense_mlp)
+        moe_block, dense_block = block(moe.ffn_parameter_shapes(m)), block(dense_mlp)
         for dense in kinds:
             out += dense_block if dense else moe_block
     out += norm
     if not m.tie_word_embeddings:
-        out.append(m.vocab_size * d)
-    return out
+        out.append(embed)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_params(m: ModelSpec, dp: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the elements of each parameter that overlaps its ZeRO-1/2 partition, whole
+    (stage_1_and_2.py ``get_partition_info``: ``params_in_partition``), so a parameter straddling a
+    partition boundary counts on both sides. Partitions: the flat group padded to a multiple of
+    2 x dp (``nccl_start_alignment_factor``)."""
+    sizes = parameter_order(m)
+    total = sum(sizes)
+    if dp <= 1:
+        return (tuple(sizes),)
+    align = 2 * dp
+    part = -(-total // align) * align // dp
+    out = []
+    for r in range(dp):
+        lo, hi = r * part, (r + 1) * part
+        mine, start = [], 0
+        for size in sizes:
+            if start < hi and start + size > lo:
+                mine.append(size)
+            start += size
+        out.append(tuple(mine))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)
 def grad_partition_elements(m: ModelSpec, dp: int) -> int:
     """Elements of ZeRO-1/2's ``grads_in_partition`` on the rank where it is largest: every parameter
     that overlaps the rank's partition counts whole (stage_1_and_2.py ``copy_grads_in_partition``:
-    ``total_size += param_in_partition.numel()`` over ``params_in_partition``, from
-    ``get_partition_info``), so a parameter straddling a partition boundary is counted on both
-    sides. Partitions: the flat group padded to a multiple of 2 x dp (``nccl_start_alignment_factor``)."""
-    sizes = parameter_order(m)
-    total = sum(sizes)
-    if dp <= 1:
-        return total
-    align = 2 * dp
-    part = -(-total // align) * align // dp
-    best = 0
-    for r in range(dp):
-        lo, hi = r * part, (r + 1) * part
-        n, start = 0, 0
-        for size in sizes:
-            if start < hi and start + size > lo:
-                n += size
-            start += size
-        best = max(best, n)
-    return best
+    ``total_size += param_in_partition.numel()`` over ``params_in_partition``)."""
+    return max(map(sum, rank_params(m, dp)))
+
+
+@functools.lru_cache(maxsize=4096)
+def zero3_sub_groups(m: ModelSpec, dp: int, sub_group_size: int) -> tuple[int, ...]:
+    """Elements of each ZeRO-3 optimizer sub group on one rank: the parameters' partitions
+    (``partition_numel``, each parameter padded to a multiple of dp) in ``parameters()`` order, a
+    group closed once it reaches ``sub_group_size`` (stage3.py ``_create_fp16_sub_groups``; one group
+    when the whole partition is no larger)."""
+    parts = [-(-n // dp) for n in parameter_order(m)]
+    if sub_group_size >= sum(parts):
+        return (sum(parts),)
+    groups, n = [], 0
+    for i, size in enumerate(parts):
+        n += size
+        if n >= sub_group_size or i == len(parts) - 1:
+            groups.append(n)
+            n = 0
+    return tuple(groups)
 
 
 @dataclass
@@ -156,7 +191,7 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
     if s.zero_stage == 0:
         return _zero0_states(m, s, es)
     if s.zero_stage in (1, 2):
-        return _zero12_states(m, training, hardware, s, es)
+        return _zero12_states(m, training, hardware, s, es, device)
     return _zero3_states(m, training, hardware, s, es, device)
 
 
@@ -178,7 +213,7 @@ def _zero0_states(m: ModelSpec, s: Strategy, es: EngineSettings) -> _States:
 
 
 def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy,
-                   es: EngineSettings) -> _States:
+                   es: EngineSettings, device: str) -> _States:
     """ZeRO-1/2 (DeepSpeedZeroOptimizer), with or without optimizer offload."""
     k_opt = es.optimizer.state_bytes_per_parameter
     psi = m.num_parameters
@@ -200,20 +235,26 @@ def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         # buckets to the host through temp_grad_buffer_for_gpu_offload (GPU) and
         # temp_grad_buffer_for_cpu_offload (host, pinned), both of the largest parameter in
         # the model dtype, so the GPU holds no gradient partition. With gradient accumulation
-        # the partition accumulates on the host (accumulated_grads_in_cpu, model dtype).
+        # each parameter of the partition accumulates on the host, whole (accumulated_grads_in_cpu:
+        # buffer_to_accumulate_to_in_cpu, torch.zeros(param.numel()), model dtype), from the first
+        # backward. Under pin_memory (CUDA) every host buffer but the moments (DeepSpeedCPUAdam's
+        # zeros_like of the master) is pinned: weights_partition, temp_pinned, the fp32 .grad
+        # (initialize_optimizer_states), the two temp buffers and each accumulation buffer.
         out.optimizer = 0
         out.grads = 0
         out.resident_buffers = p * _largest_param(m)
         out.buffers_bwd = 2 * p * bucket
         out.buffers_step = 0
         gas = gradient_accumulation_steps(s, training, hardware)
-        # + param_buffer_of_bit16_for_cpu_offload_groups: a pinned model-dtype copy of the
-        # partition the updated master weights are cast into (stage_1_and_2.py, __init__)
-        host = (4 + k_opt + 4 + p) * part + p * _largest_param(m) + (p * part if gas > 1 else 0)
-        # a forked data loader's copies: all of it but the moments and the accumulated gradients
-        # (created by the first step and backward: initialize_optimizer_states creates only .grad)
-        later = (k_opt + (p if gas > 1 else 0)) * part
-        host += forked_copies(training, host - later, later)
+        pinned = s.pin_memory and device == "cuda"
+        # master, its fp32 gradient, param_buffer_of_bit16_for_cpu_offload_groups (the model-dtype
+        # copy the updated master is cast into) and temp_grad_buffer_for_cpu_offload, at init
+        at_init = (2 * pinned_bytes(4 * part, pinned) + pinned_bytes(p * part, pinned)
+                   + pinned_bytes(p * _largest_param(m), pinned))
+        accumulated = (max(sum(pinned_bytes(p * n, pinned) for n in params) for params in rank_params(m, dp))
+                       if gas > 1 else 0.0)
+        # a forked data loader's copies: all of it but what the first step and backward create
+        host = at_init + k_opt * part + accumulated + forked_copies(training, at_init, k_opt * part + accumulated)
     else:
         out.optimizer = (4 + k_opt) * part
         out.buffers_bwd = 2 * p * bucket  # ipg double buffer (overlap_comm)
@@ -276,22 +317,33 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         out.reduce_clone = p * moe.down_weight_elements(m)  # a MoE's: every expert's down_proj
     if device == "cpu" and dp > 1 and layer_kinds(m) and moe.down_weight_elements(dense_block_spec(m)) > rb:
         out.reduce_clone_dense = p * moe.down_weight_elements(dense_block_spec(m))  # a dense block's, as above
+    pinned = s.pin_memory and device == "cuda"
+    # under pin_memory (CUDA) the pinned tensors are what torch's caching host allocator holds for
+    # them (pinned_bytes); their sizes are the parameters' own partitions (partition_numel), summed
+    parts = sum(-(-n // dp) for n in parameter_order(m)) if pinned else part
     if off_opt:
         # stage3.py: self.device = "cpu" when the optimizer is offloaded, and the gradient
         # partitions (grad_partitions_flat_buffer, gradient_accumulation_dtype = model dtype)
-        # are allocated there, pinned: no gradient partition and no optimizer state on the GPU
+        # are allocated there (pinned under pin_memory): no gradient partition and no optimizer
+        # state on the GPU
         out.grad_buffer = 0
         out.optimizer = 0
         out.buffers_step = 0
+        grad_flat = pinned_bytes(p * parts, pinned)
         if s.offload_optimizer == "cpu":
-            host += (4 + k_opt + 4) * part + p * part  # master, moments, fp32 grads; grad partitions
+            # the fp32 master (_create_fp32_partitions: a clone, pageable) and the moments
+            # (DeepSpeedCPUAdam), pageable; each sub group's fp32 gradient
+            # (initialize_optimizer_states: subgroup_gradient_buffer, pinned under pin_memory)
+            grads = (sum(pinned_bytes(4 * n, True) for n in zero3_sub_groups(m, dp, es.buffers.sub_group_size))
+                     if pinned else 4 * part)
+            host += (4 + k_opt) * part + grads + grad_flat
         else:
             # ZeRO-Infinity: master, moments and fp32 gradients swap to NVMe; the host keeps the
-            # pinned gradient partitions and buffer_count (4) pinned fp32 swap buffers of one
-            # sub group (autotune writes sub_group_size 1e9)
+            # gradient partitions and buffer_count (4) fp32 swap buffers of one sub group
+            # (autotune writes sub_group_size 1e9), page-locked by the aio handle's own allocator
             out.nvme += (4 + k_opt + 4) * part
             buf = es.buffers
-            host += p * part + buf.optimizer_nvme_buffer_count * 4 * min(buf.sub_group_size, part)
+            host += grad_flat + buf.optimizer_nvme_buffer_count * 4 * min(buf.sub_group_size, part)
     else:
         # the 16-bit gradient partition is allocated once, at init, on the GPU (stage3.py
         # grad_partitions_flat_buffer on self.device)
@@ -299,7 +351,13 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         out.optimizer = (4 + k_opt) * part
         out.buffers_step = (4 * part if p < 4 else 0) + p * part
     if s.offload_params == "cpu":
-        host += p * part  # the 16-bit parameter partitions, pinned
+        # the 16-bit parameter partitions: one flat buffer per param group
+        # (_create_param_groups_fp16_flat_cpu_memory); under pin_memory each parameter's own pinned
+        # partition (partition_parameters.py _partition_param: ``get_accelerator().pin_memory``)
+        # is copied into it and freed, its block kept cached by torch's host allocator
+        own = (sum(pinned_bytes(p * -(-n // dp), True) for n in parameter_order(m) if n > thr)
+               if pinned else 0.0)
+        host += pinned_bytes(p * parts, pinned) + own
     elif s.offload_params == "nvme":
         # partitions swap to NVMe through buffer_count (5) x buffer_size (1e8) pinned buffers
         # (autotune's offload_param config; AsyncPartitionedParameterSwapper)

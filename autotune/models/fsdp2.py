@@ -43,7 +43,7 @@ def _layout(strategy_or_config: StrategyOrConfig, num_blocks: int) -> dict[str, 
                 "reshard_after_forward": s.reshard_after_forward, "hybrid": s.sharding == "hybrid",
                 "mesh_shape": None, "param_dtype": TORCH_DTYPES[s.precision],
                 "reduce_dtype": TORCH_DTYPES[s.reduce_dtype], "offload": s.offload_params == "cpu",
-                "ep": s.expert_parallel_size}
+                "pin_memory": s.pin_memory, "ep": s.expert_parallel_size}
     cfg = strategy_or_config
     if cfg.get("engine") != "fsdp2":
         raise ValueError(f"autotune.models.fsdp2.apply needs an fsdp2 layout (to_fsdp2_config), but got engine "
@@ -55,6 +55,7 @@ def _layout(strategy_or_config: StrategyOrConfig, num_blocks: int) -> dict[str, 
             "hybrid": len(cfg["mesh"]["shape"]) == 2, "mesh_shape": list(cfg["mesh"]["shape"]),
             "param_dtype": cfg["mp_policy"]["param_dtype"], "reduce_dtype": cfg["mp_policy"]["reduce_dtype"],
             "offload": cfg.get("offload_policy") == "CPUOffloadPolicy",
+            "pin_memory": cfg.get("offload_pin_memory") is not False,
             "ep": int((cfg.get("expert_parallel") or {}).get("expert_parallel_size", 1))}
 
 
@@ -120,7 +121,7 @@ def apply(model: Any, strategy_or_config: StrategyOrConfig, mesh: Any = None) ->
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(
         param_dtype=getattr(torch, lay["param_dtype"]), reduce_dtype=getattr(torch, lay["reduce_dtype"]))}
     if lay["offload"]:  # pinned host memory needs an accelerator (a CPU-only torch refuses to pin)
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=lay["pin_memory"] and mesh.device_type == "cuda")
     n_experts = 0
     for block in blocks:
         if ep_group is not None:
@@ -277,7 +278,8 @@ def snippet(config: Mapping[str, Any]) -> str:
     helpers, ckpt = _checkpoint_lines(lay["granularity"], lay["blocks"])
     shape = tuple(int(x) for x in config["mesh"]["shape"])
     names = tuple(config["mesh"]["dim_names"])
-    offload = ", offload_policy=CPUOffloadPolicy(pin_memory=device_type == \"cuda\")" if lay["offload"] else ""
+    pin = "device_type == \"cuda\"" if lay["pin_memory"] else "False"
+    offload = f", offload_policy=CPUOffloadPolicy(pin_memory={pin})" if lay["offload"] else ""
     selective = lay["granularity"] == "selective"
     text = f'''"""FSDP2 layout found by autotune. Launch: torchrun --nnodes {shape[0] if len(shape) == 2 else 1} \\
     --nproc_per_node {shape[-1]} train.py ...; call shard(model) after building the model (fp32

@@ -36,7 +36,7 @@ def _part() -> int:
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_zero3_optimizer_offload_copies_master_and_gradients_then_moments(precision):
-    s = Strategy(zero_stage=3, offload_optimizer="cpu", precision=precision)
+    s = Strategy(zero_stage=3, offload_optimizer="cpu", precision=precision, pin_memory=False)
     p, part = BYTES_PER_ELEMENT[precision], _part()
     none, init, epoch = (_host(s, f, precision) for f in ("none", "after_init", "each_epoch"))
     # fp32 master, its fp32 gradient and the 16-bit gradient partition exist after deepspeed.initialize
@@ -45,21 +45,21 @@ def test_zero3_optimizer_offload_copies_master_and_gradients_then_moments(precis
 
 
 def test_zero3_parameter_offload_adds_its_partitions():
-    opt = Strategy(zero_stage=3, offload_optimizer="cpu")
-    both = Strategy(zero_stage=3, offload_optimizer="cpu", offload_params="cpu")
+    opt = Strategy(zero_stage=3, offload_optimizer="cpu", pin_memory=False)
+    both = Strategy(zero_stage=3, offload_optimizer="cpu", offload_params="cpu", pin_memory=False)
     extra = (_host(both, "after_init") - _host(both, "none")) - (_host(opt, "after_init") - _host(opt, "none"))
     assert extra == pytest.approx(8 * 2 * _part(), abs=8)
 
 
 def test_zero2_offload_copies_master_gradients_and_16bit_buffer():
-    s = Strategy(zero_stage=2, offload_optimizer="cpu", micro_batch_size=8)  # no accumulation
+    s = Strategy(zero_stage=2, offload_optimizer="cpu", micro_batch_size=8, pin_memory=False)  # no accumulation
     none, init, epoch = (_host(s, f) for f in ("none", "after_init", "each_epoch"))
     assert init - none >= 8 * (4 + 4 + 2) * _part()  # + the largest parameter's pinned staging buffer
     assert epoch - init == pytest.approx(8 * 8 * _part(), abs=8)
 
 
 def test_fsdp2_offload_copies_the_fp32_shards():
-    s = Strategy(engine="fsdp2", offload_params="cpu", offload_optimizer="cpu")
+    s = Strategy(engine="fsdp2", offload_params="cpu", offload_optimizer="cpu", pin_memory=False)
     assert not validate(s, MODEL, TrainingSpec(seq_len=2048, global_batch_size=64), HW)
     shard = -(-MODEL.num_parameters // 8)
     assert _host(s, "after_init") - _host(s, "none") == pytest.approx(8 * 4 * shard, rel=1e-6)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from autotune.memory import estimate_memory
-from autotune.memory.states import grad_partition_elements, parameter_order
+from autotune.memory.states import grad_partition_elements, parameter_order, parameter_shapes
 from autotune.presets import gpu_from_name
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -37,6 +37,7 @@ def test_parameter_order_is_the_reference_decoders(spec):
     with torch.device("meta"):
         model = build_model(m)
     assert parameter_order(m) == [p.numel() for p in model.parameters()]
+    assert list(parameter_shapes(m)) == [(p.shape[0], p.numel()) for p in model.parameters()]  # what FSDP2 chunks
 
 
 def test_parameter_order_is_the_hf_classes(tmp_path):
@@ -50,7 +51,9 @@ def test_parameter_order_is_the_hf_classes(tmp_path):
         import memory_vs_deepspeed as bench
     finally:
         sys.path.pop(0)
-    for name in bench.HF_FAMILIES:
+    import memory_rows
+
+    for name in [*bench.HF_FAMILIES, *memory_rows.MOE_FAMILIES]:  # MoE and MLA too (their expert tensors' shapes)
         cfg = bench.hf_config(name)
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(cfg))
@@ -58,6 +61,7 @@ def test_parameter_order_is_the_hf_classes(tmp_path):
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
         assert parameter_order(m) == [p.numel() for p in model.parameters()], name
+        assert list(parameter_shapes(m)) == [(p.shape[0], p.numel()) for p in model.parameters()], name
 
 
 @pytest.mark.parametrize("spec", [GPT2, LLAMA])

@@ -179,8 +179,9 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "prefetch_bucket_size": (Strategy(zero_stage=3), 1000),
         "param_persistence_threshold": (Strategy(zero_stage=3), 10 ** 9),
         "sequence_parallel_size": (Strategy(zero_stage=1, micro_batch_size=8), 2),  # accumulation 1 -> 2
+        "pin_memory": (Strategy(zero_stage=3, offload_optimizer="cpu"), False),  # pinned blocks: powers of two
     }, "examples/llama2-7b.yaml", {}),  # 7B parameters: more than ZeRO-3 keeps gathered
-    "units_key": (lambda c, s: _fast.units_row(c.model, c.training, c.hardware, s), "fsdp2", {
+    "units_key": (lambda c, s: _fast.units_row(c.model, c.training, c.hardware, s, "cuda"), "fsdp2", {
         "precision": (Strategy(engine="fsdp2"), "fp32"),
         "reduce_dtype": (Strategy(engine="fsdp2"), "bf16"),
         "offload_params": (Strategy(engine="fsdp2"), "cpu"),
@@ -189,6 +190,7 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "reshard_after_forward": (Strategy(engine="fsdp2"), False),
         "context_parallel_size": (Strategy(engine="fsdp2", micro_batch_size=64), 2),  # accumulation 1 -> 2
         "expert_parallel_size": (Strategy(engine="fsdp2"), 2, "examples/qwen3-30b-a3b.yaml"),  # on a MoE
+        "pin_memory": (Strategy(engine="fsdp2", offload_params="cpu"), False),  # pinned shards: powers of two
     }, "examples/gpt2.yaml", {"num_nodes": 2}),
 }
 
