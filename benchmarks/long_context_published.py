@@ -164,6 +164,31 @@ def failed_check(job: "Job", row: dict) -> dict:
             "failed_host_gib": est.cpu_bytes_per_node / GIB, "failed_evidence": row["failed_evidence"]}
 
 
+LIMIT_WORDS = {"host_memory": "host RAM", "gpu_memory": "GPU", "nvme": "NVMe"}
+
+
+def markdown(results: list[dict]) -> str:
+    """The ratio table, the memory at the published length and the failed lengths, as markdown."""
+    out = ["| run | published | predicted | ratio | in test | what stops the model one step further |",
+           "|---|---:|---:|---:|---|---|"]
+    for x in results:
+        inside = BAND[0] <= x["ratio"] <= BAND[1]
+        limit = "+".join(LIMIT_WORDS.get(k, k) for k in x["limit"].split("+"))
+        out.append(f"| {x['run']} | {x['published']:,} | {x['predicted']:,} | {x['ratio']:.2f}"
+                   f"{'' if inside or not x['in_test'] else ' **outside**'} | {'yes' if x['in_test'] else 'no'} | "
+                   f"{limit}: needs {x['need_gib']:.1f} GiB GPU, {x['host_gib']:.0f} GiB host/node; largest part "
+                   f"{x['largest']} GiB ({x['phase']}) |")
+    out += ["", "| run | seq | model: GPU need (GiB) | model: host/node (GiB) | published memory |",
+            "|---|---:|---:|---:|---|"]
+    out += [f"| {x['run']} | {x['memory_seq']:,} | {x['published_need_gib']:.1f} | {x['published_host_gib']:.0f} | "
+            f"{x['published_memory']} |" for x in results if x["published_memory"]]
+    out += ["", "| run | failed at | model | GPU need GiB | host GiB/node | the recipe |", "|---|---:|---|---:|---:|---|"]
+    out += [f"| {x['run']} | {x['failed_seq']:,} | {'**fits**' if x['fits_at_failed'] else 'does not fit'} | "
+            f"{x['failed_need_gib']:.1f} | {x['failed_host_gib']:.1f} | {x['failed_evidence']} |"
+            for x in results if x["failed_seq"] and x["in_test"]]
+    return "\n".join(out)
+
+
 def _log_distance(ratio: float) -> float:
     return abs(math.log(ratio)) if ratio > 0 else math.inf
 
@@ -172,10 +197,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--all", action="store_true", help="every row, not only those the test checks")
     ap.add_argument("--csv", type=Path, default=TABLE, help="the published runs (default: %(default)s)")
+    ap.add_argument("--markdown", action="store_true", help="the tables as docs/long-context.md quotes them")
     args = ap.parse_args(argv)
     table = rows(args.csv)
     chosen = [r for r in table if args.all or r["in_test"] == "true"]
     results = sorted((predict(r) for r in chosen if predictable(r)), key=lambda x: -_log_distance(x["ratio"]))
+    if args.markdown:
+        print(markdown(results))
+        return 0
     print(f"headroom {HEADROOM:.0%} (search.headroom default); ratio = predicted / published, target "
           f"{BAND[0]}-{BAND[1]}; 'one step further': what the estimate says at predicted + one step")
     print(f"{'run':<34}{'published':>11}{'predicted':>11}{'ratio':>7}  {'test':<5}{'limit':<13}"
