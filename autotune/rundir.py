@@ -293,12 +293,30 @@ def job_record(cfg: Config, space: Optional[SearchSpace] = None) -> dict[str, An
     return {k: v for k, v in flat.items() if k not in RESUMABLE_KEYS}
 
 
+def _field_defaults(cfg: Config) -> dict[str, Any]:
+    """``section.key`` -> the JSON of that field's default, for the job sections' own fields that have
+    one: a key a run.json of an earlier release lacks was added since, and at its default it changes
+    nothing."""
+    import dataclasses
+
+    out: dict[str, Any] = {}
+    for name in ("model", "training", "hardware", "search", "profile"):
+        section = getattr(cfg, name)
+        for f in dataclasses.fields(section) if dataclasses.is_dataclass(section) else ():
+            if f.default is not dataclasses.MISSING and not dataclasses.is_dataclass(f.default):
+                out[f"{name}.{f.name}"] = json.loads(json.dumps(f.default, default=str))
+    return out
+
+
 def _check_same_job(cfg: Config, meta: dict[str, Any], run_dir: str, space: SearchSpace) -> None:
-    """--resume: refuse a job that differs from the one the run started with, naming the keys."""
+    """--resume: refuse a job that differs from the one the run started with, naming the keys (a key
+    the run's record lacks, added to autotune since, counts as its default)."""
     before = meta.get("job")
     if before is None:  # a run.json written before jobs were recorded: nothing to compare
         return
     now = job_record(cfg, space)
+    defaults = _field_defaults(cfg)
+    before = {**{k: v for k, v in defaults.items() if k in now and k not in before}, **before}
     changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)]
     if not changed:
         return

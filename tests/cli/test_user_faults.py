@@ -79,6 +79,24 @@ def test_resume_refuses_a_changed_job_and_names_the_keys(tmp_path, capsys, monke
     assert main(["run", job, "--name", "r", "--resume"]) == 0
 
 
+def test_resume_of_a_run_recorded_before_a_job_field_existed(tmp_path, capsys, monkeypatch):
+    """A run.json written by an earlier release lacks the job fields added since (here
+    training.data_loader_fork): at their default they are no change, at another value they are."""
+    monkeypatch.chdir(tmp_path)
+    job = _job(tmp_path)
+    assert main(["run", job, "--backend", "simulate", "--trials", "2", "--name", "r"]) == 0
+    meta_path = tmp_path / "runs" / "r" / "run.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["job"].pop("training.data_loader_fork") == "none"
+    meta_path.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["run", job, "--name", "r", "--resume", "--trials", "3"]) == 0
+    capsys.readouterr()
+    _job(tmp_path, **{"training.data_loader_fork": "after_init"})
+    assert main(["run", job, "--name", "r", "--resume", "--trials", "3"]) == 2
+    _one_line_error(capsys, 'training.data_loader_fork "none" -> "after_init"')
+
+
 def _evaluations(run_dir):
     from autotune.rundir import evaluations_done
 
