@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from autotune.trainers.common import (WRAPPED_LAYER_NOTE, Point, all_layers, checkpointing_call, expert_parallel_line,
-                                      long_context_lines, mixed_precision, sp_attention)
+                                      long_context_lines, mixed_precision, pinned_anyway_line, sp_attention)
 
 
 def accelerate_config(p: Point) -> dict[str, Any]:
@@ -94,5 +94,5 @@ def differences(p: Point) -> list[str]:
                        "no_restore_buffers={input_ids, shift_labels, position_ids}):` (shift the labels and make "
                        "the positions explicit before the split, as HF Trainer does)")
     out += long_context_lines(p, "accelerate")
-    out += expert_parallel_line(p)
+    out += expert_parallel_line(p) + pinned_anyway_line(p, "accelerate")
     return out

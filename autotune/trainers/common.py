@@ -165,6 +165,18 @@ def expert_parallel_line(p: Point) -> list[str]:
             "(expert_parallel_degree), the FSDP2 launch line (autotune.examples.train_fsdp2), the snippet or Lightning"]
 
 
+def pinned_anyway_line(p: Point, trainer: str) -> list[str]:
+    """An FSDP2 offload point with pin_memory false, for a trainer whose FSDP2 offload always pins
+    (CPUOffloadPolicy()'s default: HF Trainer and accelerate through accelerate's plugin, torchtitan's
+    fsdp_cpu_offload)."""
+    s = p.strategy
+    if s.engine != "fsdp2" or s.offload_params != "cpu" or s.pin_memory:
+        return []
+    return [f"pin_memory false: {trainer}'s FSDP2 CPU offload pins the shards (CPUOffloadPolicy's default), so "
+            "host RAM is what `autotune estimate --pin-memory true` gives; for pageable shards use the FSDP2 "
+            "launch line, the snippet or Lightning"]
+
+
 def _loss_scale_args(p: Point, with_mpu: bool) -> str:
     """The keyword arguments ``use_long_context_loss`` needs to scale the tiled head's gradient as the
     engine does (the ZeRO stage when an mpu is passed: ZeRO-3's Ulysses seed scale; the accumulation

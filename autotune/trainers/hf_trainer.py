@@ -11,7 +11,7 @@ import copy
 from typing import Any, Optional
 
 from autotune.trainers.common import (WRAPPED_LAYER_NOTE, Point, all_layers, checkpointing_call, every_k_full,
-                                      expert_parallel_line, long_context_lines, sp_attention)
+                                      expert_parallel_line, long_context_lines, pinned_anyway_line, sp_attention)
 
 AUTO = "auto"
 _AUTO_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
@@ -143,7 +143,7 @@ def differences(p: Point) -> list[str]:
                    "JSON, so not in the file)" + ("; Trainer then splits each batch (shift_labels, position_ids) "
                                                    "over the cp ranks itself" if s.context_parallel_size > 1 else ""))
     out += long_context_lines(p, "hf")
-    out += expert_parallel_line(p)
+    out += expert_parallel_line(p) + pinned_anyway_line(p, "Trainer")
     if s.engine == "fsdp2":
         if not p.hf_model:
             out.append(WRAPPED_LAYER_NOTE)

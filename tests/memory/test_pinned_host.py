@@ -88,3 +88,26 @@ def test_the_written_configs_carry_the_knob(pin):
     from autotune.models.fsdp2 import snippet
 
     assert ("CPUOffloadPolicy(pin_memory=False)" in snippet(fs)) is (not pin)
+
+
+def test_trainers_that_always_pin_say_so():
+    """HF Trainer, accelerate and torchtitan build CPUOffloadPolicy() (pinned): a pin_memory false FSDP2
+    offload point gets one line in each; Lightning (autotune.apply with the layout) carries it."""
+    import dataclasses
+    import os
+
+    from autotune.config import load_config
+    from autotune.trainers import accelerate_config, hf_trainer, lightning_args, torchtitan_toml
+    from autotune.trainers.common import Point
+    from conftest import ROOT
+
+    cfg = dataclasses.replace(load_config(os.path.join(ROOT, "examples/llama2-7b.yaml")), hardware=HW, training=TR)
+
+    def point(pin):
+        return Point(cfg=cfg, strategy=Strategy(engine="fsdp2", offload_params="cpu", pin_memory=pin), ds_config=None,
+                     ds_config_path=None)
+
+    for module in (hf_trainer, accelerate_config, torchtitan_toml):
+        assert sum(d.startswith("pin_memory false") for d in module.differences(point(False))) == 1, module
+        assert not any(d.startswith("pin_memory") for d in module.differences(point(True)))
+    assert not any("pin_memory" in d for d in lightning_args.differences(point(False)))
