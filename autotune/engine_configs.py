@@ -199,7 +199,7 @@ def to_fsdp2_config(
                         "reshard_after_forward": s.reshard_after_forward},
         "mp_policy": {"param_dtype": TORCH_DTYPES[s.precision], "reduce_dtype": TORCH_DTYPES[s.reduce_dtype]},
         "offload_policy": "CPUOffloadPolicy" if s.offload_params == "cpu" else None,
-        "offload_pin_memory": s.pin_memory if s.offload_params == "cpu" else None,
+        "offload_pin_memory": s.pin_memory if (s.offload_params == "cpu" or s.activation_offload != "none") else None,
         "activation_checkpointing": {"granularity": s.checkpointing if n_ckpt else "none",
                                      "blocks": s.checkpointed_blocks(model.num_hidden_layers)},
         "micro_batch_size": s.micro_batch_size,

@@ -56,8 +56,10 @@ REDUCE_DTYPES: tuple[ReduceDtype, ...] = get_args(ReduceDtype)
 _CKPT_ON = When("checkpointing != none", ("checkpointing",), lambda get: get("checkpointing") != "none")
 _CKPT_FULL = When("checkpointing full", ("checkpointing",), lambda get: get("checkpointing") == "full")
 _NO_EVERY = When("checkpoint_every unset", ("checkpoint_every",), lambda get: get("checkpoint_every") is None)
-_OFFLOADED = When("offload_optimizer or offload_params not none", ("offload_optimizer", "offload_params"),
-                  lambda get: get("offload_optimizer") != "none" or get("offload_params") != "none")
+_OFFLOADED = When("offload_optimizer, offload_params or activation_offload not none",
+                  ("offload_optimizer", "offload_params", "activation_offload"),
+                  lambda get: "cpu" in (get("offload_optimizer"), get("offload_params"), get("activation_offload"))
+                  or "nvme" in (get("offload_optimizer"), get("offload_params")))
 _ZERO = {"1-3": When("zero_stage >= 1", ("zero_stage",), lambda get: get("zero_stage") >= 1),
          "1-2": When("zero_stage 1 or 2", ("zero_stage",), lambda get: get("zero_stage") in (1, 2)),
          "3": When("zero_stage 3", ("zero_stage",), lambda get: get("zero_stage") == 3)}
@@ -136,8 +138,9 @@ class Strategy:
                                                       memory=("states",), help="""
         Parameters smaller than this stay unpartitioned (auto: autotune's choice).""")
     pin_memory: Literal[True, False] = knob(True, search_order=None, flag=True, added=True, applies=_OFFLOADED,
-                                            memory=("states", "units"), help="""Page-lock offload's host
-        buffers (DeepSpeed offload_optimizer / offload_param pin_memory; fsdp2: CPUOffloadPolicy(pin_memory)):
+                                            memory=("activations", "states", "units"), help="""Page-lock offload's
+        host buffers (DeepSpeed offload_optimizer / offload_param pin_memory; fsdp2: CPUOffloadPolicy(pin_memory);
+        activation_offload: the host copies of long_context.offload_activations):
         asynchronous copies at full PCIe speed, but on CUDA torch's pinned allocator rounds every pinned
         tensor up to a power of two bytes (ATen/core/CachingHostAllocator.h) and keeps freed blocks cached.""")
     sequence_parallel_size: int = knob(1, search_order=15, feature=("log2", 1.0), flag=True, engine="deepspeed",

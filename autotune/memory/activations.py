@@ -7,6 +7,7 @@ import functools
 
 from autotune.memory import mla, moe
 from autotune.memory.breakdown import ActivationBreakdown
+from autotune.memory.common import pinned_bytes
 from autotune.memory.expert_parallel import ep_backward_transient, ep_saved
 from autotune.memory.mixed import dense_block_spec, layer_kinds, mixed_breakdown
 from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention
@@ -307,7 +308,8 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     n_ck = min(strategy.num_checkpointed(L), L)
     st = strategy
     offload = st.activation_offload != "none" and bool(n_ck) and st.checkpointing == "full"
-    split = Split(st.sequence_parallel_size, st.context_parallel_size, st.tiled_loss, st.tiled_mlp, offload)
+    split = Split(st.sequence_parallel_size, st.context_parallel_size, st.tiled_loss, st.tiled_mlp, offload,
+                  offload and st.pin_memory and device == "cuda")
     knobs = (training.seq_len, strategy.micro_batch_size, strategy.precision, n_ck, strategy.checkpointing if n_ck else "none",
              strategy.engine == "deepspeed" and strategy.zero_stage == 3,  # ZeRO-3 linears (_block_linears)
              device, split)
@@ -351,7 +353,10 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     if gran not in ("full", "op"):  # these granularities keep the attention core / MLP as plain blocks do
         ck_saved += (attn_saved if gran != "attention" else 0.0) - (mlp_cut if gran != "mlp" else 0.0)
     per_ck = ck_saved * tokens + _block_fixed_bytes(m, s_full, gran, device, p)
-    offloaded = n_ck * per_ck if split.offload else 0.0
+    # the host copy of each block's input (autotune.models.long_context ``_pack``: torch.empty(...,
+    # pin_memory) on CUDA; ArcticTraining's ``arg.detach().to("cpu")``, pageable)
+    offloaded = (n_ck * (pinned_bytes(ck_saved * tokens, split.pinned) + per_ck - ck_saved * tokens)
+                 if split.offload else 0.0)
     if split.offload:
         per_ck = 0.0  # the checkpoint's input lives in host memory until its block's backward
     blocks = n_ck * per_ck + (L - n_ck) * per_plain

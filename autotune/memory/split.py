@@ -22,6 +22,9 @@ class Split:
     tiled_mlp: bool = False
     offload: bool = False
     """Fully checkpointed blocks' inputs in host memory."""
+    pinned: bool = False
+    """With ``offload``: each host copy pinned (CUDA, ``pin_memory``), a power-of-two block of torch's
+    caching host allocator (``common.pinned_bytes``)."""
 
 
 NO_SPLIT = Split()

@@ -336,7 +336,7 @@ def shard(model, blocks=None):
 '''
     return text + _train_step_text(bool(config.get("loss_scaling")), float(config["gradient_clipping"]),
                                    context_parallel=bool(cp), offload=lc.get("activation_offload", "none") != "none",
-                                   expert_parallel=bool(ep))
+                                   expert_parallel=bool(ep), pin_memory=lay["pin_memory"])
 
 
 def _long_context_imports(cp: Optional[Mapping[str, Any]], lc: Mapping[str, Any]) -> str:
@@ -463,7 +463,7 @@ def context_parallel_batch(model, batch):
 
 
 def _train_step_text(scaler: bool, clip: float, context_parallel: bool = False, offload: bool = False,
-                     expert_parallel: bool = False) -> str:
+                     expert_parallel: bool = False, pin_memory: bool = True) -> str:
     """The snippet's ``train_step``: gradient accumulation, clipping (``clip`` 0: none), the step
     (fp16: a ShardedGradScaler); ``context_parallel``: each micro-batch inside
     ``context_parallel_batch``; ``offload``: its forward inside ``offload_activations``."""
@@ -476,7 +476,8 @@ def _train_step_text(scaler: bool, clip: float, context_parallel: bool = False, 
                  "loss scaling\n\n")
     forward = ['loss = model(**batch)["loss"] / GRADIENT_ACCUMULATION_STEPS']
     if offload:  # only the forward: what it saves carries its own unpack hook into backward
-        forward = ["with offload_activations():  # checkpointed block inputs kept in host memory",
+        forward = [f"with offload_activations({'' if pin_memory else 'pin_memory=False'}):  # checkpointed block "
+                   "inputs kept in host memory",
                    "    " + forward[0]]
     step = forward + ["scaler.scale(loss).backward()" if scaler else "loss.backward()"]
     if context_parallel:  # forward and backward inside the context (torchtitan train.py)

@@ -395,6 +395,10 @@ class _Held:
         weakref.finalize(self, _release, data.nbytes)
 
 
+_PIN = [True]
+"""Whether ``offload_activations`` pins the host copies (its ``pin_memory``)."""
+
+
 def _pack(t: Any) -> Any:
     import torch
 
@@ -407,7 +411,7 @@ def _pack(t: Any) -> Any:
         arr = np.empty(src.numel() * src.element_size(), dtype=np.uint8)
         torch.from_numpy(arr).copy_(src.reshape(-1).view(torch.uint8))
         return ("cpu", _Held(arr), t.dtype, tuple(t.shape))
-    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=_PIN[0] and torch.cuda.is_available())
     host.copy_(t, non_blocking=True)
     return (t.device, _Held(host), t.dtype, tuple(t.shape))
 
@@ -426,13 +430,15 @@ def _unpack(packed: Any) -> Any:
 
 
 @contextlib.contextmanager
-def offload_activations() -> Iterator[None]:
+def offload_activations(pin_memory: bool = True) -> Iterator[None]:
     """While active (around the forward), the inputs each non-reentrant checkpoint saves for its
     block's recomputation are packed into host memory and copied back when backward recomputes the
     block (torch.utils.checkpoint ``_CheckpointFrame.save_inputs`` under
     ``torch.autograd.graph.saved_tensors_hooks``); what the blocks save inside stays the
     checkpoint's, everything outside the checkpointed blocks stays on the device. Needs
-    checkpointing (``full``) on the blocks; without it nothing moves."""
+    checkpointing (``full``) on the blocks; without it nothing moves. ``pin_memory`` (the strategy's):
+    the host copies are pinned on CUDA (asynchronous copies; each a power-of-two block of torch's
+    host allocator, which autotune's memory model counts), pageable otherwise."""
     import torch
     from torch.utils import checkpoint as ckpt
 
@@ -447,18 +453,20 @@ def offload_activations() -> Iterator[None]:
             plain(self, *args)
 
     frame.save_inputs = save_inputs
+    pinned, _PIN[0] = _PIN[0], bool(pin_memory)
     try:
         yield
     finally:
         frame.save_inputs = plain
+        _PIN[0] = pinned
 
 
-def offload_in_forward(model: Any) -> Any:
-    """Run ``model.forward`` (this instance) inside ``offload_activations``. Returns the model."""
+def offload_in_forward(model: Any, pin_memory: bool = True) -> Any:
+    """Run ``model.forward`` (this instance) inside ``offload_activations(pin_memory)``. Returns the model."""
     inner = model.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with offload_activations():
+        with offload_activations(pin_memory):
             return inner(*args, **kwargs)
 
     model.forward = forward
@@ -496,5 +504,5 @@ def apply_long_context(model: Any, strategy: Any, seq_length: Optional[int] = No
         if getattr(strategy, "checkpointing", "none") != "full":
             raise ValueError(f"activation_offload={strategy.activation_offload} needs checkpointing full, but got "
                              f"{strategy.checkpointing}")
-        offload_in_forward(model)
+        offload_in_forward(model, pin_memory=bool(getattr(strategy, "pin_memory", True)))
     return mpu

@@ -99,6 +99,8 @@ def long_context_call(p: Point) -> str:
     knobs += [f"{k}={v!r}" for k, v in long_context_knobs(s).items() if k != "context_parallel_size"]
     if s.activation_offload != "none":
         knobs.append("checkpointing='full'")
+        if not s.pin_memory:
+            knobs.append("pin_memory=False")
     if s.sequence_parallel_size > 1:
         knobs.append(f"micro_batch_size={s.micro_batch_size}")
     # the accumulation steps: the tiled loss back-propagates its head inside the forward, scaled by them
@@ -150,7 +152,8 @@ def long_context_lines(p: Point, trainer: str) -> list[str]:
                    f"`{LONG_CONTEXT}.use_long_context_loss(model, mpu=deepspeed.runtime.sequence_parallel."
                    "parallel_state_sp)` before `accelerator.prepare`")
     if s.activation_offload != "none":
-        out.append(f"activation offload: call `{LONG_CONTEXT}.offload_in_forward(model)` (checkpointed block "
+        pin = "" if s.pin_memory else ", pin_memory=False"
+        out.append(f"activation offload: call `{LONG_CONTEXT}.offload_in_forward(model{pin})` (checkpointed block "
                    "inputs kept in host memory) after the checkpointing call")
     return out
 

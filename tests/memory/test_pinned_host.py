@@ -111,3 +111,37 @@ def test_trainers_that_always_pin_say_so():
         assert sum(d.startswith("pin_memory false") for d in module.differences(point(False))) == 1, module
         assert not any(d.startswith("pin_memory") for d in module.differences(point(True)))
     assert not any("pin_memory" in d for d in lightning_args.differences(point(False)))
+
+
+def test_activation_offload_pins_each_checkpointed_input():
+    """autotune's offload_activations copies each block's input into torch.empty(..., pin_memory=True) on
+    CUDA: one power-of-two block per checkpointed block; pageable with pin_memory false (ArcticTraining's
+    .to("cpu"), the ALST rows)."""
+    tr = TrainingSpec(seq_len=24_000, global_batch_size=8)
+    s = Strategy(zero_stage=3, checkpointing="full", activation_offload="cpu")
+    pinned, pageable = (estimate_memory(MODEL, tr, HW, s.replace(pin_memory=b)).cpu_bytes_per_node for b in (True, False))
+    one = 24_000 * MODEL.hidden_size * 2  # one block's input, bf16, micro-batch 1
+    assert pinned - pageable == pytest.approx(8 * MODEL.num_hidden_layers * (_pow2(one) - one), abs=64)
+    on_cpu = [estimate_memory(MODEL, tr, HW, s.replace(pin_memory=b), device="cpu").cpu_bytes_per_node
+              for b in (True, False)]
+    assert on_cpu[0] == on_cpu[1]  # the CPU accelerator pins nothing
+
+
+def test_the_long_context_calls_carry_pin_memory_false():
+    import dataclasses
+    import os
+
+    from autotune.config import load_config
+    from autotune.models.fsdp2 import snippet
+    from autotune.trainers.common import Point, long_context_call, long_context_lines
+    from conftest import ROOT
+
+    cfg = dataclasses.replace(load_config(os.path.join(ROOT, "examples/llama2-7b.yaml")), hardware=HW, training=TR)
+    for pin in (True, False):
+        s = Strategy(zero_stage=3, checkpointing="full", activation_offload="cpu", pin_memory=pin)
+        p = Point(cfg=cfg, strategy=s, ds_config=None, ds_config_path=None)
+        assert ("pin_memory=False" in long_context_call(p)) is (not pin)
+        assert any(("offload_in_forward(model, pin_memory=False)" in line) is (not pin)
+                   for line in long_context_lines(p, "accelerate") if "offload_in_forward" in line)
+        fs = to_fsdp2_config(s.replace(engine="fsdp2"), MODEL, TR, HW)
+        assert ("offload_activations(pin_memory=False)" in snippet(fs)) is (not pin)

@@ -166,6 +166,7 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "tiled_loss": (Strategy(), True),
         "tiled_mlp": (Strategy(), True),
         "activation_offload": (Strategy(checkpointing="full"), "cpu"),
+        "pin_memory": (Strategy(checkpointing="full", activation_offload="cpu"), False),  # pinned host copies
         "expert_parallel_size": (Strategy(engine="fsdp2"), 2, "examples/qwen3-30b-a3b.yaml"),  # on a MoE
     }, "examples/gpt2.yaml", {}),  # GPT-2: biased linears (ZeRO-3's matmul)
     "states_key": (lambda c, s: _fast.states_row(c.model, c.training, c.hardware, s, "cuda"),
