@@ -114,7 +114,7 @@ def offload_host(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s
     """Host bytes per GPU under CPUOffloadPolicy: the fp32 parameter shards, their gradients, the
     moments and the optimizer step's fp32 temporary ((4 + 4 + k_opt + 4) x the shard; under
     pin_memory on CUDA the shards and gradients as ``pinned_shards`` holds them), with a forked data
-    loader's copies (``forked_copies``) of the parameter shards: the moments come with the first step,
+    loader's copies (``forked_copies``) of the parameter shards' bytes: the moments come with the first step,
     and the gradients are new every step (``zero_grad`` sets them to None). 0 without the policy."""
     if s.offload_params != "cpu":
         return 0.0
@@ -122,7 +122,7 @@ def offload_host(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s
     shard = m.num_parameters / shard_group_size(s, hardware)
     on_host = (pinned_shards(m, shard_group_size(s, hardware), s.expert_parallel_size)
                if (s.pin_memory and device == "cuda") else 4 * shard)
-    return 2 * on_host + (k_opt + 4) * shard + forked_copies(training, on_host, k_opt * shard)
+    return 2 * on_host + (k_opt + 4) * shard + forked_copies(training, 4 * shard, k_opt * shard)
 
 
 def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:

@@ -253,8 +253,11 @@ def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                    + pinned_bytes(p * _largest_param(m), pinned))
         accumulated = (max(sum(pinned_bytes(p * n, pinned) for n in params) for params in rank_params(m, dp))
                        if gas > 1 else 0.0)
-        # a forked data loader's copies: all of it but what the first step and backward create
-        host = at_init + k_opt * part + accumulated + forked_copies(training, at_init, k_opt * part + accumulated)
+        # a forked data loader's copies: the pages the trainer rewrites (the tensors' own bytes, not
+        # their pinned blocks' tails), all but what the first step and backward create
+        written = (4 + 4 + p) * part + p * _largest_param(m)
+        later = k_opt * part + (p * grad_partition_elements(m, dp) if gas > 1 else 0.0)
+        host = at_init + k_opt * part + accumulated + forked_copies(training, written, later)
     else:
         out.optimizer = (4 + k_opt) * part
         out.buffers_bwd = 2 * p * bucket  # ipg double buffer (overlap_comm)
@@ -321,6 +324,7 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
     # under pin_memory (CUDA) the pinned tensors are what torch's caching host allocator holds for
     # them (pinned_bytes); their sizes are the parameters' own partitions (partition_numel), summed
     parts = sum(-(-n // dp) for n in parameter_order(m)) if pinned else part
+    written = 0.0  # host bytes the trainer rewrites every step (a forked data loader copies them)
     if off_opt:
         # stage3.py: self.device = "cpu" when the optimizer is offloaded, and the gradient
         # partitions (grad_partitions_flat_buffer, gradient_accumulation_dtype = model dtype)
@@ -337,13 +341,16 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
             grads = (sum(pinned_bytes(4 * n, True) for n in zero3_sub_groups(m, dp, es.buffers.sub_group_size))
                      if pinned else 4 * part)
             host += (4 + k_opt) * part + grads + grad_flat
+            written = (4 + 4 + p) * part
         else:
             # ZeRO-Infinity: master, moments and fp32 gradients swap to NVMe; the host keeps the
             # gradient partitions and buffer_count (4) fp32 swap buffers of one sub group
             # (autotune writes sub_group_size 1e9), page-locked by the aio handle's own allocator
             out.nvme += (4 + k_opt + 4) * part
             buf = es.buffers
-            host += grad_flat + buf.optimizer_nvme_buffer_count * 4 * min(buf.sub_group_size, part)
+            swap = buf.optimizer_nvme_buffer_count * 4 * min(buf.sub_group_size, part)
+            host += grad_flat + swap
+            written = p * part + swap
     else:
         # the 16-bit gradient partition is allocated once, at init, on the GPU (stage3.py
         # grad_partitions_flat_buffer on self.device)
@@ -358,16 +365,19 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         own = (sum(pinned_bytes(p * -(-n // dp), True) for n in parameter_order(m) if n > thr)
                if pinned else 0.0)
         host += pinned_bytes(p * parts, pinned) + own
+        written += p * part  # the flat buffer (the cached blocks are never written again)
     elif s.offload_params == "nvme":
         # partitions swap to NVMe through buffer_count (5) x buffer_size (1e8) pinned buffers
         # (autotune's offload_param config; AsyncPartitionedParameterSwapper)
         out.nvme += p * part
-        host += es.buffers.param_nvme_buffer_count * es.buffers.param_nvme_buffer_size * p
-    # a forked data loader's copies: every host tensor above exists after deepspeed.initialize
-    # (initialize_optimizer_states creates the fp32 gradients) but the moments, which
-    # DeepSpeedCPUAdam creates in its first step
+        swap = es.buffers.param_nvme_buffer_count * es.buffers.param_nvme_buffer_size * p
+        host += swap
+        written += swap
+    # a forked data loader's copies: the pages the trainer rewrites of every host tensor above that
+    # exists after deepspeed.initialize (initialize_optimizer_states creates the fp32 gradients), the
+    # tensors' own bytes; the moments, which DeepSpeedCPUAdam creates in its first step, later
     later = k_opt * part if s.offload_optimizer == "cpu" else 0.0
-    host += forked_copies(training, host - later, later)
+    host += forked_copies(training, written, later)
     out.cpu = host
     return out
 

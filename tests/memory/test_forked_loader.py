@@ -126,3 +126,14 @@ def test_measured_forked_worker_holds_the_rewritten_partitions():
     counted = (4 + 4 + 2 + 2) * psi
     print(f"worker-only {only_worker / psi:.2f} B/param, counted {counted / psi:.0f}")
     assert counted <= only_worker <= 1.25 * counted + (64 << 20), (only_worker / psi, r)
+
+
+def test_pinned_partitions_are_copied_by_their_bytes_not_their_blocks():
+    """Under pin_memory the host blocks are rounded up (test_pinned_host.py), but a forked worker keeps
+    only the pages the trainer rewrites: the tensors' own bytes; the cached per-parameter blocks of
+    parameter offload are never written again."""
+    part = _part()
+    for s, per_param in ((Strategy(zero_stage=3, offload_optimizer="cpu"), 4 + 4 + 2),
+                         (Strategy(zero_stage=3, offload_optimizer="cpu", offload_params="cpu"), 4 + 4 + 2 + 2)):
+        assert s.pin_memory
+        assert _host(s, "after_init") - _host(s, "none") == pytest.approx(8 * per_param * part, abs=8)
