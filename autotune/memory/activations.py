@@ -7,7 +7,7 @@ import functools
 
 from autotune.memory import mla, moe
 from autotune.memory.breakdown import ActivationBreakdown
-from autotune.memory.common import pinned_bytes
+from autotune.memory.common import host_pinned, pinned_bytes
 from autotune.memory.expert_parallel import ep_backward_transient, ep_saved
 from autotune.memory.mixed import dense_block_spec, layer_kinds, mixed_breakdown
 from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention
@@ -309,7 +309,7 @@ def activation_breakdown(model: ModelSpec, training: TrainingSpec, strategy: Str
     st = strategy
     offload = st.activation_offload != "none" and bool(n_ck) and st.checkpointing == "full"
     split = Split(st.sequence_parallel_size, st.context_parallel_size, st.tiled_loss, st.tiled_mlp, offload,
-                  offload and st.pin_memory and device == "cuda")
+                  offload and host_pinned(st.pin_memory, device))
     knobs = (training.seq_len, strategy.micro_batch_size, strategy.precision, n_ck, strategy.checkpointing if n_ck else "none",
              strategy.engine == "deepspeed" and strategy.zero_stage == 3,  # ZeRO-3 linears (_block_linears)
              device, split)

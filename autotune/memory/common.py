@@ -67,6 +67,12 @@ def _partition(n: int, dp: int) -> int:
     return -(-n // dp)
 
 
+def host_pinned(pin_memory: bool, device: str) -> bool:
+    """Whether a strategy's host buffers are page-locked: ``Strategy.pin_memory`` on CUDA (DeepSpeed's
+    CPU accelerator and a CPU-only torch pin nothing)."""
+    return pin_memory and device == "cuda"
+
+
 def pinned_bytes(nbytes: float, pinned: bool) -> float:
     """Host bytes one tensor of ``nbytes`` holds: pinned on CUDA, the caching host allocator's block,
     the next power of two (torch's ATen/core/CachingHostAllocator.h ``allocate``:

@@ -38,7 +38,7 @@ import functools
 from typing import Callable, NamedTuple
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
-from autotune.memory.common import MemoryEstimate, forked_copies, pinned_bytes
+from autotune.memory.common import MemoryEstimate, _partition, forked_copies, host_pinned, pinned_bytes
 from autotune.memory.expert_parallel import block_expert_elements, ep_units
 from autotune.memory.mixed import dense_block_spec, layer_kinds, layer_params, saved_below
 from autotune.memory.moe import expert_width, ffn_weight_elements
@@ -106,7 +106,7 @@ def pinned_shards(m: ModelSpec, n: int, ep: int) -> float:
             d0, numel, ranks = d0 // ep, numel // ep, mod_ep
         else:
             ranks = n
-        out += pinned_bytes(4 * -(-d0 // ranks) * (numel // d0), True)
+        out += pinned_bytes(4 * _partition(d0, ranks) * (numel // d0), True)
     return out
 
 
@@ -119,9 +119,9 @@ def offload_host(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s
     if s.offload_params != "cpu":
         return 0.0
     k_opt = engine_settings(m, training, s).optimizer.state_bytes_per_parameter
-    shard = m.num_parameters / shard_group_size(s, hardware)
-    on_host = (pinned_shards(m, shard_group_size(s, hardware), s.expert_parallel_size)
-               if (s.pin_memory and device == "cuda") else 4 * shard)
+    n = shard_group_size(s, hardware)
+    shard = m.num_parameters / n
+    on_host = pinned_shards(m, n, s.expert_parallel_size) if host_pinned(s.pin_memory, device) else 4 * shard
     return 2 * on_host + (k_opt + 4) * shard + forked_copies(training, 4 * shard, k_opt * shard)
 
 

@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from autotune.memory import mla, moe
-from autotune.memory.common import _partition, forked_copies, pinned_bytes
+from autotune.memory.common import _partition, forked_copies, host_pinned, pinned_bytes
 from autotune.memory.mixed import dense_block_spec, layer_kinds
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size
@@ -152,7 +152,7 @@ def zero3_sub_groups(m: ModelSpec, dp: int, sub_group_size: int) -> tuple[int, .
     (``partition_numel``, each parameter padded to a multiple of dp) in ``parameters()`` order, a
     group closed once it reaches ``sub_group_size`` (stage3.py ``_create_fp16_sub_groups``; one group
     when the whole partition is no larger)."""
-    parts = [-(-n // dp) for n in parameter_order(m)]
+    parts = [_partition(n, dp) for n in parameter_order(m)]
     if sub_group_size >= sum(parts):
         return (sum(parts),)
     groups, n = [], 0
@@ -246,7 +246,7 @@ def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         out.buffers_bwd = 2 * p * bucket
         out.buffers_step = 0
         gas = gradient_accumulation_steps(s, training, hardware)
-        pinned = s.pin_memory and device == "cuda"
+        pinned = host_pinned(s.pin_memory, device)
         # master, its fp32 gradient, param_buffer_of_bit16_for_cpu_offload_groups (the model-dtype
         # copy the updated master is cast into) and temp_grad_buffer_for_cpu_offload, at init
         at_init = (2 * pinned_bytes(4 * part, pinned) + pinned_bytes(p * part, pinned)
@@ -320,10 +320,11 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         out.reduce_clone = p * moe.down_weight_elements(m)  # a MoE's: every expert's down_proj
     if device == "cpu" and dp > 1 and layer_kinds(m) and moe.down_weight_elements(dense_block_spec(m)) > rb:
         out.reduce_clone_dense = p * moe.down_weight_elements(dense_block_spec(m))  # a dense block's, as above
-    pinned = s.pin_memory and device == "cuda"
+    pinned = host_pinned(s.pin_memory, device)
     # under pin_memory (CUDA) the pinned tensors are what torch's caching host allocator holds for
     # them (pinned_bytes); their sizes are the parameters' own partitions (partition_numel), summed
-    parts = sum(-(-n // dp) for n in parameter_order(m)) if pinned else part
+    sub_groups = zero3_sub_groups(m, dp, es.buffers.sub_group_size)
+    parts = sum(sub_groups) if pinned else part
     written = 0.0  # host bytes the trainer rewrites every step (a forked data loader copies them)
     if off_opt:
         # stage3.py: self.device = "cpu" when the optimizer is offloaded, and the gradient
@@ -338,8 +339,7 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
             # the fp32 master (_create_fp32_partitions: a clone, pageable) and the moments
             # (DeepSpeedCPUAdam), pageable; each sub group's fp32 gradient
             # (initialize_optimizer_states: subgroup_gradient_buffer, pinned under pin_memory)
-            grads = (sum(pinned_bytes(4 * n, True) for n in zero3_sub_groups(m, dp, es.buffers.sub_group_size))
-                     if pinned else 4 * part)
+            grads = sum(pinned_bytes(4 * n, True) for n in sub_groups) if pinned else 4 * part
             host += (4 + k_opt) * part + grads + grad_flat
             written = (4 + 4 + p) * part
         else:
@@ -362,7 +362,7 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         # (_create_param_groups_fp16_flat_cpu_memory); under pin_memory each parameter's own pinned
         # partition (partition_parameters.py _partition_param: ``get_accelerator().pin_memory``)
         # is copied into it and freed, its block kept cached by torch's host allocator
-        own = (sum(pinned_bytes(p * -(-n // dp), True) for n in parameter_order(m) if n > thr)
+        own = (sum(pinned_bytes(p * _partition(n, dp), True) for n in parameter_order(m) if n > thr)
                if pinned else 0.0)
         host += pinned_bytes(p * parts, pinned) + own
         written += p * part  # the flat buffer (the cached blocks are never written again)
