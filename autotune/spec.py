@@ -138,7 +138,7 @@ class ModelSpec:
     ep_rank_imbalance: Optional[float] = None
     """Stated imbalance of expert parallelism's ranks: the busiest EP rank's received rows over the mean
     (tokens x top-k), at most moe_load_imbalance (a rank's experts average the busiest one out);
-    None: moe_load_imbalance."""
+    None: ``memory.moe.EP_RANK_IMBALANCE``, at most moe_load_imbalance."""
     router_bias: bool = False
     """The router ``Linear(d, num_experts)`` has a bias (gpt-oss)."""
     expert_bias: bool = False

@@ -460,9 +460,6 @@ def _expert_parallel_errors(s: Strategy, model: ModelSpec, hardware: HardwareSpe
     if s.sharding == "hybrid" and hardware.num_nodes > 1 and hardware.gpus_per_node % ep:
         return [(key, f"{key} must divide gpus_per_node under sharding hybrid (the experts shard within a node), "
                  f"but got {ep} for {hardware.gpus_per_node}")]
-    if model.shared_expert_intermediate_size or model.is_mla or model.num_dense_layers:
-        return [(key, f"{key} > 1 is sized for routed blocks in every layer without shared experts or latent "
-                 f"attention (Mixtral, Qwen3-MoE), but got {ep} for {model.name}")]
     if s.checkpointing == "op":
         return [(key, f"{key} > 1 with checkpointing op is not sized (the op policy's saved mm outputs of the "
                  f"expert chunks are not modelled), but got {ep}")]

@@ -338,6 +338,12 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
     ("hf-mixtral", "fsdp2", 2, 1, 2, 256, "none", "bf16"), ("hf-qwen3moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
     ("hf-mixtral-sv", "fsdp2", 2, 1, 4, 256, "none", "fp32"), ("hf-qwen3moe", "fsdp2-keep", 2, 1, 2, 256, "full", "fp32"),
     ("hf-mixtral-sv", "fsdp2", 2, 2, 2, 256, "full", "bf16"), ("hf-qwen3moe-sv", "fsdp2", 2, 1, 4, 256, "selective", "fp32"),
+    # shared experts, latent attention and dense-MLP blocks among the routed ones (DeepSeek-V2/V3, Qwen1.5-MoE)
+    ("hf-deepseekv3-dense", "fsdp2", 2, 1, 2, 256, "none", "bf16"), ("hf-deepseekv2-sv", "fsdp2", 2, 1, 4, 256, "none", "fp32"),
+    ("hf-qwen2moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"), ("hf-qwen2moe-dense", "fsdp2-keep", 2, 1, 2, 256, "full", "fp32"),
+    # checkpointed: the MoE backward's instants set the peak (the shared experts' around the routed chunk loop)
+    ("hf-qwen2moe-sv", "fsdp2", 2, 1, 4, 512, "full", "fp32"), ("hf-deepseekv3-sv", "fsdp2", 2, 1, 4, 256, "full", "fp32"),
+    ("hf-deepseekv2-sv", "fsdp2-keep", 2, 1, 8, 256, "full", "fp32"),
 ]
 
 

@@ -162,8 +162,10 @@ def predict(out: dict, workdir: Path) -> dict:
         out["host_predicted_per_node"] = est.cpu_bytes_per_node
     out["error"] = (out["predicted"] - out["measured"]) / out["measured"]
     if out.get("received_rows"):  # expert parallelism: also at the measured routing (the mechanism's error)
-        out["imbalance_measured"] = out["received_rows"] / (out["mbs"] * out["seq"] * model.num_experts_per_tok)
         mean = out["mbs"] * out["seq"] * model.num_experts_per_tok
+        # the busiest dispatch of the measured micro-steps (received_rows also saw the warm-up steps)
+        busiest = max((sum(d) for st in out.get("routing_steps") or [] for d in st), default=out["received_rows"])
+        out["imbalance_measured"] = busiest / mean
         # each micro-step at its routing: its dispatches' mean rows (the blocks' saves are affine in the rows, so
         # L blocks at the mean keep what the L blocks keep) and each dispatch's own chunk loop; else the bound
         out["predicted_routing"] = max(
@@ -171,6 +173,12 @@ def predict(out: dict, workdir: Path) -> dict:
              for st in out.get("routing_steps") or [] if st),
             default=_at_routing(out["imbalance_measured"], model, training, hardware, strategy))
         out["error_routing"] = (out["predicted_routing"] - out["measured"]) / out["measured"]
+        # every block at its micro-step's busiest dispatch: a block's recomputation (a checkpointed row's peak)
+        # is sized at its own rows, never fewer; a bound at the measured routing (the mean can be under)
+        out["predicted_routing_busiest"] = max(
+            (_at_routing(max(map(sum, st)) / mean, model, training, hardware, strategy, st)
+             for st in out.get("routing_steps") or [] if st), default=out["predicted_routing"])
+        out["error_routing_busiest"] = (out["predicted_routing_busiest"] - out["measured"]) / out["measured"]
         # the stated factors a user who measured this routing would give (ModelSpec.moe_load_imbalance: the
         # largest chunk, one source rank's rows for one expert, over its mean; ep_rank_imbalance: the rank's)
         chunks = [n for st in out.get("routing_steps") or [] for dispatch in st for n in dispatch]
@@ -302,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("status") != "ok":
             return head + f"  {r.get('status')}: {str(r.get('reason'))[:200]}"
         routing = (f"  at the measured routing (imbalance {r['imbalance_measured']:.3f}): {100 * r['error_routing']:+.2f}%"
+                   f" (blocks at the busiest dispatch {100 * r['error_routing_busiest']:+.2f}%)"
                    if r.get("error_routing") is not None else "")
         if r.get("error_stated") is not None:
             routing += (f"; stated factors {r['expert_imbalance_measured']:.3f} / {r['imbalance_measured']:.3f}: "

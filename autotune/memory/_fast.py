@@ -35,7 +35,7 @@ _ACT_FIELDS = ("blocks", "per_block_plain", "per_block_checkpointed", "num_check
                "loss_forward_transient", "loss_backward_transient", "mlp_saved_per_block",
                "attention_backward_transient", "final_norm_saved", "forward_only_masks", "final_norm_forward_extra",
                "hidden_grad", "checkpoint_frame_kept", "final_norm_backward_live", "mlp_backward_transient",
-               "logits_tokens", "offloaded")
+               "logits_tokens", "offloaded", "moe_forward_transient")
 _act_fields = attrgetter(*_ACT_FIELDS)
 
 
@@ -163,8 +163,8 @@ def _points(n_ck: np.ndarray, L: int, extra: list[np.ndarray]) -> list[tuple[np.
 
 
 def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarray, L: int,
-                 attention_gran: np.ndarray) -> tuple[np.ndarray, ...]:
-    """walk.backward_blocks for block ``i``: (done, saved, mlp, attention, frame)."""
+                 attention_gran: np.ndarray, moe_recomputed: np.ndarray) -> tuple[np.ndarray, ...]:
+    """walk.backward_blocks for block ``i``: (done, saved, mlp, attention, frame, recompute, has_recompute)."""
     n_ck, per_plain, per_ck = a["num_checkpointed"], a["per_block_plain"], a["per_block_checkpointed"]
     ck = i < n_ck
     count = np.minimum(i + 1, n_ck)
@@ -174,24 +174,28 @@ def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarra
     saved = remaining + np.where(ck, per_plain - per_ck, 0.0) + block_other + frame
     a_mlp = np.where(ck & attention_gran, saved - (per_plain - per_ck) - frame, saved)
     attn_delta = a["attention_backward_transient"] - a["mlp_saved_per_block"]
-    return L - 1 - i, saved, a_mlp + a["mlp_backward_transient"], saved + attn_delta, frame
+    has_recompute = ck & moe_recomputed & (a["moe_forward_transient"] > 0)  # walk._recompute
+    return (L - 1 - i, saved, a_mlp + a["mlp_backward_transient"], saved + attn_delta, frame,
+            saved + a["moe_forward_transient"], has_recompute)
 
 
 def activation_row(model: ModelSpec, training: TrainingSpec, s: Strategy, device: str) -> list[Any]:
-    """The activation terms of a candidate (``_ACT_FIELDS``), whether its granularity is ``attention``
-    and whether its last block is checkpointed (fsdp2's forward)."""
+    """The activation terms of a candidate (``_ACT_FIELDS``), whether its granularity is ``attention``,
+    whether its last block is checkpointed (fsdp2's forward) and whether a checkpointed block recomputes
+    its MoE (``ActivationBreakdown.moe_recomputed``)."""
     L = model.num_hidden_layers
     act: ActivationBreakdown = activation_breakdown(model, training, s, device)
-    return [*_act_fields(act), act.granularity == "attention", (L - 1) in s.checkpointed_blocks(L)]
+    return [*_act_fields(act), act.granularity == "attention", (L - 1) in s.checkpointed_blocks(L), act.moe_recomputed]
 
 
 def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[Strategy],
-                 device: str) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+                 device: str) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     """The activation terms per candidate (one activation_row per distinct activation_key)."""
     cols = _table(strategies, activation_key, lambda s: activation_row(model, training, s, device))
     a = {f: cols[k] for k, f in enumerate(_ACT_FIELDS)}
     a["num_checkpointed"] = a["num_checkpointed"].astype(np.int64)
-    return a, cols[len(_ACT_FIELDS)] > 0, cols[len(_ACT_FIELDS) + 1] > 0
+    n = len(_ACT_FIELDS)
+    return a, cols[n] > 0, cols[n + 1] > 0, cols[n + 2] > 0
 
 
 _ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffers_step", "buffers_fwd",
@@ -223,7 +227,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     m, L = model, model.num_hidden_layers
     head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
     c = dict(zip(_DS, _table(strategies, states_key, lambda s: states_row(m, training, hardware, s, device))))
-    a, attention_gran, _ = _activations(m, training, strategies, device)
+    a, attention_gran, _, moe_recomputed = _activations(m, training, strategies, device)
     n = len(strategies)
     p, carry, grow, carry_ipg = c["p"], c["carry"], c["grow"] > 0, c["carry_ipg"]
     tokens = a["logits_tokens"]
@@ -268,7 +272,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     reducing = blocked & (reduce_flat != 0)
     r_true, r_false = L - 2 - k2, L - 2 - k  # {L-2-k2: True, L-2-k: False}, the later key winning
     for i, valid in _points(a["num_checkpointed"], L, extra):
-        done, saved, mlp, attention, _ = _block_point(a, i, other_saved, L, attention_gran)
+        done, saved, mlp, attention, *_ = _block_point(a, i, other_saved, L, attention_gran, moe_recomputed)
         g_before = head_grad + done * c["grad_per_block"]
         g = g_before + np.where((bucket != 0) & (head + done * block_params > bucket), c["grads"], 0.0)
         add("backward", grads=g, activations=mlp, buffers=c["buffers_bwd"], pending=pending_head, valid=valid)
@@ -312,7 +316,7 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     k_opt = training.optimizer.state_bytes_per_parameter
     u = dict(zip(_U + ("carry", "reshard", "host"),
                  _table(strategies, units_key, lambda s: units_row(m, training, hardware, s, device))))
-    a, attention_gran, last_ck = _activations(m, training, strategies, device)
+    a, attention_gran, last_ck, moe_recomputed = _activations(m, training, strategies, device)
     n = len(strategies)
     un, up, ur, carry, reshard = u["n"], u["p"], u["r"], u["carry"], u["reshard"] > 0
     tokens = a["logits_tokens"]
@@ -338,6 +342,9 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     kept_blocks = np.where(reshard, 0.0, u_block * L)
     add("forward", activations=saved_blocks - last_saved + other_saved + a["forward_only_masks"],
         buffers=u_root + u_block * np.where(reshard, 1, L) + flat + u["cast_in"])
+    moe_fwd = a["moe_forward_transient"]
+    add("forward", activations=saved_blocks + other_saved - a["final_norm_saved"] + a["forward_only_masks"] + moe_fwd,
+        buffers=u_root + u_block * np.where(reshard, 1, L) + flat, valid=(moe_fwd > 0) & ~(last_ck & moe_recomputed))
     add("forward", activations=saved_blocks + other_saved + a["final_norm_forward_extra"] + a["forward_only_masks"],
         buffers=u_root + kept_blocks + flat)
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_forward_transient"],
@@ -357,7 +364,8 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     extra = [np.full(n, 1, dtype=np.int64), np.full(n, L - 2, dtype=np.int64)]
     rs_block = ur * u["rs_unit"]
     for i, valid in _points(a["num_checkpointed"], L, extra):
-        done_blocks, saved, mlp, attention, frame = _block_point(a, i, other_saved, L, attention_gran)
+        done_blocks, saved, mlp, attention, frame, recompute, has_recompute = _block_point(
+            a, i, other_saved, L, attention_gran, moe_recomputed)
         done = on_gpu * done_blocks * u["grad_block"]
         rs_prev = np.where(done_blocks != 0, ur * u["rs_mlp"], 0.0)
         gathered = u_root + u_block * np.where(reshard, 1, i + 1) + np.where(reshard & (i > 0), flat, 0.0)
@@ -365,6 +373,8 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
         add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + flat,
             valid=valid & reshard & (i > 0) & (flat != 0) & (device == "cpu"))  # fsdp2: gloo's all-gather copy
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev, valid=valid)
+        add("backward", sharded=done, unsharded=head_grad, activations=recompute,
+            buffers=gathered - np.where(reshard & (i > 0), flat, 0.0) + rs_prev, valid=valid & has_recompute)
         add("backward", sharded=done, unsharded=head_grad + up * u["mlp_params"],
             activations=saved - a["mlp_saved_per_block"], buffers=gathered + np.maximum(rs_prev, ur * u["rs_own"]),
             valid=valid)

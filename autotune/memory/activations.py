@@ -8,7 +8,7 @@ import functools
 from autotune.memory import mla, moe
 from autotune.memory.breakdown import ActivationBreakdown
 from autotune.memory.common import host_pinned, pinned_bytes
-from autotune.memory.expert_parallel import ep_backward_transient, ep_saved
+from autotune.memory.expert_parallel import block_expert_elements, ep_backward_transient, ep_forward_transient, ep_saved
 from autotune.memory.mixed import dense_block_spec, layer_kinds, mixed_breakdown
 from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention
 from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
@@ -401,13 +401,19 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         logits_tokens = 0.0
     nonblock += logits_saved - (4 * V * tokens + softcap)
     mlp_saved = (moe.moe_saved_per_token(m, p) if m.is_moe else (4 if m.gated_mlp else 2) * p * m.intermediate_size) * tokens
+    moe_fwd = 0.0
     mlp_bwd = moe.moe_backward_transient(m, p, int(tokens)) if m.is_moe else max(
         _mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size, _composite_gelu_backward_transient(m, p) * tokens)
     if ep > 1:  # expert parallelism's experts path instead of grouped_mm (no offsets; memory/expert_parallel.py)
         d = ep_saved(m, p, int(tokens), ep)
         mlp_saved, per_plain, per_ck = mlp_saved + d, per_plain + d - moe.moe_fixed_bytes(m), per_ck + (
             d - moe.moe_fixed_bytes(m) if gran in ("attention", "selective") else 0.0)
-        blocks, mlp_bwd = n_ck * per_ck + (L - n_ck) * per_plain, ep_backward_transient(m, p, int(tokens), ep)
+        # the shared experts' instants around EP's routed ones as around grouped_mm's (moe.moe_backward_transient)
+        routed_saved = (m.num_experts_per_tok * moe.pair_saved(m, p) * tokens + d
+                        + moe.moe_fixed_bytes(m, p) - moe.moe_fixed_bytes(m))
+        mlp_bwd = moe.moe_backward_transient(m, p, int(tokens), routed=(
+            ep_backward_transient(m, p, int(tokens), ep), routed_saved, 3 * p * block_expert_elements(m) // ep))
+        blocks, moe_fwd = n_ck * per_ck + (L - n_ck) * per_plain, ep_forward_transient(m, p, int(tokens), ep)
     if split.tiled_mlp:
         # TiledMLP's backward: the input's gradient (zeros_like x), one tile's recomputed MLP and its
         # backward, the MLP's weight gradients accumulated over the tiles (ds_grad_is_ready held)
@@ -441,4 +447,6 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         mlp_backward_transient=mlp_bwd,
         logits_tokens=logits_tokens,
         offloaded=offloaded,
+        moe_forward_transient=moe_fwd,
+        moe_recomputed=gran not in ("attention", "selective"),
     )

@@ -72,6 +72,13 @@ class ActivationBreakdown:
     the lm_head's input gradient are this many rows of the vocabulary."""
     offloaded: float
     """Bytes of checkpointed block inputs held in host memory (``activation_offload`` cpu), per GPU."""
+    moe_forward_transient: float = 0.0
+    """The routed experts' forward peak beyond the block's saved tensors, where it can exceed the
+    backward's (expert parallelism's combine, ``memory.expert_parallel.ep_forward_transient``): an
+    instant of the last block's forward, or of a checkpointed block's recomputation (per block; 0: none)."""
+    moe_recomputed: bool = False
+    """Whether a checkpointed block recomputes its MoE feed-forward (granularities other than
+    attention / selective, which keep it)."""
     dense: Optional["ActivationBreakdown"] = None
     """A MoE model with dense-MLP blocks among the sparse ones (``ModelSpec.dense_layers``): the dense
     blocks' own terms (their "per block" fields; None: every block is of this record's kind)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from autotune.memory.moe import _routing_weight_bytes, expert_imbalance, expert_width, pair_saved, worst_expert_tokens
+from autotune.memory.moe import EP_RANK_IMBALANCE, _routing_weight_bytes, expert_imbalance, expert_width, pair_saved, worst_expert_tokens
 from autotune.spec import ModelSpec
 
 
@@ -29,9 +29,10 @@ def block_expert_elements(m: ModelSpec) -> int:
 
 
 def rank_imbalance(m: ModelSpec) -> float:
-    """The busiest EP rank's received rows over the mean: the stated ``ep_rank_imbalance``, else the
-    busiest expert's factor (``moe.expert_imbalance``: a bound, a rank's experts average it out)."""
-    return m.ep_rank_imbalance or expert_imbalance(m)
+    """The busiest EP rank's received rows over the mean: the stated ``ep_rank_imbalance``, else
+    ``moe.EP_RANK_IMBALANCE`` up to the busiest expert's factor (``moe.expert_imbalance``: a rank's
+    experts average it out)."""
+    return m.ep_rank_imbalance or min(EP_RANK_IMBALANCE, expert_imbalance(m))
 
 
 def received_rows(m: ModelSpec, tokens: int, ep: int, imbalance: Optional[float] = None) -> int:
@@ -77,6 +78,23 @@ def ep_saved(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
     h, f = m.hidden_size, expert_width(m)
     sent, rows = tokens * m.num_experts_per_tok, received_rows(m, tokens, ep)
     return float(sent * (24 + 2 * p * h + p) + rows * p * (h + 4 * f) - sent * pair_saved(m, p))
+
+
+def ep_forward_transient(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
+    """The experts' forward peak beyond the block's saved tensors under EP (bytes per block), at the
+    combine's ``index_add`` (expert_parallel.py ``forward``): the chunks' down outputs (``outs``, R x h)
+    and their ``torch.cat`` (R x h), both alive until the forward returns, ``zeros_like`` of the tokens
+    (tokens x h) and index_add's output (tokens x h), the int64 counts and received counts (E each);
+    net of what the block saves after it (DeepSeek-V2/V3's shared experts run after the routed ones,
+    modeling_deepseek_v2.py ``DeepseekV2Moe.forward``: their four f-wide tensors; Qwen2-MoE's shared
+    expert runs first, its gate's sigmoid after: p per token, modeling_qwen2_moe.py
+    ``Qwen2MoeSparseMoeBlock.forward``). From allocation traces of a checkpointed block's recomputation
+    (benchmarks/peak_trace_worker.py, docs/moe.md). Given the measured splits (``chunk_rows``), the
+    busiest dispatch's rows."""
+    splits = chunk_rows(m, tokens, ep)
+    h, rows = m.hidden_size, max(map(sum, splits)) if splits else received_rows(m, tokens, ep)
+    later = p * tokens if m.shared_expert_gate else 4 * p * m.shared_expert_intermediate_size * tokens
+    return float(2 * p * h * rows + 2 * p * h * tokens + 16 * m.num_experts - later)
 
 
 def chunk_rows(m: ModelSpec, tokens: int, ep: int) -> tuple[tuple[int, ...], ...] | None:

@@ -213,6 +213,11 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
                 gathered = us[i].u_block if reshard else sum(x.u_block for x in us[:i + 1])
                 add("forward", activations=(below[i - 1] if i else 0.0) + other_saved + act.forward_only_masks,
                     buffers=u.u_root + gathered + us[i].flat + us[i].cast_in)
+    if last_kind.moe_forward_transient and not ((L - 1) in s.checkpointed_blocks(L) and last_kind.moe_recomputed):
+        # the last block's experts combine (EP; a checkpointed block's own recomputation instant is larger):
+        # every block's saved tensors but what the decoder makes after it (the final norm's)
+        add("forward", activations=saved_blocks + other_saved - act.final_norm_saved + act.forward_only_masks
+            + last_kind.moe_forward_transient, buffers=u.u_root + (last.u_block if reshard else all_blocks) + last.flat)
     # the final norm's forward, inside the decoder's (activations.py final_norm_forward_extra)
     add("forward", activations=saved_blocks + other_saved + act.final_norm_forward_extra + act.forward_only_masks,
         buffers=u.u_root + (0.0 if reshard else all_blocks) + last.flat)
@@ -299,6 +304,12 @@ def _blocks_backward(add: Callable[..., None], us: list[_Units], act: Activation
         # part of the MLP's transient (activations.py _mlp_backward_transient); the other weight
         # gradients come after the multiply's backward has released its f-wide gradients
         add("backward", sharded=done, unsharded=head_grad, activations=pt.mlp, buffers=gathered + rs_prev)
+        if pt.recompute is not None:
+            # the recomputation's experts combine (EP), before the MLP's backward: the next block's all-gather
+            # is not issued yet (its prefetch comes with the experts unit's pre-backward, after the
+            # recomputation: reverse post-forward order, layers.i, its experts, layers.i-1; allocation traces)
+            add("backward", sharded=done, unsharded=head_grad, activations=pt.recompute,
+                buffers=gathered - (nxt if (reshard and i > 0) else 0.0) + rs_prev)
         # the MLP done: all its weight gradients, its saved tensors released
         # (with expert parallelism the experts' post-backward: their reduce-scatter input replaces the other)
         add("backward", sharded=done, unsharded=head_grad + u.p * u.mlp_params,

@@ -17,14 +17,21 @@ from typing import Optional
 
 from autotune.spec import ModelSpec
 
-MOE_LOAD_IMBALANCE = 1.5
+MOE_LOAD_IMBALANCE = 1.7
 """Worst expert's routed tokens over the mean (tokens x top-k / experts) where the job states none
-(``ModelSpec.moe_load_imbalance``): what the routers of the tiny Mixtral / Qwen3-MoE of
-benchmarks/memory_vs_deepspeed.py do at init, rounded up from the largest measured (docs/moe.md, Load
-imbalance). transformers' default ``grouped_mm`` path, the one sized here, has no per-expert buffer:
+(``ModelSpec.moe_load_imbalance``): what the routers of the tiny MoE models of
+benchmarks/memory_vs_deepspeed.py do at init, rounded up from the largest measured (an expert-parallel
+chunk, one source rank's rows for one expert; docs/moe.md, Load imbalance). transformers' default ``grouped_mm`` path, the one sized here, has no per-expert buffer:
 every tensor is tokens x top-k rows, so its bytes are exact for any routing and the factor multiplies
 nothing; a per-expert layout (expert parallelism's chunks and tokens per EP rank) takes its worst
 expert as this factor x the mean."""
+
+
+EP_RANK_IMBALANCE = 1.5
+"""The busiest expert-parallel rank's received rows over the mean (tokens x top-k) where the job states
+none (``ModelSpec.ep_rank_imbalance``), at most the expert factor: above every rank measured here (a
+rank's E / ep experts average its busiest one out: 1.02-1.30 x the mean on the tiny models' routers at
+init, while their chunks reached 1.70; docs/moe.md, Load imbalance)."""
 
 
 def expert_imbalance(m: ModelSpec) -> float:
@@ -135,7 +142,7 @@ def moe_fixed_bytes(m: ModelSpec, p: int = 4) -> float:
     return 4.0 * m.num_experts + (4.0 * m.num_experts * m.hidden_size if m.router_fp32 and p < 4 else 0.0)
 
 
-def moe_backward_transient(m: ModelSpec, p: int, tokens: int) -> float:
+def moe_backward_transient(m: ModelSpec, p: int, tokens: int, routed: Optional[tuple[float, float, float]] = None) -> float:
     """The MoE feed-forward's backward peak beyond the block's saved tensors (bytes per block), the
     largest of three instants of grouped_mm_experts_forward's backward (S = tokens x top-k pairs; w the
     routing weight's bytes, q = max(p, w) the dtype of ``proj_out * sample_weights_g``), each net of
@@ -150,41 +157,46 @@ def moe_backward_transient(m: ModelSpec, p: int, tokens: int) -> float:
     * the up grouped_mm: the gate_up weight's gradient (E x 2f x h) beside the down one's, the product,
       silu output and up projection (4 f per pair) released, the concatenated gradient (2f) and the
       input gradient (h, replacing the released weighted gradient) alive.
-    From allocation traces of one block's backward (torch 2.13 CPU profiler, docs/moe.md)."""
+    From allocation traces of one block's backward (torch 2.13 CPU profiler, docs/moe.md).
+    ``routed``: another routed path's (peak, saved bytes, expert weight-gradient bytes) in place of
+    grouped_mm's (expert parallelism's, memory/expert_parallel.py), the shared experts' instants
+    composed with it the same way (they run beside the routed path, whichever runs it)."""
     h, f, e, k = m.hidden_size, expert_width(m), m.num_experts, m.num_experts_per_tok
-    w = _routing_weight_bytes(m, p)
-    q = max(p, w)
-    pairs = k * tokens
-    weights = ((3 * q + p) * h if q > p else 3 * q * h + w) * pairs - 8 * pairs
-    gate = 2 * p * f * pairs + p * e * h * f - (p * h + 8) * pairs
-    gate_up = 3 * p * e * h * f - 2 * p * f * pairs - 8 * pairs
+    if routed is None:
+        w = _routing_weight_bytes(m, p)
+        q = max(p, w)
+        pairs = k * tokens
+        weights = ((3 * q + p) * h if q > p else 3 * q * h + w) * pairs - 8 * pairs
+        gate = 2 * p * f * pairs + p * e * h * f - (p * h + 8) * pairs
+        gate_up = 3 * p * e * h * f - 2 * p * f * pairs - 8 * pairs
+        routed = (max(weights, gate, gate_up), (k * pair_saved(m, p)) * tokens + moe_fixed_bytes(m, p), 3 * p * e * h * f)
     fs = m.shared_expert_intermediate_size
     if not fs:
-        return float(max(weights, gate, gate_up))
+        return float(routed[0])
     if m.shared_expert_gate:
-        return _qwen2_backward(m, p, tokens, max(weights, gate, gate_up))
+        return _qwen2_backward(m, p, tokens, *routed)
     # DeepSeek-V2's shared experts run their backward first (computed last): a dense gated MLP's peak (two
     # f-wide factor gradients, its down weight gradient); then the routed instants with its saved tensors
     # released, its three weight gradients and its input gradient (h, awaiting the routed one) alive
     # (allocation traces of DeepseekV2Moe's backward, torch 2.13 CPU, docs/moe.md)
     shared = 2 * p * fs * tokens + p * fs * h
-    return float(max(shared, max(weights, gate, gate_up) - (4 * p * fs - p * h) * tokens + 3 * p * fs * h))
+    return float(max(shared, routed[0] - (4 * p * fs - p * h) * tokens + 3 * p * fs * h))
 
 
-def _qwen2_backward(m: ModelSpec, p: int, tokens: int, routed: float) -> float:
+def _qwen2_backward(m: ModelSpec, p: int, tokens: int, routed: float, routed_saved: float, expert_grads: float) -> float:
     """Qwen2MoeSparseMoeBlock's backward peak beyond the saved set (bytes per block), from allocation traces
     (torch 2.13 CPU; the block alone, whose harness adds one h-wide copy of the output gradient that the
     benchmark's real steps do not have): the gate multiply (both factor gradients, h wide, and the broadcast
     product before its sum); the routed instants (``routed``) with the shared output's gradient, the gate
     linear's input and weight gradients alive and the multiply's saved shared output and sigmoid released;
     then, the routed pairs, router and gate released and every weight gradient and the block input's summed
-    gradient kept, the shared expert's dense backward (it ran first in the forward)."""
-    h, f, e, fs, k, t = m.hidden_size, expert_width(m), m.num_experts, m.shared_expert_intermediate_size, \
-        m.num_experts_per_tok, tokens
+    gradient kept, the shared expert's dense backward (it ran first in the forward). ``routed_saved``:
+    the routed path's saved bytes (pairs and per-block buffers), ``expert_grads``: its experts' weight
+    gradients on this rank."""
+    h, e, fs, t = m.hidden_size, m.num_experts, m.shared_expert_intermediate_size, tokens
     mul = (2 * p * h + p) * t
     before = (p * h - p) * t + p * h
-    base = (2 * p * h - router_saved_per_token(m, p) - k * pair_saved(m, p) - p - p * h) * t - moe_fixed_bytes(m, p) \
-        + p * (3 * e * h * f + e * h + h)
+    base = (2 * p * h - router_saved_per_token(m, p) - p - p * h) * t - routed_saved + expert_grads + p * (e * h + h)
     shared = base + p * fs * h + (2 * p * fs - p * h) * t
     return float(max(mul, routed + before, shared))
 

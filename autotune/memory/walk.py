@@ -34,6 +34,9 @@ class BlockPoint(NamedTuple):
     act: Optional[ActivationBreakdown] = None
     """The block's own kind of terms (dense-MLP blocks among MoE ones: ``ActivationBreakdown.dense``);
     None: the step's record."""
+    recompute: Optional[float] = None
+    """At its recomputation's MoE forward peak (``ActivationBreakdown.moe_forward_transient`` on top of
+    the recomputed set, before the backward starts; None: not recomputed, or never above ``mlp``)."""
 
 
 def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: int, other_saved: float,
@@ -70,7 +73,8 @@ def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: in
         a = remaining + (per_plain - per_ck if ck else 0.0) + block_other + frame
         # a checkpointed attention module is recomputed only after the MLP's backward
         a_mlp = a - (per_plain - per_ck) - frame if (ck and act.granularity == "attention") else a
-        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None, frame, act))
+        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None, frame, act,
+                              _recompute(act, ck, a)))
     return out
 
 
@@ -91,8 +95,15 @@ def _mixed_blocks(act: ActivationBreakdown, strategy: Strategy, L: int, other_sa
         a_mlp = a - recompute - frame if (is_ck and act.granularity == "attention") else a
         attn_delta = k.attention_backward_transient - k.mlp_saved_per_block
         out.append(BlockPoint(i, L - 1 - i, a, a_mlp + k.mlp_backward_transient, a + attn_delta if attn_delta > 0 else None,
-                              frame, k))
+                              frame, k, _recompute(k, is_ck, a)))
     return out
+
+
+def _recompute(k: ActivationBreakdown, checkpointed: bool, a: float) -> Optional[float]:
+    """A checkpointed block's recomputation instant at its MoE forward peak (``BlockPoint.recompute``):
+    the recomputed set ``a`` (the block's saved tensors, all made by then but what runs after the
+    experts, which the transient nets out) plus ``moe_forward_transient``."""
+    return a + k.moe_forward_transient if (checkpointed and k.moe_recomputed and k.moe_forward_transient > 0) else None
 
 
 class Candidate(NamedTuple):

@@ -122,10 +122,13 @@ def test_an_expert_parallel_estimate_says_what_routing_it_assumed(capsys, tmp_pa
     flags = ["--engine", "fsdp2", "--expert-parallel-size", "8"]
     assert main(["estimate", mixtral, *flags]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("routed loads: ")]
-    assert "busiest expert 1.5 x the mean, busiest EP rank 1.5 x (autotune's default bounds" in line
+    from autotune.memory.moe import EP_RANK_IMBALANCE, MOE_LOAD_IMBALANCE
+
+    assert (f"busiest expert {MOE_LOAD_IMBALANCE:g} x the mean, busiest EP rank {EP_RANK_IMBALANCE:g} x "
+            f"(autotune's default bounds") in line
     assert main(["estimate", mixtral, *flags, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["routed_load_factors"] == {
-        "busiest_expert": 1.5, "busiest_rank": 1.5, "stated": False}
+        "busiest_expert": MOE_LOAD_IMBALANCE, "busiest_rank": EP_RANK_IMBALANCE, "stated": False}
     assert main(["estimate", mixtral, "--engine", "fsdp2", "--json"]) == 0
     assert "routed_load_factors" not in json.loads(capsys.readouterr().out)
     import yaml
@@ -137,6 +140,11 @@ def test_an_expert_parallel_estimate_says_what_routing_it_assumed(capsys, tmp_pa
     assert main(["estimate", str(tmp_path / "job.yaml"), *flags]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("routed loads: ")]
     assert "busiest expert 1.2 x the mean, busiest EP rank 1.1 x (as the job states them)" in line
+    job["model"].update(moe_load_imbalance=1.2, ep_rank_imbalance=None)  # the rank's default: at most the expert's
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert main(["estimate", str(tmp_path / "job.yaml"), *flags]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("routed loads: ")]
+    assert "busiest expert 1.2 x the mean, busiest EP rank 1.2 x" in line
 
 
 def test_tiny_model_estimate_in_mib(capsys):

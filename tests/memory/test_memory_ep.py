@@ -13,7 +13,7 @@ from autotune.memory import PREDICTION_MARGIN, activation_breakdown, estimate_me
 from autotune.memory import moe
 from autotune.memory import expert_parallel
 from autotune.memory.expert_parallel import block_expert_elements, ep_backward_transient, ep_saved, ep_units, received_rows
-from autotune.memory.moe import MOE_LOAD_IMBALANCE, worst_expert_tokens
+from autotune.memory.moe import EP_RANK_IMBALANCE, MOE_LOAD_IMBALANCE, worst_expert_tokens
 from autotune.memory.fsdp2 import _units
 from autotune.spec import TrainingSpec
 from autotune.strategy import Strategy, validation_errors
@@ -68,8 +68,9 @@ def test_ep_units_and_shards():
         a, b = (estimate_memory(m, tr, hw, x) for x in (Strategy(engine="fsdp2"), s))
         assert (a.gpu["parameters"], a.gpu["optimizer_states"]) == (b.gpu["parameters"], b.gpu["optimizer_states"])
     # the busiest rank's rows: the stated factor x the mean, at most every row that can reach it; the
-    # rank's factor defaults to the expert's, which defaults to MOE_LOAD_IMBALANCE
-    assert received_rows(m, 1000, 8) == -(-MOE_LOAD_IMBALANCE * 8000 // 1)
+    # rank's factor defaults to EP_RANK_IMBALANCE up to the expert's, which defaults to MOE_LOAD_IMBALANCE
+    assert EP_RANK_IMBALANCE < MOE_LOAD_IMBALANCE
+    assert received_rows(m, 1000, 8) == -(-EP_RANK_IMBALANCE * 8000 // 1)
     assert received_rows(m.replace(moe_load_imbalance=1.25), 1000, 8) == 10_000
     assert received_rows(m.replace(moe_load_imbalance=1.25, ep_rank_imbalance=1.1), 1000, 8) == 8800
     assert received_rows(m, 1000, 1) == 8000  # one rank receives its own rows, no more
@@ -130,10 +131,12 @@ def test_ep_rules_and_default_space_points_survive():
 
 
 def test_stored_ep_rows_at_their_routing_within_the_margin(tmp_path):
-    """Every stored EP row (MOE_EP_ROWS: 2 gloo ranks, EP 2) re-predicted at the routing its step
-    measured (the busiest rank's received rows): none under-predicted beyond PREDICTION_MARGIN; at the
-    factors it measured stated (moe_load_imbalance, ep_rank_imbalance) and at the default
-    MOE_LOAD_IMBALANCE (above every measured factor) none under-predicted either."""
+    """Every stored EP row (MOE_EP_ROWS: 2 gloo ranks, EP 2) re-predicted at the routing its steps
+    measured with every block at its micro-step's busiest dispatch: none under-predicted beyond
+    PREDICTION_MARGIN (at the dispatches' mean a recomputed block is sized below its own rows, so that
+    one may be lower); at the factors it measured stated (moe_load_imbalance, ep_rank_imbalance) and at
+    the defaults (MOE_LOAD_IMBALANCE above every measured chunk, EP_RANK_IMBALANCE every rank) none
+    under-predicted either."""
     pytest.importorskip("transformers")
     bench = _bench()
     stored = {bench.row_key(r): r for r in json.loads(
@@ -143,7 +146,9 @@ def test_stored_ep_rows_at_their_routing_within_the_margin(tmp_path):
     for r in rows:
         out = bench.predict(dict(stored[bench.row_key(r)]), tmp_path)
         assert out["imbalance_measured"] <= out["expert_imbalance_measured"] <= MOE_LOAD_IMBALANCE, out
-        assert out["error"] >= out["error_stated"] >= out["error_routing"] >= -PREDICTION_MARGIN, out
+        assert out["imbalance_measured"] <= EP_RANK_IMBALANCE, out
+        assert out["error"] >= out["error_stated"] >= out["error_routing_busiest"] >= -PREDICTION_MARGIN, out
+        assert out["error_routing_busiest"] >= out["error_routing"], out
 
 
 @pytest.mark.slow
@@ -161,3 +166,45 @@ def test_ep_step_measured_not_under_predicted(tmp_path):
     # which still over-predicts, as the factors stated at what the step measured do
     assert 1.0 <= out["imbalance_measured"] <= out["expert_imbalance_measured"], out
     assert min(out["error"], out["error_stated"]) >= out["error_routing"] >= -PREDICTION_MARGIN, out
+
+
+# DeepSeek's shared experts run after the routed ones: their saved tensors are not made yet at the
+# combine, which then stays below the backward's instants at these shapes
+@pytest.mark.parametrize("name, binds", [("hf-qwen2moe-sv", True), ("hf-deepseekv3-sv", False), ("hf-mixtral-sv", True)])
+def test_ep_forward_instants_in_the_screen_and_the_walk(name, binds, tmp_path, monkeypatch):
+    """The experts' forward instant (``ep_forward_transient``: the last block's combine, a checkpointed
+    block's recomputation) on the benchmark's tiny MoE models, shared experts and latent attention
+    among them, at a known even routing (the chunk loop exact, as the benchmark predicts at a measured
+    one; with the routing unknown the loop's bound is larger): the screen's numpy walk gives every EP
+    candidate the bytes and phase peaks estimate_memory gives, and the instant sets some candidates'
+    peaks (without it they are lower)."""
+    pytest.importorskip("transformers")
+    from autotune.memory import _fast
+    import autotune.memory.activations as activations
+
+    bench = _bench()
+    row = dict(zip(bench.ROW_KEYS, (name, "fsdp2", 2, 1, 4, 512, "full", "fp32")), knobs={"expert_parallel_size": 2})
+    m, tr, hw, _ = bench.specs(row, tmp_path)
+    m = m.replace(moe_load_imbalance=1.3, ep_rank_imbalance=1.2)  # near what the benchmark's steps measured
+    chunks = m.num_experts  # ep sources x E / ep local experts
+    monkeypatch.setattr(expert_parallel, "chunk_rows", lambda m, tokens, ep: (
+        (received_rows(m, tokens, ep) // chunks,) * chunks,))
+    activations._breakdown.cache_clear()
+    pool = [Strategy(engine="fsdp2", expert_parallel_size=2, micro_batch_size=b, checkpointing=ck, precision=tr.precision,
+                     reshard_after_forward=rs, checkpoint_layers=n)
+            for b in (1, 4) for ck in ("none", "full", "mlp", "attention") for rs in (True, False)
+            for n in ((None,) if ck == "none" else (1, 2))]
+    for device in ("cpu", "cuda"):
+        fast = _fast.verdicts(m, tr, hw, pool, device=device, loop="keep_outputs")
+        phases, act_peak = _fast.phase_peaks(m, tr, hw, pool, "fsdp2", device=device, loop="keep_outputs")
+        for j, s in enumerate(pool):
+            est = estimate_memory(m, tr, hw, s, device=device)
+            assert fast[j] == (est.fits, est.total_gpu_bytes), s
+            assert {ph: v[j] for ph, v in phases.items()} == est.phases and act_peak[j] == est.activation_peak, s
+    with_it = [estimate_memory(m, tr, hw, s, device="cpu").gpu["peak"] for s in pool]
+    monkeypatch.setattr(activations, "ep_forward_transient", lambda *a: 0.0)
+    activations._breakdown.cache_clear()
+    without = [estimate_memory(m, tr, hw, s, device="cpu").gpu["peak"] for s in pool]
+    monkeypatch.undo()
+    activations._breakdown.cache_clear()
+    assert all(a >= b for a, b in zip(with_it, without)) and any(a > b for a, b in zip(with_it, without)) == binds

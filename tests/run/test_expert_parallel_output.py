@@ -145,27 +145,77 @@ def test_experts_modules_finds_the_hf_layout_only():
     assert experts_modules(oss) == []
 
 
+def _grad_diff(model, ref, rank: int) -> float:
+    """The largest relative difference of a gradient from one process's (this rank's 2 routed experts)."""
+    diff = 0.0
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        w = q.grad[rank * 2:(rank + 1) * 2] if ".mlp.experts." in name else q.grad  # not shared_experts
+        diff = max(diff, float((g - w).abs().max() / w.abs().max().clamp(min=1e-12)))
+    return diff
+
+
+def _reference(cls, cfg, kv_heads: int) -> tuple:
+    """One process's model of ``cls`` (seed 0) after its loss's backward on the whole batch: (model, batch,
+    loss, the EP 2 fp32 layout on 2 GPUs)."""
+    import torch
+
+    torch.manual_seed(0)
+    ref = cls(cfg)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    spec = ModelSpec(name="tiny-moe", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                     num_key_value_heads=kv_heads, intermediate_size=48, vocab_size=64, num_experts=4,
+                     num_experts_per_tok=2)
+    lay = to_fsdp2_config(Strategy(engine="fsdp2", precision="fp32", expert_parallel_size=2), spec,
+                          TrainingSpec(seq_len=16, global_batch_size=2, precision="fp32"),
+                          HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=2))
+    return ref, ids, want, lay
+
+
+def _rank_result(model, ref, ids, want) -> dict:
+    """This rank's half of the batch through ``model``: the mean loss over the ranks, and the gradients'
+    largest relative difference from ``ref``'s."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    loss = model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return {"loss": float(total) / 2, "want": float(want), "diff": _grad_diff(model, ref, rank)}
+
+
+def _deepseek_v3_apply() -> dict:
+    """A tiny HF DeepSeek-V3 (a dense first block, a shared expert, latent attention, the grouped sigmoid
+    router) through apply with EP 2, in the initialised gloo group: loss and gradients."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                           topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                           v_head_dim=8, max_position_embeddings=64, attn_implementation="sdpa")
+    ref, ids, want, lay = _reference(DeepseekV3ForCausalLM, cfg, 4)
+    model = DeepseekV3ForCausalLM(cfg)
+    model.load_state_dict(ref.state_dict())
+    notes = fsdp2.apply(model, lay)
+    assert any("expert parallel 2: 1 experts modules" in n for n in notes), notes  # block 0 is dense
+    return _rank_result(model, ref, ids, want)
+
+
 def _ep_rank(out: str) -> None:
     """One of 2 gloo ranks: the snippet's shard() and autotune.models.fsdp2.apply (what the profiling
     worker runs), EP 2 in fp32, each on a tiny HF Mixtral with each rank half the batch; the loss and
     every gradient against one process running the whole batch unsharded."""
-    import torch
     import torch.distributed as dist
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                         max_position_embeddings=64, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    ref = MixtralForCausalLM(cfg)
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    want = ref(input_ids=ids, labels=ids).loss
-    want.backward()
-    spec = ModelSpec(name="tiny-mixtral", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
-                     num_key_value_heads=2, intermediate_size=48, vocab_size=64, num_experts=4, num_experts_per_tok=2)
-    lay = to_fsdp2_config(Strategy(engine="fsdp2", precision="fp32", expert_parallel_size=2), spec,
-                          TrainingSpec(seq_len=16, global_batch_size=2, precision="fp32"),
-                          HardwareSpec(gpu=gpu_from_name("h100-80gb"), gpus_per_node=2))
+    ref, ids, want, lay = _reference(MixtralForCausalLM, cfg, 2)
     results = {}
     for mode in ("snippet", "apply"):
         model = MixtralForCausalLM(cfg)
@@ -177,17 +227,8 @@ def _ep_rank(out: str) -> None:
         else:
             notes = fsdp2.apply(model, lay)
             assert any("expert parallel 2: 2 experts modules" in n for n in notes), notes
-        rank = dist.get_rank()
-        loss = model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        diff = 0.0
-        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            w = q.grad[rank * 2:(rank + 1) * 2] if "experts" in name else q.grad  # this rank's experts
-            diff = max(diff, float((g - w).abs().max() / w.abs().max().clamp(min=1e-12)))
-        results[mode] = {"loss": float(total) / 2, "want": float(want), "diff": diff}
+        results[mode] = _rank_result(model, ref, ids, want)
+    results["deepseek_v3"] = _deepseek_v3_apply()
     Path(f"{out}.{dist.get_rank()}").write_text(json.dumps(results))
     dist.barrier()  # both ranks done with every collective before either tears the group down
     dist.destroy_process_group()
@@ -195,7 +236,8 @@ def _ep_rank(out: str) -> None:
 
 @pytest.mark.slow
 def test_ep_on_two_ranks_gives_one_process_loss_and_gradients(tmp_path):
-    """The snippet and the worker's apply, on 2 gloo ranks: one process's loss and gradients."""
+    """The snippet and the worker's apply, on 2 gloo ranks: one process's loss and gradients (a Mixtral;
+    through apply also a DeepSeek-V3 with a dense block, a shared expert and latent attention)."""
     from autotune.backends.launch import free_port
 
     out = tmp_path / "rank"
