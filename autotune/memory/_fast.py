@@ -24,7 +24,7 @@ from autotune.memory.activations import ActivationBreakdown, activation_breakdow
 from autotune.memory.common import PREDICTION_MARGIN
 from autotune.memory.estimate import _accumulation_carry
 from autotune.memory.fsdp2 import _units, offload_host
-from autotune.memory.mixed import layer_kinds
+from autotune.memory.mixed import dense_block_spec, layer_kinds
 from autotune.memory.moe import down_weight_elements
 from autotune.memory.states import _model_states
 from autotune.spec import BYTES_PER_ELEMENT, GIB, HardwareSpec, ModelSpec, TrainingSpec
@@ -52,9 +52,9 @@ units_key = attrgetter(*memory_key(Strategy, "units"))
 
 def covered(s: Strategy, model: Optional[ModelSpec] = None) -> bool:
     """Whether the grid computes this strategy (else: estimate_memory): the first n blocks
-    checkpointed, not every k-th, of a model whose blocks are of one kind (not a MoE with dense
-    layers among its sparse ones, memory/mixed.py)."""
-    return s.checkpoint_every is None and (model is None or layer_kinds(model) is None)
+    checkpointed, not every k-th, of a model whose blocks are of one kind or, for fsdp2, of two (a MoE
+    with dense layers among its sparse ones, memory/mixed.py)."""
+    return s.checkpoint_every is None and (model is None or layer_kinds(model) is None or s.engine == "fsdp2")
 
 
 def _table(strategies: Sequence[Strategy], key: Callable[[Strategy], tuple],
@@ -80,9 +80,9 @@ def verdicts(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s
     broken = (False, None)
     out: list[Optional[tuple[bool, Optional[int]]]] = [
         None if s.checkpoint_every is not None else (None if good else broken) for s, good in zip(strategies, ok)]
-    if layer_kinds(model) is not None:  # blocks of two kinds: estimate_memory walks each (covered())
-        return out
-    for engine, walk in (("deepspeed", _deepspeed), ("fsdp2", _fsdp2)):
+    # blocks of two kinds: the fsdp2 walk takes them, DeepSpeed's is left to estimate_memory (covered())
+    engines = (("deepspeed", _deepspeed), ("fsdp2", _fsdp2)) if layer_kinds(model) is None else (("fsdp2", _fsdp2),)
+    for engine, walk in engines:
         idx = [i for i, (s, good) in enumerate(zip(strategies, ok))
                if good and s.engine == engine and s.checkpoint_every is None]  # covered()
         if idx:
@@ -186,6 +186,17 @@ def activation_row(model: ModelSpec, training: TrainingSpec, s: Strategy, device
     L = model.num_hidden_layers
     act: ActivationBreakdown = activation_breakdown(model, training, s, device)
     return [*_act_fields(act), act.granularity == "attention", (L - 1) in s.checkpointed_blocks(L), act.moe_recomputed]
+
+
+def _dense_kind(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
+                device: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A MoE model's dense-MLP blocks (memory/mixed.py): their activation terms (``ActivationBreakdown.dense``,
+    ``_ACT_FIELDS``) and their FSDP2 units (``fsdp2._layer_units``: the dense block spec's ``_U``) per candidate."""
+    dense = dense_block_spec(model)
+    cols = _table(strategies, activation_key,
+                  lambda s: list(_act_fields(activation_breakdown(model, training, s, device).dense)))
+    units = _table(strategies, units_key, lambda s: list(_u_fields(_units(dense, s, hardware))))
+    return {f: cols[k] for k, f in enumerate(_ACT_FIELDS)}, {f: units[k] for k, f in enumerate(_U)}
 
 
 def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[Strategy],
@@ -309,6 +320,61 @@ def units_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: S
             offload_host(m, training, hardware, s, device)]
 
 
+def _saved_below(ks: list[dict[str, np.ndarray]], n_ck: np.ndarray) -> list[np.ndarray]:
+    """mixed.saved_below per candidate: the saved activations of blocks 0..i (the first n_ck checkpointed)."""
+    out, total = [], 0.0
+    for i, k in enumerate(ks):
+        total = total + np.where(i < n_ck, k["per_block_checkpointed"], k["per_block_plain"])
+        out.append(total)
+    return out
+
+
+def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarray]], us: list[dict[str, np.ndarray]],
+                           a: dict[str, np.ndarray], attention_gran: np.ndarray, moe_recomputed: np.ndarray,
+                           other_saved: np.ndarray, head_grad: Any, carry: np.ndarray, reshard: np.ndarray,
+                           gloo: bool) -> None:
+    """fsdp2._blocks_backward over walk._mixed_blocks' points (every block, each of its kind: ``ks``, ``us``)."""
+    L, n_ck = len(ks), a["num_checkpointed"]
+    below = _saved_below(ks, n_ck)
+    block_other = other_saved - a["final_norm_saved"] + a["hidden_grad"]
+    done_after = [0.0] * L
+    for i in range(L - 2, -1, -1):
+        done_after[i] = done_after[i + 1] + us[i + 1]["grad_block"]
+    upto = [us[0]["u_block"]]
+    for x in us[1:]:
+        upto.append(upto[-1] + x["u_block"])
+    for i in range(L - 1, -1, -1):
+        k, u = ks[i], us[i]
+        ck = i < n_ck
+        frame = np.where(ck, k["checkpoint_frame_kept"], 0.0)
+        recompute = np.where(ck, k["per_block_plain"] - k["per_block_checkpointed"], 0.0)
+        saved = below[i] + recompute + block_other + frame
+        a_mlp = np.where(ck & attention_gran, saved - recompute - frame, saved)
+        mlp = a_mlp + k["mlp_backward_transient"]
+        attn_delta = k["attention_backward_transient"] - k["mlp_saved_per_block"]
+        done = u["on_gpu"] * done_after[i]
+        rs_prev = u["r"] * us[i + 1]["rs_mlp"] if i < L - 1 else 0.0
+        nxt = us[i - 1]["flat"] if i > 0 else 0.0
+        gathered = u["u_root"] + np.where(reshard, u["u_block"], upto[i]) + (np.where(reshard, nxt, 0.0) if i > 0 else 0.0)
+        if gloo and i > 0:
+            pre = saved - np.where(frame != 0, k["per_block_plain"] - k["per_block_checkpointed"] + frame, 0.0)
+            add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + nxt,
+                valid=reshard & (nxt != 0))
+        add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev)
+        add("backward", sharded=done, unsharded=head_grad, activations=saved + k["moe_forward_transient"],
+            buffers=gathered - (np.where(reshard, nxt, 0.0) if i > 0 else 0.0) + rs_prev,
+            valid=ck & moe_recomputed & (k["moe_forward_transient"] > 0))
+        add("backward", sharded=done, unsharded=head_grad + u["p"] * u["mlp_params"],
+            activations=saved - k["mlp_saved_per_block"], buffers=gathered + np.maximum(rs_prev, u["r"] * u["rs_own"]))
+        add("backward", sharded=done, unsharded=head_grad + u["u_block"], activations=saved + attn_delta,
+            buffers=gathered + np.where(u["rs_own"] != 0, u["r"] * u["rs_own"], rs_prev), valid=attn_delta > 0)
+        after = saved - k["per_block_plain"] - frame
+        add("backward", sharded=done, unsharded=head_grad + u["u_block"], activations=after,
+            buffers=gathered + u["r"] * u["rs_unit"])
+        add("backward", sharded=np.where(carry != 0, carry, done) + u["grad_block"], unsharded=head_grad,
+            activations=after, buffers=gathered + u["r"] * u["rs_unit"])
+
+
 def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
            headroom: float, device: str, loop: str) -> tuple[np.ndarray, np.ndarray, _Walk]:
     """fsdp2.estimate_fsdp2's walk over the candidates."""
@@ -338,18 +404,36 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
 
     saved_blocks, logits_saved = a["blocks"], a["logits_saved"]
     other_saved = a["nonblock"] - logits_saved
-    last_saved = np.where(last_ck, a["per_block_checkpointed"], a["per_block_plain"])
-    kept_blocks = np.where(reshard, 0.0, u_block * L)
+    kinds = layer_kinds(m)  # blocks of two kinds (memory/mixed.py): each block's own terms and units
+    if kinds is None:
+        ks, us, all_blocks = [a] * L, [u] * L, u_block * L
+    else:
+        a_dense, u_dense = _dense_kind(m, training, hardware, strategies, device)
+        u_dense.update(root=u["root"], u_root=u_root, all_grads=u["all_grads"])  # fsdp2._layer_units
+        ks, us = [a_dense if d else a for d in kinds], [u_dense if d else u for d in kinds]
+        all_blocks = sum(x["u_block"] for x in us)
+    last_a, last_u = ks[-1], us[-1]
+    last_saved = np.where(last_ck, last_a["per_block_checkpointed"], last_a["per_block_plain"])
+    kept_blocks = np.where(reshard, 0.0, all_blocks)
+    gathered_last = np.where(reshard, last_u["u_block"], all_blocks)
     add("forward", activations=saved_blocks - last_saved + other_saved + a["forward_only_masks"],
-        buffers=u_root + u_block * np.where(reshard, 1, L) + flat + u["cast_in"])
-    moe_fwd = a["moe_forward_transient"]
+        buffers=u_root + gathered_last + last_u["flat"] + last_u["cast_in"])
+    if kinds is not None:  # an earlier block of the other kind: its own gather transient
+        below = _saved_below(ks, a["num_checkpointed"])
+        upto = np.zeros(n)
+        for i in range(L - 1):
+            upto = upto + us[i]["u_block"]
+            if kinds[i] != kinds[-1]:
+                add("forward", activations=(below[i - 1] if i else 0.0) + other_saved + a["forward_only_masks"],
+                    buffers=u_root + np.where(reshard, us[i]["u_block"], upto) + us[i]["flat"] + us[i]["cast_in"])
+    moe_fwd = last_a["moe_forward_transient"]
     add("forward", activations=saved_blocks + other_saved - a["final_norm_saved"] + a["forward_only_masks"] + moe_fwd,
-        buffers=u_root + u_block * np.where(reshard, 1, L) + flat, valid=(moe_fwd > 0) & ~(last_ck & moe_recomputed))
+        buffers=u_root + gathered_last + last_u["flat"], valid=(moe_fwd > 0) & ~(last_ck & moe_recomputed))
     add("forward", activations=saved_blocks + other_saved + a["final_norm_forward_extra"] + a["forward_only_masks"],
-        buffers=u_root + kept_blocks + flat)
+        buffers=u_root + kept_blocks + last_u["flat"])
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_forward_transient"],
-        buffers=u_root + kept_blocks + flat)
-    at_start = u_root + np.where(reshard, flat, u_block * L)
+        buffers=u_root + kept_blocks + last_u["flat"])
+    at_start = u_root + np.where(reshard, last_u["flat"], all_blocks)
     add("backward", activations=saved_blocks + other_saved, logits=logits_saved, buffers=2 * u_root + kept_blocks,
         valid=un > 1)
     add("backward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_backward_transient"],
@@ -363,7 +447,10 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     # fsdp2._blocks_backward
     extra = [np.full(n, 1, dtype=np.int64), np.full(n, L - 2, dtype=np.int64)]
     rs_block = ur * u["rs_unit"]
-    for i, valid in _points(a["num_checkpointed"], L, extra):
+    if kinds is not None:
+        _mixed_blocks_backward(add, ks, us, a, attention_gran, moe_recomputed, other_saved, head_grad, carry, reshard,
+                               device == "cpu")
+    for i, valid in (_points(a["num_checkpointed"], L, extra) if kinds is None else ()):
         done_blocks, saved, mlp, attention, frame, recompute, has_recompute = _block_point(
             a, i, other_saved, L, attention_gran, moe_recomputed)
         done = on_gpu * done_blocks * u["grad_block"]
@@ -389,12 +476,13 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
 
     blocks_sharded = u["all_grads"] - on_gpu * 4 * u["root"] / un
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], activations=a["hidden_grad"],
-        buffers=u_root + rs_block)
+        buffers=u_root + ur * us[0]["rs_unit"])
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], buffers=u_root + ur * u["root"])
     add("backward", sharded=u["all_grads"], buffers=u_root + ur * u["root"])
     add("optimizer", sharded=u["all_grads"], buffers=on_gpu * 4 * shard)
     host = u["host"]
-    side_pool = np.where((un > 1) & (device == "cuda"), u_root + 2 * u_block, 0.0)
+    pair = 2 * u_block if kinds is None else np.max([x["u_block"] + y["u_block"] for x, y in zip(us, us[1:])], axis=0)
+    side_pool = np.where((un > 1) & (device == "cuda"), u_root + pair, 0.0)
     return (*_verdict(w.best(), hardware, headroom, params=params, optimizer=optimizer, resident_grads=0.0,
                       resident_buffers=0.0, cpu_per_gpu=host + a["offloaded"], nvme_per_gpu=0.0,
                       reserved_elsewhere=side_pool), w)
