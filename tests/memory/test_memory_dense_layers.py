@@ -85,8 +85,17 @@ def test_the_walk_by_block_kind_gives_the_uniform_bytes_for_one_kind(monkeypatch
     assert got == want
 
 
-def test_the_screen_leaves_blocks_of_two_kinds_to_the_estimate():
+def test_the_screen_leaves_deepspeed_with_blocks_of_two_kinds_to_the_estimate():
+    """DeepSpeed candidates of blocks of two kinds go to estimate_memory (None); fsdp2 ones the grid
+    computes, to the byte (tests/search/test_screen_fast.py checks the default space's)."""
     from autotune.memory import _fast
 
     m = _small("deepseek-v2-lite", first_k_dense_replace=1, n_routed_experts=4)
-    assert all(v is None or v == (False, None) for v in _fast.verdicts(m, TRAINING, _hw(2), STRATEGIES))
+    hw = _hw(2)
+    for s, v in zip(STRATEGIES, _fast.verdicts(m, TRAINING, hw, STRATEGIES)):
+        if s.engine == "deepspeed":
+            assert v is None or v == (False, None), s
+        else:
+            est = estimate_memory(m, TRAINING, hw, s)
+            assert v == (False, None) or v == (est.fits, est.total_gpu_bytes), s
+    assert any(s.engine == "fsdp2" for s in STRATEGIES)
