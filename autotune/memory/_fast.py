@@ -24,7 +24,7 @@ from autotune.memory.activations import ActivationBreakdown, activation_breakdow
 from autotune.memory.common import PREDICTION_MARGIN
 from autotune.memory.estimate import _accumulation_carry
 from autotune.memory.fsdp2 import _units, offload_host
-from autotune.memory.mixed import dense_block_spec, layer_kinds
+from autotune.memory.mixed import blocks_within, dense_block_spec, kind_spec, layer_kinds, params_after
 from autotune.memory.moe import down_weight_elements
 from autotune.memory.states import _model_states
 from autotune.spec import BYTES_PER_ELEMENT, GIB, HardwareSpec, ModelSpec, TrainingSpec
@@ -52,9 +52,9 @@ units_key = attrgetter(*memory_key(Strategy, "units"))
 
 def covered(s: Strategy, model: Optional[ModelSpec] = None) -> bool:
     """Whether the grid computes this strategy (else: estimate_memory): the first n blocks
-    checkpointed, not every k-th, of a model whose blocks are of one kind or, for fsdp2, of two (a MoE
-    with dense layers among its sparse ones, memory/mixed.py)."""
-    return s.checkpoint_every is None and (model is None or layer_kinds(model) is None or s.engine == "fsdp2")
+    checkpointed, not every k-th (a MoE with dense layers among its sparse ones, memory/mixed.py,
+    included: each block of its kind)."""
+    return s.checkpoint_every is None
 
 
 def _table(strategies: Sequence[Strategy], key: Callable[[Strategy], tuple],
@@ -80,9 +80,7 @@ def verdicts(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s
     broken = (False, None)
     out: list[Optional[tuple[bool, Optional[int]]]] = [
         None if s.checkpoint_every is not None else (None if good else broken) for s, good in zip(strategies, ok)]
-    # blocks of two kinds: the fsdp2 walk takes them, DeepSpeed's is left to estimate_memory (covered())
-    engines = (("deepspeed", _deepspeed), ("fsdp2", _fsdp2)) if layer_kinds(model) is None else (("fsdp2", _fsdp2),)
-    for engine, walk in engines:
+    for engine, walk in (("deepspeed", _deepspeed), ("fsdp2", _fsdp2)):
         idx = [i for i, (s, good) in enumerate(zip(strategies, ok))
                if good and s.engine == engine and s.checkpoint_every is None]  # covered()
         if idx:
@@ -211,7 +209,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[
 
 _ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffers_step", "buffers_fwd",
        "grad_per_block", "grad_buffer", "resident_buffers", "partition_after", "reduce_flat", "reduce_clone", "cpu",
-       "nvme")
+       "nvme", "reduce_clone_dense")
 _st_fields = attrgetter(*_ST)
 _DS = _ST + ("p", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
 
@@ -225,8 +223,11 @@ def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: 
     bucket = st.partition_after or 0
     blocked = bool(bucket and block_params)
     # estimate._blocks_backward: blocks done before the gradient partition exists, before the second reduce
-    k = int(max(0.0, bucket - head) // block_params) if blocked else 0
-    k2 = int(max(0.0, 2 * bucket - head) // block_params) if blocked else 0
+    if blocked and layer_kinds(m) is not None:  # blocks of two sizes
+        k, k2 = blocks_within(m, max(0.0, bucket - head)), blocks_within(m, max(0.0, 2 * bucket - head))
+    else:
+        k = int(max(0.0, bucket - head) // block_params) if blocked else 0
+        k2 = int(max(0.0, 2 * bucket - head) // block_params) if blocked else 0
     return [*_st_fields(st), p, carry, grow,
             st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0, s.zero_stage == 1, s.zero_stage == 0, k, k2,
             blocked]
@@ -282,7 +283,25 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     reduce_flat, reduce_clone = c["reduce_flat"], c["reduce_clone"]
     reducing = blocked & (reduce_flat != 0)
     r_true, r_false = L - 2 - k2, L - 2 - k  # {L-2-k2: True, L-2-k: False}, the later key winning
-    for i, valid in _points(a["num_checkpointed"], L, extra):
+    kinds = layer_kinds(m)
+    if kinds is not None:  # every block, each of its kind (walk._mixed_blocks; estimate._blocks_backward)
+        a_dense = _dense_kind(m, training, hardware, strategies, device)[0]
+        after = params_after(m)
+        for i, kd, _, saved, mlp, _, attention, has_attention, _, _ in _mixed_points(
+                [a_dense if d else a for d in kinds], a, attention_gran, moe_recomputed, other_saved):
+            g_before = head_grad + np.where(c["grad_per_block"] != 0, p * after[i], 0.0 * c["grad_per_block"])
+            g = g_before + np.where((bucket != 0) & (head + after[i] > bucket), c["grads"], 0.0)
+            add("backward", grads=g, activations=mlp, buffers=c["buffers_bwd"], pending=pending_head)
+            add("backward", grads=g, activations=attention, buffers=c["buffers_bwd"], pending=pending_head,
+                valid=has_attention)
+            clone = c["reduce_clone_dense"] if kinds[i] else reduce_clone
+            add("backward", grads=g, activations=mlp - kd["mlp_backward_transient"],
+                buffers=c["buffers_bwd"] + p * down_weight_elements(kind_spec(m, kinds[i])) + clone,
+                pending=pending_head, valid=clone != 0)
+            add("backward", grads=np.where(i == r_false, g_before, g), activations=saved,
+                buffers=c["buffers_bwd"] + reduce_flat, pending=pending_head,
+                valid=reducing & ((i == r_true) | (i == r_false)))
+    for i, valid in (_points(a["num_checkpointed"], L, extra) if kinds is None else ()):
         done, saved, mlp, attention, *_ = _block_point(a, i, other_saved, L, attention_gran, moe_recomputed)
         g_before = head_grad + done * c["grad_per_block"]
         g = g_before + np.where((bucket != 0) & (head + done * block_params > bucket), c["grads"], 0.0)
@@ -329,29 +348,40 @@ def _saved_below(ks: list[dict[str, np.ndarray]], n_ck: np.ndarray) -> list[np.n
     return out
 
 
+def _mixed_points(ks: list[dict[str, np.ndarray]], a: dict[str, np.ndarray], attention_gran: np.ndarray,
+                  moe_recomputed: np.ndarray, other_saved: np.ndarray):
+    """walk._mixed_blocks per candidate, last block first: (i, kind, checkpointed, saved, mlp, frame,
+    attention instant, whether it has one, recomputation instant, whether it has one)."""
+    n_ck = a["num_checkpointed"]
+    below = _saved_below(ks, n_ck)
+    block_other = other_saved - a["final_norm_saved"] + a["hidden_grad"]
+    for i in range(len(ks) - 1, -1, -1):
+        k = ks[i]
+        ck = i < n_ck
+        frame = np.where(ck, k["checkpoint_frame_kept"], 0.0)
+        recompute = np.where(ck, k["per_block_plain"] - k["per_block_checkpointed"], 0.0)
+        saved = below[i] + recompute + block_other + frame
+        a_mlp = np.where(ck & attention_gran, saved - recompute - frame, saved)
+        attn_delta = k["attention_backward_transient"] - k["mlp_saved_per_block"]
+        yield (i, k, ck, saved, a_mlp + k["mlp_backward_transient"], frame, saved + attn_delta, attn_delta > 0,
+               saved + k["moe_forward_transient"], ck & moe_recomputed & (k["moe_forward_transient"] > 0))
+
+
 def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarray]], us: list[dict[str, np.ndarray]],
                            a: dict[str, np.ndarray], attention_gran: np.ndarray, moe_recomputed: np.ndarray,
                            other_saved: np.ndarray, head_grad: Any, carry: np.ndarray, reshard: np.ndarray,
                            gloo: bool) -> None:
     """fsdp2._blocks_backward over walk._mixed_blocks' points (every block, each of its kind: ``ks``, ``us``)."""
-    L, n_ck = len(ks), a["num_checkpointed"]
-    below = _saved_below(ks, n_ck)
-    block_other = other_saved - a["final_norm_saved"] + a["hidden_grad"]
+    L = len(ks)
     done_after = [0.0] * L
     for i in range(L - 2, -1, -1):
         done_after[i] = done_after[i + 1] + us[i + 1]["grad_block"]
     upto = [us[0]["u_block"]]
     for x in us[1:]:
         upto.append(upto[-1] + x["u_block"])
-    for i in range(L - 1, -1, -1):
-        k, u = ks[i], us[i]
-        ck = i < n_ck
-        frame = np.where(ck, k["checkpoint_frame_kept"], 0.0)
-        recompute = np.where(ck, k["per_block_plain"] - k["per_block_checkpointed"], 0.0)
-        saved = below[i] + recompute + block_other + frame
-        a_mlp = np.where(ck & attention_gran, saved - recompute - frame, saved)
-        mlp = a_mlp + k["mlp_backward_transient"]
-        attn_delta = k["attention_backward_transient"] - k["mlp_saved_per_block"]
+    for i, k, ck, saved, mlp, frame, attention, has_attention, recompute, has_recompute in _mixed_points(
+            ks, a, attention_gran, moe_recomputed, other_saved):
+        u = us[i]
         done = u["on_gpu"] * done_after[i]
         rs_prev = u["r"] * us[i + 1]["rs_mlp"] if i < L - 1 else 0.0
         nxt = us[i - 1]["flat"] if i > 0 else 0.0
@@ -361,13 +391,12 @@ def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarr
             add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + nxt,
                 valid=reshard & (nxt != 0))
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev)
-        add("backward", sharded=done, unsharded=head_grad, activations=saved + k["moe_forward_transient"],
-            buffers=gathered - (np.where(reshard, nxt, 0.0) if i > 0 else 0.0) + rs_prev,
-            valid=ck & moe_recomputed & (k["moe_forward_transient"] > 0))
+        add("backward", sharded=done, unsharded=head_grad, activations=recompute,
+            buffers=gathered - (np.where(reshard, nxt, 0.0) if i > 0 else 0.0) + rs_prev, valid=has_recompute)
         add("backward", sharded=done, unsharded=head_grad + u["p"] * u["mlp_params"],
             activations=saved - k["mlp_saved_per_block"], buffers=gathered + np.maximum(rs_prev, u["r"] * u["rs_own"]))
-        add("backward", sharded=done, unsharded=head_grad + u["u_block"], activations=saved + attn_delta,
-            buffers=gathered + np.where(u["rs_own"] != 0, u["r"] * u["rs_own"], rs_prev), valid=attn_delta > 0)
+        add("backward", sharded=done, unsharded=head_grad + u["u_block"], activations=attention,
+            buffers=gathered + np.where(u["rs_own"] != 0, u["r"] * u["rs_own"], rs_prev), valid=has_attention)
         after = saved - k["per_block_plain"] - frame
         add("backward", sharded=done, unsharded=head_grad + u["u_block"], activations=after,
             buffers=gathered + u["r"] * u["rs_unit"])
