@@ -415,6 +415,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if result["status"] == "ok" and dist.get_world_size() > 1:
+                # every rank done with its collectives before any tears the group down (a rank that
+                # destroys it while a peer still sends makes that peer's last collective fail); gloo's
+                # monitored barrier gives up after a minute if a peer never comes (it failed: its result says so)
+                if dist.get_backend() == "gloo":
+                    import datetime
+
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+                else:
+                    dist.barrier()
             dist.destroy_process_group()
     except Exception:
         pass
