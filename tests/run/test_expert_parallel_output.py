@@ -187,9 +187,10 @@ def _rank_result(model, ref, ids, want) -> dict:
     return {"loss": float(total) / 2, "want": float(want), "diff": _grad_diff(model, ref, rank)}
 
 
-def _deepseek_v3_apply() -> dict:
+def _deepseek_v3(mode: str) -> dict:
     """A tiny HF DeepSeek-V3 (a dense first block, a shared expert, latent attention, the grouped sigmoid
-    router) through apply with EP 2, in the initialised gloo group: loss and gradients."""
+    router) through the snippet's shard() or apply with EP 2, in the initialised gloo group: loss and
+    gradients."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -200,8 +201,13 @@ def _deepseek_v3_apply() -> dict:
     ref, ids, want, lay = _reference(DeepseekV3ForCausalLM, cfg, 4)
     model = DeepseekV3ForCausalLM(cfg)
     model.load_state_dict(ref.state_dict())
-    notes = fsdp2.apply(model, lay)
-    assert any("expert parallel 2: 1 experts modules" in n for n in notes), notes  # block 0 is dense
+    if mode == "snippet":
+        ns: dict = {}
+        exec(compile(fsdp2.snippet(lay), "snippet.py", "exec"), ns)
+        ns["shard"](model, model.model.layers)
+    else:
+        notes = fsdp2.apply(model, lay)
+        assert any("expert parallel 2: 1 experts modules" in n for n in notes), notes  # block 0 is dense
     return _rank_result(model, ref, ids, want)
 
 
@@ -228,7 +234,7 @@ def _ep_rank(out: str) -> None:
             notes = fsdp2.apply(model, lay)
             assert any("expert parallel 2: 2 experts modules" in n for n in notes), notes
         results[mode] = _rank_result(model, ref, ids, want)
-    results["deepseek_v3"] = _deepseek_v3_apply()
+    results.update({f"deepseek_v3 {mode}": _deepseek_v3(mode) for mode in ("snippet", "apply")})
     Path(f"{out}.{dist.get_rank()}").write_text(json.dumps(results))
     dist.barrier()  # both ranks done with every collective before either tears the group down
     dist.destroy_process_group()
@@ -236,8 +242,8 @@ def _ep_rank(out: str) -> None:
 
 @pytest.mark.slow
 def test_ep_on_two_ranks_gives_one_process_loss_and_gradients(tmp_path):
-    """The snippet and the worker's apply, on 2 gloo ranks: one process's loss and gradients (a Mixtral;
-    through apply also a DeepSeek-V3 with a dense block, a shared expert and latent attention)."""
+    """The snippet and the worker's apply, on 2 gloo ranks: one process's loss and gradients (a Mixtral,
+    and a DeepSeek-V3 with a dense block, a shared expert and latent attention)."""
     from autotune.backends.launch import free_port
 
     out = tmp_path / "rank"
