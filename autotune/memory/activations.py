@@ -8,7 +8,7 @@ import functools
 from autotune.memory import mla, moe
 from autotune.memory.breakdown import ActivationBreakdown
 from autotune.memory.common import host_pinned, pinned_bytes
-from autotune.memory.expert_parallel import block_expert_elements, ep_backward_transient, ep_forward_transient, ep_saved
+from autotune.memory.expert_parallel import ep_backward_transient, ep_forward_transient, ep_saved
 from autotune.memory.mixed import dense_block_spec, layer_kinds, mixed_breakdown
 from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention
 from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
@@ -408,11 +408,11 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         d = ep_saved(m, p, int(tokens), ep)
         mlp_saved, per_plain, per_ck = mlp_saved + d, per_plain + d - moe.moe_fixed_bytes(m), per_ck + (
             d - moe.moe_fixed_bytes(m) if gran in ("attention", "selective") else 0.0)
-        # the shared experts' instants around EP's routed ones as around grouped_mm's (moe.moe_backward_transient)
-        routed_saved = (m.num_experts_per_tok * moe.pair_saved(m, p) * tokens + d
-                        + moe.moe_fixed_bytes(m, p) - moe.moe_fixed_bytes(m))
+        # the shared experts' instants around EP's routed ones as around grouped_mm's (moe.moe_backward_transient):
+        # EP saves grouped_mm's bytes and d, without the offsets; a rank holds E / ep experts' weight gradients
+        _, grouped_saved, grouped_grads = moe.grouped_routed(m, p, int(tokens))
         mlp_bwd = moe.moe_backward_transient(m, p, int(tokens), routed=(
-            ep_backward_transient(m, p, int(tokens), ep), routed_saved, 3 * p * block_expert_elements(m) // ep))
+            ep_backward_transient(m, p, int(tokens), ep), grouped_saved + d - moe.moe_fixed_bytes(m), grouped_grads / ep))
         blocks, moe_fwd = n_ck * per_ck + (L - n_ck) * per_plain, ep_forward_transient(m, p, int(tokens), ep)
     if split.tiled_mlp:
         # TiledMLP's backward: the input's gradient (zeros_like x), one tile's recomputed MLP and its

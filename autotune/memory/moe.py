@@ -142,6 +142,20 @@ def moe_fixed_bytes(m: ModelSpec, p: int = 4) -> float:
     return 4.0 * m.num_experts + (4.0 * m.num_experts * m.hidden_size if m.router_fp32 and p < 4 else 0.0)
 
 
+def grouped_routed(m: ModelSpec, p: int, tokens: int) -> tuple[float, float, float]:
+    """grouped_mm's routed path in one block (``moe_backward_transient``): its backward peak beyond the
+    block's saved tensors (the three instants below), the bytes it saves (the pairs and the offsets)
+    and its experts' weight gradients (every expert's gate_up and down, model dtype)."""
+    h, f, e, k = m.hidden_size, expert_width(m), m.num_experts, m.num_experts_per_tok
+    w = _routing_weight_bytes(m, p)
+    q = max(p, w)
+    pairs = k * tokens
+    weights = ((3 * q + p) * h if q > p else 3 * q * h + w) * pairs - 8 * pairs
+    gate = 2 * p * f * pairs + p * e * h * f - (p * h + 8) * pairs
+    gate_up = 3 * p * e * h * f - 2 * p * f * pairs - 8 * pairs
+    return max(weights, gate, gate_up), (k * pair_saved(m, p)) * tokens + moe_fixed_bytes(m, p), 3 * p * e * h * f
+
+
 def moe_backward_transient(m: ModelSpec, p: int, tokens: int, routed: Optional[tuple[float, float, float]] = None) -> float:
     """The MoE feed-forward's backward peak beyond the block's saved tensors (bytes per block), the
     largest of three instants of grouped_mm_experts_forward's backward (S = tokens x top-k pairs; w the
@@ -159,17 +173,10 @@ def moe_backward_transient(m: ModelSpec, p: int, tokens: int, routed: Optional[t
       input gradient (h, replacing the released weighted gradient) alive.
     From allocation traces of one block's backward (torch 2.13 CPU profiler, docs/moe.md).
     ``routed``: another routed path's (peak, saved bytes, expert weight-gradient bytes) in place of
-    grouped_mm's (expert parallelism's, memory/expert_parallel.py), the shared experts' instants
-    composed with it the same way (they run beside the routed path, whichever runs it)."""
-    h, f, e, k = m.hidden_size, expert_width(m), m.num_experts, m.num_experts_per_tok
-    if routed is None:
-        w = _routing_weight_bytes(m, p)
-        q = max(p, w)
-        pairs = k * tokens
-        weights = ((3 * q + p) * h if q > p else 3 * q * h + w) * pairs - 8 * pairs
-        gate = 2 * p * f * pairs + p * e * h * f - (p * h + 8) * pairs
-        gate_up = 3 * p * e * h * f - 2 * p * f * pairs - 8 * pairs
-        routed = (max(weights, gate, gate_up), (k * pair_saved(m, p)) * tokens + moe_fixed_bytes(m, p), 3 * p * e * h * f)
+    grouped_mm's (``grouped_routed``; expert parallelism's, memory/expert_parallel.py), the shared
+    experts' instants composed with it the same way (they run beside the routed path, whichever runs it)."""
+    h = m.hidden_size
+    routed = routed or grouped_routed(m, p, tokens)
     fs = m.shared_expert_intermediate_size
     if not fs:
         return float(routed[0])
