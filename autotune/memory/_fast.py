@@ -186,15 +186,20 @@ def activation_row(model: ModelSpec, training: TrainingSpec, s: Strategy, device
     return [*_act_fields(act), act.granularity == "attention", (L - 1) in s.checkpointed_blocks(L), act.moe_recomputed]
 
 
-def _dense_kind(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
-                device: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def _dense_activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[Strategy],
+                       device: str) -> dict[str, np.ndarray]:
     """A MoE model's dense-MLP blocks (memory/mixed.py): their activation terms (``ActivationBreakdown.dense``,
-    ``_ACT_FIELDS``) and their FSDP2 units (``fsdp2._layer_units``: the dense block spec's ``_U``) per candidate."""
-    dense = dense_block_spec(model)
+    ``_ACT_FIELDS``) per candidate."""
     cols = _table(strategies, activation_key,
                   lambda s: list(_act_fields(activation_breakdown(model, training, s, device).dense)))
+    return {f: cols[k] for k, f in enumerate(_ACT_FIELDS)}
+
+
+def _dense_units(model: ModelSpec, hardware: HardwareSpec, strategies: Sequence[Strategy]) -> dict[str, np.ndarray]:
+    """A MoE model's dense-MLP blocks' FSDP2 units (``fsdp2._layer_units``: the dense block spec's ``_U``)."""
+    dense = dense_block_spec(model)
     units = _table(strategies, units_key, lambda s: list(_u_fields(_units(dense, s, hardware))))
-    return {f: cols[k] for k, f in enumerate(_ACT_FIELDS)}, {f: units[k] for k, f in enumerate(_U)}
+    return {f: units[k] for k, f in enumerate(_U)}
 
 
 def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[Strategy],
@@ -285,11 +290,11 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     r_true, r_false = L - 2 - k2, L - 2 - k  # {L-2-k2: True, L-2-k: False}, the later key winning
     kinds = layer_kinds(m)
     if kinds is not None:  # every block, each of its kind (walk._mixed_blocks; estimate._blocks_backward)
-        a_dense = _dense_kind(m, training, hardware, strategies, device)[0]
+        a_dense = _dense_activations(m, training, strategies, device)
         after = params_after(m)
         for i, kd, _, saved, mlp, _, attention, has_attention, _, _ in _mixed_points(
                 [a_dense if d else a for d in kinds], a, attention_gran, moe_recomputed, other_saved):
-            g_before = head_grad + np.where(c["grad_per_block"] != 0, p * after[i], 0.0 * c["grad_per_block"])
+            g_before = head_grad + np.where(c["grad_per_block"] != 0, p * after[i], 0.0)
             g = g_before + np.where((bucket != 0) & (head + after[i] > bucket), c["grads"], 0.0)
             add("backward", grads=g, activations=mlp, buffers=c["buffers_bwd"], pending=pending_head)
             add("backward", grads=g, activations=attention, buffers=c["buffers_bwd"], pending=pending_head,
@@ -437,7 +442,7 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     if kinds is None:
         ks, us, all_blocks = [a] * L, [u] * L, u_block * L
     else:
-        a_dense, u_dense = _dense_kind(m, training, hardware, strategies, device)
+        a_dense, u_dense = _dense_activations(m, training, strategies, device), _dense_units(m, hardware, strategies)
         u_dense.update(root=u["root"], u_root=u_root, all_grads=u["all_grads"])  # fsdp2._layer_units
         ks, us = [a_dense if d else a for d in kinds], [u_dense if d else u for d in kinds]
         all_blocks = sum(x["u_block"] for x in us)

@@ -203,7 +203,8 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     last = us[-1]
     # forward, last block: its gather transient on top of every earlier block's saved activations
     last_kind = act.dense if (act.dense is not None and act.dense_layers[-1]) else act
-    last_saved = last_kind.per_block_checkpointed if (L - 1) in s.checkpointed_blocks(L) else last_kind.per_block_plain
+    last_ck = (L - 1) in s.checkpointed_blocks(L)
+    last_saved = last_kind.per_block_checkpointed if last_ck else last_kind.per_block_plain
     add("forward", activations=saved_blocks - last_saved + other_saved + act.forward_only_masks,
         buffers=u.u_root + (last.u_block if reshard else all_blocks) + last.flat + last.cast_in)
     if mixed:  # an earlier block of the other kind: its own gather transient (memory/mixed.py)
@@ -213,7 +214,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
                 gathered = us[i].u_block if reshard else sum(x.u_block for x in us[:i + 1])
                 add("forward", activations=(below[i - 1] if i else 0.0) + other_saved + act.forward_only_masks,
                     buffers=u.u_root + gathered + us[i].flat + us[i].cast_in)
-    if last_kind.moe_forward_transient and not ((L - 1) in s.checkpointed_blocks(L) and last_kind.moe_recomputed):
+    if last_kind.moe_forward_transient and not (last_ck and last_kind.moe_recomputed):
         # the last block's experts combine (EP; a checkpointed block's own recomputation instant is larger):
         # every block's saved tensors but what the decoder makes after it (the final norm's)
         add("forward", activations=saved_blocks + other_saved - act.final_norm_saved + act.forward_only_masks
