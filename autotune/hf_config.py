@@ -111,10 +111,10 @@ def unchecked_note(cfg: dict, path: str, spec: ModelSpec) -> Optional[str]:
 
     if available():
         return None
-    what = "parameter count" if (spec.is_moe or spec.is_mla) else "parameter count and activations"
+    what = "parameter count was" if (spec.is_moe or spec.is_mla) else "parameter count and activations were"
     kind = model_type(text_model_config(cfg, path))
     return (f"{path}: sized from autotune's description of model_type {show(kind)} without torch and "
-            f"transformers, so its {what} were not checked against the transformers model; install the hf "
+            f"transformers, so its {what} not checked against the transformers model; install the hf "
             f"extra ({HF_EXTRA}) to check them")
 
 

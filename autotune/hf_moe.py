@@ -61,14 +61,20 @@ def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str
         only = set(val("mlp_only_layers", None) or [])
         step = int(val("decoder_sparse_step", 1))
         new["dense_layers"] = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    if kind in ("qwen2_moe", "qwen3_moe", "olmoe"):
+        # Qwen2MoeTopKRouter / Qwen3MoeTopKRouter / OlmoeTopKRouter: top-k renormalised only under
+        # norm_topk_prob (each config's default False), cast back to the model dtype; Qwen3-MoE's block
+        # registers its experts before its router (Qwen3MoeSparseMoeBlock.__init__)
+        new.update(router_norm_topk=bool(val("norm_topk_prob", False)), router_weights_cast=True,
+                   router_after_experts=kind == "qwen3_moe")
     if kind == "qwen2_moe":
         new.update(shared_expert_intermediate_size=val("shared_expert_intermediate_size", 5632),
-                   shared_expert_gate=True, qkv_bias=bool(val("qkv_bias", True)),
-                   router_norm_topk=bool(val("norm_topk_prob", False)))
+                   shared_expert_gate=True, qkv_bias=bool(val("qkv_bias", True)))
     if kind == "qwen3_moe":
         new["qk_norm"] = "head"  # Qwen3MoeAttention q_norm / k_norm: RMSNorm(head_dim)
     if kind == "olmoe":
-        new["qk_norm"] = "full"  # OlmoeAttention q_norm: RMSNorm(q_size), k_norm: RMSNorm(kv_size)
+        # OlmoeAttention: q_norm RMSNorm(q_size), k_norm RMSNorm(kv_size) on the projections' outputs
+        new["qk_norm"] = "full"
     if kind == "phimoe":
         # modeling_phimoe.py: LayerNorms with bias, q/k/v/o biased by attention_bias, lm_head_bias
         if not val("attention_bias", False):  # the LayerNorms keep their bias, ModelSpec.bias ties them
@@ -103,6 +109,7 @@ def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str
         new["dense_layers"] = tuple(range(min(first, layers)))
         new["shared_expert_intermediate_size"] = int(val("n_shared_experts", d["n_shared_experts"]) or 0) * int(
             new["moe_intermediate_size"])
+        new["router_after_experts"] = True  # DeepseekV2Moe / DeepseekV3MoE: self.experts, then self.gate
         if kind == "deepseek_v2":
             # modeling_deepseek_v2.py DeepseekV2TopkRouter: fp32 linear and softmax, "greedy" or
             # "group_limited_greedy" top-k (any other topk_method leaves its weights undefined)

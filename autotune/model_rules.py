@@ -81,6 +81,14 @@ def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
         raise ConfigError(f"{hf_path}: output_router_logits: true adds the auxiliary load-balancing loss, whose "
                           "tensors (every layer's router logits, kept to the loss) are not sized; set it false",
                           path="model.hf_config")
+    if spec.is_moe and not parts:
+        # in training these add tensors the memory model does not size: OLMoE's clip_qkv clamps q, k and v
+        # in place (clamp_'s backward keeps a copy of each, modeling_olmoe.py OlmoeAttention), Mixtral's
+        # router_jitter_noise multiplies the block input by a uniform draw (MixtralSparseMoeBlock.forward)
+        for key in ("clip_qkv", "router_jitter_noise"):
+            if cfg.get(key):
+                raise ConfigError(f"{hf_path}: {key}: {cfg[key]} adds training-time tensors that are not sized; "
+                                  f"set it to null or 0", path="model.hf_config")
     if parts:
         where = f"{hf_path}: " if hf_path else ""
         raise ConfigError(f"{where}{' with '.join(parts)} is described exactly ({spec.num_parameters:,} parameters) "

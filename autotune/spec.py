@@ -149,7 +149,14 @@ class ModelSpec:
     self.weight.type(torch.float32))``, the top-k scaled by ``routed_scaling_factor``)."""
     router_norm_topk: bool = True
     """The router renormalises its top-k weights to sum to 1 (``router_top_value /= router_top_value.sum()``;
-    Qwen2-MoE's ``norm_topk_prob: false`` skips it; read for qwen2_moe only)."""
+    Qwen2-MoE's and OLMoE's ``norm_topk_prob: false`` skips it; read for qwen2_moe and olmoe)."""
+    router_weights_cast: bool = False
+    """The router casts its top-k weights back to the model dtype (Qwen2/3-MoE and OLMoE
+    ``router_top_value.to(router_logits.dtype)``); False: they stay fp32 (Mixtral, DeepSeek)."""
+    router_after_experts: bool = False
+    """The MoE block registers its router after its experts, so ``parameters()`` lists it after them
+    (Qwen3-MoE, DeepSeek-V2/V3: ``self.experts`` then ``self.gate``); False: router first (Mixtral,
+    Qwen2-MoE, OLMoE)."""
     router_group_limited: bool = False
     """The top-k is limited to the best expert groups (DeepSeek-V2 ``topk_method: group_limited_greedy``:
     the scores outside the ``topk_group`` best of ``n_group`` groups masked to 0 before the top-k)."""

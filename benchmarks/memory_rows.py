@@ -125,6 +125,14 @@ MOE_FAMILIES.update({
                                                    "shared_expert_intermediate_size": 344, "mlp_only_layers": [1],
                                                    "bos_token_id": 0, "eos_token_id": 1}),
 })
+# OLMoE: q/k RMSNorm over the whole projections, its router's top-k not renormalised (norm_topk_prob false
+# as published) and cast back to the model dtype, the router registered before the experts
+MOE_FAMILIES.update({
+    "hf-olmoe": ("moe/olmoe-1b-7b-0924", {**_MOE, "num_experts": 4, "intermediate_size": 176, "pad_token_id": 0,
+                                         "eos_token_id": 1}),
+    "hf-olmoe-sv": ("moe/olmoe-1b-7b-0924", {**_MOE, "num_experts": 4, "intermediate_size": 176, "vocab_size": 256,
+                                            "pad_token_id": 0, "eos_token_id": 1}),
+})
 LONG_FAMILIES.update(MOE_FAMILIES)  # full overrides like the long families' (hf_config, specs, run_row)
 
 # strategies each HF family is measured with: (ZeRO stage, ranks, grad. accumulation, ckpt, precision)
@@ -328,6 +336,12 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     ("hf-qwen2moe-dense", "fsdp2-keep", 1, 1, 2, 256, "full", "fp32"), ("hf-qwen2moe-dense", 1, 1, 1, 2, 256, "selective", "bf16"),
     ("hf-deepseekv3-dense", 3, 2, 1, 2, 256, "full", "bf16"), ("hf-deepseekv3-dense", "fsdp2", 2, 1, 2, 256, "none", "fp32"),
     ("hf-deepseekv3-dense", 1, 1, 1, 2, 256, "none", "bf16"),
+    # OLMoE: qk-norm over the whole projections, top-k not renormalised (moe.py)
+    ("hf-olmoe", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-olmoe", 1, 2, 1, 2, 256, "none", "fp32"),
+    ("hf-olmoe-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-olmoe", 3, 2, 1, 2, 256, "full", "bf16"),
+    ("hf-olmoe", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-olmoe-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
+    ("hf-olmoe-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-olmoe-sv", "fsdp2-keep", 1, 1, 4, 256, "full", "bf16"),
+    ("hf-olmoe", 1, 1, 1, 2, 256, "selective", "bf16"),
 ]
 
 
@@ -344,6 +358,7 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
     # checkpointed: the MoE backward's instants set the peak (the shared experts' around the routed chunk loop)
     ("hf-qwen2moe-sv", "fsdp2", 2, 1, 4, 512, "full", "fp32"), ("hf-deepseekv3-sv", "fsdp2", 2, 1, 4, 256, "full", "fp32"),
     ("hf-deepseekv2-sv", "fsdp2-keep", 2, 1, 8, 256, "full", "fp32"),
+    ("hf-olmoe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
 ]
 
 

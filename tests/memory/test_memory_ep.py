@@ -162,8 +162,8 @@ def test_ep_step_measured_not_under_predicted(tmp_path):
                knobs={"expert_parallel_size": 2})
     out = bench.run_row(row, tmp_path, timeout=300)
     assert out["status"] == "ok", out.get("reason")
-    # 256 tokens per rank: the busiest chunk reaches the default factor (1.70 measured here, MOE_LOAD_IMBALANCE
-    # rounded up to it; docs/moe.md); the default over-predicts, as the factors stated at what the step measured do
+    # 256 tokens per rank: the busiest chunk comes near the default factor (1.70 measured here; MOE_LOAD_IMBALANCE
+    # is rounded up from the largest measured, docs/moe.md); the default over-predicts, as the factors stated at what the step measured do
     assert 1.0 <= out["imbalance_measured"] <= out["expert_imbalance_measured"], out
     assert min(out["error"], out["error_stated"]) >= out["error_routing"] >= -PREDICTION_MARGIN, out
 

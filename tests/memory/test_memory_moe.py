@@ -25,7 +25,7 @@ from conftest import ROOT
 MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
 FILES = sorted(glob.glob(os.path.join(MOE_DIR, "*.json")))
 SIZED = {"mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json", "qwen2-57b-a14b.json",
-         "deepseek-v2-lite.json", "deepseek-v3.json"}  # their dense first blocks: test_memory_dense_layers.py
+         "deepseek-v2-lite.json", "deepseek-v3.json", "olmoe-1b-7b-0924.json"}  # their dense first blocks: test_memory_dense_layers.py
 DENSE_FIRST = {"deepseek-v2-lite.json", "deepseek-v3.json"}
 """Published files with dense blocks among the MoE ones: the screen leaves them to estimate_memory."""
 
@@ -170,6 +170,43 @@ def test_qwen2_moe_backward_peak_is_the_traced_one(tmp_path):
     assert moe.ffn_parameter_order(m)[0] == 4 * 128 and moe.ffn_parameter_order(m)[-1] == 128
 
 
+def test_olmoe_router_and_order():
+    """OLMoE (OlmoeTopKRouter, OlmoeSparseMoeBlock): the router of Qwen3-MoE with its published
+    norm_topk_prob false (no renormalisation kept) and its weights cast back to the model dtype, registered
+    before the experts; q/k RMSNorm over the whole projections. Qwen3-MoE's file states norm_topk_prob
+    true; without the key its config's default, false, is read."""
+    from autotune.config import hf_config_fields
+    from autotune.spec import ModelSpec
+
+    path = os.path.join(MOE_DIR, "olmoe-1b-7b-0924.json")
+    m = ModelSpec(**hf_config_fields(path))
+    e, k, h = m.num_experts, m.num_experts_per_tok, m.hidden_size
+    assert m.qk_norm == "full" and m.router_weights_cast and not m.router_norm_topk and not m.router_after_experts
+    assert moe.router_saved_per_token(m, 2) == 4 * e + 8 * k
+    assert moe.pair_saved(m, 2) == 24 + 2 * (2 * h + 4 * m.intermediate_size) + 2
+    assert moe.ffn_parameter_order(m)[0] == e * h  # the router first
+    cfg = json.load(open(os.path.join(MOE_DIR, "qwen3-30b-a3b.json")))
+    assert ModelSpec(**hf_config_fields(os.path.join(MOE_DIR, "qwen3-30b-a3b.json"))).router_norm_topk
+    cfg.pop("norm_topk_prob")
+    from autotune.hf_config import map_hf_config
+
+    assert not map_hf_config(cfg, "x.json")["router_norm_topk"]
+
+
+def test_moe_training_noise_refused(tmp_path):
+    """OLMoE's clip_qkv and Mixtral's router_jitter_noise add training-time tensors the model does not
+    size: refused in one line naming the key."""
+    for name, key, value in (("olmoe-1b-7b-0924.json", "clip_qkv", 8.0),
+                             ("mixtral-8x7b-v0.1.json", "router_jitter_noise", 0.01)):
+        cfg = json.load(open(os.path.join(MOE_DIR, name)))
+        cfg[key] = value
+        path = tmp_path / name
+        path.write_text(json.dumps(cfg))
+        with pytest.raises(ConfigError) as err:
+            load_config(_job(tmp_path, str(path)))
+        assert "\n" not in str(err.value) and key in str(err.value) and "model.hf_config" in str(err.value)
+
+
 def test_dense_models_unchanged_by_the_moe_hooks():
     """The hooks leave a dense model's terms as they were: the down projection is f x h, the
     feed-forward's weights 3 f h."""
@@ -180,7 +217,7 @@ def test_dense_models_unchanged_by_the_moe_hooks():
     assert moe.ffn_weight_elements(m) == 3 * m.hidden_size * m.intermediate_size
 
 
-@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe", "hf-qwen2moe"])
+@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe", "hf-qwen2moe", "hf-olmoe"])
 def test_moe_block_saved_tensors_match_transformers(name, tmp_path):
     """One tiny MoE block (4 experts, top-2) of the benchmark: what transformers saves for backward in
     it equals per_block_plain to the byte, bf16."""

@@ -114,7 +114,7 @@ def test_light_install_accepts_proven_families(path, monkeypatch, write, capsys)
     # sized, and said to be unchecked: one note line on stderr naming the file and the hf extra
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"autotune: note: {os.path.join(os.path.dirname(job), path)}: ")
-    assert "were not checked against the transformers model" in err[0] and "autotune[hf]" in err[0]
+    assert "not checked against the transformers model" in err[0] and "autotune[hf]" in err[0]
     assert ("activations" in err[0]) == (not load_config(job).model.is_moe)
 
 
