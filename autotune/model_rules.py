@@ -85,7 +85,7 @@ def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
         # in training these add tensors the memory model does not size: OLMoE's clip_qkv clamps q, k and v
         # in place (clamp_'s backward keeps a copy of each, modeling_olmoe.py OlmoeAttention), Mixtral's
         # router_jitter_noise multiplies the block input by a uniform draw (MixtralSparseMoeBlock.forward)
-        for key in ("clip_qkv", "router_jitter_noise"):
+        for key in {"olmoe": ("clip_qkv",), "mixtral": ("router_jitter_noise",)}.get(cfg.get("model_type"), ()):
             if cfg.get(key):
                 raise ConfigError(f"{hf_path}: {key}: {cfg[key]} adds training-time tensors that are not sized; "
                                   f"set it to null or 0", path="model.hf_config")
