@@ -1,6 +1,6 @@
-"""What a dense config.json's blocks keep for backward, measured (torch + transformers), so that
-hf_config.check_block_bytes can compare it with the memory model for every dense file, the proven
-families' too (a file can set a switch no test covers).
+"""What a config.json's blocks keep for backward, measured (torch + transformers), so that
+hf_config.check_block_bytes can compare it with the memory model for every dense file and every file of
+a sized mixture-of-experts family, the proven families' too (a file can set a switch no test covers).
 
 A parameter count that matches (autotune.hf_count) does not make the activations right: a family can have
 the Llama-shaped parameters and another forward (GLM's partial interleaved rotary, Helium's or Seed-OSS's
@@ -33,7 +33,7 @@ BATCH, SEQ = 2, 64
 """The measured forward's batch and sequence length."""
 PRECISIONS = {"bf16": 2, "fp32": 4}
 """The dtypes measured (name -> bytes per element)."""
-BLOCKS_VERSION = 1
+BLOCKS_VERSION = 2
 """Part of each cache key: raise it when the measurement changes (``shrink``, ``_measure``)."""
 TIMEOUT_S = 600
 """How long the child process may take."""
@@ -42,6 +42,14 @@ _WIDTH = {"hidden_size": 128, "n_embd": 128, "d_model": 128, "intermediate_size"
           "ffn_hidden_size": 344, "vocab_size": 512, "padded_vocab_size": 512, "max_position_embeddings": 512,
           "n_positions": 512, "max_seq_len": 512, "head_dim": 32}
 """Size keys set to CPU size where the file sets them (the family's switches are left as they are)."""
+_MOE_WIDTH = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 176, "shared_expert_intermediate_size": 344, "kv_lora_rank": 64,
+              "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "n_group": 2,
+              "topk_group": 1}
+"""A mixture-of-experts / latent-attention file's sizes at CPU size, where it sets them (the memory benchmark's
+tiny MoE shape: 4 experts, top-2; DeepSeek-V3's groups 2 of 2 experts, one picked; MLA ranks and head dims)."""
+_KEEP_NULL = ("q_lora_rank",)
+"""Keys whose null is a value, not the default (DeepSeek-V2-Lite's q_lora_rank: null, a plain q_proj)."""
 _HEADS = ("num_attention_heads", "n_head", "n_heads")
 _KV_HEADS = ("num_key_value_heads", "multi_query_group_num", "kv_n_heads")
 _DROP = DROP_KEYS + ("quantization_config",)
@@ -51,11 +59,15 @@ def shrink(cfg: dict) -> dict:
     """``cfg`` (a text model's config.json object) at CPU size: ``BLOCKS`` blocks, width 128, 4 heads
     (kv heads 4 if the file has as many as heads, else 2, or 1 for multi-query), head dim 32 where set,
     a 512-token vocabulary; token ids past it set to 0; per-layer lists cut to the blocks."""
-    out = {k: v for k, v in cfg.items() if k not in _DROP and v is not None}
+    out = {k: v for k, v in cfg.items() if k not in _DROP and (v is not None or k in _KEEP_NULL)}
     heads = next((out[k] for k in _HEADS if isinstance(out.get(k), int)), None)
-    for key, value in _WIDTH.items():
-        if isinstance(out.get(key), int):
+    for key, value in {**_WIDTH, **_MOE_WIDTH}.items():
+        if isinstance(out.get(key), int) and not isinstance(out.get(key), bool):
             out[key] = value
+    if isinstance(out.get("mlp_only_layers"), list):  # Qwen-MoE's dense blocks among the shrunk ones
+        out["mlp_only_layers"] = [i for i in out["mlp_only_layers"] if isinstance(i, int) and i < BLOCKS]
+    if isinstance(out.get("first_k_dense_replace"), int):  # DeepSeek's dense first blocks, at most all of them
+        out["first_k_dense_replace"] = min(out["first_k_dense_replace"], BLOCKS)
     for key in _HEADS:
         if isinstance(out.get(key), int):
             out[key] = 4
@@ -143,19 +155,25 @@ def _measure(small: dict, attn: str, precision: str) -> list[int]:
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     with torch.random.fork_rng(devices=[]):  # seeded here, the caller's generator left as it was
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+        # every parameter in the training dtype, as DeepSpeed's and FSDP2's mixed precision hold them (a module
+        # built in fp32, as DeepSeek's router weight, is cast too: its linear then keeps an fp32 copy)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(dtype).train()
         layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == BLOCKS)
         return saved_bytes_per_block(model, layers, torch.randint(0, int(config.vocab_size), (BATCH, SEQ)))[1:]
 
 
 def saved_bytes_per_block(model: Any, layers: Any, input_ids: Any) -> list[int]:
     """One training forward of ``model`` (with labels) under autograd's saved-tensor hooks: per block of
-    ``layers``, the bytes of the storages first saved inside it (parameters excluded; what an earlier part
-    of the forward saved, as the rotary tables and masks every block shares, counted there)."""
+    ``layers``, the bytes of the storages first saved inside it that the graph still holds when the
+    forward returns (parameters excluded; a tensor saved by a node the forward dropped, as DeepSeek-V3's
+    group top-k whose output only yields indices, is not kept; what an earlier part of the forward saved,
+    as the rotary tables and masks every block shares, counted there)."""
+    import weakref
+
     import torch
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    first_seen: dict[int, tuple[int, int]] = {}  # storage -> (block it was first saved in, bytes)
+    packed: list[tuple[int, Any]] = []  # (block it was saved in, a weak reference to the saved tensor)
     where = [-1]
     hooks = []
     for i, layer in enumerate(layers):
@@ -163,15 +181,19 @@ def saved_bytes_per_block(model: Any, layers: Any, input_ids: Any) -> list[int]:
         hooks.append(layer.register_forward_hook(lambda *a: where.__setitem__(0, -1)))
 
     def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            first_seen.setdefault(ptr, (where[0], t.untyped_storage().nbytes()))
+        packed.append((where[0], weakref.ref(t)))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=input_ids, labels=input_ids, use_cache=False)
+        out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
     for hook in hooks:
         hook.remove()
+    first_seen: dict[int, tuple[int, int]] = {}  # storage -> (block it was first saved in, bytes)
+    for block, ref in packed:
+        t = ref()
+        if t is not None and t.untyped_storage().data_ptr() not in params:
+            first_seen.setdefault(t.untyped_storage().data_ptr(), (block, t.untyped_storage().nbytes()))
+    del out
     return [sum(n for block, n in first_seen.values() if block == i) for i in range(len(layers))]
 
 

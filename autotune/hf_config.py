@@ -9,8 +9,8 @@ from typing import Any, Callable, Optional
 
 from autotune.checks import show
 from autotune.errors import ConfigError
-from autotune.hf_moe import MOE_FAMILIES, moe_fields
-from autotune.spec import ModelSpec
+from autotune.hf_moe import MOE_FAMILIES, moe_fields, training_noise
+from autotune.spec import ModelSpec, TrainingSpec
 
 
 EXACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt2",
@@ -118,11 +118,17 @@ def unchecked_note(cfg: dict, path: str, spec: ModelSpec) -> Optional[str]:
             f"extra ({HF_EXTRA}) to check them")
 
 
-def _measured(spec: ModelSpec) -> bool:
-    """Whether check_block_bytes measures the model: a dense one, torch and transformers installed."""
+def _measured(spec: ModelSpec, cfg: dict) -> bool:
+    """Whether check_block_bytes measures the model of the text config ``cfg``: torch and transformers
+    installed, and a dense model or a mixture-of-experts / latent-attention one the memory model sizes
+    (memory.moe.not_sized, no hf_moe.training_noise: the others are refused in one line by
+    model_rules.check_modelled, naming what is not sized)."""
     from autotune import hf_blocks
+    from autotune.memory.moe import not_sized
 
-    return not (spec.is_moe or spec.is_mla) and hf_blocks.available()
+    if (spec.is_moe or spec.is_mla) and (not_sized(spec, model_type(cfg)) or training_noise(cfg)):
+        return False
+    return hf_blocks.available()
 
 
 def _shrunk(cfg: dict, path: str, fields_of: Callable[[dict, str], dict]) -> tuple[dict, ModelSpec]:
@@ -141,7 +147,7 @@ def warm_checks(cfg: dict, fields_: dict, path: str, fields_of: Callable[[dict, 
     from autotune import hf_blocks
 
     spec = ModelSpec(**{"name": "hf", **fields_})
-    if not _measured(spec):
+    if not _measured(spec, text_model_config(cfg, path)):
         return
     try:
         small_cfg, small = _shrunk(cfg, path, fields_of)
@@ -155,21 +161,40 @@ BLOCK_TOLERANCE = 0.005
 tests/memory/test_memory_hf_blocks.py)."""
 
 
+def _block_bytes(small: ModelSpec, precision: str) -> list[float]:
+    """The memory model's bytes of hf_blocks' compared blocks (1..) of the shrunk model ``small``: per block
+    of its kind (a MoE model's dense blocks as memory/mixed.py sizes them), CPU, no checkpointing."""
+    from autotune import hf_blocks
+    from autotune.memory import activation_breakdown, block_activation_bytes_per_token
+    from autotune.memory.mixed import kind_spec, layer_kinds
+    from autotune.strategy import Strategy
+
+    p, tokens = hf_blocks.PRECISIONS[precision], hf_blocks.BATCH * hf_blocks.SEQ
+    if not (small.is_moe or small.is_mla):
+        return [block_activation_bytes_per_token(small, p, hf_blocks.SEQ, "none", mask_bytes=p, device="cpu") * tokens
+                ] * (hf_blocks.BLOCKS - 1)
+    training = TrainingSpec(seq_len=hf_blocks.SEQ, global_batch_size=hf_blocks.BATCH, precision=precision)
+    strategy = Strategy(micro_batch_size=hf_blocks.BATCH, precision=precision)
+    kinds = layer_kinds(small) or (False,) * small.num_hidden_layers  # True: a dense block
+    # per_block_plain: the block's saved bytes, its per-block terms (grouped offsets, router weight copy) too
+    return [activation_breakdown(kind_spec(small, dense), training, strategy, device="cpu").per_block_plain
+            for dense in kinds[1:hf_blocks.BLOCKS]]
+
+
 def check_block_bytes(cfg: dict, fields_: dict, path: str, fields_of: Callable[[dict, str], dict]) -> None:
     """With torch + transformers, for a dense model (any model_type: a proven family's file can set a
-    switch no test covers, as GPT-2's ``activation_function: relu``): the memory model's per-block
-    activations (``block_activation_bytes_per_token``, CPU, no checkpointing) must be what the file's
-    blocks keep for backward, shrunk to CPU size (autotune.hf_blocks), in bf16 and fp32 and in every
-    compared block, within BLOCK_TOLERANCE; else the file is refused in one line naming the worst block.
-    A file the measurement cannot run is refused too: its activations cannot be checked. MoE and
-    latent-attention blocks are sized family by family (memory/moe.py, mla.py) and checked by tests.
+    switch no test covers, as GPT-2's ``activation_function: relu``) and a MoE / latent-attention model of
+    a family the memory model sizes (a switch of a sized family, as a future router option, is caught the
+    same way): the memory model's per-block activations (``_block_bytes``, CPU, no checkpointing) must be
+    what the file's blocks keep for backward, shrunk to CPU size (autotune.hf_blocks), in bf16 and fp32
+    and in every compared block, within BLOCK_TOLERANCE; else the file is refused in one line naming the
+    worst block. A file the measurement cannot run is refused too: its activations cannot be checked.
     ``fields_of(cfg, path)``: ModelSpec fields of a config.json object (autotune.config's checked map)."""
     from autotune import hf_blocks
     from autotune.hf_count import HFCountError
 
-    if not _measured(ModelSpec(**{"name": "hf", **fields_})):
+    if not _measured(ModelSpec(**{"name": "hf", **fields_}), text_model_config(cfg, path)):
         return
-    from autotune.memory import block_activation_bytes_per_token
 
     try:
         small_cfg, small = _shrunk(cfg, path, fields_of)
@@ -182,10 +207,7 @@ def check_block_bytes(cfg: dict, fields_: dict, path: str, fields_of: Callable[[
                           path="model.hf_config") from None
     worst = (0.0, "", 0, 0, 0.0)
     for precision, blocks in measured.items():
-        p = hf_blocks.PRECISIONS[precision]
-        tokens = hf_blocks.BATCH * hf_blocks.SEQ
-        predicted = block_activation_bytes_per_token(small, p, hf_blocks.SEQ, "none", mask_bytes=p, device="cpu") * tokens
-        for i, got in enumerate(blocks, start=1):
+        for i, (got, predicted) in enumerate(zip(blocks, _block_bytes(small, precision)), start=1):
             err_ = predicted / got - 1 if got else float("inf")
             if abs(err_) > abs(worst[0]):
                 worst = (err_, precision, i, got, predicted)

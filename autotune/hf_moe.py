@@ -28,6 +28,20 @@ MOE_FAMILIES = tuple(_ROUTED)
 """The mixture-of-experts model_type values described here (tests/data/hf/moe: one published
 config.json of each, counted exactly against the meta-device model)."""
 
+TRAINING_NOISE: dict[str, tuple[str, ...]] = {"olmoe": ("clip_qkv",), "mixtral": ("router_jitter_noise",)}
+"""Keys of a family whose set value adds training-time tensors the memory model does not size: OLMoE's
+``clip_qkv`` clamps q, k and v in place (clamp_'s backward keeps copies; modeling_olmoe.py OlmoeAttention),
+Mixtral's ``router_jitter_noise`` multiplies the block input by a uniform draw (MixtralSparseMoeBlock.forward)."""
+
+
+def training_noise(cfg: dict) -> str | None:
+    """``key: value`` of the first TRAINING_NOISE key the config.json object ``cfg`` sets; None: none."""
+    for key in TRAINING_NOISE.get(cfg.get("model_type", ""), ()):
+        if cfg.get(key):
+            return f"{key}: {cfg[key]}"
+    return None
+
+
 _MLA_DEFAULTS = {  # DeepseekV2Config / DeepseekV3Config
     "deepseek_v2": dict(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
                         v_head_dim=128, n_shared_experts=2, first_k_dense_replace=0),

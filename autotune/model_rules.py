@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from autotune.checks import Checker, int_, show
 from autotune.errors import ConfigError
+from autotune.hf_moe import training_noise
 from autotune.spec import ModelSpec, TrainingSpec
 
 
@@ -81,14 +82,10 @@ def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
         raise ConfigError(f"{hf_path}: output_router_logits: true adds the auxiliary load-balancing loss, whose "
                           "tensors (every layer's router logits, kept to the loss) are not sized; set it false",
                           path="model.hf_config")
-    if spec.is_moe and not parts:
-        # in training these add tensors the memory model does not size: OLMoE's clip_qkv clamps q, k and v
-        # in place (clamp_'s backward keeps a copy of each, modeling_olmoe.py OlmoeAttention), Mixtral's
-        # router_jitter_noise multiplies the block input by a uniform draw (MixtralSparseMoeBlock.forward)
-        for key in {"olmoe": ("clip_qkv",), "mixtral": ("router_jitter_noise",)}.get(cfg.get("model_type"), ()):
-            if cfg.get(key):
-                raise ConfigError(f"{hf_path}: {key}: {cfg[key]} adds training-time tensors that are not sized; "
-                                  f"set it to null or 0", path="model.hf_config")
+    noise = training_noise(cfg) if spec.is_moe and not parts else None
+    if noise:
+        raise ConfigError(f"{hf_path}: {noise} adds training-time tensors that are not sized; set it to null or 0",
+                          path="model.hf_config")
     if parts:
         where = f"{hf_path}: " if hf_path else ""
         raise ConfigError(f"{where}{' with '.join(parts)} is described exactly ({spec.num_parameters:,} parameters) "

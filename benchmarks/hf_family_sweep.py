@@ -53,6 +53,14 @@ VARIANTS = [  # (a published file of tests/data/hf, the switches changed): switc
     ("gpt2.json", dict(reorder_and_upcast_attn=True)), ("pythia-160m.json", dict(rotary_pct=1.0)),
     ("pythia-160m.json", dict(use_parallel_residual=False)),
     ("pythia-160m.json", dict(attention_dropout=0.1, hidden_dropout=0.1)),
+    # the sized mixture-of-experts families (docs/moe.md): their router and block switches
+    ("moe/qwen3-30b-a3b.json", dict(norm_topk_prob=False)), ("moe/qwen3-30b-a3b.json", dict(attention_bias=True)),
+    ("moe/qwen3-30b-a3b.json", dict(decoder_sparse_step=2)), ("moe/qwen1.5-moe-a2.7b.json", dict(norm_topk_prob=True)),
+    ("moe/olmoe-1b-7b-0924.json", dict(norm_topk_prob=True)), ("moe/olmoe-1b-7b-0924.json", dict(clip_qkv=8.0)),
+    ("moe/mixtral-8x7b-v0.1.json", dict(router_jitter_noise=0.01)), ("moe/mixtral-8x7b-v0.1.json", dict(hidden_act="gelu")),
+    ("moe/deepseek-v3.json", dict(norm_topk_prob=False, rope_interleave=False)),
+    ("moe/deepseek-v2-lite.json", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1)),
+    ("moe/deepseek-v2-lite.json", dict(q_lora_rank=512)),
 ]
 
 

@@ -1,8 +1,8 @@
-"""A dense config.json is sized only if its blocks keep for backward what the memory model says
-(autotune.hf_blocks, hf_config.check_block_bytes): shrinking keeps the family's switches, a family whose
-forward differs is refused in one line, one that matches is sized, one the measurement cannot run is
-refused, a proven family's file with an untested switch is refused, and a torch-free process measures
-in a child and caches it."""
+"""A dense config.json, or a MoE one of a sized family, is sized only if its blocks keep for backward what
+the memory model says (autotune.hf_blocks, hf_config.check_block_bytes): shrinking keeps the family's
+switches, a family whose forward differs is refused in one line, one that matches is sized, one the
+measurement cannot run is refused, a proven family's file with an untested switch is refused (a MoE
+family's too), and a torch-free process measures in a child and caches it."""
 
 import json
 import os
@@ -104,13 +104,47 @@ def test_a_proven_familys_file_with_an_untested_switch_is_refused(tmp_path):
     assert "\n" not in str(err.value) and "block activations are +" in str(err.value)
 
 
-def test_moe_and_latent_attention_files_are_not_measured(monkeypatch):
-    """MoE / MLA blocks are sized family by family and proven by tests/memory: not measured here."""
-    from autotune import hf_blocks
+MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
+SIZED_MOE = ("deepseek-v2-lite.json", "deepseek-v3.json", "mixtral-8x7b-v0.1.json", "olmoe-1b-7b-0924.json",
+             "qwen1.5-moe-a2.7b.json", "qwen2-57b-a14b.json", "qwen3-30b-a3b.json")
+
+
+@pytest.mark.parametrize("name", SIZED_MOE)
+def test_sized_moe_files_are_measured_to_the_byte(name):
+    """A MoE / latent-attention file of a sized family is measured too (4 experts, top-2, MLA ranks shrunk;
+    DeepSeek's dense first blocks and the MoE one each as its kind): every compared block, bf16 and fp32,
+    is what the memory model says to the byte."""
+    pytest.importorskip("torch")
+    from autotune import hf_blocks, hf_config
+    from autotune.config import _checked_hf_fields
+
+    path = os.path.join(MOE_DIR, name)
+    cfg = json.load(open(path))
+    small_cfg, small = hf_config._shrunk(cfg, path, _checked_hf_fields)
+    assert small.is_moe and small.num_experts == 4 and small.num_experts_per_tok == 2
+    measured = hf_blocks.saved_bytes_of_blocks(small_cfg, small.attn_implementation)
+    for precision in ("bf16", "fp32"):
+        assert measured[precision] == [int(b) for b in hf_config._block_bytes(small, precision)], precision
+
+
+def test_a_sized_moe_familys_file_with_an_untested_switch_is_refused(tmp_path, monkeypatch):
+    """Mixtral with router_jitter_noise (a uniform draw multiplies the block input in training), were it
+    not refused by name (hf_moe.training_noise): its measured blocks keep more than the model says; a
+    MoE family the memory model does not size is not measured (model_rules.check_modelled refuses it)."""
+    pytest.importorskip("torch")
+    from autotune import hf_blocks, hf_config
+
+    jitter = tmp_path / "jitter.json"
+    jitter.write_text(json.dumps({**json.load(open(os.path.join(MOE_DIR, "mixtral-8x7b-v0.1.json"))),
+                                  "router_jitter_noise": 0.01}))
+    monkeypatch.setattr(hf_config, "training_noise", lambda cfg: None)
+    with pytest.raises(ConfigError) as err:
+        hf_config_fields(str(jitter))
+    assert "\n" not in str(err.value) and "block activations are -" in str(err.value)
 
     def never(*args):
-        raise AssertionError("measured a MoE file")
+        raise AssertionError("measured a MoE file of a family the memory model does not size")
 
     monkeypatch.setattr(hf_blocks, "saved_bytes_of_blocks", never)
-    for name in ("mixtral-8x7b-v0.1.json", "deepseek-v2-lite.json"):
-        hf_config_fields(os.path.join(ROOT, "tests", "data", "hf", "moe", name))
+    for name in ("phi-3.5-moe.json", "gpt-oss-20b.json", "granite-3.0-1b-a400m.json"):
+        hf_config_fields(os.path.join(MOE_DIR, name))
