@@ -64,6 +64,8 @@ def shrink(cfg: dict) -> dict:
     for key, value in {**_WIDTH, **_MOE_WIDTH}.items():
         if isinstance(out.get(key), int) and not isinstance(out.get(key), bool):
             out[key] = value
+    if isinstance(out.get("qk_rope_head_dim"), int) and isinstance(out.get("head_dim"), int):
+        out["head_dim"] = out["qk_rope_head_dim"]  # DeepseekV2Config / DeepseekV3Config: the rotary's width
     if isinstance(out.get("mlp_only_layers"), list):  # Qwen-MoE's dense blocks among the shrunk ones
         out["mlp_only_layers"] = [i for i in out["mlp_only_layers"] if isinstance(i, int) and i < BLOCKS]
     if isinstance(out.get("first_k_dense_replace"), int):  # DeepSeek's dense first blocks, at most all of them

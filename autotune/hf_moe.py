@@ -24,6 +24,7 @@ _ROUTED: dict[str, tuple[str, int, int, Any]] = {
     "deepseek_v2": ("n_routed_experts", 64, 0, ("moe_intermediate_size", 1407)),
     "deepseek_v3": ("n_routed_experts", 256, 8, ("moe_intermediate_size", 2048)),
 }
+_EXPERT_ALIASES = ("num_local_experts", "num_experts", "n_routed_experts")
 MOE_FAMILIES = tuple(_ROUTED)
 """The mixture-of-experts model_type values described here (tests/data/hf/moe: one published
 config.json of each, counted exactly against the meta-device model)."""
@@ -66,7 +67,11 @@ def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str
     experts_key, experts, top_k, width = _ROUTED[kind]
     layers = int(out["num_hidden_layers"])
     top_k = val("num_experts_per_tok", top_k or _UNSET)
-    new: dict[str, Any] = dict(num_experts=val(experts_key, experts), num_experts_per_tok=top_k)
+    # the configuration classes alias the count (attribute_map: Qwen3MoeConfig num_experts -> num_local_experts,
+    # OlmoeConfig num_local_experts -> num_experts, DeepseekV3Config num_local_experts -> n_routed_experts), and a
+    # file saved by transformers 5 can carry it under the alias with the family's key null
+    key = next((k for k in (experts_key, *_EXPERT_ALIASES) if cfg.get(k) is not None), experts_key)
+    new: dict[str, Any] = dict(num_experts=val(key, experts), num_experts_per_tok=top_k)
     if width is not None:
         new["moe_intermediate_size"] = val(*width)
     if kind in ("qwen2_moe", "qwen3_moe"):

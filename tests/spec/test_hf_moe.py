@@ -95,6 +95,21 @@ def test_dense_blocks_and_sliding_layers_are_read():
     assert lite["q_lora_rank"] is None and lite["shared_expert_intermediate_size"] == 2 * 1408
 
 
+def test_the_expert_count_is_read_under_its_aliases():
+    """The configuration classes alias the count (Qwen3MoeConfig num_experts -> num_local_experts,
+    OlmoeConfig num_local_experts -> num_experts, DeepseekV3Config num_local_experts -> n_routed_experts):
+    a file saved under the alias, the family's key null or absent, gives the same description (before, the
+    family's default was read: 128 experts for a Qwen3-MoE file of 4)."""
+    for name, key, alias in (("qwen3-30b-a3b.json", "num_experts", "num_local_experts"),
+                             ("olmoe-1b-7b-0924.json", "num_experts", "num_local_experts"),
+                             ("deepseek-v3.json", "n_routed_experts", "num_local_experts")):
+        cfg = json.load(open(os.path.join(MOE_DIR, name)))
+        plain = map_hf_config({**cfg, key: 16}, "c.json")
+        moved = {k: v for k, v in cfg.items() if k != key}
+        assert map_hf_config({**moved, alias: 16}, "c.json") == plain
+        assert map_hf_config({**moved, key: None, alias: 16}, "c.json")["num_experts"] == 16
+
+
 def _job(write, hf: str) -> str:
     return write(BASE.replace("preset: llama2-7b", f"hf_config: {hf}"))
 
