@@ -81,8 +81,8 @@ def shrink(cfg: dict) -> dict:
         if isinstance(out.get(key), int):
             out[key] = BLOCKS
     for key, value in out.items():
-        if isinstance(value, list) and len(value) >= BLOCKS and key.startswith("layer"):
-            out[key] = value[:BLOCKS]
+        if isinstance(value, list) and value and key.startswith("layer"):  # per-layer lists: the first BLOCKS,
+            out[key] = [value[i % len(value)] for i in range(BLOCKS)]  # a shorter one's pattern repeated
         if key.endswith("token_id") and isinstance(value, int) and value >= 512:
             out[key] = 0
     return out

@@ -103,14 +103,19 @@ def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str
     if kind == "gpt_oss":
         # modeling_gpt_oss.py: biased q/k/v/o (attention_bias), per-head sinks, router and expert
         # biases; layer_types alternate sliding_attention / full_attention over sliding_window
+        # GptOssPreTrainedModel._supports_sdpa False: transformers runs eager attention, whose 4-D additive masks
+        # are built per layer type (one full, one sliding: num_attention_masks); GptOssRMSNorm multiplies
+        # the weight in fp32
         new.update(bias=bool(val("attention_bias", True)), attention_sinks=True, router_bias=True,
-                   expert_bias=True)
+                   expert_bias=True, attn_implementation="eager", norm="rmsnorm_fp32", router_topk_softmax=True,
+                   router_weights_cast=True, expert_clamped_swiglu=True, rotary_half_table=True)
         types = val("layer_types", None) or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                              for i in range(layers)]
         window = val("sliding_window", 128)
         sliding = sum(t == "sliding_attention" for t in types[:layers])
         if sliding and window is not None:
-            new.update(sliding_window=int(window), sliding_window_layers=sliding)
+            new.update(sliding_window=int(window), sliding_window_layers=sliding,
+                       num_attention_masks=2 if sliding < layers else 1)
     if kind in ("mixtral", "phimoe") and cfg.get("sliding_window"):
         new["sliding_window"] = int(cfg["sliding_window"])
     if kind in _MLA_DEFAULTS:

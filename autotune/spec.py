@@ -157,6 +157,15 @@ class ModelSpec:
     """The MoE block registers its router after its experts, so ``parameters()`` lists it after them
     (Qwen3-MoE, DeepSeek-V2/V3: ``self.experts`` then ``self.gate``); False: router first (Mixtral,
     Qwen2-MoE, OLMoE)."""
+    router_topk_softmax: bool = False
+    """The router takes the top-k of its logits and a softmax over those k, in the model dtype, as the routing
+    weights (gpt-oss ``GptOssTopKRouter``): no softmax over every expert is kept."""
+    expert_clamped_swiglu: bool = False
+    """Each expert gates with gpt-oss's clamped SwiGLU (``GptOssExperts._apply_gate``: the interleaved gate and
+    up halves clamped, ``gate * sigmoid(alpha * gate)``, ``(up + 1) * glu``) instead of ``act(gate) * up``."""
+    rotary_half_table: bool = False
+    """The rotary cos / sin tables are head_dim / 2 wide, multiplied into the two halves of q and k (gpt-oss
+    ``_apply_rotary_emb``), not the full head_dim (Llama's ``rotate_half``)."""
     router_group_limited: bool = False
     """The top-k is limited to the best expert groups (DeepSeek-V2 ``topk_method: group_limited_greedy``:
     the scores outside the ``topk_group`` best of ``n_group`` groups masked to 0 before the top-k)."""

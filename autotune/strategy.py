@@ -344,6 +344,11 @@ def validation_errors(
     split = _sequence_split_errors(s, model, training, hardware)
     errors += split
     errors += _expert_parallel_errors(s, model, hardware) if not split else []
+    if model.attention_sinks and (s.sequence_parallel_size > 1 or s.context_parallel_size > 1):
+        # Ulysses scatters the heads, ring attention the sequence: neither passes gpt-oss's per-head sinks
+        errors.append(("sequence_parallel_size" if s.sequence_parallel_size > 1 else "context_parallel_size",
+                       f"attention sinks (gpt-oss) are not sized with sequence parallel {s.sequence_parallel_size} "
+                       f"or context parallel {s.context_parallel_size}: eager attention with sinks runs unsplit"))
     if model.is_mla and (s.checkpointing in ("selective", "op") or s.sequence_parallel_size > 1
                          or s.context_parallel_size > 1 or s.tiled_mlp):
         # memory/mla.py sizes DeepSeek-V2's attention whole or fully checkpointed, unsplit
@@ -460,6 +465,9 @@ def _expert_parallel_errors(s: Strategy, model: ModelSpec, hardware: HardwareSpe
     if s.sharding == "hybrid" and hardware.num_nodes > 1 and hardware.gpus_per_node % ep:
         return [(key, f"{key} must divide gpus_per_node under sharding hybrid (the experts shard within a node), "
                  f"but got {ep} for {hardware.gpus_per_node}")]
+    if model.expert_bias:
+        return [(key, f"{key} > 1 with biased experts (gpt-oss) is not built: autotune.models.expert_parallel "
+                 f"splits unbiased [experts, 2f, h] gate_up / down weights, but got {ep}")]
     if s.checkpointing == "op":
         return [(key, f"{key} > 1 with checkpointing op is not sized (the op policy's saved mm outputs of the "
                  f"expert chunks are not modelled), but got {ep}")]

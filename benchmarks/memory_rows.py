@@ -133,6 +133,15 @@ MOE_FAMILIES.update({
     "hf-olmoe-sv": ("moe/olmoe-1b-7b-0924", {**_MOE, "num_experts": 4, "intermediate_size": 176, "vocab_size": 256,
                                             "pad_token_id": 0, "eos_token_id": 1}),
 })
+# gpt-oss: biased attention and experts, eager attention with per-head sinks, alternating sliding (128) and full
+# layers, the clamped SwiGLU, the router's softmax over its top-k; seq 256 so the sliding mask differs
+MOE_FAMILIES.update({
+    "hf-gptoss": ("moe/gpt-oss-20b", {**_MOE, "num_local_experts": 4, "intermediate_size": 176, "pad_token_id": 0,
+                                     "eos_token_id": 1, "layer_types": ["sliding_attention", "full_attention"]}),
+    "hf-gptoss-sv": ("moe/gpt-oss-20b", {**_MOE, "num_local_experts": 4, "intermediate_size": 176, "vocab_size": 256,
+                                        "pad_token_id": 0, "eos_token_id": 1,
+                                        "layer_types": ["sliding_attention", "full_attention"]}),
+})
 LONG_FAMILIES.update(MOE_FAMILIES)  # full overrides like the long families' (hf_config, specs, run_row)
 
 # strategies each HF family is measured with: (ZeRO stage, ranks, grad. accumulation, ckpt, precision)
@@ -342,6 +351,13 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     ("hf-olmoe", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-olmoe-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
     ("hf-olmoe-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-olmoe-sv", "fsdp2-keep", 1, 1, 4, 256, "full", "bf16"),
     ("hf-olmoe", 1, 1, 1, 2, 256, "selective", "bf16"),
+    # gpt-oss: eager attention with sinks, biased experts, the clamped SwiGLU (moe.py, activations.py)
+    ("hf-gptoss", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-gptoss", 1, 2, 1, 2, 256, "none", "fp32"),
+    ("hf-gptoss-sv", 2, 2, 1, 2, 256, "none", "bf16"), ("hf-gptoss", 3, 2, 1, 2, 256, "full", "bf16"),
+    ("hf-gptoss", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-gptoss-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
+    ("hf-gptoss-sv", 3, 1, 1, 2, 256, "none", "fp32"), ("hf-gptoss-sv", "fsdp2-keep", 1, 1, 2, 256, "full", "bf16"),
+    ("hf-gptoss", 1, 1, 1, 2, 256, "selective", "bf16"), ("hf-gptoss-sv", 2, 2, 2, 2, 256, "full", "fp32"),
+    ("hf-gptoss", 0, 1, 1, 2, 256, "op", "bf16"),
 ]
 
 

@@ -35,7 +35,7 @@ _ACT_FIELDS = ("blocks", "per_block_plain", "per_block_checkpointed", "num_check
                "loss_forward_transient", "loss_backward_transient", "mlp_saved_per_block",
                "attention_backward_transient", "final_norm_saved", "forward_only_masks", "final_norm_forward_extra",
                "hidden_grad", "checkpoint_frame_kept", "final_norm_backward_live", "mlp_backward_transient",
-               "logits_tokens", "offloaded", "moe_forward_transient")
+               "logits_tokens", "offloaded", "moe_forward_transient", "moe_recompute_transient", "masks_only_later")
 _act_fields = attrgetter(*_ACT_FIELDS)
 
 
@@ -169,12 +169,12 @@ def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarra
     remaining = count * per_ck + (i + 1 - count) * per_plain
     frame = np.where(ck, a["checkpoint_frame_kept"], 0.0)
     block_other = other_saved - a["final_norm_saved"] + a["hidden_grad"]
-    saved = remaining + np.where(ck, per_plain - per_ck, 0.0) + block_other + frame
+    saved = remaining + np.where(ck, per_plain - per_ck, 0.0) + block_other + frame - np.where(i == 0, a["masks_only_later"], 0.0)
     a_mlp = np.where(ck & attention_gran, saved - (per_plain - per_ck) - frame, saved)
     attn_delta = a["attention_backward_transient"] - a["mlp_saved_per_block"]
-    has_recompute = ck & moe_recomputed & (a["moe_forward_transient"] > 0)  # walk._recompute
+    has_recompute = ck & moe_recomputed & (a["moe_recompute_transient"] > 0)  # walk._recompute
     return (L - 1 - i, saved, a_mlp + a["mlp_backward_transient"], saved + attn_delta, frame,
-            saved + a["moe_forward_transient"], has_recompute)
+            saved + a["moe_recompute_transient"], has_recompute)
 
 
 def activation_row(model: ModelSpec, training: TrainingSpec, s: Strategy, device: str) -> list[Any]:
@@ -244,7 +244,9 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     m, L = model, model.num_hidden_layers
     head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
     c = dict(zip(_DS, _table(strategies, states_key, lambda s: states_row(m, training, hardware, s, device))))
-    a, attention_gran, _, moe_recomputed = _activations(m, training, strategies, device)
+    a, attention_gran, last_ck, moe_recomputed = _activations(m, training, strategies, device)
+    kinds = layer_kinds(m)
+    a_dense = _dense_activations(m, training, strategies, device) if kinds is not None else None
     n = len(strategies)
     p, carry, grow, carry_ipg = c["p"], c["carry"], c["grow"] > 0, c["carry_ipg"]
     tokens = a["logits_tokens"]
@@ -263,6 +265,9 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
 
     saved_blocks, logits_saved = a["blocks"], a["logits_saved"]
     other_saved = a["nonblock"] - logits_saved
+    moe_fwd = (a_dense if kinds is not None and kinds[-1] else a)["moe_forward_transient"]  # estimate.py's last_kind
+    add("forward", activations=saved_blocks + other_saved - a["final_norm_saved"] + a["forward_only_masks"] + moe_fwd,
+        buffers=c["buffers_fwd"], valid=(moe_fwd > 0) & ~(last_ck & moe_recomputed))
     add("forward", activations=saved_blocks + other_saved + a["final_norm_forward_extra"] + a["forward_only_masks"],
         buffers=c["buffers_fwd"])
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_forward_transient"],
@@ -288,15 +293,15 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     reduce_flat, reduce_clone = c["reduce_flat"], c["reduce_clone"]
     reducing = blocked & (reduce_flat != 0)
     r_true, r_false = L - 2 - k2, L - 2 - k  # {L-2-k2: True, L-2-k: False}, the later key winning
-    kinds = layer_kinds(m)
     if kinds is not None:  # every block, each of its kind (walk._mixed_blocks; estimate._blocks_backward)
-        a_dense = _dense_activations(m, training, strategies, device)
         after = params_after(m)
-        for i, kd, _, saved, mlp, _, attention, has_attention, _, _ in _mixed_points(
+        for i, kd, _, saved, mlp, _, attention, has_attention, recompute, has_recompute in _mixed_points(
                 [a_dense if d else a for d in kinds], a, attention_gran, moe_recomputed, other_saved):
             g_before = head_grad + np.where(c["grad_per_block"] != 0, p * after[i], 0.0)
             g = g_before + np.where((bucket != 0) & (head + after[i] > bucket), c["grads"], 0.0)
             add("backward", grads=g, activations=mlp, buffers=c["buffers_bwd"], pending=pending_head)
+            add("backward", grads=g_before, activations=recompute, buffers=c["buffers_bwd"], pending=pending_head,
+                valid=has_recompute)
             add("backward", grads=g, activations=attention, buffers=c["buffers_bwd"], pending=pending_head,
                 valid=has_attention)
             clone = c["reduce_clone_dense"] if kinds[i] else reduce_clone
@@ -307,10 +312,13 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                 buffers=c["buffers_bwd"] + reduce_flat, pending=pending_head,
                 valid=reducing & ((i == r_true) | (i == r_false)))
     for i, valid in (_points(a["num_checkpointed"], L, extra) if kinds is None else ()):
-        done, saved, mlp, attention, *_ = _block_point(a, i, other_saved, L, attention_gran, moe_recomputed)
+        done, saved, mlp, attention, _, recompute, has_recompute = _block_point(a, i, other_saved, L, attention_gran,
+                                                                              moe_recomputed)
         g_before = head_grad + done * c["grad_per_block"]
         g = g_before + np.where((bucket != 0) & (head + done * block_params > bucket), c["grads"], 0.0)
         add("backward", grads=g, activations=mlp, buffers=c["buffers_bwd"], pending=pending_head, valid=valid)
+        add("backward", grads=g_before, activations=recompute, buffers=c["buffers_bwd"], pending=pending_head,
+            valid=valid & has_recompute)
         add("backward", grads=g, activations=attention, buffers=c["buffers_bwd"], pending=pending_head,
             valid=valid & (a["attention_backward_transient"] - a["mlp_saved_per_block"] > 0))
         add("backward", grads=g, activations=mlp - a["mlp_backward_transient"],
@@ -365,11 +373,11 @@ def _mixed_points(ks: list[dict[str, np.ndarray]], a: dict[str, np.ndarray], att
         ck = i < n_ck
         frame = np.where(ck, k["checkpoint_frame_kept"], 0.0)
         recompute = np.where(ck, k["per_block_plain"] - k["per_block_checkpointed"], 0.0)
-        saved = below[i] + recompute + block_other + frame
+        saved = below[i] + recompute + block_other + frame - (a["masks_only_later"] if i == 0 else 0.0)
         a_mlp = np.where(ck & attention_gran, saved - recompute - frame, saved)
         attn_delta = k["attention_backward_transient"] - k["mlp_saved_per_block"]
         yield (i, k, ck, saved, a_mlp + k["mlp_backward_transient"], frame, saved + attn_delta, attn_delta > 0,
-               saved + k["moe_forward_transient"], ck & moe_recomputed & (k["moe_forward_transient"] > 0))
+               saved + k["moe_recompute_transient"], ck & moe_recomputed & (k["moe_recompute_transient"] > 0))
 
 
 def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarray]], us: list[dict[str, np.ndarray]],

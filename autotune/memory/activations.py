@@ -71,6 +71,11 @@ def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device:
         return n + p * q if m.rotary_concat else n
     rep = a // m.num_key_value_heads
     kv_eff = q if rep > 1 else kv  # repeat_kv copies are what the matmuls save
+    if m.attention_sinks:
+        # gpt-oss eager_attention_forward: the scores and the sink column concatenated, less their row max
+        # (max keeps its int64 indices), softmax in the model dtype (its output, s + 1 wide, kept; PV keeps
+        # the view without the sink column); dropout 0 returns its input
+        return p * q + 2 * p * kv_eff + p * a * (s + 1) + 8 * a + p * q
     n = p * q + 2 * p * kv_eff  # q, k (QK^T), v (PV)
     n += 4 * a * s  # fp32 softmax output (saved by softmax backward)
     if m.attn_logit_softcapping:
@@ -274,8 +279,8 @@ def _checkpoint_frame_kept(m: ModelSpec, p: int, checkpointing: str, zero3_linea
 def _block_fixed_bytes(m: ModelSpec, s: int, checkpointing: str, device: str = "cuda", p: int = 4) -> float:
     """Per-block bytes independent of the micro-batch (eager attention's s x s mask, a checkpoint's CPU RNG state)."""
     n = 0.0
-    if m.attn_implementation == "eager" and checkpointing == "none":
-        n += s * s
+    if m.attn_implementation == "eager" and checkpointing == "none" and m.implementation != "hf":
+        n += s * s  # the reference decoder's bool causal mask, per block (HF builds its masks once: nonblock)
     if checkpointing != "none" and device == "cpu":
         n += CPU_RNG_STATE_BYTES
     if m.is_moe and checkpointing in ("none", "attention", "selective"):
@@ -360,21 +365,29 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     if split.offload:
         per_ck = 0.0  # the checkpoint's input lives in host memory until its block's backward
     blocks = n_ck * per_ck + (L - n_ck) * per_plain
-    rope = mla.rope_table_bytes(m, s, p) if m.is_mla else 2 * s * m.head_size * p if m.position_embedding == "rope" else 0
+    # cos and sin (1 x s x head_dim each, gpt-oss's half as wide), kept by the rotary multiplies
+    table = m.head_size // 2 if m.rotary_half_table else m.head_size
+    rope = mla.rope_table_bytes(m, s, p) if m.is_mla else 2 * s * table * p if m.position_embedding == "rope" else 0
     nonblock = _nonblock_saved_per_token(m, p, mb) * tokens + rope
     V = m.vocab_size
     # Gemma2's final_logit_softcapping, cap * tanh(logits / cap): tanh keeps its output (model dtype)
     softcap = p * V * tokens if m.final_logit_softcapping else 0.0
     nonblock += softcap
+    masks_later = 0.0
     if m.implementation == "hf" and m.attn_implementation == "eager" and n_ck and gran in ("full", "op", "attention", "selective"):
         # HF's 4-D additive masks (model dtype): the checkpoints keep them as inputs of the block,
         # attention module or attention function (transformers masking_utils.py eager_mask; without
         # checkpointing they die with the forward)
         nonblock += m.num_attention_masks * b * s * s * p
+        masks_later = (m.num_attention_masks - 1) * b * s * s * p
     # the bool sliding-window mask: an input of a checkpointed block / attention module / attention
     # function, it lives to that checkpoint's backward; otherwise it dies with the decoder's forward
     mask_kept = n_ck and gran in ("full", "op", "attention", "selective")
     forward_mask = s * s if _sliding_mask_built(m, s) and not mask_kept else 0.0
+    if m.implementation == "hf" and m.attn_implementation == "eager" and not mask_kept:
+        # not kept by a checkpoint, the 4-D additive masks still live to the end of the decoder's forward (its
+        # local ``causal_mask_mapping``, modeling_gpt_oss.py / modeling_gemma2.py GptOssModel / Gemma2Model.forward)
+        forward_mask += m.num_attention_masks * b * s * s * p
     if _sliding_mask_built(m, s) and mask_kept:
         nonblock += s * s
     if m.implementation == "hf" and n_ck:
@@ -401,7 +414,8 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         logits_tokens = 0.0
     nonblock += logits_saved - (4 * V * tokens + softcap)
     mlp_saved = (moe.moe_saved_per_token(m, p) if m.is_moe else (4 if m.gated_mlp else 2) * p * m.intermediate_size) * tokens
-    moe_fwd = 0.0
+    moe_fwd = moe.grouped_forward_transient(m, p, int(tokens)) if m.is_moe else 0.0
+    moe_re = moe.grouped_forward_transient(m, p, int(tokens), recompute=True) if m.is_moe else 0.0
     mlp_bwd = moe.moe_backward_transient(m, p, int(tokens)) if m.is_moe else max(
         _mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size, _composite_gelu_backward_transient(m, p) * tokens)
     if ep > 1:  # expert parallelism's experts path instead of grouped_mm (no offsets; memory/expert_parallel.py)
@@ -414,6 +428,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         mlp_bwd = moe.moe_backward_transient(m, p, int(tokens), routed=(
             ep_backward_transient(m, p, int(tokens), ep), grouped_saved + d - moe.moe_fixed_bytes(m), grouped_grads / ep))
         blocks, moe_fwd = n_ck * per_ck + (L - n_ck) * per_plain, ep_forward_transient(m, p, int(tokens), ep)
+        moe_re = moe_fwd
     if split.tiled_mlp:
         # TiledMLP's backward: the input's gradient (zeros_like x), one tile's recomputed MLP and its
         # backward, the MLP's weight gradients accumulated over the tiles (ds_grad_is_ready held)
@@ -448,5 +463,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         logits_tokens=logits_tokens,
         offloaded=offloaded,
         moe_forward_transient=moe_fwd,
+        moe_recompute_transient=moe_re,
+        masks_only_later=masks_later,
         moe_recomputed=gran not in ("attention", "selective"),
     )

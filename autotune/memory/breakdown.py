@@ -76,6 +76,15 @@ class ActivationBreakdown:
     """The routed experts' forward peak beyond the block's saved tensors, where it can exceed the
     backward's (expert parallelism's combine, ``memory.expert_parallel.ep_forward_transient``): an
     instant of the last block's forward, or of a checkpointed block's recomputation (per block; 0: none)."""
+    masks_only_later: float = 0.0
+    """Eager attention's 4-D masks of the layer kinds block 0 does not have (Gemma2's and gpt-oss's full-attention
+    mask beside block 0's sliding one), which ``nonblock`` counts as kept by the checkpoints: the last
+    checkpoint holding them is released before block 0's backward, so block 0's instants lack them."""
+    moe_recompute_transient: float = 0.0
+    """A checkpointed block's recomputation at its experts' forward peak, beyond the recomputed set: the forward's
+    instant plus what the backward holds when the recomputation starts (grouped_mm: the combine's view backward
+    makes the gradient contiguous, tokens x top-k x h, before ``inv_perm`` is unpacked; expert parallelism's
+    transient was read off the recomputation itself); per block, 0: none."""
     moe_recomputed: bool = False
     """Whether a checkpointed block recomputes its MoE feed-forward (granularities other than
     attention / selective, which keep it)."""

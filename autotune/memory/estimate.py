@@ -112,6 +112,12 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         cands.append(Candidate(phase, fixed + grads + activations + logits + buffers, grads, activations, logits,
                                 buffers))
 
+    # the last block's experts at their forward peak (moe.grouped_forward_transient): every block's saved
+    # tensors but the final norm's (a checkpointed block's own recomputation instant is larger: walk.py)
+    last_kind = act.dense if (act.dense is not None and act.dense_layers[-1]) else act
+    if last_kind.moe_forward_transient and not ((L - 1) in s.checkpointed_blocks(L) and last_kind.moe_recomputed):
+        add("forward", activations=saved_blocks + other_saved - act.final_norm_saved + act.forward_only_masks
+            + last_kind.moe_forward_transient, buffers=st.buffers_fwd)
     # the final norm's forward, inside the decoder's: its masks still alive (activations.py)
     add("forward", activations=saved_blocks + other_saved + act.final_norm_forward_extra + act.forward_only_masks,
         buffers=st.buffers_fwd)
@@ -190,6 +196,8 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
         g_before = head_grad + (p * done if (mixed and st.grad_per_block) else pt.done * st.grad_per_block)
         g = g_before + (st.grads if bucket and head + done > bucket else 0.0)
         add("backward", grads=g, activations=pt.mlp, buffers=st.buffers_bwd, pending=pending_head)
+        if pt.recompute is not None:  # a checkpointed block's recomputation at its experts' forward peak
+            add("backward", grads=g_before, activations=pt.recompute, buffers=st.buffers_bwd, pending=pending_head)
         if pt.attention is not None:  # its attention backward: MLP tensors freed, the core's gradients appear
             add("backward", grads=g, activations=pt.attention, buffers=st.buffers_bwd, pending=pending_head)
         dense = bool(mixed and mixed[pt.block])

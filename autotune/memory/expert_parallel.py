@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from autotune.memory.moe import EP_RANK_IMBALANCE, _routing_weight_bytes, expert_imbalance, expert_width, pair_saved, worst_expert_tokens
+from autotune.memory.moe import (EP_RANK_IMBALANCE, _routing_weight_bytes, expert_imbalance, expert_width, pair_saved,
+                                 saved_after_routed, worst_expert_tokens)
 from autotune.spec import ModelSpec
 
 
@@ -93,8 +94,7 @@ def ep_forward_transient(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
     busiest dispatch's rows."""
     splits = chunk_rows(m, tokens, ep)
     h, rows = m.hidden_size, max(map(sum, splits)) if splits else received_rows(m, tokens, ep)
-    later = p * tokens if m.shared_expert_gate else 4 * p * m.shared_expert_intermediate_size * tokens
-    return float(2 * p * h * rows + 2 * p * h * tokens + 16 * m.num_experts - later)
+    return float(2 * p * h * rows + 2 * p * h * tokens + 16 * m.num_experts - saved_after_routed(m, p, tokens))
 
 
 def chunk_rows(m: ModelSpec, tokens: int, ep: int) -> tuple[tuple[int, ...], ...] | None:

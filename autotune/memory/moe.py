@@ -59,10 +59,9 @@ def _routing_weight_bytes(m: ModelSpec, p: int) -> int:
     return p if m.router_weights_cast else 4
 
 
-SIZED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "qwen2_moe", "deepseek_v3", "olmoe")
+SIZED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "qwen2_moe", "deepseek_v3", "olmoe", "gpt_oss")
 """The HF model_type values whose MoE block this module sizes (the blocks of other MoE families differ:
-granitemoe's parallel experts and multipliers, phimoe's sparsemixer router, gpt-oss's biases;
-docs/moe.md)."""
+granitemoe's router and multipliers, phimoe's sparsemixer router; docs/moe.md)."""
 
 
 def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
@@ -77,16 +76,17 @@ def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
     if m.implementation != "hf" or model_type not in SIZED_FAMILIES:
         return f"{', '.join(SIZED_FAMILIES)} only, not model_type {model_type or 'unknown'}"
     deepseek, qwen2 = model_type in ("deepseek_v2", "deepseek_v3"), model_type == "qwen2_moe"
+    oss = model_type == "gpt_oss"  # biased linears and experts, eager attention with sinks, sliding layers
     why = [name for name, bad in (
         ("shared experts", (m.shared_expert_intermediate_size and not (deepseek or qwen2))
          or m.shared_expert_gate != qwen2),
         ("multi-head latent attention", m.is_mla != deepseek),
         ("eager attention", deepseek and m.attn_implementation != "sdpa"),
-        ("router / expert biases", m.router_bias or m.expert_bias),
-        ("biased linears", m.bias or (m.qkv_bias and not qwen2)),
-        ("LayerNorm", m.norm != "rmsnorm"),
-        ("attention sinks", m.attention_sinks),
-        ("sliding layers", m.sliding_window_layers is not None),
+        ("router / expert biases", (m.router_bias or m.expert_bias) and not oss),
+        ("biased linears", (m.bias or m.qkv_bias) and not (oss or (qwen2 and not m.bias))),
+        ("LayerNorm", m.norm not in (("rmsnorm", "rmsnorm_fp32") if oss else ("rmsnorm",))),
+        ("attention sinks", m.attention_sinks != oss or (oss and m.attn_implementation != "eager")),
+        ("sliding layers", m.sliding_window_layers is not None and not oss),
         ("dropout", m.hidden_dropout or m.attention_dropout),
         ("an ungated expert", not m.gated_mlp),
     ) if bad]
@@ -106,6 +106,8 @@ def router_saved_per_token(m: ModelSpec, p: int = 4) -> float:
     and denominator (1); the corrected scores, the group top-k and the masked_fill of the choice die in
     the forward (only the indices leave them), ``* routed_scaling_factor`` saves no tensor."""
     e, k = m.num_experts, m.num_experts_per_tok
+    if m.router_topk_softmax:  # gpt-oss (modeling_gpt_oss.py GptOssTopKRouter): topk's indices, the k-wide softmax
+        return 8 * k + p * k
     if m.router_sigmoid:  # DeepSeek-V3 (modeling_deepseek_v3.py DeepseekV3TopkRouter.forward): see below
         return (4 * m.hidden_size if p < 4 else 0) + 4 * e + 8 * k + (4 + 4 * k if m.router_norm_topk else 0)
     if not m.router_norm_topk:  # Qwen2-MoE's norm_topk_prob: false (modeling_qwen2_moe.py Qwen2MoeTopKRouter)
@@ -123,7 +125,12 @@ def pair_saved(m: ModelSpec, p: int) -> float:
     saved by the multiply and the down grouped_mm), the down output (h) and the routing weight,
     both saved by ``proj_out * sample_weights_g``."""
     h, f = m.hidden_size, expert_width(m)
-    return 24 + p * (2 * h + 4 * f) + _routing_weight_bytes(m, p)
+    # gpt-oss's clamped SwiGLU keeps the clamped gate, sigmoid(alpha * gate), their product, up + 1 and the
+    # gated product (5 f) beside the up projection's output (2 f, saved by the clamps): 3 f more; biased
+    # experts gather their biases by the sorted expert ids, a fourth int64 index (integrations/moe.py
+    # ``gate_up_proj_bias[expert_ids_g]``)
+    gate = 7 * f if m.expert_clamped_swiglu else 4 * f
+    return 24 + (8 if m.expert_bias else 0) + p * (2 * h + gate) + _routing_weight_bytes(m, p)
 
 
 def moe_saved_per_token(m: ModelSpec, p: int) -> float:
@@ -154,6 +161,51 @@ def grouped_routed(m: ModelSpec, p: int, tokens: int) -> tuple[float, float, flo
     gate = 2 * p * f * pairs + p * e * h * f - (p * h + 8) * pairs
     gate_up = 3 * p * e * h * f - 2 * p * f * pairs - 8 * pairs
     return max(weights, gate, gate_up), (k * pair_saved(m, p)) * tokens + moe_fixed_bytes(m, p), 3 * p * e * h * f
+
+
+def saved_after_routed(m: ModelSpec, p: int, tokens: int) -> float:
+    """What a MoE block saves after its routed experts (bytes per block): DeepSeek-V2/V3's shared experts run
+    after them (modeling_deepseek_v2.py ``DeepseekV2Moe.forward``: their four f-wide tensors); Qwen2-MoE's
+    shared expert runs first, its gate's sigmoid after (p per token, modeling_qwen2_moe.py
+    ``Qwen2MoeSparseMoeBlock.forward``); nothing without shared experts."""
+    return float(p * tokens if m.shared_expert_gate else 4 * p * m.shared_expert_intermediate_size * tokens)
+
+
+def forward_locals(m: ModelSpec, p: int, tokens: int) -> float:
+    """What the decoder layer holds in Python locals while its experts run, not saved by autograd (bytes per
+    block): the router's logits (tokens x E, fp32 for an fp32 router; the ``_`` of ``_, weights, indices =
+    self.gate(h)`` in every family's MoE forward) and, in 16-bit under an upcasting RMSNorm, the residual
+    stream (tokens x h: the post-attention norm saved its fp32 copy, the layer keeps ``residual`` for the
+    second add)."""
+    router = (4 if m.router_fp32 else p) * m.num_experts * tokens
+    residual = p * m.hidden_size * tokens if (p < 4 and m.norm in ("rmsnorm", "rmsnorm_fp32")) else 0
+    return float(router + residual)
+
+
+def grouped_forward_transient(m: ModelSpec, p: int, tokens: int, recompute: bool = False) -> float:
+    """grouped_mm's forward peak beyond the block's saved tensors (bytes per block; integrations/moe.py
+    ``grouped_mm_experts_forward``, allocation traces of gpt-oss's and Mixtral's blocks, torch 2.13 CPU), S =
+    tokens x top-k pairs, the largest of three instants, each net of what the block saves after it:
+    * the gated product (``_apply_gate`` returning): biased experts' gathered gate_up biases (S x 2f, bound to
+      ``selected_biases`` until the down projection's gather replaces them), gpt-oss's clamped up half (f, a
+      local of ``_apply_gate``); the down output (h, saved by the weighting) and ``inv_perm`` (8 S) not made;
+    * the down projection's gathered biases (S x h) beside the gate_up ones, the same two not made;
+    * the restored order: the weighted output and its ``weighted_out[inv_perm]`` copy (S x h each) beside the
+      down biases (S x h, to the function's return), every routed tensor made;
+    and each net of the shared experts' saved tensors made after the routed ones (``saved_after_routed``), with
+    the layer's ``forward_locals`` alive throughout. ``recompute``: a checkpointed block's recomputation, which
+    torch stops once every saved tensor is made again (torch/utils/checkpoint.py early stop): after the
+    weighting multiply, before the order is restored, with the backward's gradient of the combine alive (the
+    sum's view backward made it contiguous, S x h, before IndexBackward0 unpacked ``inv_perm``)."""
+    h, f, pairs = m.hidden_size, expert_width(m), m.num_experts_per_tok * tokens
+    bias = 2 * f if m.expert_bias else 0
+    later = saved_after_routed(m, p, tokens)
+    after = (p * h + 8) * pairs + later
+    gated = (bias + (f if m.expert_clamped_swiglu else 0)) * p * pairs - after
+    down_bias = ((bias + h) * p * pairs - after) if m.expert_bias else 0
+    restored = ((1 if recompute else 2) + (1 if m.expert_bias else 0)) * p * h * pairs - later
+    gradient = p * h * pairs if recompute else 0.0
+    return float(max(gated, down_bias, restored) + forward_locals(m, p, tokens) + gradient)
 
 
 def moe_backward_transient(m: ModelSpec, p: int, tokens: int, routed: Optional[tuple[float, float, float]] = None) -> float:
@@ -229,11 +281,14 @@ def ffn_parameter_shapes(m: ModelSpec) -> list[tuple[int, int]]:
     ``self.gate``), DeepSeek-V2 too and its shared experts last (``DeepseekV2Moe``: experts, gate,
     shared_experts' gate, up, down); Qwen2-MoE's router first, its shared expert and its gate last
     (``Qwen2MoeSparseMoeBlock``); the experts' 3-D ``gate_up_proj`` (E x 2f x h) then ``down_proj``
-    (E x h x f); the router E x h; Qwen2-MoE's shared_expert_gate 1 x h."""
+    (E x h x f); the router E x h; Qwen2-MoE's shared_expert_gate 1 x h; gpt-oss's router and expert biases."""
     h, f, e, fs = m.hidden_size, expert_width(m), m.num_experts, m.shared_expert_intermediate_size
-    experts = [(e, e * 2 * f * h), (e, e * h * f)]
+    # gpt-oss (GptOssExperts, GptOssTopKRouter): each projection followed by its bias, the router's bias after
+    # its weight (E first, as ``gate_up_proj`` of E x h x 2f is)
+    experts = [(e, e * 2 * f * h)] + ([(e, e * 2 * f)] if m.expert_bias else []) + [(e, e * h * f)] + (
+        [(e, e * h)] if m.expert_bias else [])
     shared = ([(fs, fs * h), (fs, fs * h), (h, fs * h)] if fs else []) + ([(1, h)] if m.shared_expert_gate else [])
-    router = [(e, e * h)]
+    router = [(e, e * h)] + ([(e, e)] if m.router_bias else [])
     return (experts + router if m.router_after_experts else router + experts) + shared
 
 

@@ -35,10 +35,12 @@ def _persistent_params(m: ModelSpec, threshold: int) -> int:
     elif m.qk_norm == "full":
         block += [m.q_size, m.kv_size]
     if m.bias:
-        block += [m.q_size, m.kv_size, m.kv_size, d] + [m.intermediate_size] * (2 if m.gated_mlp else 1) + [d]
+        block += [m.q_size, m.kv_size, m.kv_size, d]
+    if m.attention_sinks:
+        block.append(m.num_attention_heads)
     block += mla.parameter_order(m) if m.is_mla else [d * m.q_size, d * m.kv_size, d * m.kv_size, m.q_size * d]
     f = m.intermediate_size
-    dense_mlp = [d * f] * (3 if m.gated_mlp else 2)
+    dense_mlp = [d * f] * (3 if m.gated_mlp else 2) + ([f] * (2 if m.gated_mlp else 1) + [d] if m.bias else [])
     moe_mlp = moe.ffn_parameter_order(m) if m.is_moe else dense_mlp
     # each block with its own feed-forward (dense-MLP blocks among MoE ones: memory/mixed.py)
     for dense in layer_kinds(m) or (False,) * m.num_hidden_layers:
@@ -80,6 +82,8 @@ def parameter_shapes(m: ModelSpec) -> tuple[tuple[int, int], ...]:
     else:
         qkv = lin(d, q, qkv_b) + lin(d, kv, qkv_b) + lin(d, kv, qkv_b)
     o = lin(q, d, out_b)
+    if m.attention_sinks:  # GptOssAttention's own parameter comes before its submodules' in parameters()
+        qkv = [(m.num_attention_heads, m.num_attention_heads)] + qkv
     if m.is_mla:  # DeepSeek-V2's q / latent kv projections, their norms, o_proj (mla.py)
         qkv, o = mla.parameter_shapes(m), []
     if m.gated_mlp:

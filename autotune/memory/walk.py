@@ -35,7 +35,7 @@ class BlockPoint(NamedTuple):
     """The block's own kind of terms (dense-MLP blocks among MoE ones: ``ActivationBreakdown.dense``);
     None: the step's record."""
     recompute: Optional[float] = None
-    """At its recomputation's MoE forward peak (``ActivationBreakdown.moe_forward_transient`` on top of
+    """At its recomputation's MoE forward peak (``ActivationBreakdown.moe_recompute_transient`` on top of
     the recomputed set, before the backward starts; None: not recomputed, or never above ``mlp``)."""
 
 
@@ -70,7 +70,7 @@ def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: in
         ck = is_ck(i)
         remaining = count_ck(i) * per_ck + (i + 1 - count_ck(i)) * per_plain
         frame = act.checkpoint_frame_kept if ck else 0.0
-        a = remaining + (per_plain - per_ck if ck else 0.0) + block_other + frame
+        a = remaining + (per_plain - per_ck if ck else 0.0) + block_other + frame - (act.masks_only_later if i == 0 else 0.0)
         # a checkpointed attention module is recomputed only after the MLP's backward
         a_mlp = a - (per_plain - per_ck) - frame if (ck and act.granularity == "attention") else a
         out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None, frame, act,
@@ -91,7 +91,7 @@ def _mixed_blocks(act: ActivationBreakdown, strategy: Strategy, L: int, other_sa
         k, is_ck = kinds[i], i in ck
         frame = k.checkpoint_frame_kept if is_ck else 0.0
         recompute = k.per_block_plain - k.per_block_checkpointed if is_ck else 0.0
-        a = below[i] + recompute + block_other + frame
+        a = below[i] + recompute + block_other + frame - (act.masks_only_later if i == 0 else 0.0)
         a_mlp = a - recompute - frame if (is_ck and act.granularity == "attention") else a
         attn_delta = k.attention_backward_transient - k.mlp_saved_per_block
         out.append(BlockPoint(i, L - 1 - i, a, a_mlp + k.mlp_backward_transient, a + attn_delta if attn_delta > 0 else None,
@@ -102,8 +102,8 @@ def _mixed_blocks(act: ActivationBreakdown, strategy: Strategy, L: int, other_sa
 def _recompute(k: ActivationBreakdown, checkpointed: bool, a: float) -> Optional[float]:
     """A checkpointed block's recomputation instant at its MoE forward peak (``BlockPoint.recompute``):
     the recomputed set ``a`` (the block's saved tensors, all made by then but what runs after the
-    experts, which the transient nets out) plus ``moe_forward_transient``."""
-    return a + k.moe_forward_transient if (checkpointed and k.moe_recomputed and k.moe_forward_transient > 0) else None
+    experts, which the transient nets out) plus ``moe_recompute_transient``."""
+    return a + k.moe_recompute_transient if (checkpointed and k.moe_recomputed and k.moe_recompute_transient > 0) else None
 
 
 class Candidate(NamedTuple):

@@ -25,7 +25,7 @@ from conftest import ROOT
 MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
 FILES = sorted(glob.glob(os.path.join(MOE_DIR, "*.json")))
 SIZED = {"mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json", "qwen2-57b-a14b.json",
-         "deepseek-v2-lite.json", "deepseek-v3.json", "olmoe-1b-7b-0924.json"}  # their dense first blocks: test_memory_dense_layers.py
+         "deepseek-v2-lite.json", "deepseek-v3.json", "olmoe-1b-7b-0924.json", "gpt-oss-20b.json"}  # their dense first blocks: test_memory_dense_layers.py
 DENSE_FIRST = {"deepseek-v2-lite.json", "deepseek-v3.json"}
 """Published files with dense blocks among the MoE ones: the screen leaves them to estimate_memory."""
 
@@ -47,11 +47,12 @@ def tiny_hf_model(name: str, tmp_path, precision: str = "bf16") -> tuple:
     from autotune.spec import ModelSpec
 
     path = _bench()._hf_path(name, tmp_path)
+    spec = ModelSpec(**hf_config_fields(path))
     cfg = transformers.AutoConfig.from_pretrained(path)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = spec.attn_implementation  # sdpa; gpt-oss: eager (no sdpa path for its sinks)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return ModelSpec(**hf_config_fields(path)), transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return spec, transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
 def assert_screen_equals_estimate(cfg) -> None:
@@ -193,6 +194,39 @@ def test_olmoe_router_and_order():
     assert not map_hf_config(cfg, "x.json")["router_norm_topk"]
 
 
+def test_gpt_oss_terms(tmp_path):
+    """gpt-oss (modeling_gpt_oss.py): the router keeps topk's indices and the k-wide softmax in the model dtype; a
+    pair keeps gpt-oss's clamped SwiGLU (7 f-wide tensors with the up projection's output) and a fourth int64
+    index (the bias gathers); eager attention with sinks keeps the s + 1 wide probabilities in the model dtype
+    and max's indices; the experts' forward peak (the gathered gate_up biases and the clamped up half at the
+    gated product) and the recomputation's (the combine's gradient beside it); neither EP nor a sequence split."""
+    from autotune.config import hf_config_fields
+    from autotune.memory.activations import _attention_core_saved
+    from autotune.spec import ModelSpec
+    from autotune.strategy import validation_errors
+
+    m = ModelSpec(**hf_config_fields(_bench()._hf_path("hf-gptoss", tmp_path)))
+    h, f, e, k, a, s = m.hidden_size, moe.expert_width(m), m.num_experts, m.num_experts_per_tok, m.num_attention_heads, 256
+    assert (m.attn_implementation, m.norm, m.num_attention_masks) == ("eager", "rmsnorm_fp32", 2)
+    assert moe.router_saved_per_token(m, 2) == 8 * k + 2 * k
+    assert moe.pair_saved(m, 2) == 32 + 2 * (2 * h + 7 * f) + 2
+    assert _attention_core_saved(m, 2, s, 2, "cpu") == 2 * m.q_size * 2 + 2 * 2 * m.q_size + 2 * a * (s + 1) + 8 * a
+    t, pairs = 512, 512 * k
+    locals_ = 2 * e * t + 2 * h * t  # router logits, the bf16 residual
+    assert moe.grouped_forward_transient(m, 2, t) == max(3 * f * 2 * pairs - (2 * h + 8) * pairs,
+                                                         3 * 2 * h * pairs) + locals_
+    assert moe.grouped_forward_transient(m, 2, t, recompute=True) == max(
+        3 * f * 2 * pairs - (2 * h + 8) * pairs, 2 * 2 * h * pairs) + locals_ + 2 * h * pairs
+    job = load_config(_job(tmp_path, os.path.join(MOE_DIR, "gpt-oss-20b.json")))
+    hw = job.hardware
+    keys = {key for key, _ in validation_errors(Strategy(engine="fsdp2", expert_parallel_size=8), job.model,
+                                                job.training, hw)}
+    assert "expert_parallel_size" in keys
+    keys = {key for key, _ in validation_errors(Strategy(context_parallel_size=2, engine="fsdp2"), job.model,
+                                                job.training, hw)}
+    assert "context_parallel_size" in keys
+
+
 def test_moe_training_noise_refused(tmp_path):
     """OLMoE's clip_qkv and Mixtral's router_jitter_noise add training-time tensors the model does not
     size: refused in one line naming the key."""
@@ -217,7 +251,7 @@ def test_dense_models_unchanged_by_the_moe_hooks():
     assert moe.ffn_weight_elements(m) == 3 * m.hidden_size * m.intermediate_size
 
 
-@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe", "hf-qwen2moe", "hf-olmoe"])
+@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe", "hf-qwen2moe", "hf-olmoe", "hf-gptoss"])
 def test_moe_block_saved_tensors_match_transformers(name, tmp_path):
     """One tiny MoE block (4 experts, top-2) of the benchmark: what transformers saves for backward in
     it equals per_block_plain to the byte, bf16."""
