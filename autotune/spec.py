@@ -112,6 +112,20 @@ class ModelSpec:
     attention): tanh keeps its s x s output for backward."""
     final_logit_softcapping: Optional[float] = None
     """``cap * tanh(logits / cap)`` before the loss (Gemma2); its intermediates are kept for backward."""
+    embedding_multiplier: Optional[float] = None
+    """The token embeddings are multiplied by this scalar before the first block (Granite
+    ``inputs_embeds * embedding_multiplier``); None: not multiplied. Any value, 1.0 included, makes a new
+    tensor (and its gradient another); the value itself sizes nothing."""
+    residual_multiplier: Optional[float] = None
+    """Each sub-layer's output is multiplied by this scalar before the residual add (Granite
+    ``residual + hidden_states * residual_multiplier``); None: added as it is."""
+    logits_scaling: Optional[float] = None
+    """The logits are divided by this scalar before the loss (Granite ``logits / logits_scaling``);
+    None: not divided."""
+    norms_before_mlp: bool = False
+    """The HF decoder layer registers its norms before its feed-forward, so ``parameters()`` lists them
+    between the attention and the MLP (Granite-MoE ``GraniteMoeDecoderLayer``: self_attn,
+    input_layernorm, post_attention_layernorm, block_sparse_moe); False: after it (Llama and kin)."""
     # ---- mixture-of-experts, latent attention (defaults: a dense decoder) ----
     num_experts: int = 0
     """Routed experts per MoE block (HF ``num_local_experts`` / ``num_experts`` /
@@ -157,6 +171,10 @@ class ModelSpec:
     """The MoE block registers its router after its experts, so ``parameters()`` lists it after them
     (Qwen3-MoE, DeepSeek-V2/V3: ``self.experts`` then ``self.gate``); False: router first (Mixtral,
     Qwen2-MoE, OLMoE)."""
+    router_topk_softmax: bool = False
+    """The router takes the top-k of its fp32 logits and softmaxes those k alone, the weights cast back to
+    the model dtype (Granite-MoE ``GraniteMoeTopKRouter``: ``router_logits.topk``, ``softmax(top_k_logits)
+    .type_as(hidden_states)``); False: the softmax over every expert comes first."""
     router_group_limited: bool = False
     """The top-k is limited to the best expert groups (DeepSeek-V2 ``topk_method: group_limited_greedy``:
     the scores outside the ``topk_group`` best of ``n_group`` groups masked to 0 before the top-k)."""
