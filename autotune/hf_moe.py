@@ -86,6 +86,16 @@ def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str
         # registers its experts before its router (Qwen3MoeSparseMoeBlock.__init__)
         new.update(router_norm_topk=bool(val("norm_topk_prob", False)), router_weights_cast=True,
                    router_after_experts=kind == "qwen3_moe")
+    if kind == "granitemoe":
+        # modeling_granitemoe.py GraniteMoeTopKRouter: topk of the fp32 logits, softmax over those k, cast back
+        # (type_as); GraniteMoeMoE registers self.router before self.experts, GraniteMoeDecoderLayer its norms
+        # before block_sparse_moe. GraniteMoeModel / DecoderLayer /
+        # ForCausalLM: inputs_embeds * embedding_multiplier, residual + h * residual_multiplier, logits /
+        # logits_scaling (GraniteMoeConfig's defaults 1.0: the ops run whatever the value)
+        new.update(router_topk_softmax=True, router_logits_fp32=True, router_norm_topk=False, router_weights_cast=True,
+                   norms_before_mlp=True,
+                   embedding_multiplier=val("embedding_multiplier", 1.0),
+                   residual_multiplier=val("residual_multiplier", 1.0), logits_scaling=val("logits_scaling", 1.0))
     if kind == "qwen2_moe":
         new.update(shared_expert_intermediate_size=val("shared_expert_intermediate_size", 5632),
                    shared_expert_gate=True, qkv_bias=bool(val("qkv_bias", True)))

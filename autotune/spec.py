@@ -112,6 +112,20 @@ class ModelSpec:
     attention): tanh keeps its s x s output for backward."""
     final_logit_softcapping: Optional[float] = None
     """``cap * tanh(logits / cap)`` before the loss (Gemma2); its intermediates are kept for backward."""
+    embedding_multiplier: Optional[float] = None
+    """The token embeddings are multiplied by this scalar before the first block (Granite
+    ``inputs_embeds * embedding_multiplier``); None: not multiplied. Any value, 1.0 included, makes a new
+    tensor (and its gradient another); the value itself sizes nothing."""
+    residual_multiplier: Optional[float] = None
+    """Each sub-layer's output is multiplied by this scalar before the residual add (Granite
+    ``residual + hidden_states * residual_multiplier``); None: added as it is."""
+    logits_scaling: Optional[float] = None
+    """The logits are divided by this scalar before the loss (Granite ``logits / logits_scaling``);
+    None: not divided."""
+    norms_before_mlp: bool = False
+    """The HF decoder layer registers its norms before its feed-forward, so ``parameters()`` lists them
+    between the attention and the MLP (Granite-MoE ``GraniteMoeDecoderLayer``: self_attn,
+    input_layernorm, post_attention_layernorm, block_sparse_moe); False: after it (Llama and kin)."""
     # ---- mixture-of-experts, latent attention (defaults: a dense decoder) ----
     num_experts: int = 0
     """Routed experts per MoE block (HF ``num_local_experts`` / ``num_experts`` /
@@ -158,8 +172,12 @@ class ModelSpec:
     (Qwen3-MoE, DeepSeek-V2/V3: ``self.experts`` then ``self.gate``); False: router first (Mixtral,
     Qwen2-MoE, OLMoE)."""
     router_topk_softmax: bool = False
-    """The router takes the top-k of its logits and a softmax over those k, in the model dtype, as the routing
-    weights (gpt-oss ``GptOssTopKRouter``): no softmax over every expert is kept."""
+    """The router takes the top-k of its logits and a softmax over those k alone as the routing weights (gpt-oss
+    ``GptOssTopKRouter``, in the model dtype; Granite-MoE ``GraniteMoeTopKRouter``, on the fp32 logits, the weights
+    cast back: ``router_logits_fp32``): no softmax over every expert is kept."""
+    router_logits_fp32: bool = False
+    """The router's logits are cast to fp32 before the top-k (Granite-MoE ``F.linear(...).float()``): its softmax
+    and the logits the layer holds are fp32."""
     expert_clamped_swiglu: bool = False
     """Each expert gates with gpt-oss's clamped SwiGLU (``GptOssExperts._apply_gate``: the interleaved gate and
     up halves clamped, ``gate * sigmoid(alpha * gate)``, ``(up + 1) * glu``) instead of ``act(gate) * up``."""

@@ -61,6 +61,8 @@ VARIANTS = [  # (a published file of tests/data/hf, the switches changed): switc
     ("moe/deepseek-v3.json", dict(norm_topk_prob=False, rope_interleave=False)),
     ("moe/deepseek-v2-lite.json", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1)),
     ("moe/deepseek-v2-lite.json", dict(q_lora_rank=512)),
+    ("moe/granite-3.0-1b-a400m.json", dict(attention_dropout=0.0, tie_word_embeddings=False)),
+    ("moe/granite-3.0-1b-a400m.json", dict(attention_bias=True)), ("moe/granite-3.0-1b-a400m.json", dict(num_key_value_heads=4)),
 ]
 
 

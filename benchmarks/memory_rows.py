@@ -142,6 +142,13 @@ MOE_FAMILIES.update({
                                         "pad_token_id": 0, "eos_token_id": 1,
                                         "layer_types": ["sliding_attention", "full_attention"]}),
 })
+# Granite-MoE: the router's softmax over the top-k logits (cast back), the embedding / residual / logits
+# multipliers and the published attention dropout 0.1 (sdpa's CPU math kernel), tied head
+MOE_FAMILIES.update({
+    "hf-granitemoe": ("moe/granite-3.0-1b-a400m", {**_MOE, "num_local_experts": 4, "intermediate_size": 176}),
+    "hf-granitemoe-sv": ("moe/granite-3.0-1b-a400m", {**_MOE, "num_local_experts": 4, "intermediate_size": 176,
+                                                     "vocab_size": 256}),
+})
 LONG_FAMILIES.update(MOE_FAMILIES)  # full overrides like the long families' (hf_config, specs, run_row)
 
 # strategies each HF family is measured with: (ZeRO stage, ranks, grad. accumulation, ckpt, precision)
@@ -358,6 +365,12 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     ("hf-gptoss-sv", 3, 1, 1, 2, 256, "none", "fp32"), ("hf-gptoss-sv", "fsdp2-keep", 1, 1, 2, 256, "full", "bf16"),
     ("hf-gptoss", 1, 1, 1, 2, 256, "selective", "bf16"), ("hf-gptoss-sv", 2, 2, 2, 2, 256, "full", "fp32"),
     ("hf-gptoss", 0, 1, 1, 2, 256, "op", "bf16"),
+    # Granite-MoE: top-k softmax router, multipliers, attention dropout (moe.py, activations.py)
+    ("hf-granitemoe", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-granitemoe", 1, 2, 1, 2, 256, "none", "fp32"),
+    ("hf-granitemoe-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-granitemoe", 3, 2, 1, 2, 256, "full", "bf16"),
+    ("hf-granitemoe", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-granitemoe-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
+    ("hf-granitemoe-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-granitemoe-sv", "fsdp2-keep", 1, 1, 4, 256, "full", "bf16"),
+    ("hf-granitemoe", 1, 1, 1, 2, 256, "selective", "bf16"),
 ]
 
 
@@ -374,7 +387,7 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
     # checkpointed: the MoE backward's instants set the peak (the shared experts' around the routed chunk loop)
     ("hf-qwen2moe-sv", "fsdp2", 2, 1, 4, 512, "full", "fp32"), ("hf-deepseekv3-sv", "fsdp2", 2, 1, 4, 256, "full", "fp32"),
     ("hf-deepseekv2-sv", "fsdp2-keep", 2, 1, 8, 256, "full", "fp32"),
-    ("hf-olmoe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
+    ("hf-olmoe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"), ("hf-granitemoe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
 ]
 
 

@@ -182,6 +182,11 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     kernel; the model dtype's size on CPU, whose dropout multiplies by a noise tensor).
     """
     h = m.hidden_size
+    # Granite's residual + h * residual_multiplier and inputs_embeds * embedding_multiplier
+    # (modeling_granitemoe.py GraniteMoeDecoderLayer / GraniteMoeModel.forward) keep nothing (MulBackward0
+    # of a scalar); the product's gradient beside the residual's (p h) lives only through the sub-layer's
+    # last op's backward (o_proj's, the experts' final gather), below the instants modelled after it
+    # (the attention core's, the MoE's routing-weight multiply; measured: docs/moe.md, Granite-MoE)
     if checkpointing == "full":
         return p * h  # the block input saved by the checkpoint
     if checkpointing == "op":
@@ -372,6 +377,9 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     V = m.vocab_size
     # Gemma2's final_logit_softcapping, cap * tanh(logits / cap): tanh keeps its output (model dtype)
     softcap = p * V * tokens if m.final_logit_softcapping else 0.0
+    # Granite's logits / logits_scaling (modeling_granitemoe.py GraniteMoeForCausalLM.forward) keeps nothing
+    # (DivBackward0 of a scalar); its copy beside the head's output (2 p V) and, in backward, the quotient's
+    # gradient beside the incoming one (2 p V) stay at or below the loss's instants ((p + 8) V, 12 V)
     nonblock += softcap
     masks_later = 0.0
     if m.implementation == "hf" and m.attn_implementation == "eager" and n_ck and gran in ("full", "op", "attention", "selective"):

@@ -59,9 +59,9 @@ def _routing_weight_bytes(m: ModelSpec, p: int) -> int:
     return p if m.router_weights_cast else 4
 
 
-SIZED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "qwen2_moe", "deepseek_v3", "olmoe", "gpt_oss")
+SIZED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "qwen2_moe", "deepseek_v3", "olmoe", "granitemoe", "gpt_oss")
 """The HF model_type values whose MoE block this module sizes (the blocks of other MoE families differ:
-granitemoe's router and multipliers, phimoe's sparsemixer router; docs/moe.md)."""
+phimoe's sparsemixer router; docs/moe.md)."""
 
 
 def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
@@ -70,13 +70,16 @@ def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
     DeepSeek-V2's and V3's, with their ungated shared experts and latent attention (autotune/memory/mla.py;
     V3's sigmoid router and cos/sin rotary: ``router_sigmoid``, ``mla_rotary``);
     Qwen2-MoE's, with its sigmoid-gated shared expert and qkv biases; OLMoE's, Qwen3-MoE's router on
-    q/k norms over the whole projections."""
+    q/k norms over the whole projections; Granite-MoE's, its softmax over the top-k logits and its
+    multipliers (embedding, residual, logits), with attention dropout (the dense models' sdpa / eager
+    dropout terms, memory/activations.py)."""
     if not (m.is_moe or m.is_mla):
         return None
     if m.implementation != "hf" or model_type not in SIZED_FAMILIES:
         return f"{', '.join(SIZED_FAMILIES)} only, not model_type {model_type or 'unknown'}"
     deepseek, qwen2 = model_type in ("deepseek_v2", "deepseek_v3"), model_type == "qwen2_moe"
     oss = model_type == "gpt_oss"  # biased linears and experts, eager attention with sinks, sliding layers
+    granite = model_type == "granitemoe"
     why = [name for name, bad in (
         ("shared experts", (m.shared_expert_intermediate_size and not (deepseek or qwen2))
          or m.shared_expert_gate != qwen2),
@@ -87,7 +90,7 @@ def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
         ("LayerNorm", m.norm not in (("rmsnorm", "rmsnorm_fp32") if oss else ("rmsnorm",))),
         ("attention sinks", m.attention_sinks != oss or (oss and m.attn_implementation != "eager")),
         ("sliding layers", m.sliding_window_layers is not None and not oss),
-        ("dropout", m.hidden_dropout or m.attention_dropout),
+        ("dropout", m.hidden_dropout or (m.attention_dropout and not granite)),
         ("an ungated expert", not m.gated_mlp),
     ) if bad]
     return ("their routed blocks without " + ", ".join(why)) if why else None
@@ -104,10 +107,14 @@ def router_saved_per_token(m: ModelSpec, p: int = 4) -> float:
     DeepSeek-V3 (``router_sigmoid``): the fp32 input copy (4h, 16-bit), the sigmoid output (E), the int64
     index of ``scores.gather`` (k) and, with ``norm_topk_prob``, the in-place division's fp32 quotient (k)
     and denominator (1); the corrected scores, the group top-k and the masked_fill of the choice die in
-    the forward (only the indices leave them), ``* routed_scaling_factor`` saves no tensor."""
+    the forward (only the indices leave them), ``* routed_scaling_factor`` saves no tensor.
+    Granite-MoE (``router_topk_softmax``; modeling_granitemoe.py ``GraniteMoeTopKRouter.forward``): topk's
+    int64 indices (k) and the fp32 softmax over the k top logits (k); the logits' fp32 copy (``.float()``,
+    whose backward keeps nothing) and the weights cast back (``type_as``; the experts save their gathered
+    copy, ``pair_saved``) are not kept. Measured to the byte by the block check (hf_config.check_block_bytes)."""
     e, k = m.num_experts, m.num_experts_per_tok
-    if m.router_topk_softmax:  # gpt-oss (modeling_gpt_oss.py GptOssTopKRouter): topk's indices, the k-wide softmax
-        return 8 * k + p * k
+    if m.router_topk_softmax:  # topk's indices, the k-wide softmax (fp32 on Granite's fp32 logits, else the model dtype)
+        return 8 * k + (4 if m.router_logits_fp32 else p) * k
     if m.router_sigmoid:  # DeepSeek-V3 (modeling_deepseek_v3.py DeepseekV3TopkRouter.forward): see below
         return (4 * m.hidden_size if p < 4 else 0) + 4 * e + 8 * k + (4 + 4 * k if m.router_norm_topk else 0)
     if not m.router_norm_topk:  # Qwen2-MoE's norm_topk_prob: false (modeling_qwen2_moe.py Qwen2MoeTopKRouter)
@@ -177,7 +184,7 @@ def forward_locals(m: ModelSpec, p: int, tokens: int) -> float:
     self.gate(h)`` in every family's MoE forward) and, in 16-bit under an upcasting RMSNorm, the residual
     stream (tokens x h: the post-attention norm saved its fp32 copy, the layer keeps ``residual`` for the
     second add)."""
-    router = (4 if m.router_fp32 else p) * m.num_experts * tokens
+    router = (4 if (m.router_fp32 or m.router_logits_fp32) else p) * m.num_experts * tokens
     residual = p * m.hidden_size * tokens if (p < 4 and m.norm in ("rmsnorm", "rmsnorm_fp32")) else 0
     return float(router + residual)
 

@@ -100,6 +100,8 @@ def parameter_shapes(m: ModelSpec) -> tuple[tuple[int, int], ...]:
             return (norms + qkv + o + mlp) if m.parallel_residual else (norm + qkv + o + norm + mlp)
         if m.fused_qkv:  # Phi-3: o_proj is registered before qkv_proj
             return o + qkv + mlp + norms
+        if m.norms_before_mlp:  # modeling_granitemoe.py GraniteMoeDecoderLayer: the norms before block_sparse_moe
+            return qkv + o + qk_norm + norms + mlp
         return qkv + o + qk_norm + mlp + norms
 
     embed = (m.vocab_size, m.vocab_size * d)

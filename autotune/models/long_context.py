@@ -153,10 +153,15 @@ class _WithPositions:
 
 
 def _head_logits(model: Any, hidden: Any) -> Any:
-    """The model's output head on ``hidden`` with the family's final-logit softcapping (Gemma-2)."""
+    """The model's output head on ``hidden`` with the family's logits scaling (the Granite families:
+    modeling_granite.py / modeling_granitemoe.py ``logits / self.config.logits_scaling``; other families
+    read the key otherwise, HyperCLOVAX multiplies) and final-logit softcapping (Gemma-2)."""
     import torch
 
     logits = model.get_output_embeddings()(hidden)
+    scaling = getattr(model.config, "logits_scaling", None)
+    if scaling is not None and str(getattr(model.config, "model_type", "")).startswith("granite"):
+        logits = logits / scaling
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

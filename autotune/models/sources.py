@@ -213,7 +213,8 @@ def build_hf_model(hf_config: str, seed: int = 0) -> BuiltModel:
 
 _NOT_IN_REFERENCE = ("qk_norm", "qkv_bias", "fused_qkv", "parallel_residual", "rotary_concat", "linear_addmm",
                      "norms_per_block", "num_attention_masks", "sliding_window", "attn_logit_softcapping",
-                     "final_logit_softcapping", "num_experts", "kv_lora_rank", "attention_sinks", "lm_head_bias")
+                     "final_logit_softcapping", "num_experts", "kv_lora_rank", "attention_sinks", "lm_head_bias",
+                     "embedding_multiplier", "residual_multiplier", "logits_scaling")
 """ModelSpec fields the reference decoder (autotune.models.reference) does not build: a spec that sets one
 away from its default would profile another model than the one sized."""
 

@@ -25,7 +25,8 @@ from conftest import ROOT
 MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
 FILES = sorted(glob.glob(os.path.join(MOE_DIR, "*.json")))
 SIZED = {"mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json", "qwen2-57b-a14b.json",
-         "deepseek-v2-lite.json", "deepseek-v3.json", "olmoe-1b-7b-0924.json", "gpt-oss-20b.json"}  # their dense first blocks: test_memory_dense_layers.py
+         "deepseek-v2-lite.json", "deepseek-v3.json", "olmoe-1b-7b-0924.json", "gpt-oss-20b.json",
+         "granite-3.0-1b-a400m.json"}  # their dense first blocks: test_memory_dense_layers.py
 DENSE_FIRST = {"deepseek-v2-lite.json", "deepseek-v3.json"}
 """Published files with dense blocks among the MoE ones: the screen leaves them to estimate_memory."""
 
@@ -227,6 +228,35 @@ def test_gpt_oss_terms(tmp_path):
     assert "context_parallel_size" in keys
 
 
+def test_granitemoe_router_multipliers_and_dropout():
+    """Granite-MoE (GraniteMoeTopKRouter, GraniteMoeMoE, GraniteMoeForCausalLM): the softmax over the k top
+    fp32 logits keeps its output and topk's indices, the weights cast back to the model dtype (the pairs keep
+    them in it), the router registered before the experts; the embedding, residual and logits multipliers
+    read from the file (GraniteMoeConfig's defaults 1.0 without them: the ops run whatever the value); its
+    published attention dropout 0.1 is sized (sdpa's dropout terms of the dense models), another family's
+    dropout stays refused."""
+    from autotune.config import hf_config_fields
+    from autotune.hf_config import map_hf_config
+    from autotune.spec import ModelSpec
+
+    path = os.path.join(MOE_DIR, "granite-3.0-1b-a400m.json")
+    m = ModelSpec(**hf_config_fields(path))
+    e, k, h = m.num_experts, m.num_experts_per_tok, m.hidden_size
+    assert (e, k, m.attention_dropout, m.tie_word_embeddings) == (32, 8, 0.1, True)
+    assert m.router_topk_softmax and m.router_weights_cast and not m.router_norm_topk and not m.router_after_experts
+    assert (m.embedding_multiplier, m.residual_multiplier, m.logits_scaling) == (12.0, 0.22, 6.0)
+    assert moe.router_saved_per_token(m, 2) == moe.router_saved_per_token(m, 4) == 8 * k + 4 * k
+    assert moe.pair_saved(m, 2) == 24 + 2 * (2 * h + 4 * m.intermediate_size) + 2
+    assert moe.ffn_parameter_order(m)[0] == e * h  # the router first
+    assert moe.not_sized(m, "granitemoe") is None
+    assert "dropout" in moe.not_sized(m.replace(router_topk_softmax=False), "mixtral")
+    cfg = json.load(open(path))
+    for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        cfg.pop(key)
+    assert [map_hf_config(cfg, "x.json")[key] for key in ("embedding_multiplier", "residual_multiplier",
+                                                          "logits_scaling")] == [1.0, 1.0, 1.0]
+
+
 def test_moe_training_noise_refused(tmp_path):
     """OLMoE's clip_qkv and Mixtral's router_jitter_noise add training-time tensors the model does not
     size: refused in one line naming the key."""
@@ -251,7 +281,7 @@ def test_dense_models_unchanged_by_the_moe_hooks():
     assert moe.ffn_weight_elements(m) == 3 * m.hidden_size * m.intermediate_size
 
 
-@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe", "hf-qwen2moe", "hf-olmoe", "hf-gptoss"])
+@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe", "hf-qwen2moe", "hf-olmoe", "hf-gptoss", "hf-granitemoe"])
 def test_moe_block_saved_tensors_match_transformers(name, tmp_path):
     """One tiny MoE block (4 experts, top-2) of the benchmark: what transformers saves for backward in
     it equals per_block_plain to the byte, bf16."""

@@ -132,6 +132,29 @@ def test_tiled_tied_head_gives_the_untiled_gradients():
     assert getattr(m.lm_head.weight, "ds_grad_is_ready", True)  # left ready for DeepSpeed's backward hook
 
 
+@pytest.mark.parametrize("tiled", [True, False])
+def test_tiled_loss_of_granitemoe_divides_by_logits_scaling(tiled):
+    """Granite-MoE divides its logits by logits_scaling before the loss (modeling_granitemoe.py
+    GraniteMoeForCausalLM.forward): the long-context loss (tiled, and untiled as Ulysses runs it) gives the
+    model's own loss and gradients, tied head, embedding and residual multipliers included."""
+    from transformers import AutoModelForCausalLM, GraniteMoeConfig
+
+    torch.manual_seed(0)
+    cfg = GraniteMoeConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=32, vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=256, tie_word_embeddings=True, embedding_multiplier=12.0,
+                           residual_multiplier=0.22, logits_scaling=6.0, attention_multiplier=0.25)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
+    want_loss, want = _reference(model, ids, ids)
+    m = copy.deepcopy(model)
+    lc.use_long_context_loss(m, tiled=tiled, shards=3)
+    loss = m(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-6, atol=1e-6)
+    _assert_same(_grads(m), want)
+
+
 def test_loss_tiles_are_one_gib_of_fp32_logits():
     assert lc.loss_tiles(1, 1000) == 1
     assert lc.loss_tiles(131072, 128256) == 63  # 62.6 GiB of fp32 logits (Llama-3 vocab, 128k tokens)

@@ -116,7 +116,7 @@ def _job(write, hf: str) -> str:
 
 SIZED = ("mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json",  # accepted and sized:
          "qwen2-57b-a14b.json", "deepseek-v2-lite.json", "deepseek-v3.json",  # tests/memory/test_memory_moe.py;
-         "olmoe-1b-7b-0924.json", "gpt-oss-20b.json")
+         "olmoe-1b-7b-0924.json", "gpt-oss-20b.json", "granite-3.0-1b-a400m.json")
 # their dense first blocks (first_k_dense_replace 1 / 3): tests/memory/test_memory_dense_layers.py
 REFUSED = [f for f in FILES if os.path.basename(f) not in SIZED]
 
