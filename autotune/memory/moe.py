@@ -191,7 +191,7 @@ def forward_locals(m: ModelSpec, p: int, tokens: int) -> float:
 
 def grouped_forward_transient(m: ModelSpec, p: int, tokens: int, recompute: bool = False) -> float:
     """grouped_mm's forward peak beyond the block's saved tensors (bytes per block; integrations/moe.py
-    ``grouped_mm_experts_forward``, allocation traces of gpt-oss's and Mixtral's blocks, torch 2.13 CPU), S =
+    ``grouped_mm_experts_forward``, allocation traces of gpt-oss's and OLMoE's steps, torch 2.13 CPU), S =
     tokens x top-k pairs, the largest of three instants, each net of what the block saves after it:
     * the gated product (``_apply_gate`` returning): biased experts' gathered gate_up biases (S x 2f, bound to
       ``selected_biases`` until the down projection's gather replaces them), gpt-oss's clamped up half (f, a
