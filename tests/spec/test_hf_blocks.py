@@ -107,7 +107,7 @@ def test_a_proven_familys_file_with_an_untested_switch_is_refused(tmp_path):
 MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
 SIZED_MOE = ("deepseek-v2-lite.json", "deepseek-v3.json", "granite-3.0-1b-a400m.json", "mixtral-8x7b-v0.1.json",
              "olmoe-1b-7b-0924.json", "qwen1.5-moe-a2.7b.json", "qwen2-57b-a14b.json", "qwen3-30b-a3b.json",
-             "gpt-oss-20b.json")
+             "gpt-oss-20b.json", "phi-3.5-moe.json")
 
 
 @pytest.mark.parametrize("name", SIZED_MOE)
@@ -131,7 +131,8 @@ def test_sized_moe_files_are_measured_to_the_byte(name):
 def test_a_sized_moe_familys_file_with_an_untested_switch_is_refused(tmp_path, monkeypatch):
     """Mixtral with router_jitter_noise (a uniform draw multiplies the block input in training), were it
     not refused by name (hf_moe.training_noise): its measured blocks keep more than the model says; a
-    MoE family the memory model does not size is not measured (model_rules.check_modelled refuses it)."""
+    MoE layout the memory model does not size (phimoe at top-4) is not measured (model_rules.check_modelled
+    refuses it)."""
     pytest.importorskip("torch")
     from autotune import hf_blocks, hf_config
 
@@ -147,5 +148,6 @@ def test_a_sized_moe_familys_file_with_an_untested_switch_is_refused(tmp_path, m
         raise AssertionError("measured a MoE file of a family the memory model does not size")
 
     monkeypatch.setattr(hf_blocks, "saved_bytes_of_blocks", never)
-    for name in ("phi-3.5-moe.json",):
-        hf_config_fields(os.path.join(MOE_DIR, name))
+    top4 = tmp_path / "phimoe-top4.json"  # phimoe's sparsemixer routes two experts whatever top-k says: not sized
+    top4.write_text(json.dumps({**json.load(open(os.path.join(MOE_DIR, "phi-3.5-moe.json"))), "num_experts_per_tok": 4}))
+    hf_config_fields(str(top4))
