@@ -58,7 +58,8 @@ _DROP = DROP_KEYS + ("quantization_config",)
 def shrink(cfg: dict) -> dict:
     """``cfg`` (a text model's config.json object) at CPU size: ``BLOCKS`` blocks, width 128, 4 heads
     (kv heads 4 if the file has as many as heads, else 2, or 1 for multi-query), head dim 32 where set,
-    a 512-token vocabulary; token ids past it set to 0; per-layer lists cut to the blocks."""
+    a 512-token vocabulary; token ids past it set to 0; per-layer lists cut to the blocks; longrope's
+    factor lists cut to the head's rotary pairs."""
     out = {k: v for k, v in cfg.items() if k not in _DROP and (v is not None or k in _KEEP_NULL)}
     heads = next((out[k] for k in _HEADS if isinstance(out.get(k), int)), None)
     for key, value in {**_WIDTH, **_MOE_WIDTH}.items():
@@ -80,6 +81,13 @@ def shrink(cfg: dict) -> dict:
     for key in LAYER_KEYS:
         if isinstance(out.get(key), int):
             out[key] = BLOCKS
+    for key in ("rope_scaling", "rope_parameters"):  # longrope's per-frequency factors (Phi-3.5-MoE, Phi-3 128k): one
+        rope = out.get(key)  # per pair of the shrunk head's rotary dims (modeling_rope_utils.py
+        lists = [k for k in ("long_factor", "short_factor") if isinstance(rope, dict) and isinstance(rope.get(k), list)]
+        if lists:  # _compute_longrope_parameters: head_dim x partial_rotary_factor / 2 of them)
+            part = rope.get("partial_rotary_factor") or out.get("partial_rotary_factor") or 1.0
+            half = int(_WIDTH["head_dim"] * float(part)) // 2
+            out[key] = {**rope, **{k: rope[k][:half] for k in lists}}
     for key, value in out.items():
         if isinstance(value, list) and value and key.startswith("layer"):  # per-layer lists: the first BLOCKS,
             out[key] = [value[i % len(value)] for i in range(BLOCKS)]  # a shorter one's pattern repeated

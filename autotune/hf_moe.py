@@ -108,8 +108,14 @@ def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str
         # modeling_phimoe.py: LayerNorms with bias, q/k/v/o biased by attention_bias, lm_head_bias
         if not val("attention_bias", False):  # the LayerNorms keep their bias, ModelSpec.bias ties them
             refuse("attention_bias: false", "unbiased linears beside biased LayerNorms")
-        new.update(norm="layernorm", bias=True,
-                   lm_head_bias=bool(val("lm_head_bias", False)))
+        # PhimoeTopKRouter (bias-free nn.Linear) -> sparsemixer: two rounds whatever num_experts_per_tok says
+        # (memory.moe.not_sized refuses another top-k), the weights in the logits' (model) dtype;
+        # input_jitter_noise > 0 multiplies the block input in place by a uniform draw twice
+        # (PhimoeSparseMoeBlock.forward, then PhimoeTopKRouter.forward on the same tensor); router_jitter_noise
+        # is the sparsemixer's epsilon (a threshold: no tensor)
+        new.update(norm="layernorm", bias=True, lm_head_bias=bool(val("lm_head_bias", False)),
+                   router_sparsemixer=True, router_weights_cast=True,
+                   input_jitter_draws=2 if float(val("input_jitter_noise", 0.0) or 0.0) > 0 else 0)
     if kind == "gpt_oss":
         # modeling_gpt_oss.py: biased q/k/v/o (attention_bias), per-head sinks, router and expert
         # biases; layer_types alternate sliding_attention / full_attention over sliding_window

@@ -165,8 +165,9 @@ class ModelSpec:
     """The router renormalises its top-k weights to sum to 1 (``router_top_value /= router_top_value.sum()``;
     Qwen2-MoE's and OLMoE's ``norm_topk_prob: false`` skips it; read for qwen2_moe and olmoe)."""
     router_weights_cast: bool = False
-    """The router casts its top-k weights back to the model dtype (Qwen2/3-MoE and OLMoE
-    ``router_top_value.to(router_logits.dtype)``); False: they stay fp32 (Mixtral, DeepSeek)."""
+    """The router's top-k weights are in the model dtype: cast back (Qwen2/3-MoE and OLMoE
+    ``router_top_value.to(router_logits.dtype)``) or computed in it (phimoe's sparsemixer); False: they stay
+    fp32 (Mixtral, DeepSeek)."""
     router_after_experts: bool = False
     """The MoE block registers its router after its experts, so ``parameters()`` lists it after them
     (Qwen3-MoE, DeepSeek-V2/V3: ``self.experts`` then ``self.gate``); False: router first (Mixtral,
@@ -175,6 +176,16 @@ class ModelSpec:
     """The router takes the top-k of its logits and a softmax over those k alone as the routing weights (gpt-oss
     ``GptOssTopKRouter``, in the model dtype; Granite-MoE ``GraniteMoeTopKRouter``, on the fp32 logits, the weights
     cast back: ``router_logits_fp32``): no softmax over every expert is kept."""
+    router_sparsemixer: bool = False
+    """The router is phimoe's sparsemixer in training (modeling_phimoe.py ``sparsemixer``): two rounds, the top-1
+    then the top-2 on the logits with the first pick masked (``torch.scatter``), each a ``masked_fill`` of the
+    logits far below the round's best (its bool mask, E), a Gumbel-sampled expert, the softmax of the masked
+    logits (E) and its gather at the sample, kept with the sample by ``PhimoeMultiplier``; the weights in the
+    model dtype; always two experts."""
+    input_jitter_draws: int = 0
+    """How many uniform draws of the block input's shape the MoE block multiplies its input by in training, in
+    place, each kept for backward by its multiply (phimoe's ``input_jitter_noise > 0``: 2, one in
+    ``PhimoeSparseMoeBlock.forward``, one in ``PhimoeTopKRouter.forward`` on the same tensor); 0: none."""
     router_logits_fp32: bool = False
     """The router's logits are cast to fp32 before the top-k (Granite-MoE ``F.linear(...).float()``): its softmax
     and the logits the layer holds are fp32."""

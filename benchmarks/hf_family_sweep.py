@@ -63,6 +63,9 @@ VARIANTS = [  # (a published file of tests/data/hf, the switches changed): switc
     ("moe/deepseek-v2-lite.json", dict(q_lora_rank=512)),
     ("moe/granite-3.0-1b-a400m.json", dict(attention_dropout=0.0, tie_word_embeddings=False)),
     ("moe/granite-3.0-1b-a400m.json", dict(attention_bias=True)), ("moe/granite-3.0-1b-a400m.json", dict(num_key_value_heads=4)),
+    ("moe/phi-3.5-moe.json", dict(input_jitter_noise=0.0, lm_head_bias=False)),
+    ("moe/phi-3.5-moe.json", dict(sliding_window=32, attention_dropout=0.1)),
+    ("moe/phi-3.5-moe.json", dict(num_experts_per_tok=1)),
 ]
 
 

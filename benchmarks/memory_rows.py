@@ -149,6 +149,13 @@ MOE_FAMILIES.update({
     "hf-granitemoe-sv": ("moe/granite-3.0-1b-a400m", {**_MOE, "num_local_experts": 4, "intermediate_size": 176,
                                                      "vocab_size": 256}),
 })
+# phimoe (Phi-3.5-MoE): the sparsemixer router (two Gumbel-sampled rounds, weights in the model dtype), the published
+# input jitter 0.01 (two uniform draws kept per block), biased q/k/v/o, LayerNorms with bias, a biased head
+MOE_FAMILIES.update({
+    "hf-phimoe": ("moe/phi-3.5-moe", {**_MOE, "num_local_experts": 4, "bos_token_id": 0, "eos_token_id": 1}),
+    "hf-phimoe-sv": ("moe/phi-3.5-moe", {**_MOE, "num_local_experts": 4, "vocab_size": 256, "bos_token_id": 0,
+                                        "eos_token_id": 1}),
+})
 LONG_FAMILIES.update(MOE_FAMILIES)  # full overrides like the long families' (hf_config, specs, run_row)
 
 # strategies each HF family is measured with: (ZeRO stage, ranks, grad. accumulation, ckpt, precision)
@@ -371,6 +378,12 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     ("hf-granitemoe", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-granitemoe-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
     ("hf-granitemoe-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-granitemoe-sv", "fsdp2-keep", 1, 1, 4, 256, "full", "bf16"),
     ("hf-granitemoe", 1, 1, 1, 2, 256, "selective", "bf16"),
+    # phimoe: the sparsemixer router, input jitter, biased attention, LayerNorms with bias, biased head (moe.py)
+    ("hf-phimoe", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-phimoe", 1, 2, 1, 2, 256, "none", "fp32"),
+    ("hf-phimoe-sv", 2, 2, 1, 4, 256, "none", "bf16"), ("hf-phimoe", 3, 2, 1, 2, 256, "full", "bf16"),
+    ("hf-phimoe", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-phimoe-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
+    ("hf-phimoe-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-phimoe-sv", "fsdp2-keep", 1, 1, 4, 256, "full", "bf16"),
+    ("hf-phimoe", 1, 1, 1, 2, 256, "selective", "bf16"),
 ]
 
 
@@ -388,6 +401,7 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
     ("hf-qwen2moe-sv", "fsdp2", 2, 1, 4, 512, "full", "fp32"), ("hf-deepseekv3-sv", "fsdp2", 2, 1, 4, 256, "full", "fp32"),
     ("hf-deepseekv2-sv", "fsdp2-keep", 2, 1, 8, 256, "full", "fp32"),
     ("hf-olmoe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"), ("hf-granitemoe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
+    ("hf-phimoe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
 ]
 
 

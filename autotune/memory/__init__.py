@@ -48,7 +48,8 @@ allocation traces of real steps (torch.profiler, see benchmarks/memory_vs_deepsp
 Activations follow Korthikanti et al. 2022 (Reducing Activation Recomputation in Large
 Transformer Models, sec. 4) per operation, adapted to the reference decoders of
 ``autotune.models.reference`` (which mirror HF Llama / GPT-2): RMSNorm with the fp32 upcast
-(4 + 2p bytes per element), LayerNorm (2p + fp32 mean/rstd), q/k/v sized by GQA, sdpa (flash:
+(4 + 2p bytes per element), LayerNorm (2p + mean/rstd: fp32 on CUDA, the weight's dtype on the CPU),
+q/k/v sized by GQA, sdpa (flash:
 output + fp32 log-sum-exp, no s^2) vs eager (fp32 softmax + probabilities), SwiGLU (4 tensors
 of width f) vs GELU (2), dropout masks (1 byte) where the spec has dropout, per-block
 checkpointing (full: block input only; selective: attention core recomputed), and the logits:

@@ -15,7 +15,7 @@ from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
 
 
-def _norm_saved(m: ModelSpec, p: int) -> float:
+def _norm_saved(m: ModelSpec, p: int, device: str = "cuda") -> float:
     """Bytes per token one norm keeps for backward, its output (saved by the next linear) included."""
     h = m.hidden_size
     if m.norm == "rmsnorm_fp32":
@@ -26,8 +26,10 @@ def _norm_saved(m: ModelSpec, p: int) -> float:
     if m.norm == "rmsnorm":
         # HF LlamaRMSNorm: x.float() (4h), rsqrt (4), h.to(dtype) (p h), weight * h (p h)
         return 4 * h + 2 * p * h + 4
-    # native_layer_norm saves input (p h), mean and rstd (fp32); output saved by the linear (p h)
-    return 2 * p * h + 8
+    # native_layer_norm saves input (p h), mean and rstd; output saved by the linear (p h). mean and rstd are
+    # fp32 on CUDA (layer_norm_cuda: the input's accumulate type), the parameters' dtype on the CPU
+    # (layer_norm.cpp layer_norm_cpu: param_scalar_type; the engines hold the norm's weight in the model dtype)
+    return 2 * p * h + (2 * p if device == "cpu" else 8)
 
 
 def _sdpa_math(m: ModelSpec, device: str) -> bool:
@@ -193,7 +195,7 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
         return _op_sac_saved(m, p, device, zero3_linear)
     # the two pre-norms' outputs are saved by the next linear; extra (post-)norms (Gemma2) feed the
     # residual add, which saves nothing
-    n = 2 * _norm_saved(m, p) + (m.norms_per_block - 2) * (_norm_saved(m, p) - p * h)
+    n = 2 * _norm_saved(m, p, device) + (m.norms_per_block - 2) * (_norm_saved(m, p, device) - p * h)
     if m.parallel_residual and m.norm == "layernorm":
         n -= p * h  # both pre-norms save the same block input (native_layer_norm): one tensor
     if checkpointing != "attention":
@@ -303,9 +305,9 @@ def _final_norm_forward_extra(m: ModelSpec, p: int, tokens: int, s: int, checkpo
     return n
 
 
-def _nonblock_saved_per_token(m: ModelSpec, p: int, mask_bytes: int = 1) -> float:
+def _nonblock_saved_per_token(m: ModelSpec, p: int, mask_bytes: int = 1, device: str = "cuda") -> float:
     """Final norm, embedding dropout mask and the loss's fp32 log-softmax output (per token)."""
-    n = _norm_saved(m, p) + 4 * m.vocab_size
+    n = _norm_saved(m, p, device) + 4 * m.vocab_size
     if m.hidden_dropout > 0:
         n += mask_bytes * m.hidden_size
     return n
@@ -373,7 +375,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     # cos and sin (1 x s x head_dim each, gpt-oss's half as wide), kept by the rotary multiplies
     table = m.head_size // 2 if m.rotary_half_table else m.head_size
     rope = mla.rope_table_bytes(m, s, p) if m.is_mla else 2 * s * table * p if m.position_embedding == "rope" else 0
-    nonblock = _nonblock_saved_per_token(m, p, mb) * tokens + rope
+    nonblock = _nonblock_saved_per_token(m, p, mb, device) * tokens + rope
     V = m.vocab_size
     # Gemma2's final_logit_softcapping, cap * tanh(logits / cap): tanh keeps its output (model dtype)
     softcap = p * V * tokens if m.final_logit_softcapping else 0.0
@@ -459,14 +461,14 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         recompute=(per_plain - per_ck) if n_ck else 0.0,
         mlp_saved_per_block=mlp_saved,
         attention_backward_transient=mla.backward_transient(m, p, s_full, int(tokens), device) if m.is_mla else (_attention_backward_transient(m, p, s_full, device) + attn_bwd) * tokens,
-        final_norm_saved=_norm_saved(m, p) * tokens,
+        final_norm_saved=_norm_saved(m, p, device) * tokens,
         forward_only_masks=forward_mask,
         final_norm_forward_extra=_final_norm_forward_extra(m, p, tokens, s, bool(n_ck)),
         hidden_grad=p * m.hidden_size * tokens,
         checkpoint_frame_kept=(_checkpoint_frame_kept(m, p, gran, zero3_linear=zero3) * tokens
                                + (CPU_RNG_STATE_BYTES if device == "cpu" else 0.0)) if n_ck else 0.0,
         final_norm_backward_live=(24.0 * m.hidden_size * tokens if m.norm in ("rmsnorm", "rmsnorm_fp32")
-                                  else _norm_saved(m, p) * tokens),
+                                  else _norm_saved(m, p, device) * tokens),
         mlp_backward_transient=mlp_bwd,
         logits_tokens=logits_tokens,
         offloaded=offloaded,

@@ -59,9 +59,10 @@ def _routing_weight_bytes(m: ModelSpec, p: int) -> int:
     return p if m.router_weights_cast else 4
 
 
-SIZED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "qwen2_moe", "deepseek_v3", "olmoe", "granitemoe", "gpt_oss")
-"""The HF model_type values whose MoE block this module sizes (the blocks of other MoE families differ:
-phimoe's sparsemixer router; docs/moe.md)."""
+SIZED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "qwen2_moe", "deepseek_v3", "olmoe", "granitemoe", "gpt_oss",
+                  "phimoe")
+"""The HF model_type values whose MoE block this module sizes (the blocks of other MoE families differ;
+docs/moe.md)."""
 
 
 def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
@@ -72,7 +73,8 @@ def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
     Qwen2-MoE's, with its sigmoid-gated shared expert and qkv biases; OLMoE's, Qwen3-MoE's router on
     q/k norms over the whole projections; Granite-MoE's, its softmax over the top-k logits and its
     multipliers (embedding, residual, logits), with attention dropout (the dense models' sdpa / eager
-    dropout terms, memory/activations.py)."""
+    dropout terms, memory/activations.py); phimoe's, its sparsemixer router (top-2 only) and input jitter on
+    biased attention, LayerNorms with bias and a biased head."""
     if not (m.is_moe or m.is_mla):
         return None
     if m.implementation != "hf" or model_type not in SIZED_FAMILIES:
@@ -80,18 +82,22 @@ def not_sized(m: ModelSpec, model_type: Optional[str]) -> Optional[str]:
     deepseek, qwen2 = model_type in ("deepseek_v2", "deepseek_v3"), model_type == "qwen2_moe"
     oss = model_type == "gpt_oss"  # biased linears and experts, eager attention with sinks, sliding layers
     granite = model_type == "granitemoe"
+    phi = model_type == "phimoe"  # biased q/k/v/o, LayerNorm with bias, the sparsemixer router
     why = [name for name, bad in (
         ("shared experts", (m.shared_expert_intermediate_size and not (deepseek or qwen2))
          or m.shared_expert_gate != qwen2),
         ("multi-head latent attention", m.is_mla != deepseek),
         ("eager attention", deepseek and m.attn_implementation != "sdpa"),
         ("router / expert biases", (m.router_bias or m.expert_bias) and not oss),
-        ("biased linears", (m.bias or m.qkv_bias) and not (oss or (qwen2 and not m.bias))),
-        ("LayerNorm", m.norm not in (("rmsnorm", "rmsnorm_fp32") if oss else ("rmsnorm",))),
+        ("biased linears", (m.bias or m.qkv_bias) and not (oss or phi or (qwen2 and not m.bias))),
+        ("LayerNorm", m.norm not in (("rmsnorm", "rmsnorm_fp32") if oss else ("layernorm",) if phi else ("rmsnorm",))),
+        ("the sparsemixer router", m.router_sparsemixer != phi),
+        ("a top-k other than the sparsemixer's 2", phi and m.num_experts_per_tok != 2),
+        ("input jitter", m.input_jitter_draws and not phi),
         ("attention sinks", m.attention_sinks != oss),
         ("sinks under sdpa (transformers runs gpt-oss's attention eager)", oss and m.attn_implementation != "eager"),
         ("sliding layers", m.sliding_window_layers is not None and not oss),
-        ("dropout", m.hidden_dropout or (m.attention_dropout and not granite)),
+        ("dropout", m.hidden_dropout or (m.attention_dropout and not (granite or phi))),
         ("an ungated expert", not m.gated_mlp),
     ) if bad]
     return ("their routed blocks without " + ", ".join(why)) if why else None
@@ -112,8 +118,16 @@ def router_saved_per_token(m: ModelSpec, p: int = 4) -> float:
     Granite-MoE (``router_topk_softmax``; modeling_granitemoe.py ``GraniteMoeTopKRouter.forward``): topk's
     int64 indices (k) and the fp32 softmax over the k top logits (k); the logits' fp32 copy (``.float()``,
     whose backward keeps nothing) and the weights cast back (``type_as``; the experts save their gathered
-    copy, ``pair_saved``) are not kept. Measured to the byte by the block check (hf_config.check_block_bytes)."""
+    copy, ``pair_saved``) are not kept.
+    phimoe (``router_sparsemixer``; modeling_phimoe.py ``sparsemixer``, training): per round (two), the bool mask of
+    ``masked_fill`` (E), the softmax of the masked logits (E, model dtype; saved by softmax and by
+    ``PhimoeMultiplier``), its gather at the sampled expert (1, kept by ``PhimoeMultiplier`` as ``multiplier``)
+    and the sample's int64 index (saved by the gather, ``PhimoeMultiplier`` and the first round's
+    ``torch.scatter``); the Gumbel noise and the max that samples die in the forward.
+    Measured to the byte by the block check (hf_config.check_block_bytes)."""
     e, k = m.num_experts, m.num_experts_per_tok
+    if m.router_sparsemixer:
+        return 2 * ((1 + p) * e + p + 8)
     if m.router_topk_softmax:  # topk's indices, the k-wide softmax (fp32 on Granite's fp32 logits, else the model dtype)
         return 8 * k + (4 if m.router_logits_fp32 else p) * k
     if m.router_sigmoid:  # DeepSeek-V3 (modeling_deepseek_v3.py DeepseekV3TopkRouter.forward): see below
@@ -148,7 +162,11 @@ def moe_saved_per_token(m: ModelSpec, p: int) -> float:
     shared = 4 * p * m.shared_expert_intermediate_size
     if m.shared_expert_gate:  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x) keeps both factors
         shared += p + p * m.hidden_size
-    return router_saved_per_token(m, p) + m.num_experts_per_tok * pair_saved(m, p) + shared
+    # phimoe's input jitter (PhimoeSparseMoeBlock / PhimoeTopKRouter.forward ``hidden_states *= torch.empty_like(
+    # hidden_states).uniform_(...)``): each in-place multiply keeps its draw (h); the jittered norm output is the
+    # tensor the router and the experts' gather read, counted with the norm
+    jitter = m.input_jitter_draws * p * m.hidden_size
+    return router_saved_per_token(m, p) + m.num_experts_per_tok * pair_saved(m, p) + shared + jitter
 
 
 def moe_fixed_bytes(m: ModelSpec, p: int = 4) -> float:

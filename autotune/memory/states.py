@@ -50,6 +50,8 @@ def _persistent_params(m: ModelSpec, threshold: int) -> int:
         sizes.append(m.max_position_embeddings * d)
     if not m.tie_word_embeddings:
         sizes.append(m.vocab_size * d)
+    if m.lm_head_bias:
+        sizes.append(m.vocab_size)
     return sum(n for n in sizes if n <= threshold)
 
 
@@ -117,6 +119,8 @@ def parameter_shapes(m: ModelSpec) -> tuple[tuple[int, int], ...]:
     out += norm
     if not m.tie_word_embeddings:
         out.append(embed)
+    if m.lm_head_bias:  # modeling_phimoe.py PhimoeForCausalLM: lm_head = nn.Linear(..., bias=lm_head_bias)
+        out.append((m.vocab_size, m.vocab_size))
     return tuple(out)
 
 

@@ -26,7 +26,7 @@ MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
 FILES = sorted(glob.glob(os.path.join(MOE_DIR, "*.json")))
 SIZED = {"mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json", "qwen2-57b-a14b.json",
          "deepseek-v2-lite.json", "deepseek-v3.json", "olmoe-1b-7b-0924.json", "gpt-oss-20b.json",
-         "granite-3.0-1b-a400m.json"}  # their dense first blocks: test_memory_dense_layers.py
+         "granite-3.0-1b-a400m.json", "phi-3.5-moe.json"}  # their dense first blocks: test_memory_dense_layers.py
 DENSE_FIRST = {"deepseek-v2-lite.json", "deepseek-v3.json"}
 """Published files with dense blocks among the MoE ones: the screen leaves them to estimate_memory."""
 
@@ -257,6 +257,43 @@ def test_granitemoe_router_multipliers_and_dropout():
                                                           "logits_scaling")] == [1.0, 1.0, 1.0]
 
 
+def test_phimoe_terms(tmp_path):
+    """phimoe (modeling_phimoe.py): the sparsemixer router keeps, per round (two), masked_fill's bool mask (E), the
+    masked softmax (E) and its gather (1) in the model dtype and the sample's int64 index; the published
+    input_jitter_noise keeps two uniform draws of the block input (h each; none without it); the routing
+    weights in the model dtype; LayerNorm's mean and rstd in the parameters' dtype on the CPU, fp32 on CUDA;
+    the head's bias last in parameters(), the router before the experts; a top-k other than 2 (the sparsemixer
+    routes two whatever the file says) refused; its router_jitter_noise (the sparsemixer's epsilon) is no
+    training noise; expert parallelism takes its experts."""
+    from autotune.config import hf_config_fields
+    from autotune.hf_config import map_hf_config
+    from autotune.hf_moe import training_noise
+    from autotune.memory.activations import _norm_saved
+    from autotune.spec import ModelSpec
+    from autotune.strategy import validation_errors
+
+    path = os.path.join(MOE_DIR, "phi-3.5-moe.json")
+    m = ModelSpec(**hf_config_fields(path))
+    e, k, h, f, v = m.num_experts, m.num_experts_per_tok, m.hidden_size, m.intermediate_size, m.vocab_size
+    assert (m.norm, m.bias, m.lm_head_bias, m.router_sparsemixer, m.router_weights_cast, m.input_jitter_draws) == (
+        "layernorm", True, True, True, True, 2)
+    for p in (2, 4):
+        assert moe.router_saved_per_token(m, p) == 2 * ((1 + p) * e + p + 8)
+        assert moe.pair_saved(m, p) == 24 + p * (2 * h + 4 * f) + p
+        assert moe.moe_saved_per_token(m, p) == moe.router_saved_per_token(m, p) + k * moe.pair_saved(m, p) + 2 * p * h
+        assert _norm_saved(m, p, "cpu") == 2 * p * h + 2 * p and _norm_saved(m, p) == 2 * p * h + 8
+    assert moe.ffn_parameter_order(m)[0] == e * h and parameter_order(m)[-2:] == [v * h, v]
+    cfg = json.load(open(path))
+    assert map_hf_config({**cfg, "input_jitter_noise": 0.0}, "x.json")["input_jitter_draws"] == 0
+    assert training_noise(cfg) is None and moe.not_sized(m, "phimoe") is None
+    assert "top-k other than the sparsemixer's 2" in moe.not_sized(m.replace(num_experts_per_tok=4), "phimoe")
+    mix = ModelSpec(**hf_config_fields(os.path.join(MOE_DIR, "mixtral-8x7b-v0.1.json")))
+    assert "sparsemixer" in moe.not_sized(mix.replace(router_sparsemixer=True), "mixtral")
+    assert "input jitter" in moe.not_sized(mix.replace(input_jitter_draws=1), "mixtral")
+    job = load_config(_job(tmp_path, path))
+    assert not validation_errors(Strategy(engine="fsdp2", expert_parallel_size=8), job.model, job.training, job.hardware)
+
+
 def test_moe_training_noise_refused(tmp_path):
     """OLMoE's clip_qkv and Mixtral's router_jitter_noise add training-time tensors the model does not
     size: refused in one line naming the key."""
@@ -281,7 +318,8 @@ def test_dense_models_unchanged_by_the_moe_hooks():
     assert moe.ffn_weight_elements(m) == 3 * m.hidden_size * m.intermediate_size
 
 
-@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe", "hf-qwen2moe", "hf-olmoe", "hf-gptoss", "hf-granitemoe"])
+@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen3moe", "hf-qwen2moe", "hf-olmoe", "hf-gptoss", "hf-granitemoe",
+                                  "hf-phimoe"])
 def test_moe_block_saved_tensors_match_transformers(name, tmp_path):
     """One tiny MoE block (4 experts, top-2) of the benchmark: what transformers saves for backward in
     it equals per_block_plain to the byte, bf16."""

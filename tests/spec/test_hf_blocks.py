@@ -107,7 +107,7 @@ def test_a_proven_familys_file_with_an_untested_switch_is_refused(tmp_path):
 MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
 SIZED_MOE = ("deepseek-v2-lite.json", "deepseek-v3.json", "granite-3.0-1b-a400m.json", "mixtral-8x7b-v0.1.json",
              "olmoe-1b-7b-0924.json", "qwen1.5-moe-a2.7b.json", "qwen2-57b-a14b.json", "qwen3-30b-a3b.json",
-             "gpt-oss-20b.json")
+             "gpt-oss-20b.json", "phi-3.5-moe.json")
 
 
 @pytest.mark.parametrize("name", SIZED_MOE)
@@ -128,10 +128,33 @@ def test_sized_moe_files_are_measured_to_the_byte(name):
         assert measured[precision] == [int(b) for b in hf_config._block_bytes(small, precision)], precision
 
 
+def test_longrope_factors_are_cut_to_the_shrunk_head(tmp_path):
+    """Phi-3.5-MoE as Microsoft publishes it scales its rotary by longrope, one long and one short factor per pair
+    of the head's 128 dims: the shrink cuts both lists to the 32-wide head's 16 (else transformers cannot build
+    the shrunk model and the file is refused as not checkable), and the blocks are measured to the byte."""
+    pytest.importorskip("torch")
+    from autotune import hf_blocks, hf_config
+    from autotune.config import _checked_hf_fields
+
+    rope = {"type": "longrope", "long_factor": [1.0 + i / 64 for i in range(64)], "short_factor": [1.0] * 64,
+            "long_mscale": 1.243, "short_mscale": 1.243, "original_max_position_embeddings": 4096}
+    path = tmp_path / "phi-3.5-moe-longrope.json"
+    path.write_text(json.dumps({**json.load(open(os.path.join(MOE_DIR, "phi-3.5-moe.json"))), "rope_scaling": rope}))
+    small_cfg, small = hf_config._shrunk(json.load(open(path)), str(path), _checked_hf_fields)
+    assert [len(small_cfg["rope_scaling"][k]) for k in ("long_factor", "short_factor")] == [16, 16]
+    assert hf_blocks.shrink({"rope_scaling": {"type": "longrope", "long_factor": [1.0] * 48, "short_factor": [1.0] * 48},
+                             "partial_rotary_factor": 0.75})["rope_scaling"]["long_factor"] == [1.0] * 12
+    measured = hf_blocks.saved_bytes_of_blocks(small_cfg, small.attn_implementation)
+    for precision in ("bf16", "fp32"):
+        assert measured[precision] == [int(b) for b in hf_config._block_bytes(small, precision)], precision
+    hf_config_fields(str(path))
+
+
 def test_a_sized_moe_familys_file_with_an_untested_switch_is_refused(tmp_path, monkeypatch):
     """Mixtral with router_jitter_noise (a uniform draw multiplies the block input in training), were it
     not refused by name (hf_moe.training_noise): its measured blocks keep more than the model says; a
-    MoE family the memory model does not size is not measured (model_rules.check_modelled refuses it)."""
+    MoE layout the memory model does not size (phimoe at top-4) is not measured (model_rules.check_modelled
+    refuses it)."""
     pytest.importorskip("torch")
     from autotune import hf_blocks, hf_config
 
@@ -147,5 +170,6 @@ def test_a_sized_moe_familys_file_with_an_untested_switch_is_refused(tmp_path, m
         raise AssertionError("measured a MoE file of a family the memory model does not size")
 
     monkeypatch.setattr(hf_blocks, "saved_bytes_of_blocks", never)
-    for name in ("phi-3.5-moe.json",):
-        hf_config_fields(os.path.join(MOE_DIR, name))
+    top4 = tmp_path / "phimoe-top4.json"  # phimoe's sparsemixer routes two experts whatever top-k says: not sized
+    top4.write_text(json.dumps({**json.load(open(os.path.join(MOE_DIR, "phi-3.5-moe.json"))), "num_experts_per_tok": 4}))
+    hf_config_fields(str(top4))

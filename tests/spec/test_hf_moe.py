@@ -1,6 +1,7 @@
 """Mixture-of-experts and multi-head latent attention families: described exactly (the analytic
-count of the published config.json = the transformers model built on the meta device), then
-refused in one line, since the memory model does not size their activations yet."""
+count of the published config.json = the transformers model built on the meta device); every published
+file is sized (tests/memory/test_memory_moe.py), a variant the memory model does not size is refused in
+one line."""
 
 import glob
 import json
@@ -116,17 +117,24 @@ def _job(write, hf: str) -> str:
 
 SIZED = ("mixtral-8x7b-v0.1.json", "qwen3-30b-a3b.json", "qwen1.5-moe-a2.7b.json",  # accepted and sized:
          "qwen2-57b-a14b.json", "deepseek-v2-lite.json", "deepseek-v3.json",  # tests/memory/test_memory_moe.py;
-         "olmoe-1b-7b-0924.json", "gpt-oss-20b.json", "granite-3.0-1b-a400m.json")
+         "olmoe-1b-7b-0924.json", "gpt-oss-20b.json", "granite-3.0-1b-a400m.json", "phi-3.5-moe.json")
 # their dense first blocks (first_k_dense_replace 1 / 3): tests/memory/test_memory_dense_layers.py
-REFUSED = [f for f in FILES if os.path.basename(f) not in SIZED]
+assert not [f for f in FILES if os.path.basename(f) not in SIZED], "a published MoE file neither sized nor refused"
+REFUSED = {"phi-3.5-moe-top4": ("phi-3.5-moe.json", {"num_experts_per_tok": 4})}
+"""Described exactly but not sized (memory.moe.not_sized): phimoe's sparsemixer routes two experts whatever
+num_experts_per_tok says (the parameters do not depend on it)."""
 
 
 @pytest.mark.parametrize("light", [False, True], ids=["transformers", "light-install"])
-@pytest.mark.parametrize("path", REFUSED, ids=[os.path.basename(f)[:-5] for f in REFUSED])
-def test_refused_in_one_line_with_the_exact_count(path, light, write, capsys, monkeypatch):
+@pytest.mark.parametrize("variant", sorted(REFUSED))
+def test_refused_in_one_line_with_the_exact_count(variant, light, write, capsys, monkeypatch, tmp_path):
     """Before: refused by the count ('transformers builds 46,702,792,704') or, without
     transformers, by model_type. Now described exactly, and refused because the memory model does
-    not size MoE / MLA activations: exit 2, one line, never a front sized as a dense decoder."""
+    not size this layout's activations: exit 2, one line, never a front sized as a dense decoder."""
+    name, changes = REFUSED[variant]
+    path = str(tmp_path / f"{variant}.json")
+    with open(path, "w") as f:
+        json.dump({**json.load(open(os.path.join(MOE_DIR, name))), **changes}, f)
     if light:
         monkeypatch.setitem(sys.modules, "transformers", None)
     else:
