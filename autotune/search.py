@@ -252,6 +252,8 @@ def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backe
     read back before every ask, stale trials are failed and re-queued through Optuna's heartbeat,
     and every evaluation is claimed first (``claim.claim``).
     """
+    from optuna.trial import TrialState
+
     # by the Strategy: its equality is key()'s (frozen dataclass, every field compared), its hash 5x cheaper
     by_strategy = {s.strategy: s for s in screened}
     outcome = StudyOutcome(study=study, screened=screened)
@@ -290,8 +292,11 @@ def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backe
                     fail_stale(study)
                 _sync(study, space, cfg, seen, cache, oom_at)
             if feasible <= cache.keys() and (feasible or (len(by_strategy) <= len(cache)
-                                                          and all(s.key() in cache for s in by_strategy))):
-                # everything that fits has been evaluated (or, when nothing fits, seen)
+                                                          and all(s.key() in cache for s in by_strategy))) and not (
+                    shared and study.get_trials(deepcopy=False, states=(TrialState.WAITING,))):
+                # everything that fits has been evaluated (or, when nothing fits, seen). A shared study's WAITING
+                # trials are asked first: a retry re-queued by another worker's heartbeat check, a seed nobody
+                # asked; each resolves as a repeat of its evaluated candidate, and no trial is left waiting
                 outcome.stop_reason = (f"every one of the {len(feasible)} candidates that fit has been evaluated"
                                        if feasible else "no candidate fits")
                 break

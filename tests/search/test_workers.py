@@ -80,6 +80,23 @@ def test_four_workers_sqlite_same_front_as_one(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_waiting_trial_is_asked_before_the_worker_stops(tmp_path):
+    """A WAITING trial left in a shared study once every candidate is evaluated (a retry another worker's
+    heartbeat check re-queued on an overloaded machine, a seed nobody asked) is asked before a worker
+    stops: it resolves as a repeat of its evaluated candidate, and no trial is left waiting."""
+    config = job(tmp_path)
+    url = f"sqlite:///{tmp_path}/w.db"
+    run_workers(url, "s", config, 1, tmp_path, delay="0.01")
+    st = optuna.load_study(study_name="s", storage=make_storage(url))
+    done = next(t for t in st.get_trials(deepcopy=False) if t.state.name == "COMPLETE")
+    st.enqueue_trial(done.params)
+    w = worker(url, "s", "--trials", "100", out=str(tmp_path))
+    out, err = w.communicate(timeout=300)
+    assert w.returncode == 0, err[-3000:]
+    check_study(url, "s")  # nothing RUNNING or WAITING, each candidate evaluated once
+
+
+@pytest.mark.slow
 def test_worker_joins_a_run_study_and_errors_are_one_line(tmp_path):
     config = job(tmp_path)
     url = f"sqlite:///{tmp_path}/run.db"
