@@ -384,6 +384,12 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     ("hf-phimoe", "fsdp2", 1, 1, 2, 256, "none", "bf16"), ("hf-phimoe-sv", "fsdp2", 2, 2, 2, 256, "none", "fp32"),
     ("hf-phimoe-sv", 3, 1, 1, 4, 256, "none", "fp32"), ("hf-phimoe-sv", "fsdp2-keep", 1, 1, 4, 256, "full", "bf16"),
     ("hf-phimoe", 1, 1, 1, 2, 256, "selective", "bf16"),
+    # op-level checkpointing (torchtitan's policy): the attention's and the router's / shared expert's aten.mm
+    # outputs kept, the grouped GEMMs recomputed (activations.py _moe_linears)
+    ("hf-mixtral", 1, 2, 1, 2, 256, "op", "bf16"), ("hf-qwen3moe-sv", 3, 1, 1, 4, 256, "op", "fp32"),
+    ("hf-qwen2moe", 2, 2, 1, 2, 256, "op", "bf16"), ("hf-qwen2moe-sv", "fsdp2", 1, 1, 4, 256, "op", "fp32"),
+    ("hf-olmoe-sv", 0, 1, 1, 4, 256, "op", "bf16"), ("hf-granitemoe", "fsdp2", 2, 1, 2, 256, "op", "bf16"),
+    ("hf-phimoe", 3, 2, 1, 2, 256, "op", "bf16"), ("hf-mixtral-sv", "fsdp2-keep", 1, 1, 4, 256, "op", "bf16"),
 ]
 
 

@@ -141,21 +141,39 @@ def _mlp_sublayer_saved(m: ModelSpec, p: int, mask_bytes: int) -> float:
 
 def _block_linears(m: ModelSpec, zero3_linear: bool = False) -> list[tuple[int, bool]]:
     """A block's linears in call order (q, k, v or the fused qkv; o; the MLP's input projection(s);
-    the down projection last) as (output width, runs ``aten.mm``). Biased linears run ``addmm``,
-    except under ZeRO-3 (``zero3_linear``), whose memory-efficient linear computes a batched input
-    as ``matmul`` plus the bias (deepspeed/runtime/zero/linear.py ``LinearFunctionForZeroStage3``),
-    unless the model calls ``torch.addmm`` itself (``linear_addmm``, HF GPT-2's Conv1D)."""
+    the down projection last; a MoE block's router and shared expert, ``_moe_linears``) as (output width,
+    runs ``aten.mm``). Biased linears run ``addmm``, except under ZeRO-3 (``zero3_linear``), whose
+    memory-efficient linear computes a batched input as ``matmul`` plus the bias
+    (deepspeed/runtime/zero/linear.py ``LinearFunctionForZeroStage3``), unless the model calls
+    ``torch.addmm`` itself (``linear_addmm``, HF GPT-2's Conv1D)."""
     h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
     biased_mm = zero3_linear and not m.linear_addmm
     qkv_mm = biased_mm or not (m.bias or m.qkv_bias or m.linear_addmm)
     rest_mm = biased_mm or not (m.bias or m.linear_addmm)
     if m.fused_qkv:  # Phi-3 qkv_proj / gate_up_proj, GPT-NeoX query_key_value
         linears = [(q + 2 * kv, qkv_mm), (h, rest_mm)]
-        linears += [(2 * f, rest_mm)] if m.gated_mlp else [(f, rest_mm)]
     else:
         linears = [(q, qkv_mm), (kv, qkv_mm), (kv, qkv_mm), (h, rest_mm)]
-        linears += [(f, rest_mm), (f, rest_mm)] if m.gated_mlp else [(f, rest_mm)]
-    return linears + [(h, rest_mm)]
+    if m.is_moe:
+        return linears + _moe_linears(m)
+    up = ([(2 * f, rest_mm)] if m.fused_qkv else [(f, rest_mm)] * 2) if m.gated_mlp else [(f, rest_mm)]
+    return linears + up + [(h, rest_mm)]
+
+
+def _moe_linears(m: ModelSpec) -> list[tuple[int, bool]]:
+    """A MoE block's feed-forward linears in call order, as ``_block_linears`` lists them (measured with
+    op_sac_context's policy on the benchmark's tiny families: docs/moe.md). The routed experts run
+    ``aten._grouped_mm`` (integrations/moe.py ``grouped_mm_experts_forward``), no ``aten.mm``, so only the
+    router and the shared expert count: the router's linear on the 2-D tokens runs ``mm``, gpt-oss's biased
+    one ``addmm`` (ZeRO-3's linear too: deepspeed/runtime/zero/linear.py takes ``addmm`` for a 2-D input with a
+    bias); Qwen2-MoE's bias-free shared expert (gate, up, down) runs before the router and its
+    ``shared_expert_gate`` (width 1) after the routed experts (modeling_qwen2_moe.py
+    ``Qwen2MoeSparseMoeBlock.forward``). DeepSeek's blocks are not described (op refused for latent attention)."""
+    h, fs = m.hidden_size, m.shared_expert_intermediate_size
+    router = [(m.num_experts, not m.router_bias)]
+    if m.shared_expert_gate:
+        return [(fs, True), (fs, True), (h, True)] + router + [(1, True)]
+    return router
 
 
 def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False) -> float:
@@ -165,6 +183,7 @@ def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False)
     and the output of every other ``aten.mm`` in the block's order (1st, 3rd, ...; ``_block_linears``:
     an ``addmm`` is recomputed and not counted)."""
     h, q = m.hidden_size, m.q_size
+    # a MoE block: the attention's linears, then the router's and the shared expert's (``_moe_linears``)
     mm_widths = [width for width, is_mm in _block_linears(m, zero3_linear) if is_mm]
     n = p * h + p * sum(mm_widths[0::2])
     if m.attn_implementation == "sdpa" and not _sdpa_math(m, device):
@@ -270,12 +289,13 @@ def _checkpoint_frame_kept(m: ModelSpec, p: int, checkpointing: str, zero3_linea
       it is an odd-numbered mm), which early-stopped recomputation never reaches
       (``_recomputation_hook.pack_hook`` raises ``_StopRecomputationError`` at the last saved
       tensor, its input), so ``_CachedTorchDispatchMode`` never consumes that storage entry; not
-      when something after it saves a tensor (residual dropout, post-norms)."""
+      when something after it saves a tensor (residual dropout, post-norms, a MoE block's routed experts
+      after its last ``mm``, the router's or Qwen2-MoE's shared-expert gate: ``_moe_linears``)."""
     n = 0.0
     h = m.hidden_size
     if checkpointing in ("full", "op") and m.norm in ("rmsnorm", "rmsnorm_fp32") and p < 4:
         n += p * h
-    if checkpointing == "op" and m.hidden_dropout == 0 and m.norms_per_block == 2:
+    if checkpointing == "op" and m.hidden_dropout == 0 and m.norms_per_block == 2 and not m.is_moe:
         *before, (_, down_mm) = _block_linears(m, zero3_linear)
         n_mm_before = sum(is_mm for _, is_mm in before)
         if down_mm and n_mm_before % 2 == 0:  # the down projection is mm number n_mm_before + 1: odd, kept

@@ -334,6 +334,72 @@ def test_moe_block_saved_tensors_match_transformers(name, tmp_path):
     assert act.per_block_plain == got
 
 
+def _forward_kept(model, x) -> int:
+    """Bytes one training forward leaves allocated (saved tensors, checkpoint inputs and caches, logits,
+    loss): the sum of torch.profiler's allocation events during it."""
+    import gc
+
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()  # an earlier forward's checkpoint caches (reference cycles) are freed first
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = model(input_ids=x, labels=x, use_cache=False)
+    del out
+    total, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        total += e.typed[1].alloc_size if e.typed[0] == _EventType.Allocation else 0
+        stack.extend(e.children)
+    return total
+
+
+@pytest.mark.parametrize("name,zero3", [(n, False) for n in ("hf-mixtral", "hf-qwen3moe", "hf-qwen2moe", "hf-olmoe",
+                                                             "hf-granitemoe", "hf-gptoss", "hf-phimoe")]
+                         + [("hf-qwen2moe", True), ("hf-gptoss", True), ("hf-phimoe", True)])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_op_checkpointing_keeps_what_the_model_says(name, zero3, precision, tmp_path, monkeypatch):
+    """apply_checkpointing(model, "op") (torchtitan's op-level policy) on the benchmark's tiny MoE blocks: what a
+    forward keeps beyond full checkpointing (the block inputs) is, to the byte, what activations._op_sac_saved
+    says: the attention kernel's outputs and every other aten.mm output in the block's order, the router's and
+    Qwen2-MoE's shared expert's among them, the routed experts' _grouped_mm recomputed (the dense MLP's
+    formula kept the expert projections and a down projection that a MoE block does not run); with everything
+    else recomputed, what the forward drops is the plain block less that. ``zero3``: F.linear replaced by
+    DeepSpeed ZeRO-3's memory-efficient linear (a biased linear on 3-D input runs matmul + bias: mm, the
+    biased router on 2-D tokens addmm)."""
+    spec, _ = tiny_hf_model(name, tmp_path, precision)
+    import torch
+    import transformers
+
+    import autotune
+
+    if zero3:
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+        monkeypatch.setattr(torch.nn.functional, "linear", zero3_linear_wrap)
+    batch, seq = 2, 128
+    cfg = transformers.AutoConfig.from_pretrained(_bench()._hf_path(name, tmp_path))
+    cfg._attn_implementation = spec.attn_implementation
+    x = torch.randint(0, spec.vocab_size, (batch, seq))
+    kept = {}
+    for g in ("none", "full", "op"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.bfloat16 if precision == "bf16" else torch.float32).train()
+        autotune.apply_checkpointing(model, g)
+        _forward_kept(model, x)  # warm-up (lazy buffers, rotary caches)
+        kept[g] = _forward_kept(model, x)
+    training = TrainingSpec(seq_len=seq, global_batch_size=batch, precision=precision)
+
+    def model_kept(g: str) -> float:
+        a = activation_breakdown(spec, training, Strategy(micro_batch_size=batch, checkpointing=g, precision=precision,
+                                                          zero_stage=3 if zero3 else 0), device="cpu")
+        return a.blocks + a.nonblock
+
+    assert kept["op"] - kept["full"] == model_kept("op") - model_kept("full")
+    assert kept["none"] - kept["op"] == model_kept("none") - model_kept("op")
+
+
 def test_stored_moe_rows_within_the_prediction_margin(tmp_path):
     """Every MoE row of the memory benchmark (moe_grid: Mixtral / Qwen3-MoE, ZeRO 0-3 and FSDP2, 1 and
     2 ranks, fp32 / bf16, the worst step and rank) re-predicted from its stored measurement: none is
