@@ -444,8 +444,8 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         logits_tokens = 0.0
     nonblock += logits_saved - (4 * V * tokens + softcap)
     mlp_saved = (moe.moe_saved_per_token(m, p) if m.is_moe else (4 if m.gated_mlp else 2) * p * m.intermediate_size) * tokens
-    moe_fwd = moe.grouped_forward_transient(m, p, int(tokens)) if m.is_moe else 0.0
-    moe_re = moe.grouped_forward_transient(m, p, int(tokens), recompute=True) if m.is_moe else 0.0
+    moe_fwd = moe.grouped_forward_transient(m, p, int(tokens), device=device) if m.is_moe else 0.0
+    moe_re = moe.grouped_forward_transient(m, p, int(tokens), recompute=True, device=device) if m.is_moe else 0.0
     mlp_bwd = moe.moe_backward_transient(m, p, int(tokens)) if m.is_moe else max(
         _mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size, _composite_gelu_backward_transient(m, p) * tokens)
     if ep > 1:  # expert parallelism's experts path instead of grouped_mm (no offsets; memory/expert_parallel.py)

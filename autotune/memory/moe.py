@@ -208,7 +208,8 @@ def forward_locals(m: ModelSpec, p: int, tokens: int) -> float:
     return float(router + residual)
 
 
-def grouped_forward_transient(m: ModelSpec, p: int, tokens: int, recompute: bool = False) -> float:
+def grouped_forward_transient(m: ModelSpec, p: int, tokens: int, recompute: bool = False,
+                              device: str = "cuda") -> float:
     """grouped_mm's forward peak beyond the block's saved tensors (bytes per block; integrations/moe.py
     ``grouped_mm_experts_forward``, allocation traces of gpt-oss's and OLMoE's steps, torch 2.13 CPU), S =
     tokens x top-k pairs, the largest of three instants, each net of what the block saves after it:
@@ -222,15 +223,25 @@ def grouped_forward_transient(m: ModelSpec, p: int, tokens: int, recompute: bool
     the layer's ``forward_locals`` alive throughout. ``recompute``: a checkpointed block's recomputation, which
     torch stops once every saved tensor is made again (torch/utils/checkpoint.py early stop): after the
     weighting multiply, before the order is restored, with the backward's gradient of the combine alive (the
-    sum's view backward made it contiguous, S x h, before IndexBackward0 unpacked ``inv_perm``)."""
+    sum's view backward made it contiguous, S x h, before IndexBackward0 unpacked ``inv_perm``).
+    The weighted output, its reordered copy and that gradient are in q = max(p, the routing weight's bytes)
+    (Mixtral's fp32 weights promote them: fp32 in 16-bit training); on the CPU the weighting multiply also
+    casts the down output to q first, a temporary (TensorIterator's CPU path casts inputs to the common
+    dtype, aten/src/ATen/TensorIterator.cpp ``compute_types``; CUDA kernels cast as they load)."""
     h, f, pairs = m.hidden_size, expert_width(m), m.num_experts_per_tok * tokens
+    q = max(p, _routing_weight_bytes(m, p))
+    cast = q if (q > p and device == "cpu") else 0
     bias = 2 * f if m.expert_bias else 0
     later = saved_after_routed(m, p, tokens)
     after = (p * h + 8) * pairs + later
     gated = (bias + (f if m.expert_clamped_swiglu else 0)) * p * pairs - after
     down_bias = ((bias + h) * p * pairs - after) if m.expert_bias else 0
-    restored = ((1 if recompute else 2) + (1 if m.expert_bias else 0)) * p * h * pairs - later
-    gradient = p * h * pairs if recompute else 0.0
+    down = h if m.expert_bias else 0  # the down projection's gathered biases, to the function's return
+    # the forward: the product beside its reordered copy (or, a moment before, the cast input); the
+    # recomputation stops after the product
+    weighted = (q + cast if recompute else max(2 * q, q + cast)) * h * pairs
+    restored = weighted + down * p * pairs - later
+    gradient = q * h * pairs if recompute else 0.0
     return float(max(gated, down_bias, restored) + forward_locals(m, p, tokens) + gradient)
 
 
