@@ -251,14 +251,21 @@ def _dense_mlp_backward(m: ModelSpec, p: int, mask_bytes: int, tokens: float) ->
     down weight gradient freed at its AccumulateGrad before the multiply that holds the peak): the down
     projection's own backward, its input gradient (f wide) beside its weight gradient while its saved
     input is still alive (the residual dropout's term as at the multiply), above the multiply when h >
-    tokens; the gated multiply without the weight gradient; the composite GELU's as held."""
+    tokens; the gated multiply without the weight gradient; the composite GELU's last multiply without the
+    residual dropout's mask either, which the dropout's backward released before c_proj's (GPT-2 ZeRO-0
+    GA 2, ZeRO-1 GA 1 and GA 4 traces: the mask freed, then c_proj's input gradient and its consumed output
+    gradient, then the GELU's two f-wide gradients at the peak). Held keeps the composite GELU's instant as
+    it was measured where it is the peak: without the weight gradient (the current block's, alive as
+    ``param.grad`` under ZeRO-0 GA 1) and with the mask, p f h against ``mask_bytes`` h per token, equal in
+    the benchmark's GPT-2 shapes (f = tokens, CPU masks in the model dtype)."""
     f, h = m.intermediate_size, m.hidden_size
     per_token = _mlp_backward_transient(m, p, mask_bytes)
     weight = p * f * h
     gelu = _composite_gelu_backward_transient(m, p)
     held = max(per_token * tokens + weight, gelu * tokens)
     dropout = per_token - (2 if m.gated_mlp else 1) * p * f  # the residual dropout's term (0 without)
-    released = max(per_token * tokens, (p * f + dropout) * tokens + weight, gelu * tokens)
+    mask = mask_bytes * h if (gelu and m.hidden_dropout > 0) else 0
+    released = max(per_token * tokens, (p * f + dropout) * tokens + weight, (gelu - mask) * tokens)
     return held, released
 
 
