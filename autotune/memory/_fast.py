@@ -34,7 +34,7 @@ from autotune.engine_configs import gradient_accumulation_steps
 _ACT_FIELDS = ("blocks", "per_block_plain", "per_block_checkpointed", "num_checkpointed", "nonblock", "logits_saved",
                "loss_forward_transient", "loss_backward_transient", "mlp_saved_per_block",
                "attention_backward_transient", "final_norm_saved", "forward_only_masks", "final_norm_forward_extra",
-               "hidden_grad", "checkpoint_frame_kept", "final_norm_backward_live", "mlp_backward_transient",
+               "hidden_grad", "checkpoint_frame_kept", "final_norm_backward_live", "mlp_backward_transient", "mlp_backward_released",
                "logits_tokens", "offloaded", "moe_forward_transient", "moe_recompute_transient", "masks_only_later")
 _act_fields = attrgetter(*_ACT_FIELDS)
 
@@ -161,8 +161,9 @@ def _points(n_ck: np.ndarray, L: int, extra: list[np.ndarray]) -> list[tuple[np.
 
 
 def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarray, L: int,
-                 attention_gran: np.ndarray, moe_recomputed: np.ndarray) -> tuple[np.ndarray, ...]:
-    """walk.backward_blocks for block ``i``: (done, saved, mlp, attention, frame, recompute, has_recompute)."""
+                 attention_gran: np.ndarray, moe_recomputed: np.ndarray, released: Any = False) -> tuple[np.ndarray, ...]:
+    """walk.backward_blocks for block ``i``: (done, saved, mlp, attention, frame, recompute, has_recompute);
+    ``released``: per candidate, the MLP instant at ``mlp_backward_released`` (states.ffn_grads_released)."""
     n_ck, per_plain, per_ck = a["num_checkpointed"], a["per_block_plain"], a["per_block_checkpointed"]
     ck = i < n_ck
     count = np.minimum(i + 1, n_ck)
@@ -173,7 +174,8 @@ def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarra
     a_mlp = np.where(ck & attention_gran, saved - (per_plain - per_ck) - frame, saved)
     attn_delta = a["attention_backward_transient"] - a["mlp_saved_per_block"]
     has_recompute = ck & moe_recomputed & (a["moe_recompute_transient"] > 0)  # walk._recompute
-    return (L - 1 - i, saved, a_mlp + a["mlp_backward_transient"], saved + attn_delta, frame,
+    mlp_bwd = np.where(released, a["mlp_backward_released"], a["mlp_backward_transient"])
+    return (L - 1 - i, saved, a_mlp + mlp_bwd, saved + attn_delta, frame,
             saved + a["moe_recompute_transient"], has_recompute)
 
 
@@ -214,7 +216,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[
 
 _ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffers_step", "buffers_fwd",
        "grad_per_block", "grad_buffer", "resident_buffers", "partition_after", "reduce_flat", "reduce_clone", "cpu",
-       "nvme", "reduce_clone_dense")
+       "nvme", "reduce_clone_dense", "ffn_grads_released")
 _st_fields = attrgetter(*_ST)
 _DS = _ST + ("p", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
 
@@ -249,6 +251,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     a_dense = _dense_activations(m, training, strategies, device) if kinds is not None else None
     n = len(strategies)
     p, carry, grow, carry_ipg = c["p"], c["carry"], c["grow"] > 0, c["carry_ipg"]
+    released = c["ffn_grads_released"] > 0  # the MLP instants' transient (estimate._blocks_backward)
     tokens = a["logits_tokens"]
     kept = p * V * tokens if loop == "keep_outputs" else np.zeros(n)
     w = _Walk(n)
@@ -296,7 +299,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     if kinds is not None:  # every block, each of its kind (walk._mixed_blocks; estimate._blocks_backward)
         after = params_after(m)
         for i, kd, _, saved, mlp, _, attention, has_attention, recompute, has_recompute in _mixed_points(
-                [a_dense if d else a for d in kinds], a, attention_gran, moe_recomputed, other_saved):
+                [a_dense if d else a for d in kinds], a, attention_gran, moe_recomputed, other_saved, released):
             g_before = head_grad + np.where(c["grad_per_block"] != 0, p * after[i], 0.0)
             g = g_before + np.where((bucket != 0) & (head + after[i] > bucket), c["grads"], 0.0)
             add("backward", grads=g, activations=mlp, buffers=c["buffers_bwd"], pending=pending_head)
@@ -313,7 +316,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                 valid=reducing & ((i == r_true) | (i == r_false)))
     for i, valid in (_points(a["num_checkpointed"], L, extra) if kinds is None else ()):
         done, saved, mlp, attention, _, recompute, has_recompute = _block_point(a, i, other_saved, L, attention_gran,
-                                                                              moe_recomputed)
+                                                                              moe_recomputed, released)
         g_before = head_grad + done * c["grad_per_block"]
         g = g_before + np.where((bucket != 0) & (head + done * block_params > bucket), c["grads"], 0.0)
         add("backward", grads=g, activations=mlp, buffers=c["buffers_bwd"], pending=pending_head, valid=valid)
@@ -362,9 +365,10 @@ def _saved_below(ks: list[dict[str, np.ndarray]], n_ck: np.ndarray) -> list[np.n
 
 
 def _mixed_points(ks: list[dict[str, np.ndarray]], a: dict[str, np.ndarray], attention_gran: np.ndarray,
-                  moe_recomputed: np.ndarray, other_saved: np.ndarray):
+                  moe_recomputed: np.ndarray, other_saved: np.ndarray, released: Any = False):
     """walk._mixed_blocks per candidate, last block first: (i, kind, checkpointed, saved, mlp, frame,
-    attention instant, whether it has one, recomputation instant, whether it has one)."""
+    attention instant, whether it has one, recomputation instant, whether it has one); ``released`` as
+    in ``_block_point``."""
     n_ck = a["num_checkpointed"]
     below = _saved_below(ks, n_ck)
     block_other = other_saved - a["final_norm_saved"] + a["hidden_grad"]
@@ -376,7 +380,8 @@ def _mixed_points(ks: list[dict[str, np.ndarray]], a: dict[str, np.ndarray], att
         saved = below[i] + recompute + block_other + frame - (a["masks_only_later"] if i == 0 else 0.0)
         a_mlp = np.where(ck & attention_gran, saved - recompute - frame, saved)
         attn_delta = k["attention_backward_transient"] - k["mlp_saved_per_block"]
-        yield (i, k, ck, saved, a_mlp + k["mlp_backward_transient"], frame, saved + attn_delta, attn_delta > 0,
+        mlp_bwd = np.where(released, k["mlp_backward_released"], k["mlp_backward_transient"])
+        yield (i, k, ck, saved, a_mlp + mlp_bwd, frame, saved + attn_delta, attn_delta > 0,
                saved + k["moe_recompute_transient"], ck & moe_recomputed & (k["moe_recompute_transient"] > 0))
 
 

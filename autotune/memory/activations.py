@@ -259,6 +259,35 @@ def _mlp_backward_transient(m: ModelSpec, p: int, mask_bytes: int) -> float:
     return n
 
 
+def _dense_mlp_backward(m: ModelSpec, p: int, mask_bytes: int, tokens: float) -> tuple[float, float]:
+    """A dense MLP's backward peak beyond the block's saved tensors (bytes per block), with the down
+    projection's weight gradient (f x h) held through the rest of the MLP's backward (ZeRO-0's
+    ``param.grad``) and released right after its AccumulateGrad (states.py ``ffn_grads_released``).
+
+    Held: the multiply's instant (``_mlp_backward_transient``) beside it, or HF's composite GELU's
+    (``_composite_gelu_backward_transient``, counted without it) when larger. Released (allocation traces
+    of real CPU steps, benchmarks/peak_trace_worker.py: Llama at 4096 tokens, ZeRO-2, the 22,016-byte
+    down weight gradient freed at its AccumulateGrad before the multiply that holds the peak): the down
+    projection's own backward, its input gradient (f wide) beside its weight gradient while its saved
+    input is still alive (the residual dropout's term as at the multiply), above the multiply when h >
+    tokens; the gated multiply without the weight gradient; the composite GELU's last multiply without the
+    residual dropout's mask either, which the dropout's backward released before c_proj's (GPT-2 ZeRO-0
+    GA 2, ZeRO-1 GA 1 and GA 4 traces: the mask freed, then c_proj's input gradient and its consumed output
+    gradient, then the GELU's two f-wide gradients at the peak). Held keeps the composite GELU's instant as
+    it was measured where it is the peak: without the weight gradient (the current block's, alive as
+    ``param.grad`` under ZeRO-0 GA 1) and with the mask, p f h against ``mask_bytes`` h per token, equal in
+    the benchmark's GPT-2 shapes (f = tokens, CPU masks in the model dtype)."""
+    f, h = m.intermediate_size, m.hidden_size
+    per_token = _mlp_backward_transient(m, p, mask_bytes)
+    weight = p * f * h
+    gelu = _composite_gelu_backward_transient(m, p)
+    held = max(per_token * tokens + weight, gelu * tokens)
+    dropout = per_token - (2 if m.gated_mlp else 1) * p * f  # the residual dropout's term (0 without)
+    mask = mask_bytes * h if (gelu and m.hidden_dropout > 0) else 0
+    released = max(per_token * tokens, (p * f + dropout) * tokens + weight, (gelu - mask) * tokens)
+    return held, released
+
+
 def _composite_gelu_backward_transient(m: ModelSpec, p: int) -> float:
     """Per token, the peak of HF's composite GELU backward (NewGELUActivation, 0.5*x*(1+tanh(.))).
 
@@ -446,8 +475,11 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     mlp_saved = (moe.moe_saved_per_token(m, p) if m.is_moe else (4 if m.gated_mlp else 2) * p * m.intermediate_size) * tokens
     moe_fwd = moe.grouped_forward_transient(m, p, int(tokens), device=device) if m.is_moe else 0.0
     moe_re = moe.grouped_forward_transient(m, p, int(tokens), recompute=True, device=device) if m.is_moe else 0.0
-    mlp_bwd = moe.moe_backward_transient(m, p, int(tokens)) if m.is_moe else max(
-        _mlp_backward_transient(m, p, mb) * tokens + p * m.intermediate_size * m.hidden_size, _composite_gelu_backward_transient(m, p) * tokens)
+    if m.is_moe:
+        mlp_bwd = moe.moe_backward_transient(m, p, int(tokens))
+        mlp_released = moe.moe_backward_transient(m, p, int(tokens), released=True)
+    else:
+        mlp_bwd, mlp_released = _dense_mlp_backward(m, p, mb, tokens)
     if ep > 1:  # expert parallelism's experts path instead of grouped_mm (no offsets; memory/expert_parallel.py)
         d = ep_saved(m, p, int(tokens), ep)
         mlp_saved, per_plain, per_ck = mlp_saved + d, per_plain + d - moe.moe_fixed_bytes(m), per_ck + (
@@ -457,6 +489,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         _, grouped_saved, grouped_grads = moe.grouped_routed(m, p, int(tokens))
         mlp_bwd = moe.moe_backward_transient(m, p, int(tokens), routed=(
             ep_backward_transient(m, p, int(tokens), ep), grouped_saved + d - moe.moe_fixed_bytes(m), grouped_grads / ep))
+        mlp_released = mlp_bwd  # an FSDP2 knob: the DeepSpeed walk never reads it
         blocks, moe_fwd = n_ck * per_ck + (L - n_ck) * per_plain, ep_forward_transient(m, p, int(tokens), ep)
         moe_re = moe_fwd
     if split.tiled_mlp:
@@ -467,6 +500,8 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         mlp_bwd = (p * m.hidden_size * tokens + (mlp_untiled + max(_mlp_backward_transient(m, p, mb),
                                                                     _composite_gelu_backward_transient(m, p))) * t
                    + n_weights * p * m.intermediate_size * m.hidden_size)
+        # the tiles' weight gradients are held (ds_grad_is_ready False until the last tile): none released
+        mlp_released = mlp_bwd
         mlp_saved = 0.0
     return ActivationBreakdown(
         blocks=blocks,
@@ -490,6 +525,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         final_norm_backward_live=(24.0 * m.hidden_size * tokens if m.norm in ("rmsnorm", "rmsnorm_fp32")
                                   else _norm_saved(m, p, device) * tokens),
         mlp_backward_transient=mlp_bwd,
+        mlp_backward_released=mlp_released,
         logits_tokens=logits_tokens,
         offloaded=offloaded,
         moe_forward_transient=moe_fwd,

@@ -66,6 +66,10 @@ class ActivationBreakdown:
     """The MLP backward's peak beyond the block's saved tensors: ``_mlp_backward_transient`` plus
     the down projection's weight gradient (f x h), or HF's composite GELU backward when larger
     (per block)."""
+    mlp_backward_released: float
+    """``mlp_backward_transient`` where each weight gradient leaves autograd right after its AccumulateGrad
+    (memory/states.py ``ffn_grads_released``: ZeRO-1/2's reduce hook, accumulation into a carried
+    ``param.grad``): no instant holds the down projection's weight gradient made before it (per block)."""
     logits_tokens: float
     """Tokens whose logits exist whole at once on this GPU (the micro-batch's share of its sequences;
     0 under ``tiled_loss``, whose model returns no logits): the logits the user's ``outputs`` keeps and

@@ -190,7 +190,7 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
         extra.update({L - 1 - k, L - 2 - k, L - 2 - k2})
         if st.reduce_flat:
             reduces = {L - 2 - k2: True, L - 2 - k: False}
-    for pt in backward_blocks(act, s, L, other_saved, extra):
+    for pt in backward_blocks(act, s, L, other_saved, extra, released=st.ffn_grads_released):
         done = after[pt.block] if mixed else pt.done * block_params  # parameters of the blocks done
         # without ZeRO-1/2's gradient partition (ZeRO-0 keeps every block's gradients)
         g_before = head_grad + (p * done if (mixed and st.grad_per_block) else pt.done * st.grad_per_block)

@@ -175,18 +175,28 @@ def moe_fixed_bytes(m: ModelSpec, p: int = 4) -> float:
     return 4.0 * m.num_experts + (4.0 * m.num_experts * m.hidden_size if m.router_fp32 and p < 4 else 0.0)
 
 
-def grouped_routed(m: ModelSpec, p: int, tokens: int) -> tuple[float, float, float]:
+def grouped_routed(m: ModelSpec, p: int, tokens: int, released: bool = False) -> tuple[float, float, float]:
     """grouped_mm's routed path in one block (``moe_backward_transient``): its backward peak beyond the
-    block's saved tensors (the three instants below), the bytes it saves (the pairs and the offsets)
-    and its experts' weight gradients (every expert's gate_up and down, model dtype)."""
+    block's saved tensors (the instants below), the bytes it saves (the pairs and the offsets) and its
+    experts' weight gradients still held after it (every expert's gate_up and down, model dtype).
+    ``released``: each weight gradient leaves autograd right after its AccumulateGrad (states.py
+    ``ffn_grads_released``): the gated multiply's and the up grouped_mm's instants without the down one's,
+    and the down grouped_mm's own instant (its input gradient, S x f, beside its weight gradient, its saved
+    input and output gradient not yet released: above the multiply's when E h f > S (f - h)); none held."""
     h, f, e, k = m.hidden_size, expert_width(m), m.num_experts, m.num_experts_per_tok
     w = _routing_weight_bytes(m, p)
     q = max(p, w)
     pairs = k * tokens
+    down = p * e * h * f  # every expert's down weight gradient
+    held = 0 if released else down
     weights = ((3 * q + p) * h if q > p else 3 * q * h + w) * pairs - 8 * pairs
-    gate = 2 * p * f * pairs + p * e * h * f - (p * h + 8) * pairs
-    gate_up = 3 * p * e * h * f - 2 * p * f * pairs - 8 * pairs
-    return max(weights, gate, gate_up), (k * pair_saved(m, p)) * tokens + moe_fixed_bytes(m, p), 3 * p * e * h * f
+    gate = 2 * p * f * pairs + held - (p * h + 8) * pairs
+    gate_up = 2 * p * e * h * f + held - 2 * p * f * pairs - 8 * pairs
+    saved = (k * pair_saved(m, p)) * tokens + moe_fixed_bytes(m, p)
+    if released:
+        down_mm = p * f * pairs + down - 8 * pairs
+        return max(weights, gate, gate_up, down_mm), saved, 0.0
+    return max(weights, gate, gate_up), saved, 3 * p * e * h * f
 
 
 def saved_after_routed(m: ModelSpec, p: int, tokens: int) -> float:
@@ -245,7 +255,8 @@ def grouped_forward_transient(m: ModelSpec, p: int, tokens: int, recompute: bool
     return float(max(gated, down_bias, restored) + forward_locals(m, p, tokens) + gradient)
 
 
-def moe_backward_transient(m: ModelSpec, p: int, tokens: int, routed: Optional[tuple[float, float, float]] = None) -> float:
+def moe_backward_transient(m: ModelSpec, p: int, tokens: int, routed: Optional[tuple[float, float, float]] = None,
+                           released: bool = False) -> float:
     """The MoE feed-forward's backward peak beyond the block's saved tensors (bytes per block), the
     largest of three instants of grouped_mm_experts_forward's backward (S = tokens x top-k pairs; w the
     routing weight's bytes, q = max(p, w) the dtype of ``proj_out * sample_weights_g``), each net of
@@ -263,23 +274,31 @@ def moe_backward_transient(m: ModelSpec, p: int, tokens: int, routed: Optional[t
     From allocation traces of one block's backward (torch 2.13 CPU profiler, docs/moe.md).
     ``routed``: another routed path's (peak, saved bytes, expert weight-gradient bytes) in place of
     grouped_mm's (``grouped_routed``; expert parallelism's, memory/expert_parallel.py), the shared
-    experts' instants composed with it the same way (they run beside the routed path, whichever runs it)."""
+    experts' instants composed with it the same way (they run beside the routed path, whichever runs it).
+    ``released``: each weight gradient leaves autograd right after its AccumulateGrad (states.py
+    ``ffn_grads_released``; ``grouped_routed``): no instant holds one made by an earlier node."""
     h = m.hidden_size
-    routed = routed or grouped_routed(m, p, tokens)
+    routed = routed or grouped_routed(m, p, tokens, released)
     fs = m.shared_expert_intermediate_size
     if not fs:
         return float(routed[0])
     if m.shared_expert_gate:
-        return _qwen2_backward(m, p, tokens, *routed)
+        return _qwen2_backward(m, p, tokens, *routed, released=released)
     # DeepSeek-V2's shared experts run their backward first (computed last): a dense gated MLP's peak (two
     # f-wide factor gradients, its down weight gradient); then the routed instants with its saved tensors
     # released, its three weight gradients and its input gradient (h, awaiting the routed one) alive
-    # (allocation traces of DeepseekV2Moe's backward, torch 2.13 CPU, docs/moe.md)
+    # (allocation traces of DeepseekV2Moe's backward, torch 2.13 CPU, docs/moe.md). Released: the multiply
+    # without the down weight gradient, or the down projection's own instant (its input gradient beside its
+    # weight gradient), and the routed instants without the three
+    if released:
+        shared = max(2 * p * fs * tokens, p * fs * tokens + p * fs * h)
+        return float(max(shared, routed[0] - (4 * p * fs - p * h) * tokens))
     shared = 2 * p * fs * tokens + p * fs * h
     return float(max(shared, routed[0] - (4 * p * fs - p * h) * tokens + 3 * p * fs * h))
 
 
-def _qwen2_backward(m: ModelSpec, p: int, tokens: int, routed: float, routed_saved: float, expert_grads: float) -> float:
+def _qwen2_backward(m: ModelSpec, p: int, tokens: int, routed: float, routed_saved: float, expert_grads: float,
+                    released: bool = False) -> float:
     """Qwen2MoeSparseMoeBlock's backward peak beyond the saved set (bytes per block), from allocation traces
     (torch 2.13 CPU; the block alone, whose harness adds one h-wide copy of the output gradient that the
     benchmark's real steps do not have): the gate multiply (both factor gradients, h wide, and the broadcast
@@ -288,12 +307,20 @@ def _qwen2_backward(m: ModelSpec, p: int, tokens: int, routed: float, routed_sav
     then, the routed pairs, router and gate released and every weight gradient and the block input's summed
     gradient kept, the shared expert's dense backward (it ran first in the forward). ``routed_saved``:
     the routed path's saved bytes (pairs and per-block buffers), ``expert_grads``: its experts' weight
-    gradients on this rank."""
+    gradients on this rank. ``released`` (states.py ``ffn_grads_released``): the gate linear's and the router's
+    weight gradients (1 x h, E x h) and the experts' (``expert_grads`` 0) gone once made; the shared expert's
+    multiply without its down weight gradient, or its down projection's own instant (input gradient beside
+    weight gradient, its output gradient not yet released)."""
     h, e, fs, t = m.hidden_size, m.num_experts, m.shared_expert_intermediate_size, tokens
+    weights = 0 if released else p * h  # the gate linear's weight gradient
     mul = (2 * p * h + p) * t
-    before = (p * h - p) * t + p * h
-    base = (2 * p * h - router_saved_per_token(m, p) - p - p * h) * t - routed_saved + expert_grads + p * (e * h + h)
-    shared = base + p * fs * h + (2 * p * fs - p * h) * t
+    before = (p * h - p) * t + weights
+    base = (2 * p * h - router_saved_per_token(m, p) - p - p * h) * t - routed_saved + expert_grads + (
+        0 if released else p * (e * h + h))
+    if released:
+        shared = base + max((2 * p * fs - p * h) * t, p * fs * t + p * fs * h)
+    else:
+        shared = base + p * fs * h + (2 * p * fs - p * h) * t
     return float(max(mul, routed + before, shared))
 
 
@@ -301,6 +328,15 @@ def down_weight_elements(m: ModelSpec) -> int:
     """Elements of the feed-forward's down projection weight: every expert's (``experts.down_proj``,
     E x h x f) for a MoE, the dense f x h otherwise."""
     return m.num_experts * m.hidden_size * expert_width(m) if m.is_moe else m.hidden_size * m.intermediate_size
+
+
+def largest_ffn_parameter(m: ModelSpec) -> int:
+    """Elements of a block's largest feed-forward parameter: a MoE's (``ffn_parameter_order``; its dense-MLP
+    blocks' too, memory/mixed.py), a dense MLP's weight (Phi-3's fused gate_up: 2 f x h)."""
+    dense = (2 if (m.fused_qkv and m.gated_mlp) else 1) * m.hidden_size * m.intermediate_size
+    if not m.is_moe:
+        return dense
+    return max(*ffn_parameter_order(m), dense if m.num_dense_layers else 0)
 
 
 def ffn_weight_elements(m: ModelSpec) -> int:

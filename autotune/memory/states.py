@@ -190,8 +190,35 @@ class _States:
     reduce_flat: float = 0.0      # ZeRO-1/2, several ranks: flat copy of a bucket while it is all-reduced
     reduce_clone: float = 0.0     # ZeRO-3 on CPU, several ranks: gloo's copy of a gradient it reduce-scatters
     reduce_clone_dense: float = 0.0  # the same for the dense-MLP blocks of a MoE with dense layers (mixed.py)
+    ffn_grads_released: bool = False  # each feed-forward weight gradient leaves autograd once made (ffn_grads_released)
     cpu: float = 0.0              # host bytes per GPU (offload)
     nvme: float = 0.0             # NVMe bytes per GPU
+
+
+def ffn_grads_released(m: ModelSpec, s: Strategy, gas: int, reduce_bucket_size: int) -> bool:
+    """Whether a feed-forward weight gradient leaves autograd right after its AccumulateGrad, before the
+    next op's backward (the gated multiply after the down projection): the walk's MLP instants then
+    hold none made earlier in the block (``ActivationBreakdown.mlp_backward_released``). DeepSpeed 0.19.8,
+    the overlap_comm and contiguous_gradients autotune writes, any accelerator (CPU included):
+    * ZeRO-1/2: the hook (utils/torch.py:40-42, ``register_post_accumulate_grad_hook``) runs
+      ``process_gradients`` -> ``reduce_ready_partitions_and_remove_grads`` (stage_1_and_2.py:2290-2295: every
+      micro-step under ZeRO-2, the boundary under ZeRO-1), which copies the gradient into the ipg bucket and
+      rebinds ``param.grad`` to the copy (1441-1461: ``grad_reduc.data = new_grad_tensor.data``), freeing
+      autograd's tensor; one larger than the bucket stays (1443-1449, ``extra_large_param_to_reduce``), so
+      released only when every feed-forward parameter fits.
+    * Accumulating under ZeRO-0 / ZeRO-1: ``param.grad`` lives across the micro-steps (engine.py:3084-3093
+      reduces, and ZeRO-1's epilogue clears it, stage_1_and_2.py:1067, only at the boundary), so a later
+      micro-step's AccumulateGrad adds into it in place (torch ``accumulate_grad.h``: ``variable_grad +=
+      new_grad``) and frees the new one. The walk's instants are a later micro-step's (the carry); the
+      first (no carry, smaller) keeps it, and with optimizer offload (no carry) the walk stands for it.
+    * ZeRO-0 without accumulation keeps it as ``param.grad``; ZeRO-3 (estimate.py's ``reduce_clone``) and
+      FSDP2 (fsdp2.py) keep their own rules.
+    Traced (benchmarks/peak_trace_worker.py): Phi-3.5-MoE ZeRO-1 GA 1 frees every expert's down weight
+    gradient (704,512 bytes) at its AccumulateGrad, before the multiply that holds the peak; Llama ZeRO-2
+    (4096 tokens) its 22,016 bytes; GPT-2 ZeRO-1 GA 4 (a non-boundary micro-step) and ZeRO-0 GA 2 c_proj's."""
+    if s.zero_stage in (0, 1) and gas > 1:
+        return s.offload_optimizer == "none"
+    return s.zero_stage in (1, 2) and moe.largest_ffn_parameter(m) <= reduce_bucket_size
 
 
 def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy,
@@ -199,10 +226,14 @@ def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
     """Model states and DeepSpeed's buffers of one GPU for the strategy's ZeRO stage."""
     es = engine_settings(m, training, s)
     if s.zero_stage == 0:
-        return _zero0_states(m, s, es)
-    if s.zero_stage in (1, 2):
-        return _zero12_states(m, training, hardware, s, es, device)
-    return _zero3_states(m, training, hardware, s, es, device)
+        out = _zero0_states(m, s, es)
+    elif s.zero_stage in (1, 2):
+        out = _zero12_states(m, training, hardware, s, es, device)
+    else:
+        return _zero3_states(m, training, hardware, s, es, device)
+    gas = gradient_accumulation_steps(s, training, hardware)
+    out.ffn_grads_released = ffn_grads_released(m, s, gas, es.buckets.get("reduce_bucket_size", 0))
+    return out
 
 
 def _zero0_states(m: ModelSpec, s: Strategy, es: EngineSettings) -> _States:

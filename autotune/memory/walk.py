@@ -40,17 +40,18 @@ class BlockPoint(NamedTuple):
 
 
 def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: int, other_saved: float,
-                    extra_points: Iterable[int] = ()) -> list[BlockPoint]:
+                    extra_points: Iterable[int] = (), released: bool = False) -> list[BlockPoint]:
     """The blocks' backward, last to first: what is saved shrinks as blocks finish; a checkpointed
     block is recomputed in full before its backward (what its checkpoint saved, the block input or
     selective's kept tensors, is part of the recomputed set, not a second copy).
 
     Only the instants that can hold the peak are returned: the state is linear in the block index
     within a run of same-kind blocks, so with the first n blocks checkpointed the ends of both runs
-    suffice (plus ``extra_points``); with every k-th block checkpointed every block is visited."""
+    suffice (plus ``extra_points``); with every k-th block checkpointed every block is visited.
+    ``released``: the MLP's instant at ``mlp_backward_released`` (memory/states.py ``ffn_grads_released``)."""
     L = num_layers
     if act.dense is not None:
-        return _mixed_blocks(act, strategy, L, other_saved)
+        return _mixed_blocks(act, strategy, L, other_saved, released)
     n_ck = act.num_checkpointed
     per_plain, per_ck = act.per_block_plain, act.per_block_checkpointed
     every = strategy.checkpoint_every if n_ck else None
@@ -64,7 +65,7 @@ def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: in
     # during the blocks' backward the final norm's saved tensors are already released, and the
     # gradient of the hidden states (one h-wide tensor per token) flows from block to block
     block_other = other_saved - act.final_norm_saved + act.hidden_grad
-    mlp_bwd = act.mlp_backward_transient
+    mlp_bwd = act.mlp_backward_released if released else act.mlp_backward_transient
     out = []
     for i in sorted((i for i in points if 0 <= i < L), reverse=True):
         ck = is_ck(i)
@@ -78,7 +79,8 @@ def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: in
     return out
 
 
-def _mixed_blocks(act: ActivationBreakdown, strategy: Strategy, L: int, other_saved: float) -> list[BlockPoint]:
+def _mixed_blocks(act: ActivationBreakdown, strategy: Strategy, L: int, other_saved: float,
+                  released: bool = False) -> list[BlockPoint]:
     """``backward_blocks`` for blocks of two kinds (memory/mixed.py): every block visited, each with its
     kind's saved bytes, recomputation, frame and transients; what is still saved below it summed block
     by block."""
@@ -94,7 +96,8 @@ def _mixed_blocks(act: ActivationBreakdown, strategy: Strategy, L: int, other_sa
         a = below[i] + recompute + block_other + frame - (act.masks_only_later if i == 0 else 0.0)
         a_mlp = a - recompute - frame if (is_ck and act.granularity == "attention") else a
         attn_delta = k.attention_backward_transient - k.mlp_saved_per_block
-        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + k.mlp_backward_transient, a + attn_delta if attn_delta > 0 else None,
+        mlp_bwd = k.mlp_backward_released if released else k.mlp_backward_transient
+        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None,
                               frame, k, _recompute(k, is_ck, a)))
     return out
 
