@@ -156,6 +156,10 @@ MOE_FAMILIES.update({
     "hf-phimoe-sv": ("moe/phi-3.5-moe", {**_MOE, "num_local_experts": 4, "vocab_size": 256, "bos_token_id": 0,
                                         "eos_token_id": 1}),
 })
+# experts narrower than the model (f 64 < h 128, as Qwen3-30B-A3B's 768 < 2048), 16 of them on 128 tokens: the
+# expert weight gradients large beside the activations
+MOE_FAMILIES["hf-qwen3moe-nf"] = ("moe/qwen3-30b-a3b", {**_MOE, "num_experts": 16, "moe_intermediate_size": 64,
+                                                       "vocab_size": 256})
 LONG_FAMILIES.update(MOE_FAMILIES)  # full overrides like the long families' (hf_config, specs, run_row)
 
 # strategies each HF family is measured with: (ZeRO stage, ranks, grad. accumulation, ckpt, precision)
@@ -331,6 +335,8 @@ def long_context_grid() -> list[dict]:
 
 
 MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 and fsdp2, 1/2 ranks, fp32/bf16
+    ("hf-qwen3moe-nf", 0, 1, 1, 2, 64, "none", "bf16"), ("hf-qwen3moe-nf", "fsdp2", 1, 1, 2, 64, "none", "fp32"),
+    ("hf-qwen3moe-nf", 3, 2, 1, 2, 64, "none", "bf16"),
     ("hf-mixtral", 0, 1, 1, 2, 256, "none", "bf16"), ("hf-qwen3moe", 0, 2, 1, 2, 256, "full", "fp32"),
     ("hf-mixtral", 1, 2, 2, 2, 256, "none", "fp32"), ("hf-qwen3moe", 1, 1, 1, 4, 128, "none", "bf16"),
     ("hf-mixtral", 2, 2, 1, 2, 256, "full", "bf16"), ("hf-qwen3moe", 2, 1, 2, 2, 256, "none", "fp32"),

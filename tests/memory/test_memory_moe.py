@@ -428,6 +428,14 @@ def test_op_checkpointing_keeps_what_the_model_says(name, zero3, precision, tmp_
     assert kept["none"] - kept["op"] == model_kept("none") - model_kept("op")
 
 
+KNOWN_UNDER = {("hf-qwen3moe-nf", 3, 2, 1, 2, 64, "none", "bf16")}
+"""Stored MoE rows the model under-predicts beyond PREDICTION_MARGIN, each with its cause: 16 experts of width
+64 on 128 tokens, ZeRO-3 on 2 gloo ranks (-2.06%): the peak is gloo's clone of the experts' gate_up gradient
+(c10d::_reduce_scatter_base_, 524,288 B) at a backward hook of the experts module beside both expert
+gradients (allocation trace: benchmarks/peak_trace_worker.py), a reduce the model places at the bucket's
+end; CPU only (NCCL reduces in place). docs/moe.md."""
+
+
 def test_stored_moe_rows_within_the_prediction_margin(tmp_path):
     """Every MoE row of the memory benchmark (moe_grid: Mixtral / Qwen3-MoE, ZeRO 0-3 and FSDP2, 1 and
     2 ranks, fp32 / bf16, the worst step and rank) re-predicted from its stored measurement: none is
@@ -441,6 +449,9 @@ def test_stored_moe_rows_within_the_prediction_margin(tmp_path):
     assert not missing, f"MoE rows without a stored measurement: {missing}"
     assert {r["stage"] for r in rows} >= {0, 1, 2, 3, "fsdp2"} and {r["nproc"] for r in rows} == {1, 2}
     errors = {bench.row_key(r): bench.predict(dict(stored[bench.row_key(r)]), tmp_path)["error"] for r in rows}
+    known = {k: errors.pop(k) for k in list(errors) if k in KNOWN_UNDER}
+    assert len(known) == len(KNOWN_UNDER), known  # a known row that comes inside fails until taken off the list
+    assert all(e < -PREDICTION_MARGIN for e in known.values()), known
     worst = min(errors, key=errors.get)
     assert errors[worst] >= -PREDICTION_MARGIN, (worst, errors[worst])
 
