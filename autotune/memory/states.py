@@ -25,34 +25,10 @@ def _largest_param(m: ModelSpec) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _persistent_params(m: ModelSpec, threshold: int) -> int:
-    """ZeRO-3 params with numel <= threshold stay whole on every rank (norm weights, biases...)."""
-    d = m.hidden_size
-    sizes: list[int] = []
-    norm = [d] * (2 if (m.norm == "layernorm" and m.bias) else 1)
-    block = norm * m.norms_per_block
-    if m.qk_norm == "head":
-        block += [m.head_size] * 2
-    elif m.qk_norm == "full":
-        block += [m.q_size, m.kv_size]
-    if m.bias:
-        block += [m.q_size, m.kv_size, m.kv_size, d]
-    if m.attention_sinks:
-        block.append(m.num_attention_heads)
-    block += mla.parameter_order(m) if m.is_mla else [d * m.q_size, d * m.kv_size, d * m.kv_size, m.q_size * d]
-    f = m.intermediate_size
-    dense_mlp = [d * f] * (3 if m.gated_mlp else 2) + ([f] * (2 if m.gated_mlp else 1) + [d] if m.bias else [])
-    moe_mlp = moe.ffn_parameter_order(m) if m.is_moe else dense_mlp
-    # each block with its own feed-forward (dense-MLP blocks among MoE ones: memory/mixed.py)
-    for dense in layer_kinds(m) or (False,) * m.num_hidden_layers:
-        sizes += block + (dense_mlp if dense else moe_mlp)
-    sizes += norm + [m.vocab_size * d]
-    if m.position_embedding == "learned":
-        sizes.append(m.max_position_embeddings * d)
-    if not m.tie_word_embeddings:
-        sizes.append(m.vocab_size * d)
-    if m.lm_head_bias:
-        sizes.append(m.vocab_size)
-    return sum(n for n in sizes if n <= threshold)
+    """ZeRO-3 params with numel <= threshold stay whole on every rank (norm weights, biases...):
+    partition_parameters.py ``_convert_to_zero_parameters`` per tensor, ``param.ds_numel <=
+    param_persistence_threshold``, over ``parameter_order``."""
+    return sum(n for n in parameter_order(m) if n <= threshold)
 
 
 def parameter_order(m: ModelSpec) -> list[int]:
