@@ -26,6 +26,10 @@ _ROUTED: dict[str, tuple[str, int, int, Any]] = {
 }
 _EXPERT_ALIASES = ("num_local_experts", "num_experts", "n_routed_experts")
 MOE_FAMILIES = tuple(_ROUTED)
+ZERO3_LEAF_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""The families whose sparse MoE block DeepSpeed makes a ZeRO-3 leaf module by default (deepspeed 0.19
+runtime/zero/leaf_module_config.py ``DEFAULT_LEAF_MODULE_CLASSES``, applied by the engine's
+``_configure_distributed_model``): ``ModelSpec.zero3_leaf_block``."""
 """The mixture-of-experts model_type values described here (tests/data/hf/moe: one published
 config.json of each, counted exactly against the meta-device model)."""
 
@@ -132,6 +136,8 @@ def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str
         if sliding and window is not None:
             new.update(sliding_window=int(window), sliding_window_layers=sliding,
                        num_attention_masks=2 if sliding < layers else 1)
+    if kind in ZERO3_LEAF_FAMILIES:
+        new["zero3_leaf_block"] = True
     if kind in ("mixtral", "phimoe") and cfg.get("sliding_window"):
         new["sliding_window"] = int(cfg["sliding_window"])
     if kind in _MLA_DEFAULTS:

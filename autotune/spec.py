@@ -172,6 +172,11 @@ class ModelSpec:
     """The MoE block registers its router after its experts, so ``parameters()`` lists it after them
     (Qwen3-MoE, DeepSeek-V2/V3: ``self.experts`` then ``self.gate``); False: router first (Mixtral,
     Qwen2-MoE, OLMoE)."""
+    zero3_leaf_block: bool = False
+    """The MoE block's class is one of DeepSpeed's default ZeRO-3 leaf modules (runtime/zero/leaf_module_config.py
+    ``DEFAULT_LEAF_MODULE_CLASSES``: Mixtral's, Qwen2-MoE's and Qwen3-MoE's sparse blocks, DeepSpeed 0.19): under
+    ZeRO-3 its parameters' gradients wait for its backward hook and are reduced there one after another
+    (stage3.py ``reduce_leaf_module_grads``)."""
     router_topk_softmax: bool = False
     """The router takes the top-k of its logits and a softmax over those k alone as the routing weights (gpt-oss
     ``GptOssTopKRouter``, in the model dtype; Granite-MoE ``GraniteMoeTopKRouter``, on the fp32 logits, the weights

@@ -216,7 +216,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[
 
 _ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffers_step", "buffers_fwd",
        "grad_per_block", "grad_buffer", "resident_buffers", "partition_after", "reduce_flat", "reduce_clone", "cpu",
-       "nvme", "reduce_clone_dense", "ffn_grads_released")
+       "nvme", "reduce_clone_dense", "ffn_grads_released", "leaf_hook", "head_released")
 _st_fields = attrgetter(*_ST)
 _DS = _ST + ("p", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
 
@@ -283,8 +283,9 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         pending=pending_head)
     zero0 = c["zero0"] > 0
     head_grad = np.where(zero0 | m.tie_word_embeddings, p * head, 0.0)
+    bwd = c["buffers_bwd"] - c["head_released"]
     add("backward", grads=head_grad, activations=saved_blocks + other_saved - a["final_norm_saved"]
-        + a["final_norm_backward_live"], buffers=c["buffers_bwd"], pending=pending_head)
+        + a["final_norm_backward_live"], buffers=bwd, pending=pending_head)
 
     # estimate._blocks_backward
     bucket = c["partition_after"]
@@ -302,39 +303,43 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                 [a_dense if d else a for d in kinds], a, attention_gran, moe_recomputed, other_saved, released):
             g_before = head_grad + np.where(c["grad_per_block"] != 0, p * after[i], 0.0)
             g = g_before + np.where((bucket != 0) & (head + after[i] > bucket), c["grads"], 0.0)
-            add("backward", grads=g, activations=mlp, buffers=c["buffers_bwd"], pending=pending_head)
-            add("backward", grads=g_before, activations=recompute, buffers=c["buffers_bwd"], pending=pending_head,
+            add("backward", grads=g, activations=mlp, buffers=bwd, pending=pending_head)
+            add("backward", grads=g_before, activations=recompute, buffers=bwd, pending=pending_head,
                 valid=has_recompute)
-            add("backward", grads=g, activations=attention, buffers=c["buffers_bwd"], pending=pending_head,
+            add("backward", grads=g, activations=attention, buffers=bwd, pending=pending_head,
                 valid=has_attention)
             clone = c["reduce_clone_dense"] if kinds[i] else reduce_clone
             add("backward", grads=g, activations=mlp - kd["mlp_backward_transient"],
-                buffers=c["buffers_bwd"] + p * down_weight_elements(kind_spec(m, kinds[i])) + clone,
+                buffers=bwd + p * down_weight_elements(kind_spec(m, kinds[i])) + clone,
                 pending=pending_head, valid=clone != 0)
+            add("backward", grads=g, activations=saved - kd["mlp_saved_per_block"] + kd["hidden_grad"],
+                buffers=bwd + c["leaf_hook"], pending=pending_head, valid=(c["leaf_hook"] != 0) & (not kinds[i]))
             add("backward", grads=np.where(i == r_false, g_before, g), activations=saved,
-                buffers=c["buffers_bwd"] + reduce_flat, pending=pending_head,
+                buffers=bwd + reduce_flat, pending=pending_head,
                 valid=reducing & ((i == r_true) | (i == r_false)))
     for i, valid in (_points(a["num_checkpointed"], L, extra) if kinds is None else ()):
         done, saved, mlp, attention, _, recompute, has_recompute = _block_point(a, i, other_saved, L, attention_gran,
                                                                               moe_recomputed, released)
         g_before = head_grad + done * c["grad_per_block"]
         g = g_before + np.where((bucket != 0) & (head + done * block_params > bucket), c["grads"], 0.0)
-        add("backward", grads=g, activations=mlp, buffers=c["buffers_bwd"], pending=pending_head, valid=valid)
-        add("backward", grads=g_before, activations=recompute, buffers=c["buffers_bwd"], pending=pending_head,
+        add("backward", grads=g, activations=mlp, buffers=bwd, pending=pending_head, valid=valid)
+        add("backward", grads=g_before, activations=recompute, buffers=bwd, pending=pending_head,
             valid=valid & has_recompute)
-        add("backward", grads=g, activations=attention, buffers=c["buffers_bwd"], pending=pending_head,
+        add("backward", grads=g, activations=attention, buffers=bwd, pending=pending_head,
             valid=valid & (a["attention_backward_transient"] - a["mlp_saved_per_block"] > 0))
         add("backward", grads=g, activations=mlp - a["mlp_backward_transient"],
-            buffers=c["buffers_bwd"] + p * down_weight_elements(m) + reduce_clone, pending=pending_head,
+            buffers=bwd + p * down_weight_elements(m) + reduce_clone, pending=pending_head,
             valid=valid & (reduce_clone != 0))
+        add("backward", grads=g, activations=saved - a["mlp_saved_per_block"] + a["hidden_grad"],
+            buffers=bwd + c["leaf_hook"], pending=pending_head, valid=valid & (c["leaf_hook"] != 0))
         in_reduces = reducing & ((i == r_true) | (i == r_false))
         add("backward", grads=np.where(i == r_false, g_before, g), activations=saved,
-            buffers=c["buffers_bwd"] + reduce_flat, pending=pending_head, valid=valid & in_reduces)
+            buffers=bwd + reduce_flat, pending=pending_head, valid=valid & in_reduces)
 
     moved = np.where(c["zero1"] > 0, carry - carry_ipg, 0.0)
-    add("backward", grads=c["grads"] - moved, buffers=c["buffers_bwd"] + c["buffers_bwd_end"])
+    add("backward", grads=c["grads"] - moved, buffers=bwd + c["buffers_bwd_end"])
     add("backward", grads=np.where(m.num_parameters > bucket, c["grads"], 0.0) - moved,
-        buffers=c["buffers_bwd"] + reduce_flat, valid=reduce_flat != 0)
+        buffers=bwd + reduce_flat, valid=reduce_flat != 0)
     add("optimizer", grads=c["grads"], buffers=c["buffers_step"])
     return (*_verdict(w.best(), hardware, headroom, params=c["params"], optimizer=c["optimizer"],
                       resident_grads=c["grad_buffer"], resident_buffers=c["resident_buffers"],

@@ -139,9 +139,10 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     # (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads, stage3.py
     # __add_grad_to_ipg_bucket)
     head_grad = p * head if (s.zero_stage == 0 or m.tie_word_embeddings) else 0.0
+    bwd = st.buffers_bwd - st.head_released  # ZeRO-3: the head's gathered weight released (states.py)
     # the final norm's backward at its peak (activations.py final_norm_backward_live)
     add("backward", grads=head_grad, activations=saved_blocks + other_saved - act.final_norm_saved
-        + act.final_norm_backward_live, buffers=st.buffers_bwd, pending=pending_head)
+        + act.final_norm_backward_live, buffers=bwd, pending=pending_head)
     _blocks_backward(add, m, s, st, act, other_saved, head_grad, pending_head)
     # ZeRO-1 at the accumulation boundary: each carried full-size gradient is copied into the
     # reduce bucket and rebound to it (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads:
@@ -150,10 +151,10 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     moved = carry - carry_ipg if s.zero_stage == 1 else 0.0
     bucket = st.partition_after or 0
     # backward end: all gradients, ZeRO-0's flat all-reduce bucket
-    add("backward", grads=st.grads - moved, buffers=st.buffers_bwd + st.buffers_bwd_end)
+    add("backward", grads=st.grads - moved, buffers=bwd + st.buffers_bwd_end)
     if st.reduce_flat:  # the last bucket's reduce; the partition exists if an earlier reduce made it
         add("backward", grads=(st.grads if m.num_parameters > bucket else 0.0) - moved,
-            buffers=st.buffers_bwd + st.reduce_flat)
+            buffers=bwd + st.reduce_flat)
     # optimizer step
     add("optimizer", grads=st.grads, buffers=st.buffers_step)
 
@@ -171,6 +172,7 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
     p = BYTES_PER_ELEMENT[s.precision]
     L = m.num_hidden_layers
     head = m.vocab_size * m.hidden_size
+    bwd = st.buffers_bwd - st.head_released  # ZeRO-3: the head's gathered weight released (states.py)
     # through the blocks (last to first): saved activations shrink while gradients accumulate;
     # a checkpointed block is recomputed (its full activations) before its backward
     bucket = st.partition_after or 0
@@ -195,19 +197,23 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
         # without ZeRO-1/2's gradient partition (ZeRO-0 keeps every block's gradients)
         g_before = head_grad + (p * done if (mixed and st.grad_per_block) else pt.done * st.grad_per_block)
         g = g_before + (st.grads if bucket and head + done > bucket else 0.0)
-        add("backward", grads=g, activations=pt.mlp, buffers=st.buffers_bwd, pending=pending_head)
+        add("backward", grads=g, activations=pt.mlp, buffers=bwd, pending=pending_head)
         if pt.recompute is not None:  # a checkpointed block's recomputation at its experts' forward peak
-            add("backward", grads=g_before, activations=pt.recompute, buffers=st.buffers_bwd, pending=pending_head)
+            add("backward", grads=g_before, activations=pt.recompute, buffers=bwd, pending=pending_head)
         if pt.attention is not None:  # its attention backward: MLP tensors freed, the core's gradients appear
-            add("backward", grads=g, activations=pt.attention, buffers=st.buffers_bwd, pending=pending_head)
+            add("backward", grads=g, activations=pt.attention, buffers=bwd, pending=pending_head)
         dense = bool(mixed and mixed[pt.block])
         clone = st.reduce_clone_dense if dense else st.reduce_clone
         if clone:  # ZeRO-3 on CPU: the down projection's weight gradient reduce-scattered by
             # its hook, the linear's saved input released, its input gradient (as wide) alive; gloo's
             # copy of the gradient (states.py)
             add("backward", grads=g, activations=pt.mlp - pt.act.mlp_backward_transient,
-                buffers=st.buffers_bwd + p * down_weight_elements(kind_spec(m, dense)) + clone,
+                buffers=bwd + p * down_weight_elements(kind_spec(m, dense)) + clone,
                 pending=pending_head)
+        if st.leaf_hook and not dense:  # ZeRO-3, a leaf MoE block's backward hook: its saved tensors released,
+            # its input's gradient alive, every expert gradient reduced there (moe.leaf_hook_elements)
+            add("backward", grads=g, activations=pt.saved - pt.act.mlp_saved_per_block + pt.act.hidden_grad,
+                buffers=bwd + st.leaf_hook, pending=pending_head)
         if pt.block in reduces:  # a bucket is all-reduced during this block's backward
             add("backward", grads=g if reduces[pt.block] else g_before, activations=pt.saved,
-                buffers=st.buffers_bwd + st.reduce_flat, pending=pending_head)
+                buffers=bwd + st.reduce_flat, pending=pending_head)

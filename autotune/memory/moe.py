@@ -330,6 +330,29 @@ def down_weight_elements(m: ModelSpec) -> int:
     return m.num_experts * m.hidden_size * expert_width(m) if m.is_moe else m.hidden_size * m.intermediate_size
 
 
+def leaf_hook_elements(m: ModelSpec, reduce_bucket_size: int, clone: bool) -> int:
+    """Gradient elements a ZeRO-3 leaf MoE block (``ModelSpec.zero3_leaf_block``) holds at most in its backward
+    hook (deepspeed stage3.py ``reduce_leaf_module_grads``): every parameter's gradient is alive when it fires;
+    then, in ``parameters()`` order, each is bucketed (``reduce_independent_p_g_buckets_and_remove_grads``): the
+    bucket is reduce-scattered first when it would overflow, freeing what it held, and a gradient that fits is
+    copied into the bucket's buffer and freed (``__add_grad_to_ipg_bucket``), a larger one kept until the next
+    reduce. ``clone``: gloo's reduce-scatter copies its input (states.py ``reduce_clone``). The bucket's content
+    from before the hook (the block above's last, small gradients) is not counted: it is reduced while the
+    first, larger, expert gradient waits."""
+    held = sum(ffn_parameter_order(m))
+    peak, bucket, kept = held, 0, 0
+    for n in ffn_parameter_order(m):
+        if bucket and bucket + n > reduce_bucket_size:
+            peak = max(peak, held + (bucket if clone else 0))
+            held, bucket, kept = held - kept, 0, 0
+        if bucket + n <= reduce_bucket_size:
+            held -= n
+        else:
+            kept += n
+        bucket += n
+    return peak
+
+
 def largest_ffn_parameter(m: ModelSpec) -> int:
     """Elements of a block's largest feed-forward parameter: a MoE's (``ffn_parameter_order``; its dense-MLP
     blocks' too, memory/mixed.py), a dense MLP's weight (Phi-3's fused gate_up: 2 f x h)."""

@@ -166,6 +166,8 @@ class _States:
     reduce_flat: float = 0.0      # ZeRO-1/2, several ranks: flat copy of a bucket while it is all-reduced
     reduce_clone: float = 0.0     # ZeRO-3 on CPU, several ranks: gloo's copy of a gradient it reduce-scatters
     reduce_clone_dense: float = 0.0  # the same for the dense-MLP blocks of a MoE with dense layers (mixed.py)
+    leaf_hook: float = 0.0        # ZeRO-3, a leaf MoE block: the gradients its backward hook holds (moe.leaf_hook_elements)
+    head_released: float = 0.0   # ZeRO-3: the untied head's gathered weight, released after its backward
     ffn_grads_released: bool = False  # each feed-forward weight gradient leaves autograd once made (ffn_grads_released)
     cpu: float = 0.0              # host bytes per GPU (offload)
     nvme: float = 0.0             # NVMe bytes per GPU
@@ -327,6 +329,11 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
     out.grads = 0
     out.buffers_fwd = live
     out.buffers_bwd = live
+    if live and not m.tie_word_embeddings and psi - persist <= es.buffers.max_live_parameters + prefetch:
+        # every parameter gathered: the untied head's is released by its module's post-backward hook (nothing
+        # uses it later in the step: partitioned_param_coordinator.py release_sub_module), before the final
+        # norm's and the blocks' backward
+        out.head_released = p * m.vocab_size * m.hidden_size
     if device == "cpu" and dp > 1 and moe.down_weight_elements(m) > rb:
         # an MLP weight's gradient (larger than the reduce bucket) is reduce-scattered on its own
         # right after its linear's backward (stage3.py __reduce_and_partition_ipg_grads ->
@@ -335,6 +342,8 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
         # _reduce_scatter_base: ``inputTensor.clone()``, seen as aten::clone under
         # c10d::_reduce_scatter_base_ in the allocation trace); NCCL writes from the input directly
         out.reduce_clone = p * moe.down_weight_elements(m)  # a MoE's: every expert's down_proj
+    if m.is_moe and m.zero3_leaf_block:
+        out.leaf_hook = p * moe.leaf_hook_elements(m, rb, clone=device == "cpu" and dp > 1)
     if device == "cpu" and dp > 1 and layer_kinds(m) and moe.down_weight_elements(dense_block_spec(m)) > rb:
         out.reduce_clone_dense = p * moe.down_weight_elements(dense_block_spec(m))  # a dense block's, as above
     pinned = host_pinned(s.pin_memory, device)
