@@ -128,7 +128,8 @@ def moe_fields(cfg: dict, kind: str, out: dict[str, Any], path: str) -> dict[str
         # the weight in fp32
         new.update(bias=bool(val("attention_bias", True)), attention_sinks=True, router_bias=True,
                    expert_bias=True, attn_implementation="eager", norm="rmsnorm_fp32", router_topk_softmax=True,
-                   router_weights_cast=True, expert_clamped_swiglu=True, rotary_half_table=True)
+                   router_weights_cast=True, expert_clamped_swiglu=True, rotary_half_table=True,
+                   experts_transposed=True)
         types = val("layer_types", None) or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                              for i in range(layers)]
         window = val("sliding_window", 128)

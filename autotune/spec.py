@@ -172,6 +172,10 @@ class ModelSpec:
     """The MoE block registers its router after its experts, so ``parameters()`` lists it after them
     (Qwen3-MoE, DeepSeek-V2/V3: ``self.experts`` then ``self.gate``); False: router first (Mixtral,
     Qwen2-MoE, OLMoE)."""
+    experts_transposed: bool = False
+    """The experts' 3-D weights are stored input-major (gpt-oss ``GptOssExperts``: gate_up_proj E x h x 2f,
+    ``use_experts_implementation(is_transposed=True)``), so grouped_mm reads them as they are; otherwise it reads a
+    transposed view (transformers integrations/moe.py ``_grouped_linear``), which its backward keeps."""
     zero3_leaf_block: bool = False
     """The MoE block's class is one of DeepSpeed's default ZeRO-3 leaf modules (runtime/zero/leaf_module_config.py
     ``DEFAULT_LEAF_MODULE_CLASSES``: Mixtral's, Qwen2-MoE's and Qwen3-MoE's sparse blocks, DeepSpeed 0.19): under

@@ -29,8 +29,8 @@ allocation traces of real steps (torch.profiler, see benchmarks/memory_vs_deepsp
   moments partitions; at the step the fp32 gradient of the sub group. On the CPU accelerator (``device="cpu"``)
   gloo's reduce-scatter clones each gradient it reduces alone (NCCL does not). A leaf MoE block (Mixtral,
   Qwen2-MoE, Qwen3-MoE: DeepSpeed's default ZeRO-3 leaf modules) reduces its gradients at its backward hook
-  (``moe.leaf_hook_elements``). The fetched params are capped at ``stage3_max_live_parameters``, which
-  under-counts a module larger than it (docs/moe.md).
+  (``moe.leaf_hook_elements``). The fetched params: DeepSpeed's coordinator replayed on the module tree
+  (``zero3_fetch.py``), with the experts' weights grouped_mm keeps from forward to backward.
 * Offload (``_model_states``), as DeepSpeed 0.19 places it: ZeRO-1/2 ``offload_optimizer`` (cpu
   or nvme: stages 1/2 have no NVMe swapper) moves master weights, moments and the fp32 gradient
   partition to pinned host RAM, with a largest-parameter staging buffer on each side; ZeRO-3

@@ -235,9 +235,11 @@ def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: 
     else:
         k = int(max(0.0, bucket - head) // block_params) if blocked else 0
         k2 = int(max(0.0, 2 * bucket - head) // block_params) if blocked else 0
+    # then ZeRO-3's retained expert copies summed over the first i blocks, i = 0..L (states.experts_retained)
+    retained = np.concatenate(([0.0], np.cumsum(st.experts_retained or [0.0] * m.num_hidden_layers)))
     return [*_st_fields(st), p, carry, grow,
             st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0, s.zero_stage == 1, s.zero_stage == 0, k, k2,
-            blocked]
+            blocked, *retained]
 
 
 def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
@@ -245,11 +247,17 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     """estimate.estimate_memory's walk (deepspeed engine) over the candidates."""
     m, L = model, model.num_hidden_layers
     head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
-    c = dict(zip(_DS, _table(strategies, states_key, lambda s: states_row(m, training, hardware, s, device))))
+    table = _table(strategies, states_key, lambda s: states_row(m, training, hardware, s, device))
+    c = dict(zip(_DS, table))
     a, attention_gran, last_ck, moe_recomputed = _activations(m, training, strategies, device)
+    # ZeRO-3's released expert copies but a checkpointed block's whose experts are recomputed
+    # (states.experts_retained; the checkpointed blocks are the first num_checkpointed)
+    cum = table[len(_DS):]
+    n = len(strategies)
+    retained = cum[L] - np.where(moe_recomputed, cum[a["num_checkpointed"].astype(np.intp), np.arange(n)], 0.0)
+    c["buffers_fwd"], c["buffers_bwd"] = c["buffers_fwd"] + retained, c["buffers_bwd"] + retained
     kinds = layer_kinds(m)
     a_dense = _dense_activations(m, training, strategies, device) if kinds is not None else None
-    n = len(strategies)
     p, carry, grow, carry_ipg = c["p"], c["carry"], c["grow"] > 0, c["carry_ipg"]
     released = c["ffn_grads_released"] > 0  # the MLP instants' transient (estimate._blocks_backward)
     tokens = a["logits_tokens"]

@@ -3,13 +3,14 @@ verdict, from the activations and model states."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import MemoryEstimate
 from autotune.memory.mixed import blocks_within, kind_spec, layer_kinds, params_after
 from autotune.memory.moe import down_weight_elements
-from autotune.memory.states import _model_states, _States, grad_partition_elements
+from autotune.memory.states import _model_states, _States, experts_retained, grad_partition_elements
 from autotune.memory.walk import LOOPS, Candidate, Loop, backward_blocks, finish
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size
@@ -81,6 +82,9 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     st = _model_states(m, training, hardware, s, device)
     act = activation_breakdown(m, training, s, device)
     L = m.num_hidden_layers
+    retained = experts_retained(st, m, s, act.moe_recomputed)
+    if retained:  # ZeRO-3's released expert copies, held through the forward and the backward (states.py)
+        st = dataclasses.replace(st, buffers_fwd=st.buffers_fwd + retained, buffers_bwd=st.buffers_bwd + retained)
     tokens = act.logits_tokens
     saved_blocks, nonblock, logits_saved = act.blocks, act.nonblock, act.logits_saved
     other_saved = nonblock - logits_saved  # final norm, masks, rope tables

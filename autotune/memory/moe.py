@@ -330,6 +330,12 @@ def down_weight_elements(m: ModelSpec) -> int:
     return m.num_experts * m.hidden_size * expert_width(m) if m.is_moe else m.hidden_size * m.intermediate_size
 
 
+def expert_weight_elements(m: ModelSpec) -> tuple[int, int]:
+    """Elements of the experts' two 3-D weights, gate_up_proj (E x 2f x h) and down_proj (E x h x f)."""
+    h, f, e = m.hidden_size, expert_width(m), m.num_experts
+    return e * 2 * f * h, e * h * f
+
+
 def leaf_hook_elements(m: ModelSpec, reduce_bucket_size: int, clone: bool) -> int:
     """Gradient elements a ZeRO-3 leaf MoE block (``ModelSpec.zero3_leaf_block``) holds at most in its backward
     hook (deepspeed stage3.py ``reduce_leaf_module_grads``): every parameter's gradient is alive when it fires;
@@ -370,22 +376,31 @@ def ffn_weight_elements(m: ModelSpec) -> int:
     return (3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size
 
 
-def ffn_parameter_shapes(m: ModelSpec) -> list[tuple[int, int]]:
+def ffn_parameter_modules(m: ModelSpec) -> list[list[tuple[int, int]]]:
     """A MoE block's feed-forward parameters in ``parameters()`` order, each as (first dimension,
-    elements): Mixtral registers the router before the experts (``MixtralSparseMoeBlock.__init__``:
-    ``self.gate``, ``self.experts``), Qwen3-MoE after them (``Qwen3MoeSparseMoeBlock``: ``self.experts``,
-    ``self.gate``), DeepSeek-V2 too and its shared experts last (``DeepseekV2Moe``: experts, gate,
-    shared_experts' gate, up, down); Qwen2-MoE's router first, its shared expert and its gate last
-    (``Qwen2MoeSparseMoeBlock``); the experts' 3-D ``gate_up_proj`` (E x 2f x h) then ``down_proj``
-    (E x h x f); the router E x h; Qwen2-MoE's shared_expert_gate 1 x h; gpt-oss's router and expert biases."""
+    elements), grouped by the module that holds them (what ZeRO-3 gathers together): Mixtral registers the
+    router before the experts (``MixtralSparseMoeBlock.__init__``: ``self.gate``, ``self.experts``), Qwen3-MoE
+    after them (``Qwen3MoeSparseMoeBlock``: ``self.experts``, ``self.gate``), DeepSeek-V2 too and its shared
+    experts last (``DeepseekV2Moe``: experts, gate, shared_experts' gate, up, down); Qwen2-MoE's router first,
+    its shared expert and its gate last (``Qwen2MoeSparseMoeBlock``); the experts' 3-D ``gate_up_proj``
+    (E x 2f x h) then ``down_proj`` (E x h x f), one module; the router E x h; Qwen2-MoE's shared_expert_gate
+    1 x h; gpt-oss's router and expert biases. A ZeRO-3 leaf block (``ModelSpec.zero3_leaf_block``) is one
+    module."""
     h, f, e, fs = m.hidden_size, expert_width(m), m.num_experts, m.shared_expert_intermediate_size
     # gpt-oss (GptOssExperts, GptOssTopKRouter): each projection followed by its bias, the router's bias after
     # its weight (E first, as ``gate_up_proj`` of E x h x 2f is)
-    experts = [(e, e * 2 * f * h)] + ([(e, e * 2 * f)] if m.expert_bias else []) + [(e, e * h * f)] + (
-        [(e, e * h)] if m.expert_bias else [])
-    shared = ([(fs, fs * h), (fs, fs * h), (h, fs * h)] if fs else []) + ([(1, h)] if m.shared_expert_gate else [])
-    router = [(e, e * h)] + ([(e, e)] if m.router_bias else [])
-    return (experts + router if m.router_after_experts else router + experts) + shared
+    experts = [[(e, e * 2 * f * h)] + ([(e, e * 2 * f)] if m.expert_bias else []) + [(e, e * h * f)] + (
+        [(e, e * h)] if m.expert_bias else [])]
+    shared = ([[(fs, fs * h)], [(fs, fs * h)], [(h, fs * h)]] if fs else []) + ([[(1, h)]] if m.shared_expert_gate
+                                                                              else [])
+    router = [[(e, e * h)] + ([(e, e)] if m.router_bias else [])]
+    out = (experts + router if m.router_after_experts else router + experts) + shared
+    return [[t for mod in out for t in mod]] if m.zero3_leaf_block else out
+
+
+def ffn_parameter_shapes(m: ModelSpec) -> list[tuple[int, int]]:
+    """``ffn_parameter_modules``' tensors, in order."""
+    return [t for mod in ffn_parameter_modules(m) for t in mod]
 
 
 def ffn_parameter_order(m: ModelSpec) -> list[int]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from autotune.memory import mla, moe
+from autotune.memory import mla, moe, zero3_fetch
 from autotune.memory.common import _partition, forked_copies, host_pinned, pinned_bytes
 from autotune.memory.mixed import dense_block_spec, layer_kinds
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
@@ -40,38 +41,74 @@ def parameter_order(m: ModelSpec) -> list[int]:
 def parameter_shapes(m: ModelSpec) -> tuple[tuple[int, int], ...]:
     """Each parameter tensor as (first dimension, elements) in ``model.parameters()`` order, the
     order ZeRO-1/2 flatten and partition them in (stage_1_and_2.py: ``bit16_groups`` from the param group, no
-    round_robin_gradients): autotune's reference decoders (autotune/models/reference.py ``Block``:
-    norm, q, k, v, o, norm, gate, up, down) and the HF classes (modeling_llama.py and kin: attention,
-    MLP, then the norms; modeling_phi3.py: o_proj before the fused qkv_proj, fused gate_up_proj;
-    modeling_gpt2.py: ln_1, fused c_attn, c_proj, ln_2, c_fc, c_proj; modeling_gpt_neox.py: both
-    norms, then query_key_value, dense, dense_h_to_4h, dense_4h_to_h). The first dimension is what
-    FSDP2 shards (nn.Linear weights are out x in, GPT-2's Conv1D in x out). Elements sum to
-    num_parameters."""
+    round_robin_gradients): ``parameter_modules``' tensors. The first dimension is what FSDP2 shards
+    (nn.Linear weights are out x in, GPT-2's Conv1D in x out). Elements sum to num_parameters."""
+    return tuple(t for mod in parameter_modules(m) for t in mod)
+
+
+Module = tuple[tuple[int, int], ...]
+"""One module's own parameters, each as (first dimension, elements)."""
+
+
+class _Parts(NamedTuple):
+    """A model's modules by role (``parameter_modules`` and ``execution_parts`` arrange them)."""
+
+    embed: list[Module]        # the token embedding, then GPT-2's learned positions
+    norm: list[Module]         # one norm module
+    norms: list[Module]        # a block's norms
+    qk_norm: list[Module]      # q / k norms (Qwen3, OLMoE)
+    attention: list[Module]    # q, k, v (or fused; gpt-oss's sinks first; MLA's projections and norms)
+    o: list[Module]            # the output projection (MLA: in ``attention``)
+    dense_mlp: list[Module]    # a dense block's MLP linears
+    moe_ffn: list[Module]      # a MoE block's feed-forward modules (moe.ffn_parameter_modules)
+    head: list[Module]         # the output head's own parameters (none when tied, but its bias)
+
+
+@functools.lru_cache(maxsize=256)
+def _parts(m: ModelSpec) -> _Parts:
     d, f, q, kv = m.hidden_size, m.intermediate_size, m.q_size, m.kv_size
     qkv_b, out_b = m.bias or m.qkv_bias, m.bias
 
-    def lin(n_in: int, n_out: int, bias: bool) -> list[tuple[int, int]]:
-        return [(n_in if m.linear_addmm else n_out, n_in * n_out)] + ([(n_out, n_out)] if bias else [])
+    def lin(n_in: int, n_out: int, bias: bool) -> list[Module]:
+        return [((n_in if m.linear_addmm else n_out, n_in * n_out),) + (((n_out, n_out),) if bias else ())]
 
-    norm = [(d, d), (d, d)] if (m.norm == "layernorm" and m.bias) else [(d, d)]
-    qk_norm = {"head": [(m.head_size, m.head_size)] * 2, "full": [(q, q), (kv, kv)]}.get(m.qk_norm, [])
+    norm: list[Module] = [((d, d), (d, d)) if (m.norm == "layernorm" and m.bias) else ((d, d),)]
+    qk_norm: list[Module] = {"head": [((m.head_size, m.head_size),)] * 2, "full": [((q, q),), ((kv, kv),)]}.get(
+        m.qk_norm, [])
     if m.fused_qkv or m.linear_addmm:  # GPT-2's Conv1D c_attn is fused too
         qkv = lin(d, q + 2 * kv, qkv_b)
     else:
         qkv = lin(d, q, qkv_b) + lin(d, kv, qkv_b) + lin(d, kv, qkv_b)
     o = lin(q, d, out_b)
     if m.attention_sinks:  # GptOssAttention's own parameter comes before its submodules' in parameters()
-        qkv = [(m.num_attention_heads, m.num_attention_heads)] + qkv
+        qkv = [((m.num_attention_heads, m.num_attention_heads),)] + qkv
     if m.is_mla:  # DeepSeek-V2's q / latent kv projections, their norms, o_proj (mla.py)
-        qkv, o = mla.parameter_shapes(m), []
+        qkv, o = [(t,) for t in mla.parameter_shapes(m)], []
     if m.gated_mlp:
         mlp_in = lin(d, 2 * f, out_b) if m.fused_qkv else lin(d, f, out_b) + lin(d, f, out_b)
     else:
         mlp_in = lin(d, f, out_b)
-    dense_mlp = mlp_in + lin(f, d, out_b)
-    norms = norm * m.norms_per_block
+    embed = (m.vocab_size, m.vocab_size * d)
+    positions = [((m.max_position_embeddings, m.max_position_embeddings * d),)] if m.position_embedding == "learned" else []
+    # modeling_phimoe.py PhimoeForCausalLM: lm_head = nn.Linear(..., bias=lm_head_bias)
+    head = (() if m.tie_word_embeddings else (embed,)) + (((m.vocab_size, m.vocab_size),) if m.lm_head_bias else ())
+    return _Parts([(embed,)] + positions, norm, norm * m.norms_per_block, qk_norm, qkv, o, mlp_in + lin(f, d, out_b),
+                  [tuple(mod) for mod in moe.ffn_parameter_modules(m)] if m.is_moe else [], [head] if head else [])
 
-    def block(mlp: list[tuple[int, int]]) -> list[tuple[int, int]]:
+
+@functools.lru_cache(maxsize=256)
+def parameter_modules(m: ModelSpec) -> tuple[Module, ...]:
+    """``model.parameters()`` grouped by the module holding them (a linear's weight and bias, a norm's, a MoE
+    block's experts; ``moe.ffn_parameter_modules``), in order: autotune's reference decoders
+    (autotune/models/reference.py ``Block``: norm, q, k, v, o, norm, gate, up, down) and the HF classes
+    (modeling_llama.py and kin: attention, MLP, then the norms; modeling_phi3.py: o_proj before the fused
+    qkv_proj, fused gate_up_proj; modeling_gpt2.py: ln_1, fused c_attn, c_proj, ln_2, c_fc, c_proj;
+    modeling_gpt_neox.py: both norms, then query_key_value, dense, dense_h_to_4h, dense_4h_to_h). A tied head
+    holds no parameter of its own (its bias, if any, is its module)."""
+    pt = _parts(m)
+    norm, norms, qkv, o, qk_norm = pt.norm, pt.norms, pt.attention, pt.o, pt.qk_norm
+
+    def block(mlp: list[Module]) -> list[Module]:
         if m.implementation == "reference":
             return norm + qkv + o + norm + mlp + qk_norm
         if m.linear_addmm or m.parallel_residual:  # GPT-2: ln_1 attn ln_2 mlp; GPT-NeoX: norms first
@@ -82,22 +119,15 @@ def parameter_shapes(m: ModelSpec) -> tuple[tuple[int, int], ...]:
             return qkv + o + qk_norm + norms + mlp
         return qkv + o + qk_norm + mlp + norms
 
-    embed = (m.vocab_size, m.vocab_size * d)
-    out = [embed] + ([(m.max_position_embeddings, m.max_position_embeddings * d)]
-                     if m.position_embedding == "learned" else [])
-    kinds = layer_kinds(m)
-    if kinds is None:
-        out += block(moe.ffn_parameter_shapes(m) if m.is_moe else dense_mlp) * m.num_hidden_layers
-    else:  # a MoE's dense-MLP blocks among its sparse ones, in layer order (memory/mixed.py)
-        moe_block, dense_block = block(moe.ffn_parameter_shapes(m)), block(dense_mlp)
-        for dense in kinds:
-            out += dense_block if dense else moe_block
-    out += norm
-    if not m.tie_word_embeddings:
-        out.append(embed)
-    if m.lm_head_bias:  # modeling_phimoe.py PhimoeForCausalLM: lm_head = nn.Linear(..., bias=lm_head_bias)
-        out.append((m.vocab_size, m.vocab_size))
-    return tuple(out)
+    out = list(pt.embed)
+    for dense in layer_kinds(m) or (not m.is_moe,) * m.num_hidden_layers:
+        out += block(pt.dense_mlp if dense else pt.moe_ffn)
+    return tuple(out + norm + pt.head)
+
+
+def execution_parts(m: ModelSpec) -> _Parts:
+    """The modules by role (``_Parts``), for the order a step runs them in (memory/zero3_fetch.py)."""
+    return _parts(m)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -167,7 +197,8 @@ class _States:
     reduce_clone: float = 0.0     # ZeRO-3 on CPU, several ranks: gloo's copy of a gradient it reduce-scatters
     reduce_clone_dense: float = 0.0  # the same for the dense-MLP blocks of a MoE with dense layers (mixed.py)
     leaf_hook: float = 0.0        # ZeRO-3, a leaf MoE block: the gradients its backward hook holds (moe.leaf_hook_elements)
-    head_released: float = 0.0   # ZeRO-3: the untied head's gathered weight, released after its backward
+    head_released: float = 0.0   # ZeRO-3: gathered parameters released after the head's backward (zero3_fetch.py)
+    experts_retained: tuple[float, ...] = ()  # ZeRO-3: per block, its released experts' copies (zero3_fetch.py)
     ffn_grads_released: bool = False  # each feed-forward weight gradient leaves autograd once made (ffn_grads_released)
     cpu: float = 0.0              # host bytes per GPU (offload)
     nvme: float = 0.0             # NVMe bytes per GPU
@@ -197,6 +228,16 @@ def ffn_grads_released(m: ModelSpec, s: Strategy, gas: int, reduce_bucket_size: 
     if s.zero_stage in (0, 1) and gas > 1:
         return s.offload_optimizer == "none"
     return s.zero_stage in (1, 2) and moe.largest_ffn_parameter(m) <= reduce_bucket_size
+
+
+def experts_retained(st: _States, m: ModelSpec, s: Strategy, moe_recomputed: bool) -> float:
+    """ZeRO-3: the released experts' gathered copies still held from their block's forward to its backward
+    (``_States.experts_retained``), but a checkpointed block's whose experts are recomputed (its forward's saved
+    tensors are dropped)."""
+    if not st.experts_retained:
+        return 0.0
+    ck = set(s.checkpointed_blocks(m.num_hidden_layers)) if moe_recomputed else set()
+    return float(sum(b for i, b in enumerate(st.experts_retained) if i not in ck))
 
 
 def _model_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy,
@@ -312,28 +353,23 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
     persist = _persistent_params(m, thr)
     rb = buckets["reduce_bucket_size"]
     prefetch = buckets["prefetch_bucket_size"]
-    # Fetched (all-gathered) params stay alive while their reuse distance is below
-    # stage3_max_reuse_distance and their count below stage3_max_live_parameters (autotune
-    # writes 1e9 for both, like HF's "auto"): up to 1e9 params stay gathered through forward
-    # and backward. With one rank the gathered tensor is the partition itself.
+    # the gathered parameters (zero3_fetch.py: DeepSpeed's coordinator replayed on the module trace; with one
+    # rank the gathered tensor is the partition itself, except when the partitions live on the host
+    # (offload_param): then every module is fetched to the GPU; on DeepSpeed's CPU accelerator "fetching" a
+    # host partition to the device is no copy)
     off_par = s.offload_params != "none"
-    # ... except when the partitions live on the host (offload_param): then every block is
-    # fetched to the GPU, one rank or many
-    # (on DeepSpeed's CPU accelerator "fetching" a host partition to the device is no copy)
     fetch_copies = dp > 1 or (off_par and device != "cpu")
-    live = p * min(psi - persist, es.buffers.max_live_parameters + prefetch) if fetch_copies else 0.0
+    gathered = zero3_fetch.gathered(m, thr, es.buffers.max_live_parameters, es.buffers.max_reuse_distance,
+                                    prefetch) if fetch_copies else zero3_fetch.Gathered(0, 0, 0)
     out.params = (0 if off_par else p * part) + p * persist
     # the reduce bucket (ipg buffer) is allocated at init on the GPU (stage3.py
     # _setup_for_real_optimizer: "bucket.buffer = torch.empty(self.reduce_bucket_size, ...)")
     out.resident_buffers = p * min(rb, psi)
     out.grads = 0
-    out.buffers_fwd = live
-    out.buffers_bwd = live
-    if live and not m.tie_word_embeddings and psi - persist <= es.buffers.max_live_parameters + prefetch:
-        # every parameter gathered: the untied head's is released by its module's post-backward hook (nothing
-        # uses it later in the step: partitioned_param_coordinator.py release_sub_module), before the final
-        # norm's and the blocks' backward
-        out.head_released = p * m.vocab_size * m.hidden_size
+    out.buffers_fwd = p * gathered.forward
+    out.buffers_bwd = p * gathered.head_backward
+    out.head_released = p * (gathered.head_backward - gathered.after_head)
+    out.experts_retained = tuple(p * n for n in gathered.released_experts)
     if device == "cpu" and dp > 1 and moe.down_weight_elements(m) > rb:
         # an MLP weight's gradient (larger than the reduce bucket) is reduce-scattered on its own
         # right after its linear's backward (stage3.py __reduce_and_partition_ipg_grads ->

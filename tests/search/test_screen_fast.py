@@ -179,7 +179,8 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "precision": (Strategy(), "fp32"),
         "micro_batch_size": (Strategy(zero_stage=1, micro_batch_size=4), 8),  # accumulation 2 -> 1
         "reduce_bucket_size": (Strategy(zero_stage=2), 1000),
-        "prefetch_bucket_size": (Strategy(zero_stage=3), 1000),
+        "prefetch_bucket_size": (Strategy(zero_stage=3), 10 ** 8, "examples/llama3-8b.yaml"),  # llama2-7b: one
+        # parameter per prefetch whatever the bucket, and none at the peak (memory/zero3_fetch.py)
         "param_persistence_threshold": (Strategy(zero_stage=3), 10 ** 9),
         "sequence_parallel_size": (Strategy(zero_stage=1, micro_batch_size=8), 2),  # accumulation 1 -> 2
         "pin_memory": (Strategy(zero_stage=3, offload_optimizer="cpu"), False),  # pinned blocks: powers of two

@@ -1,0 +1,87 @@
+"""ZeRO-3's gathered parameters (autotune/memory/zero3_fetch.py): DeepSpeed's coordinator replayed on the module
+tree, checked against rows measured with stage3_max_live_parameters / max_reuse_distance below a module's size
+(benchmarks/zero3_live_params.py), and its pure rules directly."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.memory import PREDICTION_MARGIN, zero3_fetch
+from autotune.memory.states import parameter_modules
+from autotune.spec import ModelSpec
+from conftest import ROOT
+
+STORED = Path(ROOT) / "benchmarks" / "data" / "zero3_live_params.json"
+
+
+def _bench():
+    sys.path.insert(0, str(Path(ROOT) / "benchmarks"))
+    try:
+        import zero3_live_params as bench
+    finally:
+        sys.path.pop(0)
+    return bench
+
+
+def _spec(**kw) -> ModelSpec:
+    base = dict(name="tiny", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                num_hidden_layers=4, vocab_size=128, implementation="hf")
+    return ModelSpec(**{**base, **kw})
+
+
+def test_every_parameter_is_gathered_within_the_reuse_distance():
+    """With both settings above the model, the forward ends with every non-persistent parameter gathered, and
+    the untied head's is released after its backward (nothing uses it later in the step)."""
+    m = _spec()
+    big = 10 ** 9
+    g = zero3_fetch.gathered(m, 10 * m.hidden_size, big, big, 1000)
+    sizes = [n for mod in parameter_modules(m) for _, n in mod]
+    everything = sum(n for n in sizes if n > 10 * m.hidden_size)
+    assert g.forward == g.head_backward == everything
+    assert g.after_head == everything - m.vocab_size * m.hidden_size
+    assert not any(g.released_experts)
+
+
+def test_a_small_reuse_distance_releases_all_but_the_turnaround():
+    """A reuse distance below a block's parameters releases each block after its forward but the ones the
+    backward reaches first; nothing is kept that no module needs."""
+    m = _spec(num_hidden_layers=6)
+    thr = 10 * m.hidden_size
+    kept = zero3_fetch.gathered(m, thr, 10 ** 9, 10 ** 9, 1000)
+    small = zero3_fetch.gathered(m, thr, 5000, 5000, 1000)
+    largest = max(sum(n for _, n in mod) for mod in parameter_modules(m))
+    assert largest < small.forward < kept.forward
+    assert small.after_head < kept.after_head
+
+
+def test_a_module_larger_than_max_live_is_gathered_whole():
+    """stage3_max_live_parameters limits prefetching only: a MoE block's experts are gathered whole, and the
+    experts released after the forward are reported per block (their grouped_mm keeps a view of them); stored
+    transposed (gpt-oss) they are not."""
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    m = _spec(**moe, zero3_leaf_block=True)
+    experts = 8 * 3 * 64 * 64
+    # the reuse distance reaches past the head into the backward, not past a block
+    g = zero3_fetch.gathered(m, 10 * m.hidden_size, 1000, 20000, 100)
+    assert g.forward >= experts > 1000
+    assert g.released_experts[0] == experts and g.released_experts[-1] == 0  # the last block's are kept
+    t = zero3_fetch.gathered(_spec(**moe, zero3_leaf_block=True, experts_transposed=True), 10 * m.hidden_size, 1000,
+                             20000, 100)
+    assert not any(t.released_experts)
+
+
+@pytest.mark.skipif(not STORED.exists(), reason="no stored rows")
+def test_stored_capped_rows_within_the_prediction_margin(tmp_path):
+    """Every stored capped row (ZeRO-3, 2 gloo ranks, dense and MoE families, with and without checkpointing)
+    re-predicted from its measurement: none under-predicted by more than PREDICTION_MARGIN."""
+    pytest.importorskip("transformers")
+    bench = _bench()
+    rows = [r for r in json.loads(STORED.read_text()) if r.get("status") == "ok"]
+    assert {g[0] for g in bench.GRID} == {r["model"] for r in rows}
+    errors = {(r["model"], r["ckpt"], r["precision"]): bench.predict(r, tmp_path)["error"] for r in rows}
+    worst = min(errors, key=errors.get)
+    assert errors[worst] >= -PREDICTION_MARGIN, (worst, errors[worst])
