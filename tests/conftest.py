@@ -10,6 +10,17 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("AUTOTUNE_CACHE_DIR", os.path.join(ROOT, ".pytest_cache", "autotune-cache"))
 
 
+def benchmark(name: str):
+    """The module ``benchmarks/<name>.py`` (the memory benchmarks' rows and predictions)."""
+    import importlib
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
 @pytest.fixture
 def write(tmp_path):
     """Write a YAML/JSON text to a temp file and return its path."""

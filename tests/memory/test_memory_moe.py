@@ -8,7 +8,6 @@ import dataclasses
 import glob
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from autotune.memory import moe
 from autotune.memory.states import parameter_order
 from autotune.spec import TrainingSpec
 from autotune.strategy import Strategy
-from conftest import ROOT
+from conftest import ROOT, benchmark
 
 MOE_DIR = os.path.join(ROOT, "tests", "data", "hf", "moe")
 FILES = sorted(glob.glob(os.path.join(MOE_DIR, "*.json")))
@@ -32,12 +31,7 @@ DENSE_FIRST = {"deepseek-v2-lite.json", "deepseek-v3.json"}
 
 
 def _bench():
-    sys.path.insert(0, str(Path(ROOT) / "benchmarks"))
-    try:
-        import memory_vs_deepspeed as bench
-    finally:
-        sys.path.pop(0)
-    return bench
+    return benchmark("memory_vs_deepspeed")
 
 
 def tiny_hf_model(name: str, tmp_path, precision: str = "bf16") -> tuple:

@@ -5,7 +5,6 @@ tree, checked against rows measured with stage3_max_live_parameters / max_reuse_
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,18 +12,13 @@ import pytest
 from autotune.memory import PREDICTION_MARGIN, zero3_fetch
 from autotune.memory.states import parameter_modules
 from autotune.spec import ModelSpec
-from conftest import ROOT
+from conftest import ROOT, benchmark
 
 STORED = Path(ROOT) / "benchmarks" / "data" / "zero3_live_params.json"
 
 
 def _bench():
-    sys.path.insert(0, str(Path(ROOT) / "benchmarks"))
-    try:
-        import zero3_live_params as bench
-    finally:
-        sys.path.pop(0)
-    return bench
+    return benchmark("zero3_live_params")
 
 
 def _spec(**kw) -> ModelSpec:
