@@ -23,6 +23,9 @@ import collections
 import functools
 from typing import NamedTuple
 
+from autotune.memory import moe
+from autotune.memory.mixed import layer_kinds
+from autotune.memory.modules import parts
 from autotune.spec import ModelSpec
 
 
@@ -62,11 +65,7 @@ def _tree(m: ModelSpec) -> tuple[_Node, list[int], list[tuple[int, ...]]]:
     """The module tree of an HF causal LM (CausalLM > model > embed, rotary, layers > norm, attention, norms,
     feed-forward; final norm; lm_head), each parameter's elements (ids in execution order) and each block's
     experts' 3-D weights (ids; none for a dense block)."""
-    from autotune.memory import moe
-    from autotune.memory.mixed import layer_kinds
-    from autotune.memory.states import execution_parts
-
-    pt = execution_parts(m)
+    pt = parts(m)
     sizes: list[int] = []
 
     def mod(shapes: tuple[tuple[int, int], ...], leaf: bool = False) -> _Node:

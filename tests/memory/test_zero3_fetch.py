@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from autotune.memory import PREDICTION_MARGIN, zero3_fetch
-from autotune.memory.states import parameter_modules
+from autotune.memory.modules import parameter_modules
 from autotune.spec import ModelSpec
 from conftest import ROOT, benchmark
 
