@@ -36,7 +36,8 @@ class DeepSpeedBuffers:
     sub_group_size: int = 1_000_000_000
     """ZeRO-3 ``sub_group_size`` (elements per optimizer-step sub group; NVMe swap buffers hold one)."""
     max_live_parameters: int = 1_000_000_000
-    """ZeRO-3 ``stage3_max_live_parameters`` (gathered parameters kept alive), like HF's "auto"."""
+    """ZeRO-3 ``stage3_max_live_parameters``, like HF's "auto": it bounds prefetching only (a module is gathered whole
+    whatever its size; memory/zero3_fetch.py)."""
     max_reuse_distance: int = 1_000_000_000
     """ZeRO-3 ``stage3_max_reuse_distance`` (a gathered parameter reused within it stays gathered)."""
     optimizer_nvme_buffer_count: int = 4
