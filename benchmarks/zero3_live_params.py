@@ -88,7 +88,8 @@ def show(rows: list[dict]) -> None:
                   f"{r.get('reason')}")
             continue
         print(f"{r['model']:<18} cap {r['cap']:.0e} {r['ckpt']:<5} {r['precision']}: measured {r['measured']:>12,} B, "
-              f"predicted {r['predicted']:>12,} B  {100 * r['error']:+.2f}%  ({r['measured_phase']}/{r['predicted_phase']})")
+              f"predicted {r['predicted']:>12,} B  {100 * r['error']:+.2f}%  "
+              f"({r['measured_phase']}/{r['predicted_phase']})")
     ok = [r["error"] for r in rows if r.get("status") == "ok"]
     if ok:
         print(f"{len(ok)} rows: worst {100 * min(ok):+.2f}%, max {100 * max(ok):+.2f}%")

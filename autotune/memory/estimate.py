@@ -7,7 +7,7 @@ import dataclasses
 from typing import Callable
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
-from autotune.memory.common import MemoryEstimate
+from autotune.memory.common import MemoryEstimate, _gib
 from autotune.memory.mixed import blocks_within, kind_spec, layer_kinds, params_after
 from autotune.memory.moe import down_weight_elements
 from autotune.memory.states import _model_states, _States, experts_retained, grad_partition_elements
@@ -162,9 +162,12 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     # optimizer step
     add("optimizer", grads=st.grads, buffers=st.buffers_step)
 
+    why = (f"the buffers hold {_gib(retained)} of expert weights ZeRO-3 gathered in the forward and the experts' "
+           "grouped_mm keeps to the backward (checkpointing the blocks' feed-forward, op, mlp or full, recomputes "
+           "them instead; docs/moe.md)" if retained else None)
     return finish(cands, model, training, hardware, s, headroom, params=st.params, optimizer=st.optimizer,
                   resident_grads=st.grad_buffer, resident_buffers=st.resident_buffers,
-                  cpu_per_gpu=st.cpu + act.offloaded, nvme_per_gpu=st.nvme)
+                  cpu_per_gpu=st.cpu + act.offloaded, nvme_per_gpu=st.nvme, why_gpu=why)
 
 
 def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _States, act: ActivationBreakdown,

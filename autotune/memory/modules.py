@@ -70,7 +70,8 @@ def parts(m: ModelSpec) -> Parts:
     else:
         mlp_in = lin(d, f, out_b)
     embed = (m.vocab_size, m.vocab_size * d)
-    positions = [((m.max_position_embeddings, m.max_position_embeddings * d),)] if m.position_embedding == "learned" else []
+    learned = m.position_embedding == "learned"
+    positions = [((m.max_position_embeddings, m.max_position_embeddings * d),)] if learned else []
     # modeling_phimoe.py PhimoeForCausalLM: lm_head = nn.Linear(..., bias=lm_head_bias)
     head = (() if m.tie_word_embeddings else (embed,)) + (((m.vocab_size, m.vocab_size),) if m.lm_head_bias else ())
     return Parts([(embed,)] + positions, norm, norm * m.norms_per_block, qk_norm, qkv, o, mlp_in + lin(f, d, out_b),

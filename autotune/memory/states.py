@@ -98,7 +98,7 @@ class _States:
     reduce_flat: float = 0.0      # ZeRO-1/2, several ranks: flat copy of a bucket while it is all-reduced
     reduce_clone: float = 0.0     # ZeRO-3 on CPU, several ranks: gloo's copy of a gradient it reduce-scatters
     reduce_clone_dense: float = 0.0  # the same for the dense-MLP blocks of a MoE with dense layers (mixed.py)
-    leaf_hook: float = 0.0        # ZeRO-3, a leaf MoE block: the gradients its backward hook holds (moe.leaf_hook_elements)
+    leaf_hook: float = 0.0        # ZeRO-3, a leaf MoE block: what its backward hook holds (moe.leaf_hook_elements)
     head_released: float = 0.0   # ZeRO-3: gathered parameters released after the head's backward (zero3_fetch.py)
     experts_retained: tuple[float, ...] = ()  # ZeRO-3: per block, its released experts' copies (zero3_fetch.py)
     ffn_grads_released: bool = False  # each feed-forward weight gradient leaves autograd once made (ffn_grads_released)

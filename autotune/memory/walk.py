@@ -134,8 +134,9 @@ def phase_peaks(cands: list[Candidate]) -> tuple[dict[str, int], Candidate]:
 
 
 def _reasons(reasons: list[str], gpu: dict[str, int], cpu: int, nvme: int, hardware: HardwareSpec,
-             headroom: float) -> list[str]:
-    """The strategy's rule violations plus every limit it exceeds (GPU, host RAM, NVMe), each a Reason."""
+             headroom: float, why_gpu: Optional[str] = None) -> list[str]:
+    """The strategy's rule violations plus every limit it exceeds (GPU, host RAM, NVMe), each a Reason;
+    ``why_gpu``: what the GPU limit's reason adds when it is exceeded."""
     avail = hardware.gpu.memory_bytes * (1.0 - headroom)
     total = gpu["peak"] + gpu["overhead"]
     if total > avail:
@@ -146,6 +147,8 @@ def _reasons(reasons: list[str], gpu: dict[str, int], cpu: int, nvme: int, hardw
         ))
         if gpu[biggest] > avail:
             reasons.append(Reason(f"{biggest.replace('_', ' ')} {_gib(gpu[biggest])} > {_gib(avail)} free", "gpu_memory"))
+        if why_gpu:
+            reasons.append(Reason(why_gpu, "gpu_memory"))
     cpu_avail = hardware.cpu_memory_gib * GIB
     if cpu > cpu_avail:
         reasons.append(Reason(f"offload needs {_gib(cpu)} host RAM per node > {_gib(cpu_avail)} available", "host_memory"))
@@ -159,11 +162,11 @@ def _reasons(reasons: list[str], gpu: dict[str, int], cpu: int, nvme: int, hardw
 def finish(cands: list[Candidate], model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
            strategy: Strategy, headroom: float, *, params: float, optimizer: float, resident_grads: float,
            resident_buffers: float, cpu_per_gpu: float, nvme_per_gpu: float,
-           reserved_elsewhere: float = 0.0) -> MemoryEstimate:
+           reserved_elsewhere: float = 0.0, why_gpu: Optional[str] = None) -> MemoryEstimate:
     """The estimate at the largest candidate: the breakdown (the resident states plus what that
     instant holds), the overhead, host and NVMe needs per node, and the verdict with its reasons.
     ``reserved_elsewhere``: memory the allocator keeps reserved outside the peak's live tensors
-    (side-stream pools), added to the overhead."""
+    (side-stream pools), added to the overhead; ``why_gpu``: a reason added when the GPU limit is exceeded."""
     phases, best = phase_peaks(cands)
     gpu = {"parameters": int(params), "gradients": int(resident_grads + best.grads),
            "optimizer_states": int(optimizer), "activations": int(best.activations), "logits": int(best.logits),
@@ -176,7 +179,8 @@ def finish(cands: list[Candidate], model: ModelSpec, training: TrainingSpec, har
     gpn = hardware.gpus_per_node
     cpu = int(cpu_per_gpu * gpn)
     nvme = int(nvme_per_gpu * gpn)
-    reasons = _reasons(list(validate(strategy, model, training, hardware)), gpu, cpu, nvme, hardware, headroom)
+    reasons = _reasons(list(validate(strategy, model, training, hardware)), gpu, cpu, nvme, hardware, headroom,
+                       why_gpu)
     return MemoryEstimate(gpu=gpu, peak_phase=best.phase, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
                           fits=not reasons, reasons=reasons, phases=phases,
                           activation_peak=int(max(c.activations + c.logits for c in cands)))
