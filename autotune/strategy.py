@@ -81,20 +81,20 @@ class Strategy:
                                  space=(1, 2, 4, 8), memory=("rules", "activations", "states", "units"),
                                  help="Sequences per GPU per forward/backward.")
     checkpointing: Checkpointing = knob("none", search_order=5, feature=("blocks", 1.0), flag=True,
-                                        space=("none", "full"), memory=("rules", "activations"), help="""
+                                        space=("none", "full"), memory=("rules", "activations", "states"), help="""
         Activation checkpointing granularity: selective = attention core recomputed (Korthikanti et al. 2022
         sec. 5); attention / mlp = that module of the block recomputed, the other kept (module-level selective
         recompute, the norms stay outside); op = torchtitan's op-level selective checkpointing of the block
         (attention outputs and every other matmul output kept, the rest recomputed); full = whole block
         recomputed.""")
     checkpoint_every: Optional[int] = knob(None, search_order=6, nest=7, flag=True, int_range=(1, 10_000),
-                                           applies=_CKPT_ON, added=True, memory=("rules", "activations"),
+                                           applies=_CKPT_ON, added=True, memory=("rules", "activations", "states"),
                                            help="""Checkpoint every k-th block
         (blocks k-1, 2k-1, ...; torchtitan's layer-frequency selective option), L // k blocks in all; unset:
         the first checkpoint_layers blocks instead.""")
     checkpoint_layers: Optional[int] = knob(None, search_order=7, nest=8, flag=True, int_range=(0, 10_000),
                                             applies=_CKPT_ON & _NO_EVERY, space=("all",), of_layers=True,
-                                            memory=("rules", "activations"), help="""
+                                            memory=("rules", "activations", "states"), help="""
         Number of blocks checkpointed, the first ones, 0..num_layers (unset: all of them). Not with
         checkpoint_every.""")
     offload_optimizer: Offload = knob("none", search_order=2, feature=("levels", ONE_HOT), flag=True,

@@ -14,6 +14,7 @@ Strategies outside what the grid covers (``checkpoint_every``) are left to ``est
 
 from __future__ import annotations
 
+import dataclasses
 from operator import attrgetter
 from typing import Any, Callable, Optional, Sequence
 
@@ -26,10 +27,10 @@ from autotune.memory.estimate import _accumulation_carry
 from autotune.memory.fsdp2 import _units, offload_host
 from autotune.memory.mixed import blocks_within, dense_block_spec, kind_spec, layer_kinds, params_after
 from autotune.memory.moe import down_weight_elements
-from autotune.memory.states import _model_states
+from autotune.memory.states import _model_states, zero3_gathered
 from autotune.spec import BYTES_PER_ELEMENT, GIB, HardwareSpec, ModelSpec, TrainingSpec
-from autotune.strategy import Strategy, validate
-from autotune.engine_configs import gradient_accumulation_steps
+from autotune.strategy import Strategy, data_parallel_size, validate
+from autotune.engine_configs import engine_settings, gradient_accumulation_steps
 
 _ACT_FIELDS = ("blocks", "per_block_plain", "per_block_checkpointed", "num_checkpointed", "nonblock", "logits_saved",
                "loss_forward_transient", "loss_backward_transient", "mlp_saved_per_block",
@@ -221,10 +222,22 @@ _st_fields = attrgetter(*_ST)
 _DS = _ST + ("p", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
 
 
-def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, device: str) -> list[Any]:
-    """A DeepSpeed candidate's model states (``_ST``) and the walk's other per-strategy terms (``_DS``)."""
+def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, device: str,
+               cache: Optional[dict] = None) -> list[Any]:
+    """A DeepSpeed candidate's model states (``_ST``) and the walk's other per-strategy terms (``_DS``).
+    ``cache``: the states without the checkpointing knobs, which move ZeRO-3's gathered parameters only
+    (states.zero3_gathered), by their key."""
     head, block_params = m.vocab_size * m.hidden_size, m.block_params()
-    st = _model_states(m, training, hardware, s, device)
+    plain = dataclasses.replace(s, checkpointing="none", checkpoint_layers=None, checkpoint_every=None)
+    key = states_key(plain)
+    st = cache.get(key) if cache is not None else None
+    if st is None:
+        st = _model_states(m, training, hardware, plain, device)
+        if cache is not None:
+            cache[key] = st
+    if s.zero_stage == 3 and s.checkpointing != "none":
+        st = dataclasses.replace(st, **zero3_gathered(m, s, engine_settings(m, training, s),
+                                                      data_parallel_size(hardware), device))
     p = BYTES_PER_ELEMENT[s.precision]
     carry, grow = _accumulation_carry(m, hardware, s, gradient_accumulation_steps(s, training, hardware))
     bucket = st.partition_after or 0
@@ -247,7 +260,8 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     """estimate.estimate_memory's walk (deepspeed engine) over the candidates."""
     m, L = model, model.num_hidden_layers
     head, block_params, V = m.vocab_size * m.hidden_size, m.block_params(), m.vocab_size
-    table = _table(strategies, states_key, lambda s: states_row(m, training, hardware, s, device))
+    cache: dict = {}
+    table = _table(strategies, states_key, lambda s: states_row(m, training, hardware, s, device, cache))
     c = dict(zip(_DS, table))
     a, attention_gran, last_ck, moe_recomputed = _activations(m, training, strategies, device)
     # ZeRO-3's released expert copies but a checkpointed block's whose experts are recomputed

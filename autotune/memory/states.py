@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from autotune.memory import mla, moe, zero3_fetch
 from autotune.memory.modules import parameter_modules, parameter_order, parameter_shapes  # noqa: F401 (re-exported)
@@ -239,6 +240,25 @@ def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     return out
 
 
+def zero3_gathered(m: ModelSpec, s: Strategy, es: EngineSettings, dp: int, device: str) -> dict[str, Any]:
+    """ZeRO-3's gathered parameters as ``_States`` fields (``buffers_fwd``, ``buffers_bwd``, ``head_released``,
+    ``experts_retained``): zero3_fetch.py replays DeepSpeed's coordinator on the module trace. With one rank the
+    gathered tensor is the partition itself, except when the partitions live on the host (offload_param): then
+    every module is fetched to the GPU; on DeepSpeed's CPU accelerator "fetching" a host partition to the device
+    is no copy. The only state the checkpointing knobs move (memory/_fast.py ``states_row``)."""
+    p = BYTES_PER_ELEMENT[s.precision]
+    fetch_copies = dp > 1 or (s.offload_params != "none" and device != "cpu")
+    # blocks checkpointed whole run their forward again inside the backward, fetching as they go
+    whole = tuple(s.checkpointed_blocks(m.num_hidden_layers)) if s.checkpointing in ("full", "op") else ()
+    b = es.buckets
+    g = zero3_fetch.gathered(m, b["param_persistence_threshold"], es.buffers.max_live_parameters,
+                             es.buffers.max_reuse_distance, b["prefetch_bucket_size"], whole) if fetch_copies else (
+        zero3_fetch.Gathered(0, 0, 0))
+    return {"buffers_fwd": float(p * g.forward), "buffers_bwd": float(p * g.head_backward),
+            "head_released": float(p * (g.head_backward - g.after_head)),
+            "experts_retained": tuple(float(p * n) for n in g.released_experts)}
+
+
 def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, es: EngineSettings,
                   device: str) -> _States:
     """ZeRO-3 (DeepSpeedZeroOptimizer_Stage3), with optimizer and parameter offload."""
@@ -255,23 +275,14 @@ def _zero3_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, 
     persist = _persistent_params(m, thr)
     rb = buckets["reduce_bucket_size"]
     prefetch = buckets["prefetch_bucket_size"]
-    # the gathered parameters (zero3_fetch.py: DeepSpeed's coordinator replayed on the module trace; with one
-    # rank the gathered tensor is the partition itself, except when the partitions live on the host
-    # (offload_param): then every module is fetched to the GPU; on DeepSpeed's CPU accelerator "fetching" a
-    # host partition to the device is no copy)
     off_par = s.offload_params != "none"
-    fetch_copies = dp > 1 or (off_par and device != "cpu")
-    gathered = zero3_fetch.gathered(m, thr, es.buffers.max_live_parameters, es.buffers.max_reuse_distance,
-                                    prefetch) if fetch_copies else zero3_fetch.Gathered(0, 0, 0)
     out.params = (0 if off_par else p * part) + p * persist
     # the reduce bucket (ipg buffer) is allocated at init on the GPU (stage3.py
     # _setup_for_real_optimizer: "bucket.buffer = torch.empty(self.reduce_bucket_size, ...)")
     out.resident_buffers = p * min(rb, psi)
     out.grads = 0
-    out.buffers_fwd = p * gathered.forward
-    out.buffers_bwd = p * gathered.head_backward
-    out.head_released = p * (gathered.head_backward - gathered.after_head)
-    out.experts_retained = tuple(p * n for n in gathered.released_experts)
+    for name, value in zero3_gathered(m, s, es, dp, device).items():
+        setattr(out, name, value)
     if device == "cpu" and dp > 1 and moe.down_weight_elements(m) > rb:
         # an MLP weight's gradient (larger than the reduce bucket) is reduce-scattered on its own
         # right after its linear's backward (stage3.py __reduce_and_partition_ipg_grads ->

@@ -108,16 +108,41 @@ def _tree(m: ModelSpec) -> tuple[_Node, list[int], list[tuple[int, ...]]]:
     return container([container(embed + rotary + layers + [final]), head_node]), sizes, experts
 
 
-def _trace(root: _Node) -> tuple[list[_Node], list[tuple[str, _Node, int]]]:
-    """The modules in fetch order, and the events: ("fetch", node, step) and ("release", node, steps fetched)."""
+def _trace(root: _Node, recomputed: frozenset[int] = frozenset()) -> tuple[list[_Node], list[tuple[str, _Node, int]]]:
+    """The modules in fetch order, and the events: ("fetch", node, step) and ("release", node, steps fetched).
+    ``recomputed``: the ids of blocks checkpointed whole; in the backward each is entered, then the modules
+    whose pre-backward hooks fire before the first saved tensor is unpacked (the last-run chain down to a
+    module with parameters), then the block's forward runs again, then the rest of its backward (DeepSpeed's
+    trace on torch's non-reentrant checkpoint, allocation and coordinator logs, torch 2.13 CPU)."""
     order: list[_Node] = []
     events: list[tuple[str, _Node, int]] = []
+
+    def enter(node: _Node) -> None:
+        events.append(("fetch", node, len(order)))
+        order.append(node)
 
     def run(node: _Node, backward: bool) -> None:
         if backward and not node.backward:
             return
-        events.append(("fetch", node, len(order)))
-        order.append(node)
+        if backward and id(node) in recomputed:
+            chain = [node]
+            enter(node)
+            while chain[-1].children and not chain[-1].own:
+                chain.append([c for c in chain[-1].children if c.backward][-1])
+                enter(chain[-1])
+            for c in node.children:  # the block's forward again
+                run(c, False)
+            for parent, done in zip(chain[::-1][1:], chain[::-1]):
+                for c in parent.children[::-1]:
+                    if c is not done:
+                        run(c, True)
+                    elif not c.children:
+                        events.append(("release", c, len(order)))
+                events.append(("release", parent, len(order)))
+            if len(chain) == 1:
+                events.append(("release", node, len(order)))
+            return
+        enter(node)
         for c in (node.children[::-1] if backward else node.children):
             run(c, backward)
         events.append(("release", node, len(order)))
@@ -128,10 +153,13 @@ def _trace(root: _Node) -> tuple[list[_Node], list[tuple[str, _Node, int]]]:
 
 
 @functools.lru_cache(maxsize=1024)
-def gathered(m: ModelSpec, persistence_threshold: int, max_live: int, max_reuse: int, prefetch: int) -> Gathered:
-    """The gathered parameter elements of one rank through a training step (module docstring)."""
+def gathered(m: ModelSpec, persistence_threshold: int, max_live: int, max_reuse: int, prefetch: int,
+             recomputed: tuple[int, ...] = ()) -> Gathered:
+    """The gathered parameter elements of one rank through a training step (module docstring); ``recomputed``:
+    the blocks checkpointed whole (full or op), run again inside the backward."""
     root, sizes, experts = _tree(m)
-    order, events = _trace(root)
+    layers = [c for c in root.children[0].children if c.children and not c.own and c.backward][:m.num_hidden_layers]
+    order, events = _trace(root, frozenset(id(layers[i]) for i in recomputed))
     released: set[int] = set()  # expert weights released during the forward
     persistent = [n <= persistence_threshold for n in sizes]
     subtrees = [node.subtree() for node in order]

@@ -182,6 +182,10 @@ KEYS = {  # key -> (direct function of (cfg, strategy), engine, {knob: (base str
         "prefetch_bucket_size": (Strategy(zero_stage=3), 10 ** 8, "examples/llama3-8b.yaml"),  # llama2-7b: one
         # parameter per prefetch whatever the bucket, and none at the peak (memory/zero3_fetch.py)
         "param_persistence_threshold": (Strategy(zero_stage=3), 10 ** 9),
+        # ZeRO-3's blocks checkpointed whole fetch their modules again in the backward (memory/zero3_fetch.py)
+        "checkpointing": (Strategy(zero_stage=3), "full"),
+        "checkpoint_every": (Strategy(zero_stage=3, checkpointing="full"), 4, "examples/llama3-8b.yaml"),
+        "checkpoint_layers": (Strategy(zero_stage=3, checkpointing="full"), 4),
         "sequence_parallel_size": (Strategy(zero_stage=1, micro_batch_size=8), 2),  # accumulation 1 -> 2
         "pin_memory": (Strategy(zero_stage=3, offload_optimizer="cpu"), False),  # pinned blocks: powers of two
     }, "examples/llama2-7b.yaml", {}),  # 7B parameters: more than ZeRO-3 keeps gathered
