@@ -7,6 +7,7 @@ reproduce at CPU size.
 
     python benchmarks/zero3_live_params.py --json out.json      # the GRID rows (about 20 s each)
     python benchmarks/zero3_live_params.py --reuse benchmarks/data/zero3_live_params.json --no-run  # re-predict
+    python benchmarks/zero3_live_params.py --reuse out.json --json out.json  # measure the GRID rows it lacks
     python benchmarks/zero3_live_params.py --model hf-llama --cap 5e4 --precision bf16             # one row
     python benchmarks/zero3_live_params.py --model hf-mixtral-sv --cap 0                           # autotune's 1e9
 """
@@ -104,18 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", default="none")
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--reuse", help="stored rows (a --json output) to re-predict")
-    ap.add_argument("--no-run", action="store_true", help="with --reuse: re-predict only")
+    ap.add_argument("--reuse", help="stored rows (a --json output): re-predicted, not measured again")
+    ap.add_argument("--no-run", action="store_true", help="with --reuse: measure none of the rows it lacks")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="z3live_"))
-    if args.reuse:
-        stored = json.loads(Path(args.reuse).read_text())
-        rows = [predict(r, work) if r.get("status") == "ok" else r for r in stored]
-    else:
-        todo = ([grid_row(args.model, args.cap, args.ckpt, args.precision, args.mbs, args.seq)] if args.model
-                else [grid_row(*g) for g in GRID])
-        rows = []
-        for row in todo:
+    stored = json.loads(Path(args.reuse).read_text()) if args.reuse else []
+    rows = [predict(r, work) if r.get("status") == "ok" else r for r in stored]
+    have = {(r["model"], r["cap"], r["ckpt"], r["precision"]) for r in rows}
+    todo = ([grid_row(args.model, args.cap, args.ckpt, args.precision, args.mbs, args.seq)] if args.model
+            else [grid_row(*g) for g in GRID])
+    for row in ([] if args.no_run else todo):
+        if (row["model"], row["cap"], row["ckpt"], row["precision"]) not in have:
             rows.append(run(row, work))
             show(rows[-1:])
     show(rows)

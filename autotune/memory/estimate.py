@@ -143,7 +143,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     # (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads, stage3.py
     # __add_grad_to_ipg_bucket)
     head_grad = p * head if (s.zero_stage == 0 or m.tie_word_embeddings) else 0.0
-    bwd = st.buffers_bwd - st.head_released  # ZeRO-3: the head's gathered weight released (states.py)
+    bwd = st.buffers_after_head
     # the final norm's backward at its peak (activations.py final_norm_backward_live)
     add("backward", grads=head_grad, activations=saved_blocks + other_saved - act.final_norm_saved
         + act.final_norm_backward_live, buffers=bwd, pending=pending_head)
@@ -179,7 +179,7 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
     p = BYTES_PER_ELEMENT[s.precision]
     L = m.num_hidden_layers
     head = m.vocab_size * m.hidden_size
-    bwd = st.buffers_bwd - st.head_released  # ZeRO-3: the head's gathered weight released (states.py)
+    bwd = st.buffers_after_head
     # through the blocks (last to first): saved activations shrink while gradients accumulate;
     # a checkpointed block is recomputed (its full activations) before its backward
     bucket = st.partition_after or 0

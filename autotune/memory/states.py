@@ -106,6 +106,11 @@ class _States:
     cpu: float = 0.0              # host bytes per GPU (offload)
     nvme: float = 0.0             # NVMe bytes per GPU
 
+    @property
+    def buffers_after_head(self) -> float:
+        """``buffers_bwd`` once the head's backward is done (ZeRO-3's ``head_released``)."""
+        return self.buffers_bwd - self.head_released
+
 
 def ffn_grads_released(m: ModelSpec, s: Strategy, gas: int, reduce_bucket_size: int) -> bool:
     """Whether a feed-forward weight gradient leaves autograd right after its AccumulateGrad, before the

@@ -61,10 +61,10 @@ class _Node(NamedTuple):
         return self.own + tuple(p for c in self.children for p in c.subtree())  # a leaf's own is its subtree
 
 
-def _tree(m: ModelSpec) -> tuple[_Node, list[int], list[tuple[int, ...]]]:
+def _tree(m: ModelSpec) -> tuple[_Node, list[int], list[_Node], list[tuple[int, ...]]]:
     """The module tree of an HF causal LM (CausalLM > model > embed, rotary, layers > norm, attention, norms,
-    feed-forward; final norm; lm_head), each parameter's elements (ids in execution order) and each block's
-    experts' 3-D weights (ids; none for a dense block)."""
+    feed-forward; final norm; lm_head), each parameter's elements (ids in execution order), the blocks' nodes
+    and each block's experts' 3-D weights (ids; none for a dense block)."""
     pt = parts(m)
     sizes: list[int] = []
 
@@ -105,7 +105,7 @@ def _tree(m: ModelSpec) -> tuple[_Node, list[int], list[tuple[int, ...]]]:
         head_node = _Node((0,) + mod(head).own if head else (0,), ())
     else:
         head_node = mod(head)
-    return container([container(embed + rotary + layers + [final]), head_node]), sizes, experts
+    return container([container(embed + rotary + layers + [final]), head_node]), sizes, layers, experts
 
 
 def _trace(root: _Node, recomputed: frozenset[int] = frozenset()) -> tuple[list[_Node], list[tuple[str, _Node, int]]]:
@@ -157,8 +157,7 @@ def gathered(m: ModelSpec, persistence_threshold: int, max_live: int, max_reuse:
              recomputed: tuple[int, ...] = ()) -> Gathered:
     """The gathered parameter elements of one rank through a training step (module docstring); ``recomputed``:
     the blocks checkpointed whole (full or op), run again inside the backward."""
-    root, sizes, experts = _tree(m)
-    layers = [c for c in root.children[0].children if c.children and not c.own and c.backward][:m.num_hidden_layers]
+    root, sizes, layers, experts = _tree(m)
     order, events = _trace(root, frozenset(id(layers[i]) for i in recomputed))
     released: set[int] = set()  # expert weights released during the forward
     persistent = [n <= persistence_threshold for n in sizes]
