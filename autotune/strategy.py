@@ -388,6 +388,15 @@ def validation_errors(
         if s.sharding == "hybrid" and hardware.num_nodes < 2:
             errors.append(("sharding", f"sharding=hybrid (shard within a node, replicate across nodes) needs more than "
                            f"one node, but got num_nodes {hardware.num_nodes}"))
+    if s.engine == "deepspeed" and s.zero_stage == 3 and s.checkpointing == "op":
+        # ZeRO-3 gathers a submodule's parameters in its pre-forward hook, inside the checkpointed block,
+        # and prefetching moves gathers between blocks; torch's selective checkpoint replays the forward's
+        # ops by count (torch/utils/checkpoint.py _CachedTorchDispatchMode) and raises when a block's
+        # recomputation gathers more than its forward did (docs/engines.md, "Op-level checkpointing")
+        errors.append(("checkpointing", "checkpointing op is not available with zero_stage 3: ZeRO-3 gathers "
+                       "parameters inside the checkpointed block, and torch's selective checkpoint raises "
+                       "'c10d._allgather_base_ ... not found in storage' when its recomputation gathers more than "
+                       "its forward; use full, selective, attention or mlp, or engine fsdp2"))
     if s.activation_offload != "none" and s.checkpointing != "full":
         errors.append(("activation_offload", f"activation_offload={s.activation_offload} moves the inputs of "
                        f"fully checkpointed blocks, so it needs checkpointing full, but got {s.checkpointing}"))

@@ -36,6 +36,10 @@ GRID = [  # (model, cap, checkpointing, precision): every family kind the trace 
     ("hf-deepseekv2-sv", 1e5, "none", "fp32"), ("hf-deepseekv3-sv", 5e4, "none", "bf16"),
     ("hf-gptoss-sv", 1e5, "none", "bf16"), ("hf-llama", 5e4, "none", "bf16"), ("hf-gpt2", 1e5, "none", "fp32"),
     ("hf-phi3", 1e5, "none", "bf16"), ("hf-neox", 1e5, "none", "fp32"), ("hf-gemma2", 5e4, "none", "fp32"),
+    # blocks recomputed in part (the parameters gathered again for the recomputed module only)
+    ("hf-mixtral-sv", 1e5, "attention", "fp32"), ("hf-mixtral-sv", 1e5, "mlp", "fp32"),
+    ("hf-mixtral-sv", 1e5, "selective", "fp32"), ("hf-qwen3moe-sv", 1e5, "mlp", "fp32"),
+    ("hf-llama", 5e4, "attention", "bf16"), ("hf-llama", 5e4, "mlp", "bf16"), ("hf-llama", 5e4, "selective", "bf16"),
 ]
 
 

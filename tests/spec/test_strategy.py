@@ -38,6 +38,19 @@ def test_validation_rules():
         assert validate(s, MODEL, TRAIN, HW8) == []
 
 
+def test_op_checkpointing_is_refused_under_zero3_only():
+    """ZeRO-3 gathers parameters inside the checkpointed block, which torch's selective checkpoint cannot
+    replay (docs/engines.md; the crash: tests/memory/test_zero3_fetch.py); ZeRO-0/1/2 and FSDP2 gather none
+    there."""
+    from autotune.strategy import validation_errors
+
+    errors = validation_errors(Strategy(zero_stage=3, checkpointing="op"), MODEL, TRAIN, HW8)
+    assert [key for key, _ in errors] == ["checkpointing"] and "zero_stage 3" in errors[0][1]
+    for ok in (Strategy(zero_stage=2, checkpointing="op"), Strategy(engine="fsdp2", checkpointing="op"),
+               Strategy(zero_stage=3, checkpointing="full"), Strategy(zero_stage=3, checkpointing="mlp")):
+        assert validate(ok, MODEL, TRAIN, HW8) == [], ok.describe()
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.describe())
 def test_deepspeed_parses_generated_config(strategy):
     # DeepSpeed's own parser; outside a launched job it sees world size 1, so parse the 1-GPU config
