@@ -40,6 +40,7 @@ GRID = [  # (model, cap, checkpointing, precision): every family kind the trace 
     ("hf-mixtral-sv", 1e5, "attention", "fp32"), ("hf-mixtral-sv", 1e5, "mlp", "fp32"),
     ("hf-mixtral-sv", 1e5, "selective", "fp32"), ("hf-qwen3moe-sv", 1e5, "mlp", "fp32"),
     ("hf-llama", 5e4, "attention", "bf16"), ("hf-llama", 5e4, "mlp", "bf16"), ("hf-llama", 5e4, "selective", "bf16"),
+    ("hf-gptoss-sv", 1e5, "full", "bf16"), ("hf-gptoss-sv", 1e5, "full", "fp32"),
 ]
 
 
