@@ -320,6 +320,8 @@ LONG_CONTEXT_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision, kn
     ("hf-mistral", 3, 2, 1, 1, 512, "full", "bf16", "sp+tl+tm+ao"),
     ("hf-llama-long", 2, 2, 1, 1, 2048, "none", "bf16", "sp"), ("hf-qwen2-long", 1, 1, 1, 1, 2048, "full", "bf16", "tl+tm"),
     ("hf-gemma-long", 0, 2, 1, 1, 2048, "full", "fp32", "sp+ao"),
+    # op checkpointing with Ulysses (its all-to-alls inside the checkpointed block, replayed by count)
+    ("hf-llama", 2, 2, 1, 1, 512, "op", "bf16", "sp+tl"), ("hf-llama-long", 1, 2, 1, 1, 2048, "op", "fp32", "sp"),
 ]
 
 
