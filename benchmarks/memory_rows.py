@@ -307,8 +307,8 @@ LONG_ROWS = long_rows()
 # inputs to host ("ao", full checkpointing), alone and together, on 9 HF families (Gemma-2: eager
 # attention, no Ulysses), ZeRO 0-3 and fsdp2 (context parallel has no CPU kernel: not measured),
 # 1 and 2 ranks, bf16/fp32. Row = ROW_KEYS + "knobs" (Strategy fields)
-_LC = {"sp": {"sequence_parallel_size": 2}, "tl": {"tiled_loss": True}, "tm": {"tiled_mlp": True},
-       "ao": {"activation_offload": "cpu"}}
+LONG_CONTEXT_KNOBS = {"sp": {"sequence_parallel_size": 2}, "tl": {"tiled_loss": True}, "tm": {"tiled_mlp": True},
+                      "ao": {"activation_offload": "cpu"}}
 LONG_CONTEXT_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision, knobs)
     ("hf-llama", 2, 2, 1, 1, 512, "none", "bf16", "sp"), ("hf-qwen3", 3, 2, 1, 2, 256, "full", "fp32", "sp"),
     ("hf-mistral", 1, 2, 1, 1, 512, "full", "bf16", "sp+tm"), ("hf-phi3", 0, 2, 1, 2, 256, "none", "fp32", "sp+tl"),
@@ -331,7 +331,7 @@ def long_context_grid() -> list[dict]:
     for *head, names in LONG_CONTEXT_ROWS:
         knobs: dict = {}
         for name in names.split("+"):
-            knobs.update(_LC[name])
+            knobs.update(LONG_CONTEXT_KNOBS[name])
         rows.append(dict(zip(ROW_KEYS, head), knobs=knobs))
     return rows
 

@@ -63,7 +63,7 @@ from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec  # noqa: E402
 from autotune.strategy import Strategy  # noqa: E402
 
 from memory_rows import (  # noqa: E402  (the rows; the tests read them through this module)
-    HF_FAMILIES, LONG_FAMILIES, MODELS, ROW_KEYS, SPOT_ROWS, _hf_path, grid, hf_config, hf_grid,
+    HF_FAMILIES, LONG_CONTEXT_KNOBS, LONG_FAMILIES, MODELS, ROW_KEYS, SPOT_ROWS, _hf_path, grid, hf_config, hf_grid,
     long_context_grid, moe_grid, row_key,
 )
 

@@ -41,6 +41,9 @@ GRID = [  # (model, cap, checkpointing, precision): every family kind the trace 
     ("hf-mixtral-sv", 1e5, "selective", "fp32"), ("hf-qwen3moe-sv", 1e5, "mlp", "fp32"),
     ("hf-llama", 5e4, "attention", "bf16"), ("hf-llama", 5e4, "mlp", "bf16"), ("hf-llama", 5e4, "selective", "bf16"),
     ("hf-gptoss-sv", 1e5, "full", "bf16"), ("hf-gptoss-sv", 1e5, "full", "fp32"),
+    # the long-context knobs (Ulysses, tiled MLP / loss, checkpoint offload): mbs 1, seq 512 / 256
+    ("hf-llama", 5e4, "full", "bf16", 1, 512, "sp"), ("hf-llama", 5e4, "full", "bf16", 1, 512, "tm"),
+    ("hf-mistral", 5e4, "full", "bf16", 1, 512, "sp+tl+tm+ao"), ("hf-qwen2", 5e4, "none", "fp32", 1, 256, "tl"),
 ]
 
 
@@ -57,9 +60,18 @@ def capped(cap: float) -> Iterator[None]:
         ec.DEEPSPEED_BUFFERS = saved
 
 
-def grid_row(model: str, cap: float, ckpt: str, precision: str, mbs: int = 2, seq: int = 256) -> dict:
-    return {"model": model, "stage": 3, "nproc": 2, "ga": 1, "mbs": mbs, "seq": seq, "ckpt": ckpt,
-            "precision": precision, "cap": cap}
+def grid_row(model: str, cap: float, ckpt: str, precision: str, mbs: int = 2, seq: int = 256,
+             knobs: str = "") -> dict:
+    """A row; ``knobs``: long-context knobs in the memory grid's short names (memory_rows._LC, "sp+tl")."""
+    row = {"model": model, "stage": 3, "nproc": 2, "ga": 1, "mbs": mbs, "seq": seq, "ckpt": ckpt,
+           "precision": precision, "cap": cap}
+    if knobs:
+        row["knobs"] = {k: v for name in knobs.split("+") for k, v in bench.LONG_CONTEXT_KNOBS[name].items()}
+    return row
+
+
+def _key(row: dict) -> tuple:
+    return row["model"], row["cap"], row["ckpt"], row["precision"], bench.knob_text(row.get("knobs") or {})
 
 
 def run(row: dict, work: Path) -> dict:
@@ -89,11 +101,12 @@ def predict(row: dict, work: Path) -> dict:
 
 def show(rows: list[dict]) -> None:
     for r in sorted(rows, key=lambda r: r.get("error", 0)):
+        name = f"{r['model']:<18} cap {r['cap']:.0e} {r['ckpt']:<5} {r['precision']}" + (
+            f" {bench.knob_text(r['knobs'])}" if r.get("knobs") else "")
         if r.get("status") != "ok":
-            print(f"{r['model']:<18} cap {r['cap']:.0e} {r['ckpt']:<5} {r['precision']}: {r.get('status')} "
-                  f"{r.get('reason')}")
+            print(f"{name}: {r.get('status')} {r.get('reason')}")
             continue
-        print(f"{r['model']:<18} cap {r['cap']:.0e} {r['ckpt']:<5} {r['precision']}: measured {r['measured']:>12,} B, "
+        print(f"{name}: measured {r['measured']:>12,} B, "
               f"predicted {r['predicted']:>12,} B  {100 * r['error']:+.2f}%  "
               f"({r['measured_phase']}/{r['predicted_phase']})")
     ok = [r["error"] for r in rows if r.get("status") == "ok"]
@@ -116,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="z3live_"))
     stored = json.loads(Path(args.reuse).read_text()) if args.reuse else []
     rows = [predict(r, work) if r.get("status") == "ok" else r for r in stored]
-    have = {(r["model"], r["cap"], r["ckpt"], r["precision"]) for r in rows}
+    have = {_key(r) for r in rows}
     todo = ([grid_row(args.model, args.cap, args.ckpt, args.precision, args.mbs, args.seq)] if args.model
             else [grid_row(*g) for g in GRID])
     for row in ([] if args.no_run else todo):
-        if (row["model"], row["cap"], row["ckpt"], row["precision"]) not in have:
+        if _key(row) not in have:
             rows.append(run(row, work))
             show(rows[-1:])
     show(rows)
