@@ -404,8 +404,10 @@ def empty_front_reason(front_obj: dict[str, Any]) -> str:
         text = f"every evaluation failed ({by}); first: trial {first.get('trial')}: {first.get('reason')}"
         return text + (f"; logs in {first['log_dir']}" if first.get("log_dir") else "")
     if counts.get("pruned") and not counts.get("complete"):
-        text = f"no candidate fits: all {counts['pruned']} candidates were pruned by the memory model"
         small = front_obj.get("smallest_pruned")
+        # smallest_pruned skips the candidates that break a strategy rule: none left, every one broke one
+        by = "the memory model" if small else "strategy rules (each breaks one; none can run as given)"
+        text = f"no candidate fits: all {counts['pruned']} candidates were pruned by {by}"
         if small:
             text += (f"; the smallest, trial {small['trial']} ({small['strategy_text']}), needs "
                      f"{small['gpu_memory_gib']:.1f} GiB of {front_obj['usable_gpu_memory_gib']:.1f} GiB usable, most "

@@ -39,6 +39,7 @@ torch is imported only when a module is actually wrapped.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Sequence, Union, get_args
 
 from autotune.strategy import Checkpointing
@@ -103,11 +104,24 @@ def apply_checkpointing(model: Any, granularity: str, num_layers: Blocks = None)
     if granularity in ("attention", "mlp", "op"):
         notes = _no_kv_cache(model)
         if granularity == "op":
-            return notes + _wrap_blocks(model, num_layers, op_level=True)
+            return notes + _zero3_op_warning(model) + _wrap_blocks(model, num_layers, op_level=True)
         return notes + _wrap_submodules(model, granularity, num_layers)
     if hasattr(model, "gradient_checkpointing_enable"):
         return _hf_full(model, num_layers)
     return _wrap_blocks(model, num_layers)
+
+
+def _zero3_op_warning(model: Any) -> list[str]:
+    """A model whose parameters DeepSpeed ZeRO-3 has partitioned (``ds_id``, zero.Init or initialize):
+    op-level checkpointing can stop in the backward (docs/engines.md; the strategy rules refuse it), so
+    say so where a hand-written call meets it."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return []
+    text = ("op checkpointing on a model partitioned by DeepSpeed ZeRO-3: a block's recomputation can gather "
+            "parameters more often than its forward did, which torch's selective checkpoint refuses "
+            "('... not found in storage'); autotune never proposes it (docs/engines.md)")
+    warnings.warn(text, RuntimeWarning, stacklevel=3)
+    return [text]
 
 
 def _hf_full(model: Any, n: Blocks) -> list[str]:

@@ -39,6 +39,16 @@ def test_everything_pruned_exits_1_with_its_own_message_and_keeps_latest(tmp_pat
     assert json.loads((tmp_path / "runs" / "bad" / "front.json").read_text())["front"] == []
 
 
+def test_a_space_of_rule_breaking_candidates_says_so(tmp_path, write, capsys):
+    """Every candidate breaks a strategy rule (ZeRO-3 with op checkpointing): the line says rules, not memory."""
+    space = write("zero_stage: [3]\ncheckpointing: [op]\nmicro_batch_size: [1, 2]\n", "space.yaml")
+    job = write(BASE + f"search: {{space: {space}}}\n", "job.yaml")
+    assert main(["run", job, "--out", str(tmp_path / "runs"), "--name", "rules"]) == 1
+    err = capsys.readouterr().err
+    assert "all 2 candidates were pruned by strategy rules" in err and "memory model" not in err, err
+    assert "checkpointing op is not available with zero_stage 3" in (tmp_path / "runs" / "rules" / "summary.md").read_text()
+
+
 @pytest.mark.slow
 def test_all_evaluations_failing_exits_1_counting_failures_by_status(tmp_path):
     """Fault injection as the issue asks: profile.timeout_s 1, every launch times out."""

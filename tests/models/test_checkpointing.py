@@ -2,6 +2,8 @@
 reference decoder (set_checkpointing) and a Hugging Face model. Checkpointing must keep the
 gradients exactly and reduce what autograd saves for backward."""
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -216,3 +218,41 @@ def test_module_granularities_keep_gradients_and_save_less(granularity):
         (base_saved, base_loss, base_grads), (saved, loss, grads) = results
         assert saved < base_saved and loss == pytest.approx(base_loss)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(base_grads, grads))
+
+
+_ZERO3_OP = """
+import os, warnings
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import deepspeed, torch
+import autotune
+deepspeed.init_distributed(dist_backend="gloo")
+class Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+with deepspeed.zero.Init(config_dict_or_path={"train_batch_size": 1, "zero_optimization": {"stage": 3}}):
+    model = Blocks()
+plain = Blocks()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    partitioned = autotune.apply_checkpointing(model, "op")
+    autotune.apply_checkpointing(plain, "op")
+print(sum("ZeRO-3" in str(w.message) for w in caught), sum("ZeRO-3" in n for n in partitioned))
+"""
+
+
+@pytest.mark.slow  # a DeepSpeed process
+def test_op_on_a_zero3_partitioned_model_warns(tmp_path):
+    """A hand-written apply_checkpointing(model, "op") on parameters ZeRO-3 has partitioned (zero.Init) warns
+    and says so in its notes (the strategy rules refuse the combination: docs/engines.md); a plain model does
+    not."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    script = tmp_path / "z3op.py"
+    script.write_text(_ZERO3_OP)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PORT": str(29600 + os.getpid() % 300)}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["1", "1"], out.stdout
