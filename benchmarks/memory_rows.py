@@ -416,6 +416,9 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
     ("hf-deepseekv2-sv", "fsdp2-keep", 2, 1, 8, 256, "full", "fp32"),
     ("hf-olmoe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"), ("hf-granitemoe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
     ("hf-phimoe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
+    # module-level checkpointing: the experts' own fully_shard unit inside the recomputed MLP
+    ("hf-mixtral-sv", "fsdp2", 2, 1, 4, 256, "mlp", "bf16"), ("hf-mixtral-sv", "fsdp2", 2, 1, 4, 256, "attention", "fp32"),
+    ("hf-qwen3moe-sv", "fsdp2-keep", 2, 1, 4, 256, "mlp", "fp32"),
 ]
 
 
