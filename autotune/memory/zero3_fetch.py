@@ -13,8 +13,10 @@ its size, and what is reused soon stays. The trace runs the tree forward (childr
 backward (children reversed; the rotary embedding has no backward).
 
 Persistent parameters (numel <= ``stage3_param_persistence_threshold``) are always whole and not counted
-here (states.py counts them); they do count in the reuse distance. Not replayed: a checkpointed block's
-recomputation (its modules fetched again inside the backward).
+here (states.py counts them); they do count in the reuse distance. A block checkpointed whole (full, op) runs
+its forward again inside the backward; what that recomputation saves for backward stays allocated until the
+module's backward whatever the coordinator releases (``gathered``). Not replayed: blocks recomputed in part
+(attention, mlp, selective).
 """
 
 from __future__ import annotations
@@ -109,13 +111,15 @@ def _tree(m: ModelSpec) -> tuple[_Node, list[int], list[_Node], list[tuple[int, 
 
 
 def _trace(root: _Node, recomputed: frozenset[int] = frozenset()) -> tuple[list[_Node], list[tuple[str, _Node, int]]]:
-    """The modules in fetch order, and the events: ("fetch", node, step) and ("release", node, steps fetched).
+    """The modules in fetch order, and the events: ("fetch", node, step), ("release", node, steps fetched) and
+    ("recompute-release", node, steps fetched) for a module of a block's recomputed forward.
     ``recomputed``: the ids of blocks checkpointed whole; in the backward each is entered, then the modules
     whose pre-backward hooks fire before the first saved tensor is unpacked (the last-run chain down to a
     module with parameters), then the block's forward runs again, then the rest of its backward (DeepSpeed's
     trace on torch's non-reentrant checkpoint, allocation and coordinator logs, torch 2.13 CPU)."""
     order: list[_Node] = []
     events: list[tuple[str, _Node, int]] = []
+    again = [False]  # inside a recomputed forward
 
     def enter(node: _Node) -> None:
         events.append(("fetch", node, len(order)))
@@ -130,8 +134,10 @@ def _trace(root: _Node, recomputed: frozenset[int] = frozenset()) -> tuple[list[
             while chain[-1].children and not chain[-1].own:
                 chain.append([c for c in chain[-1].children if c.backward][-1])
                 enter(chain[-1])
+            again[0] = True
             for c in node.children:  # the block's forward again
                 run(c, False)
+            again[0] = False
             for parent, done in zip(chain[::-1][1:], chain[::-1]):
                 for c in parent.children[::-1]:
                     if c is not done:
@@ -145,7 +151,7 @@ def _trace(root: _Node, recomputed: frozenset[int] = frozenset()) -> tuple[list[
         enter(node)
         for c in (node.children[::-1] if backward else node.children):
             run(c, backward)
-        events.append(("release", node, len(order)))
+        events.append(("recompute-release" if again[0] else "release", node, len(order)))
 
     run(root, False)
     run(root, True)
@@ -172,6 +178,12 @@ def gathered(m: ModelSpec, persistence_threshold: int, max_live: int, max_reuse:
     avail: set[int] = set()
     live = [0] * len(order)
     n_avail = 0
+    # released during a block's recomputed forward but saved for its backward: torch's non-reentrant checkpoint
+    # keeps what the recomputation saves as a detached alias (torch/utils/checkpoint.py _recomputation_hook:
+    # ``x.detach()``), which DeepSpeed's release (``param.data`` rebound) does not free, until the module's
+    # backward; the module's pre-backward hook gathers a second copy meanwhile
+    held: dict[int, int] = {}
+    n_held = 0
     for kind, node, t in events:
         if kind == "fetch":
             for p in node.own:
@@ -194,8 +206,9 @@ def gathered(m: ModelSpec, persistence_threshold: int, max_live: int, max_reuse:
                         numel += sizes[p]
                 avail |= chosen
                 n_avail += numel
-            live[t] = n_avail
+            live[t] = n_avail + n_held
             continue
+        n_held -= held.pop(id(node), 0)  # the module's backward done: its saved aliases freed
         # release at step t (fetches so far): not what was prefetched for a later step, nor what is reused
         # within the reuse distance ahead
         release = {p for p in node.own if not persistent[p] and p in avail and fetched_for[p] <= t}
@@ -209,6 +222,9 @@ def gathered(m: ModelSpec, persistence_threshold: int, max_live: int, max_reuse:
         for p in release:
             avail.discard(p)
             n_avail -= sizes[p]
+        if kind == "recompute-release" and release:
+            held[id(node)] = held.get(id(node), 0) + sum(sizes[p] for p in release)
+            n_held += sum(sizes[p] for p in release)
         if t <= head_bwd:
             released |= release
     return Gathered(max(live[:head_bwd], default=0), live[head_bwd], max(live[head_bwd + 1:], default=0),

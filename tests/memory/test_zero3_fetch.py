@@ -52,6 +52,21 @@ def test_a_small_reuse_distance_releases_all_but_the_turnaround():
     assert small.after_head < kept.after_head
 
 
+def test_what_a_recomputation_saves_stays_gathered_until_its_backward():
+    """A block checkpointed whole, with a reuse distance so small that each module is released right after its
+    forward: the recomputation's releases free nothing its modules saved for backward (torch's checkpoint keeps
+    detached aliases), so the backward holds the whole block at once, where without recomputation it holds
+    about one module. Measured: the capped gpt-oss rows, -0.56 / -0.63% -> -0.12 / -0.07%."""
+    m = _spec(num_hidden_layers=4)
+    thr = 10 * m.hidden_size
+    block = sum(n for mod in parameter_modules(m)[1:-2] for _, n in mod if n > thr) // m.num_hidden_layers
+    plain = zero3_fetch.gathered(m, thr, 1, 1, 0)
+    again = zero3_fetch.gathered(m, thr, 1, 1, 0, recomputed=tuple(range(m.num_hidden_layers)))
+    largest = max(sum(n for _, n in mod if n > thr) for mod in parameter_modules(m))
+    assert plain.after_head <= largest < block
+    assert again.after_head >= block
+
+
 def test_a_module_larger_than_max_live_is_gathered_whole():
     """stage3_max_live_parameters limits prefetching only: a MoE block's experts are gathered whole, and the
     experts released after the forward are reported per block (their grouped_mm keeps a view of them); stored
