@@ -107,18 +107,19 @@ def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dic
             "deepspeed_config": to_deepspeed_config(strategy, cfg.model, cfg.training, cfg.hardware)}),
         "memory_fidelity": "traced" if trace else "analytic",
         **({"memory_provenance": provenance} if provenance else {}),
-        **({"routed_load_factors": routed_load_factors(cfg.model)} if strategy.expert_parallel_size > 1 else {}),
+        **({"routed_load_factors": routed_load_factors(cfg.model, strategy.expert_parallel_size)}
+           if strategy.expert_parallel_size > 1 else {}),
     }
 
 
-def routed_load_factors(model: Any) -> dict[str, Any]:
+def routed_load_factors(model: Any, ep: int) -> dict[str, Any]:
     """What an expert-parallel estimate assumed of the routing it cannot know: the busiest expert's
     tokens and the busiest EP rank's received rows over their means (memory.moe.expert_imbalance,
     memory.expert_parallel.rank_imbalance), and whether the job stated them."""
     from autotune.memory.expert_parallel import rank_imbalance
     from autotune.memory.moe import expert_imbalance
 
-    return {"busiest_expert": expert_imbalance(model), "busiest_rank": rank_imbalance(model),
+    return {"busiest_expert": expert_imbalance(model), "busiest_rank": rank_imbalance(model, ep),
             "stated": model.moe_load_imbalance is not None or model.ep_rank_imbalance is not None}
 
 

@@ -29,11 +29,17 @@ def block_expert_elements(m: ModelSpec) -> int:
     return 3 * m.num_experts * m.hidden_size * expert_width(m)
 
 
-def rank_imbalance(m: ModelSpec) -> float:
+def rank_imbalance(m: ModelSpec, ep: int = 0) -> float:
     """The busiest EP rank's received rows over the mean: the stated ``ep_rank_imbalance``, else
-    ``moe.EP_RANK_IMBALANCE`` up to the busiest expert's factor (``moe.expert_imbalance``: a rank's
-    experts average it out)."""
-    return m.ep_rank_imbalance or min(EP_RANK_IMBALANCE, expert_imbalance(m))
+    ``moe.EP_RANK_IMBALANCE`` up to the busiest expert's factor (``moe.expert_imbalance``: a rank's E / ep
+    experts average it out); with one expert per rank (E = ep) nothing averages: the rank receives its
+    expert's rows from every source, at most the expert factor x the mean, as a router that prefers one
+    expert everywhere sends them."""
+    if m.ep_rank_imbalance:
+        return m.ep_rank_imbalance
+    if ep and m.num_experts // ep == 1:
+        return expert_imbalance(m)
+    return min(EP_RANK_IMBALANCE, expert_imbalance(m))
 
 
 def received_rows(m: ModelSpec, tokens: int, ep: int, imbalance: Optional[float] = None) -> int:
@@ -42,7 +48,7 @@ def received_rows(m: ModelSpec, tokens: int, ep: int, imbalance: Optional[float]
     at most every token of the ep ranks once per local expert it can pick (top-k picks distinct experts)."""
     local = m.num_experts // ep
     cap = ep * tokens * min(m.num_experts_per_tok, local)
-    return int(min(cap, -(-(imbalance or rank_imbalance(m)) * tokens * m.num_experts_per_tok // 1)))
+    return int(min(cap, -(-(imbalance or rank_imbalance(m, ep)) * tokens * m.num_experts_per_tok // 1)))
 
 
 class EpUnits(NamedTuple):

@@ -117,18 +117,20 @@ def test_estimate_names_an_fsdp2_points_expert_and_context_meshes(capsys, job, f
 
 
 def test_an_expert_parallel_estimate_says_what_routing_it_assumed(capsys, tmp_path):
-    """The routing is unknown to the model: an EP estimate names the load factors it sized with."""
+    """The routing is unknown to the model: an EP estimate names the load factors it sized with (a rank with
+    one of Mixtral's 8 experts, EP 8, receives up to the expert factor; with 2, EP 4, the rank default)."""
     mixtral = os.path.join(EXAMPLES, "mixtral-8x7b.yaml")
     flags = ["--engine", "fsdp2", "--expert-parallel-size", "8"]
-    assert main(["estimate", mixtral, *flags]) == 0
-    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("routed loads: ")]
     from autotune.memory.moe import EP_RANK_IMBALANCE, MOE_LOAD_IMBALANCE
 
-    assert (f"busiest expert {MOE_LOAD_IMBALANCE:g} x the mean, busiest EP rank {EP_RANK_IMBALANCE:g} x "
-            f"(autotune's default bounds") in line
+    for ep, rank in (("4", EP_RANK_IMBALANCE), ("8", MOE_LOAD_IMBALANCE)):
+        assert main(["estimate", mixtral, "--engine", "fsdp2", "--expert-parallel-size", ep]) == 0
+        (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("routed loads: ")]
+        assert (f"busiest expert {MOE_LOAD_IMBALANCE:g} x the mean, busiest EP rank {rank:g} x "
+                f"(autotune's default bounds") in line
     assert main(["estimate", mixtral, *flags, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["routed_load_factors"] == {
-        "busiest_expert": MOE_LOAD_IMBALANCE, "busiest_rank": EP_RANK_IMBALANCE, "stated": False}
+        "busiest_expert": MOE_LOAD_IMBALANCE, "busiest_rank": MOE_LOAD_IMBALANCE, "stated": False}
     assert main(["estimate", mixtral, "--engine", "fsdp2", "--json"]) == 0
     assert "routed_load_factors" not in json.loads(capsys.readouterr().out)
     import yaml
