@@ -91,6 +91,9 @@ MOE_FAMILIES = {
     "hf-mixtral-sv": ("moe/mixtral-8x7b-v0.1", {**_MOE, "num_local_experts": 4, "vocab_size": 256}),
     "hf-qwen3moe-sv": ("moe/qwen3-30b-a3b", {**_MOE, "num_experts": 4, "moe_intermediate_size": 176,
                                               "vocab_size": 256}),
+    # 2 experts, top-1: under EP 2 one expert per rank (E = ep), where nothing averages the busiest expert out
+    "hf-mixtral-e2": ("moe/mixtral-8x7b-v0.1", {**_MOE, "num_local_experts": 2, "num_experts_per_tok": 1,
+                                                 "vocab_size": 256}),
 }
 # DeepSeek-V2 (multi-head latent attention, 1 shared expert; docs/moe.md): DeepSeek-V2-Lite's config.json
 # shrunk the same way, every layer routed (first_k_dense_replace 0), a plain q_proj (q_lora_rank null, as
@@ -419,6 +422,8 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
     # module-level checkpointing: the experts' own fully_shard unit inside the recomputed MLP
     ("hf-mixtral-sv", "fsdp2", 2, 1, 4, 256, "mlp", "bf16"), ("hf-mixtral-sv", "fsdp2", 2, 1, 4, 256, "attention", "fp32"),
     ("hf-qwen3moe-sv", "fsdp2-keep", 2, 1, 4, 256, "mlp", "fp32"),
+    # one expert per rank (2 experts, top-1, EP 2)
+    ("hf-mixtral-e2", "fsdp2", 2, 1, 4, 256, "none", "bf16"), ("hf-mixtral-e2", "fsdp2-keep", 2, 1, 4, 256, "full", "fp32"),
 ]
 
 
