@@ -231,7 +231,8 @@ def grouped_forward_transient(m: ModelSpec, p: int, tokens: int, recompute: bool
     * the restored order: the weighted output and its ``weighted_out[inv_perm]`` copy (S x h each) beside the
       down biases (S x h, to the function's return), every routed tensor made;
     and each net of the shared experts' saved tensors made after the routed ones (``saved_after_routed``), with
-    the layer's ``forward_locals`` alive throughout. ``recompute``: a checkpointed block's recomputation, which
+    the layer's ``forward_locals`` and the function's ``histc_input`` (the sorted expert ids as float32 on the
+    CPU, int32 on CUDA: 4 S) and ``tokens_per_expert`` (4 E) alive throughout. ``recompute``: a checkpointed block's recomputation, which
     torch stops once every saved tensor is made again (torch/utils/checkpoint.py early stop): after the
     weighting multiply, before the order is restored, with the backward's gradient of the combine alive (the
     sum's view backward made it contiguous, S x h, before IndexBackward0 unpacked ``inv_perm``).
@@ -253,7 +254,8 @@ def grouped_forward_transient(m: ModelSpec, p: int, tokens: int, recompute: bool
     weighted = (q + cast if recompute else max(2 * q, q + cast)) * h * pairs
     restored = weighted + down * p * pairs - later
     gradient = q * h * pairs if recompute else 0.0
-    return float(max(gated, down_bias, restored) + forward_locals(m, p, tokens) + gradient)
+    histc = 4 * pairs + 4 * m.num_experts  # locals to the function's return
+    return float(max(gated, down_bias, restored) + forward_locals(m, p, tokens) + histc + gradient)
 
 
 def moe_backward_transient(m: ModelSpec, p: int, tokens: int, routed: Optional[tuple[float, float, float]] = None,
