@@ -300,9 +300,17 @@ def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backe
                 outcome.stop_reason = (f"every one of the {len(feasible)} candidates that fit has been evaluated"
                                        if feasible else "no candidate fits")
                 break
-            trial = ask(study)
-            asks += 1
-            done = _one_trial(study, trial, space, cfg, backend, headroom, by_strategy, cache, oom_at, shared, heartbeat)
+            trial = None
+            try:
+                with flag.deferred():  # an abort while the trial is created waits until it is ours to abandon
+                    trial = ask(study)
+                asks += 1
+                done = _one_trial(study, trial, space, cfg, backend, headroom, by_strategy, cache, oom_at, shared,
+                                  heartbeat)
+            except BaseException as err:
+                if trial is not None:
+                    abandon(study, trial, err)  # a no-op when _one_trial has finished it
+                raise
             seen.add(trial.number)
             if done is None:
                 continue

@@ -3,9 +3,10 @@ SIGTERM aborts it (``Terminated``)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 
 class Terminated(KeyboardInterrupt):
@@ -24,6 +25,8 @@ class StopFlag:
     def __init__(self) -> None:
         self.stop = False
         self._old: dict[int, Any] = {}
+        self._deferring = False
+        self._pending: int | None = None
 
     def __enter__(self) -> "StopFlag":
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -35,9 +38,25 @@ class StopFlag:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.stop or signum == signal.SIGTERM:
+            if self._deferring:
+                self._pending = signum
+                return
             raise Terminated(signum)
         self.stop = True
         print("\nautotune: stopping after the current trial (Ctrl-C again to abort it)", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """An abort that arrives inside is raised when the block ends: a trial being created (Optuna's
+        ask writes it RUNNING before it returns) becomes the caller's to abandon first."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            signum, self._pending = self._pending, None
+            if signum is not None:
+                raise Terminated(signum)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():
