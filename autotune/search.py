@@ -307,9 +307,9 @@ def _run(study: Study, persistent: Study, cfg: Config, space: SearchSpace, backe
                 asks += 1
                 done = _one_trial(study, trial, space, cfg, backend, headroom, by_strategy, cache, oom_at, shared,
                                   heartbeat)
-            except BaseException as err:
+            except BaseException as err:  # SIGTERM, an error: the trial in flight is abandoned, then it propagates
                 if trial is not None:
-                    abandon(study, trial, err)  # a no-op when _one_trial has finished it
+                    abandon(study, trial, err)
                 raise
             seen.add(trial.number)
             if done is None:
@@ -350,7 +350,7 @@ def _one_trial(study: Study, trial: Trial, space: SearchSpace, cfg: Config, back
     strategy and how it ended. None: another worker's heartbeat check declared this trial stale (our
     heartbeat was late, e.g. on an overloaded machine) and re-queued it; its retry evaluates the
     candidate, so this result is dropped and nothing is cached. Anything else that cuts the trial
-    short (SIGTERM, an error) abandons it and propagates."""
+    short (SIGTERM, an error) propagates; the loop (``_run``) abandons the trial."""
     from optuna.exceptions import UpdateFinishedTrialError
 
     try:
@@ -364,9 +364,6 @@ def _one_trial(study: Study, trial: Trial, space: SearchSpace, cfg: Config, back
             ended = _evaluate_trial(study, trial, strategy, cfg, backend, headroom, by_strategy, cache, oom_at)
     except UpdateFinishedTrialError:
         return None
-    except BaseException as err:
-        abandon(study, trial, err)
-        raise
     return strategy, ended
 
 

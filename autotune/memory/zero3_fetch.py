@@ -119,13 +119,14 @@ def _trace(root: _Node, recomputed: frozenset[int] = frozenset()) -> tuple[list[
     trace on torch's non-reentrant checkpoint, allocation and coordinator logs, torch 2.13 CPU)."""
     order: list[_Node] = []
     events: list[tuple[str, _Node, int]] = []
-    again = [False]  # inside a recomputed forward
+    again = False  # inside a recomputed forward
 
     def enter(node: _Node) -> None:
         events.append(("fetch", node, len(order)))
         order.append(node)
 
     def run(node: _Node, backward: bool) -> None:
+        nonlocal again
         if backward and not node.backward:
             return
         if backward and id(node) in recomputed:
@@ -134,10 +135,10 @@ def _trace(root: _Node, recomputed: frozenset[int] = frozenset()) -> tuple[list[
             while chain[-1].children and not chain[-1].own:
                 chain.append([c for c in chain[-1].children if c.backward][-1])
                 enter(chain[-1])
-            again[0] = True
+            again = True
             for c in node.children:  # the block's forward again
                 run(c, False)
-            again[0] = False
+            again = False
             for parent, done in zip(chain[::-1][1:], chain[::-1]):
                 for c in parent.children[::-1]:
                     if c is not done:
@@ -151,7 +152,7 @@ def _trace(root: _Node, recomputed: frozenset[int] = frozenset()) -> tuple[list[
         enter(node)
         for c in (node.children[::-1] if backward else node.children):
             run(c, backward)
-        events.append(("recompute-release" if again[0] else "release", node, len(order)))
+        events.append(("recompute-release" if again else "release", node, len(order)))
 
     run(root, False)
     run(root, True)
@@ -223,8 +224,9 @@ def gathered(m: ModelSpec, persistence_threshold: int, max_live: int, max_reuse:
             avail.discard(p)
             n_avail -= sizes[p]
         if kind == "recompute-release" and release:
-            held[id(node)] = held.get(id(node), 0) + sum(sizes[p] for p in release)
-            n_held += sum(sizes[p] for p in release)
+            kept = sum(sizes[p] for p in release)
+            held[id(node)] = held.get(id(node), 0) + kept
+            n_held += kept
         if t <= head_bwd:
             released |= release
     return Gathered(max(live[:head_bwd], default=0), live[head_bwd], max(live[head_bwd + 1:], default=0),
