@@ -5,6 +5,7 @@ docs/long-context.md "Where the recipes ran out of memory")?
 
     python benchmarks/host_rss_offload.py                 # two model sizes, one process each, CPU accelerator
     python benchmarks/host_rss_offload.py --dl-workers 1  # with a data-loader worker forked after init
+    python benchmarks/host_rss_offload.py --device cuda   # on a GPU: the "GPU" partitions on the device
 
 Each size runs in its own process: the reference decoder (bf16, a short sequence so activations are
 small), ``deepspeed.initialize`` with the config autotune writes for ZeRO-3 + optimizer offload, and
@@ -17,7 +18,10 @@ With ``--dl-workers N`` a torch DataLoader with N worker processes (persistent) 
 after ``deepspeed.initialize``, as ArcticTraining's Ulysses adapter does; the summed PSS of the process
 and its workers then counts the pages a worker keeps when the trainer rewrites them (copy-on-write),
 which the trainer's own RSS cannot show (``TrainingSpec.data_loader_fork``). Measured (``--steps 3``):
-20.7 B per parameter without a worker, 33.8 B with one.
+20.7 B per parameter without a worker, 33.8 B with one. Last, the process's own host memory: its RSS
+after the last step less the model's host bytes, at each size and where the line through both meets
+zero parameters (the interpreter, torch, DeepSpeed; on CUDA also the CUDA context's host side and the
+libraries' kernels), which ``fits`` does not count (docs/long-context.md, host RAM).
 """
 
 from __future__ import annotations
@@ -63,9 +67,10 @@ def _status() -> dict[str, int]:
     return out
 
 
-def child(size: str, steps: int, dl_workers: int = 0) -> dict:
+def child(size: str, steps: int, dl_workers: int = 0, device: str = "cpu") -> dict:
     """One size in this process (run by main in a subprocess)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from autotune.worker.dist_env import one_process_env
 
     one_process_env()
@@ -83,14 +88,15 @@ def child(size: str, steps: int, dl_workers: int = 0) -> dict:
     training = TrainingSpec(seq_len=64, global_batch_size=1, precision="bf16")
     hardware = HardwareSpec(gpu=gpu_from_name("a100-80gb"), gpus_per_node=1, cpu_memory_gib=64)  # sizes only
     strategy = Strategy(zero_stage=3, offload_optimizer="cpu", precision="bf16")
-    est = estimate_memory(spec, training, hardware, strategy, device="cpu")
+    est = estimate_memory(spec, training, hardware, strategy, device=device)
     base = _status()
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
     model = build_model(spec)
     built = count_parameters(model)  # before ZeRO-3 partitions the module's parameters
     config = to_deepspeed_config(strategy, spec, training, hardware)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    x, y = synthetic_batch(spec, 1, training.seq_len)
+    x_host, y_host = synthetic_batch(spec, 1, training.seq_len)
+    x, y = x_host.to(engine.device), y_host.to(engine.device)
     batches = None
     if dl_workers:
         # ArcticTraining's loader (arctic_training/data/factory.py create_dataloader: num_workers
@@ -98,14 +104,14 @@ def child(size: str, steps: int, dl_workers: int = 0) -> dict:
         # (UlyssesSPDataLoaderAdapter.__init__: ``self.iter = iter(dl)``): its workers fork then
         import torch
 
-        data = torch.utils.data.TensorDataset(x.repeat(steps, 1), y.repeat(steps, 1))
+        data = torch.utils.data.TensorDataset(x_host.repeat(steps, 1), y_host.repeat(steps, 1))
         batches = iter(torch.utils.data.DataLoader(data, batch_size=1, num_workers=dl_workers,
                                                    persistent_workers=True))
     after_init = _status()
     per_step = []
     for step in range(steps):
         if batches is not None:
-            x, y = next(batches)
+            x, y = (t.to(engine.device) for t in next(batches))
         loss = engine(x, y)["loss"]  # the reference decoder returns its loss and logits
         engine.backward(loss)
         engine.step()
@@ -121,17 +127,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per size (default 3)")
     ap.add_argument("--dl-workers", type=int, default=0,
                     help="data-loader worker processes, forked after deepspeed.initialize (default 0)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: DeepSpeed's CPU accelerator (default); cuda: the first GPU, NCCL")
     ap.add_argument("--child", choices=sorted(SIZES), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.steps, args.dl_workers)))
+        print("RESULT " + json.dumps(child(args.child, args.steps, args.dl_workers, args.device)))
         return 0
     results = {}
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    if args.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
     for size in SIZES:
         proc = subprocess.run([sys.executable, __file__, "--child", size, "--steps", str(args.steps),
-                               "--dl-workers", str(args.dl_workers)],
-                              capture_output=True, text=True, timeout=1800,
-                              env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"})
+                               "--dl-workers", str(args.dl_workers), "--device", args.device],
+                              capture_output=True, text=True, timeout=1800, env=env)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not line:
             print(f"{size}: failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
@@ -161,6 +171,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"  after step {i + 1}: RSS {slope(lambda r: r['steps'][i]['VmRSS']):.1f} B/param, peak "
               f"{slope(lambda r: r['steps'][i]['VmHWM']):.1f} B/param, PSS with workers "
               f"{slope(lambda r: r['steps'][i]['tree_pss']):.1f} B/param")
+    # what the process holds beyond its host tensors (on the CPU accelerator the "GPU" ones are host too)
+    own = {k: r["steps"][-1]["VmRSS"] - (r["predicted_tensor_bytes"] if args.device == "cpu"
+                                          else r["predicted_host_bytes"]) for k, r in results.items()}
+    fixed = own["small"] - s["parameters"] * (own["large"] - own["small"]) / dn
+    print(f"the process's own host memory after the last step ({args.device}): RSS less the model's host bytes "
+          f"{own['small'] / gib:.2f} GiB (small), {own['large'] / gib:.2f} GiB (large); at zero parameters "
+          f"{fixed / gib:.2f} GiB")
     return 0
 
 
