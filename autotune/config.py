@@ -154,6 +154,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "shared_expert_gate": bool_,
     "dense_layers": int_tuple(0, 10_000),
     "moe_load_imbalance": optional(float_(1.0, 1e6)),
+    "moe_min_load": optional(float_(0.0, 1.0)),
     "ep_rank_imbalance": optional(float_(1.0, 1e6)),
     "router_bias": bool_,
     "expert_bias": bool_,

@@ -43,9 +43,9 @@ def check_stated_balance(spec: ModelSpec) -> None:
     """The stated load-imbalance factors fit the model: only a MoE model has them; the busiest expert
     cannot take more than every token (moe_load_imbalance <= experts / top-k: top-k picks distinct
     experts); an EP rank's received rows average its experts, so not above the busiest expert's."""
-    expert, rank = spec.moe_load_imbalance, spec.ep_rank_imbalance
-    if (expert or rank) and not spec.is_moe:
-        key = "moe_load_imbalance" if expert else "ep_rank_imbalance"
+    expert, rank, least = spec.moe_load_imbalance, spec.ep_rank_imbalance, spec.moe_min_load
+    if (expert or rank or least is not None) and not spec.is_moe:
+        key = "moe_load_imbalance" if expert else "ep_rank_imbalance" if rank else "moe_min_load"
         raise ConfigError(f"{key} is stated for a model without routed experts (num_experts 0)", path=f"model.{key}")
     if not spec.is_moe:
         return

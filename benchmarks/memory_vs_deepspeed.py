@@ -1,6 +1,6 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 208 configs
+    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 218 configs
     python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
     python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
@@ -23,7 +23,8 @@ ranks, fp32/bf16, GA 4/8), 3 of DeepSpeed ZeRO-0 on the llama-sv shape (the chec
 norm's backward), and 49 at long sequences (``LONG_ROWS``: seq 1024-4096 on three families shrunk to
 h = 64, every ZeRO stage x none/full/op, 1 and 2 ranks, mbs 1-2, bf16/fp32; a 64-token vocabulary, where
 the final norm's backward is the peak; Mistral's sliding window at and below the sequence; two rows at
-seq 512/256). Every config runs
+seq 512/256), and 10 where eager attention's core backward is the peak (``CORE_ROWS``: Gemma-2 at seq
+512-1024, the reference GPT-2 with attention dropout, gpt-oss). Every config runs
 ``autotune.worker.main`` in fresh processes (``python`` for 1 rank, ``torchrun
 --nproc_per_node 2`` with gloo for 2) with a torch AdamW (fused, like DeepSpeed's FusedAdam)
 passed to ``deepspeed.initialize``, the usual loop (``outputs = engine(**batch);
@@ -180,11 +181,14 @@ def predict(out: dict, workdir: Path) -> dict:
              for st in out.get("routing_steps") or [] if st), default=out["predicted_routing"])
         out["error_routing_busiest"] = (out["predicted_routing_busiest"] - out["measured"]) / out["measured"]
         # the stated factors a user who measured this routing would give (ModelSpec.moe_load_imbalance: the
-        # largest chunk, one source rank's rows for one expert, over its mean; ep_rank_imbalance: the rank's)
+        # largest chunk, one source rank's rows for one expert, over its mean; moe_min_load: the smallest;
+        # ep_rank_imbalance: the rank's)
         chunks = [n for st in out.get("routing_steps") or [] for dispatch in st for n in dispatch]
         if chunks:
             out["expert_imbalance_measured"] = max(chunks) * model.num_experts / mean
+            out["expert_least_measured"] = min(chunks) * model.num_experts / mean
             stated = model.replace(moe_load_imbalance=out["expert_imbalance_measured"],
+                                   moe_min_load=out["expert_least_measured"],
                                    ep_rank_imbalance=out["imbalance_measured"])
             out["predicted_stated"] = estimate_memory(stated, training, hardware, strategy, device="cpu").gpu["peak"]
             out["error_stated"] = (out["predicted_stated"] - out["measured"]) / out["measured"]
@@ -313,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                    f" (blocks at the busiest dispatch {100 * r['error_routing_busiest']:+.2f}%)"
                    if r.get("error_routing") is not None else "")
         if r.get("error_stated") is not None:
-            routing += (f"; stated factors {r['expert_imbalance_measured']:.3f} / {r['imbalance_measured']:.3f}: "
-                        f"{100 * r['error_stated']:+.2f}%")
+            routing += (f"; stated factors {r['expert_imbalance_measured']:.3f} / {r.get('expert_least_measured', 0):.3f}"
+                        f" / {r['imbalance_measured']:.3f}: {100 * r['error_stated']:+.2f}%")
         return (head + f"{r['measured'] / 2**20:>13.2f}{r['predicted'] / 2**20:>14.2f}{100 * r['error']:>+8.2f}"
                 f"  {r['measured_phase']}/{r['predicted_phase']}" + routing)
 

@@ -112,23 +112,32 @@ def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dic
     }
 
 
+STATED_LOAD_KEYS = ("moe_load_imbalance", "moe_min_load", "ep_rank_imbalance")
+"""The model fields a job states its routing with (ModelSpec; docs/moe.md, Load imbalance)."""
+
+
 def routed_load_factors(model: Any, ep: int) -> dict[str, Any]:
-    """What an expert-parallel estimate assumed of the routing it cannot know: the busiest expert's
-    tokens and the busiest EP rank's received rows over their means (memory.moe.expert_imbalance,
-    memory.expert_parallel.rank_imbalance), and whether the job stated them."""
+    """What an expert-parallel estimate assumed of the routing it cannot know: the busiest and the
+    least-loaded expert's tokens and the busiest EP rank's received rows over their means
+    (memory.moe.expert_imbalance, ModelSpec.moe_min_load, memory.expert_parallel.rank_imbalance), and
+    whether the job stated them."""
     from autotune.memory.expert_parallel import rank_imbalance
     from autotune.memory.moe import expert_imbalance
 
-    return {"busiest_expert": expert_imbalance(model), "busiest_rank": rank_imbalance(model, ep),
-            "stated": model.moe_load_imbalance is not None or model.ep_rank_imbalance is not None}
+    stated = [k for k in STATED_LOAD_KEYS if getattr(model, k) is not None]
+    return {"busiest_expert": expert_imbalance(model), "least_expert": model.moe_min_load or 0.0,
+            "busiest_rank": rank_imbalance(model, ep), "stated": bool(stated), "stated_keys": stated}
 
 
 def routed_load_line(f: dict[str, Any]) -> str:
     """The routing an expert-parallel estimate assumed, in one line."""
-    how = ("as the job states them" if f["stated"] else "autotune's default bounds: state model.moe_load_imbalance "
-           "and model.ep_rank_imbalance from a measured routing, docs/moe.md")
-    return (f"routed loads: busiest expert {f['busiest_expert']:g} x the mean, busiest EP rank "
-            f"{f['busiest_rank']:g} x ({how})")
+    missing = [k for k in STATED_LOAD_KEYS if k not in f["stated_keys"]]
+    how = ("as the job states them" if not missing else
+           ("autotune's default bounds" if not f["stated"] else "the rest autotune's default bounds")
+           + ": state " + ", ".join(f"model.{k}" for k in missing[:-1]) + (" and " if len(missing) > 1 else "")
+           + f"model.{missing[-1]} from a measured routing, docs/moe.md")
+    return (f"routed loads: busiest expert {f['busiest_expert']:g} x the mean, least {f['least_expert']:g} x, "
+            f"busiest EP rank {f['busiest_rank']:g} x ({how})")
 
 
 def fsdp2_line(layout: dict[str, Any]) -> str:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from autotune.memory.moe import (EP_RANK_IMBALANCE, _routing_weight_bytes, expert_imbalance, expert_width, pair_saved,
-                                 saved_after_routed, worst_expert_tokens)
+from autotune.memory.moe import (EP_RANK_IMBALANCE, _routing_weight_bytes, expert_imbalance, expert_width,
+                                 least_expert_tokens, pair_saved, saved_after_routed, worst_expert_tokens)
 from autotune.spec import ModelSpec
 
 
@@ -158,9 +158,10 @@ def ep_backward_transient(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
     * the chunk loop (``_chunk_instants``), chunk by chunk from the last created (torch 2.13's engine
       runs a higher sequence number first). Each instant is affine in a chunk's rows n and the rows
       run before it (n <= T = min(R, the busiest expert's tokens, moe.worst_expert_tokens); n + before <= R), so with
-      the routing unknown (``chunk_rows`` None) the vertices bound every split: the first chunk with
-      0 or T rows, a later one at (0, 0), (T, 0), (0, R) or (T, R - T); given the measured splits,
-      their exact loop."""
+      the routing unknown (``chunk_rows`` None) the vertices bound every split: with every chunk at least
+      S = the least-loaded expert's tokens (``moe.least_expert_tokens``, 0 unless stated), the first
+      chunk with S or T rows, a later one at (S, S), (T, S), (S, R - S) or (T, R - T); given the measured
+      splits, their exact loop."""
     h = m.hidden_size
     sent, rows = tokens * m.num_experts_per_tok, received_rows(m, tokens, ep)
     released = 2 * sent * p * h + sent * p  # the weighted rows, the combine multiply's saved rows and weights
@@ -170,8 +171,10 @@ def ep_backward_transient(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
     splits = chunk_rows(m, tokens, ep)
     if splits is None:
         top = min(rows, worst_expert_tokens(m, tokens))  # a chunk: one source rank's rows for one expert
+        low = min(top, least_expert_tokens(m, tokens), rows // 2)
         loop = max(_chunk_instants(m, p, ep, sent, rows, n, b, later) for n, b, later in (
-            (0, 0, False), (top, 0, False), (0, 0, True), (top, 0, True), (0, rows, True), (top, rows - top, True)))
+            (low, 0, False), (top, 0, False), (low, low, True), (top, low, True), (low, rows - low, True),
+            (top, rows - top, True)))
     else:
         loop = max(_chunk_loop(m, p, ep, sent, tuple(c)) for c in splits)
     return float(max(combine, exchange, loop))

@@ -47,6 +47,12 @@ def worst_expert_tokens(m: ModelSpec, tokens: int, imbalance: Optional[float] = 
     return int(min(tokens, -(-(imbalance or expert_imbalance(m)) * mean // 1)))
 
 
+def least_expert_tokens(m: ModelSpec, tokens: int) -> int:
+    """Routed tokens of the least-loaded expert from ``tokens`` of one rank: the stated ``moe_min_load`` x
+    the mean, rounded down; 0 where none is stated (an expert may receive nothing)."""
+    return int((m.moe_min_load or 0.0) * tokens * m.num_experts_per_tok / max(1, m.num_experts))
+
+
 def expert_width(m: ModelSpec) -> int:
     """One routed expert's (gated) MLP width."""
     return m.moe_intermediate_size or m.intermediate_size

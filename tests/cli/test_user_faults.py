@@ -239,6 +239,7 @@ def _model_job(tmp_path, base: str, **model):
     (dict(moe_load_imbalance=4.5), "model.moe_load_imbalance: moe_load_imbalance 4.5 is above experts / top-k = 4"),
     (dict(moe_load_imbalance=1.2, ep_rank_imbalance=1.3), "model.ep_rank_imbalance: ep_rank_imbalance 1.3 is above"),
     (dict(moe_load_imbalance=0.9), "model.moe_load_imbalance"),
+    (dict(moe_min_load=1.5), "model.moe_min_load"),
 ])
 def test_a_stated_load_imbalance_the_model_cannot_have_is_one_line(tmp_path, capsys, model, needle):
     """The stated factors (ModelSpec.moe_load_imbalance, ep_rank_imbalance) are checked against the model:
@@ -247,9 +248,10 @@ def test_a_stated_load_imbalance_the_model_cannot_have_is_one_line(tmp_path, cap
     _one_line_error(capsys, needle)
 
 
-def test_a_stated_load_imbalance_on_a_dense_model_is_one_line(tmp_path, capsys):
-    assert main(["estimate", _model_job(tmp_path, LLAMA, moe_load_imbalance=1.2)]) == 2
-    _one_line_error(capsys, "model.moe_load_imbalance: moe_load_imbalance is stated for a model without routed experts")
+@pytest.mark.parametrize("key,value", [("moe_load_imbalance", 1.2), ("moe_min_load", 0.5)])
+def test_a_stated_load_imbalance_on_a_dense_model_is_one_line(tmp_path, capsys, key, value):
+    assert main(["estimate", _model_job(tmp_path, LLAMA, **{key: value})]) == 2
+    _one_line_error(capsys, f"model.{key}: {key} is stated for a model without routed experts")
 
 
 def test_a_stated_load_imbalance_moves_the_ep_points_only(tmp_path):

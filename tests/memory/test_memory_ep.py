@@ -13,7 +13,7 @@ from autotune.memory import PREDICTION_MARGIN, activation_breakdown, estimate_me
 from autotune.memory import moe
 from autotune.memory import expert_parallel
 from autotune.memory.expert_parallel import block_expert_elements, ep_backward_transient, ep_saved, ep_units, received_rows
-from autotune.memory.moe import EP_RANK_IMBALANCE, MOE_LOAD_IMBALANCE, worst_expert_tokens
+from autotune.memory.moe import EP_RANK_IMBALANCE, MOE_LOAD_IMBALANCE, least_expert_tokens, worst_expert_tokens
 from autotune.memory.fsdp2 import _units
 from autotune.spec import TrainingSpec
 from autotune.strategy import Strategy, validation_errors
@@ -110,6 +110,21 @@ def test_ep_chunk_loop_bound_covers_every_split(monkeypatch):
         vertices = [fill((0,), rows, (), cap), fill((top,), rows - top, (), cap), fill((0, 0), rows, (), cap),
                     fill((0, top), rows - top, (), cap), fill((), rows, (0,), cap), fill((), rows - top, (top,), cap)]
         assert max(at(v, p, tokens, ep) for v in vertices) == bound
+        # a stated least load (moe_min_load): every chunk at least S rows; the bound over those splits is
+        # lower where the busiest chunk can no longer run right after an empty one
+        least = m.replace(moe_min_load=0.5)
+        low = least_expert_tokens(least, tokens)
+        tight = ep_backward_transient(least, p, tokens, ep)
+        assert 0 < low and tight <= bound
+        for _ in range(20):
+            weights = [rng.random() for _ in range(m.num_experts)]
+            spare = rows - low * m.num_experts
+            split = [min(cap, low + int(spare * w / sum(weights))) for w in weights]
+            monkeypatch.setattr(expert_parallel, "chunk_rows", lambda *_: (tuple(split),))
+            got = ep_backward_transient(least, p, tokens, ep)
+            monkeypatch.undo()
+            assert got <= tight
+    assert ep_backward_transient(m.replace(moe_min_load=0.5), 4, 512, 8) < ep_backward_transient(m, 4, 512, 8)
 
 
 def test_ep_rules_and_default_space_points_survive():
