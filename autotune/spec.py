@@ -149,6 +149,11 @@ class ModelSpec:
     experts), what per-expert buffers are sized with (expert parallelism's per-chunk rows); at most
     experts / top-k; None: ``memory.moe.MOE_LOAD_IMBALANCE``. State what the run's router does (a trained
     router with its auxiliary loss balances better than one at init)."""
+    moe_min_load: Optional[float] = None
+    """Stated least load: the least-loaded expert's routed tokens from one rank over the mean (an expert
+    parallelism chunk, one source rank's rows for one expert, over tokens x top-k / experts), in [0, 1];
+    what bounds the rows expert parallelism's backward has run before its busiest chunk; None: 0 (an
+    expert may receive nothing)."""
     ep_rank_imbalance: Optional[float] = None
     """Stated imbalance of expert parallelism's ranks: the busiest EP rank's received rows over the mean
     (tokens x top-k), at most moe_load_imbalance (a rank's experts average the busiest one out);
@@ -319,6 +324,13 @@ class ModelSpec:
         ``moe`` (default: whether the model is a MoE) picks the feed-forward of a MoE model's block."""
         ffn = self.moe_params() if (self.is_moe if moe is None else moe) else self.mlp_params()
         return self.attention_params() + ffn + self.norms_per_block * self.norm_params()
+
+    def params_after_attention_core(self, moe: Optional[bool] = None) -> int:
+        """Parameters of one block whose weight gradients its backward makes before its attention core's:
+        the feed-forward (``moe`` as in block_params), o_proj and every norm but the input one."""
+        width = self.num_attention_heads * (self.v_head_dim or self.head_size) if self.is_mla else self.q_size
+        o_proj = width * self.hidden_size + (self.hidden_size if self.bias else 0)
+        return self.block_params(moe) - self.attention_params() + o_proj - self.norm_params()
 
     @property
     def num_dense_layers(self) -> int:

@@ -274,6 +274,17 @@ TABLE_ROWS = [("tiny-gpt2", 2, 2, 8, 1, 64, "none", "fp32"), ("tiny-gpt2", 2, 2,
 FRAME_ROWS = [("llama-sv", 0, 1, 1, 2, 256, "op", "fp32"), ("llama-sv", 0, 1, 1, 4, 256, "full", "bf16"),
               ("llama-sv", 0, 1, 1, 4, 256, "none", "bf16")]
 
+# eager attention's core backward as the step's peak (Gemma-2's softcapped s x s scores at seq 512-1024, every
+# engine, full / attention / op checkpointing; the reference GPT-2 with attention dropout; gpt-oss): what the block's
+# backward has released when the core's runs (activations.py ``_released_before_core``)
+CORE_ROWS = [("hf-gemma2", 2, 2, 1, 1, 512, "full", "fp32"), ("hf-gemma2", 3, 2, 1, 1, 512, "full", "bf16"),
+             ("hf-gemma2", 1, 2, 1, 1, 1024, "full", "bf16"), ("hf-gemma2", 2, 1, 1, 1, 512, "attention", "bf16"),
+             ("hf-gemma2", 0, 1, 1, 2, 512, "full", "bf16"), ("hf-gemma2", 1, 2, 1, 1, 512, "op", "bf16"),
+             ("gpt2-eager", 1, 1, 1, 1, 512, "full", "bf16"),
+             # gpt-oss: eager attention with sinks (its softmax in the model dtype), MoE blocks
+             ("hf-gptoss-sv", 0, 1, 1, 1, 512, "full", "bf16"), ("hf-gptoss-sv", 2, 2, 1, 1, 1024, "full", "bf16"),
+             ("hf-gptoss-sv", 0, 1, 1, 1, 1024, "none", "bf16")]
+
 
 def long_rows() -> list[tuple]:
     """Long sequences with and without checkpointing: every (ZeRO stage, checkpointing) pair on each
@@ -450,4 +461,5 @@ def grid(quick: bool) -> list[dict]:
                     if have_hf or r[0] not in HF_FAMILIES]
             + [dict(zip(ROW_KEYS, r), measure_steps=GA_ROWS_STEPS) for r in GA_ROWS]
             + [dict(zip(ROW_KEYS, r)) for r in TABLE_ROWS + FRAME_ROWS]
+            + [dict(zip(ROW_KEYS, r)) for r in CORE_ROWS if have_hf or r[0] not in HF_FAMILIES]
             + [dict(zip(ROW_KEYS, r)) for r in LONG_ROWS if have_hf])

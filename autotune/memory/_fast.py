@@ -217,7 +217,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[
 
 _ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffers_step", "buffers_fwd",
        "grad_per_block", "grad_buffer", "resident_buffers", "partition_after", "reduce_flat", "reduce_clone", "cpu",
-       "nvme", "reduce_clone_dense", "ffn_grads_released", "leaf_hook", "head_released")
+       "nvme", "reduce_clone_dense", "ffn_grads_released", "leaf_hook", "head_released", "core_grads_held")
 _st_fields = attrgetter(*_ST)
 _DS = _ST + ("p", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
 
@@ -310,6 +310,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         + a["final_norm_backward_live"], buffers=bwd, pending=pending_head)
 
     # estimate._blocks_backward
+    held = np.where(c["core_grads_held"] != 0, p, 0.0)  # bytes per parameter made before the attention core's backward
     bucket = c["partition_after"]
     blocked = c["blocked"] > 0
     k, k2 = c["k"].astype(np.int64), c["k2"].astype(np.int64)
@@ -328,8 +329,8 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
             add("backward", grads=g, activations=mlp, buffers=bwd, pending=pending_head)
             add("backward", grads=g_before, activations=recompute, buffers=bwd, pending=pending_head,
                 valid=has_recompute)
-            add("backward", grads=g, activations=attention, buffers=bwd, pending=pending_head,
-                valid=has_attention)
+            add("backward", grads=g + held * m.params_after_attention_core(False if kinds[i] else None), activations=attention,
+                buffers=bwd, pending=pending_head, valid=has_attention)
             clone = c["reduce_clone_dense"] if kinds[i] else reduce_clone
             add("backward", grads=g, activations=mlp - kd["mlp_backward_transient"],
                 buffers=bwd + p * down_weight_elements(kind_spec(m, kinds[i])) + clone,
@@ -347,8 +348,8 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         add("backward", grads=g, activations=mlp, buffers=bwd, pending=pending_head, valid=valid)
         add("backward", grads=g_before, activations=recompute, buffers=bwd, pending=pending_head,
             valid=valid & has_recompute)
-        add("backward", grads=g, activations=attention, buffers=bwd, pending=pending_head,
-            valid=valid & (a["attention_backward_transient"] - a["mlp_saved_per_block"] > 0))
+        add("backward", grads=g + held * m.params_after_attention_core(), activations=attention, buffers=bwd,
+            pending=pending_head, valid=valid & (a["attention_backward_transient"] - a["mlp_saved_per_block"] > 0))
         add("backward", grads=g, activations=mlp - a["mlp_backward_transient"],
             buffers=bwd + p * down_weight_elements(m) + reduce_clone, pending=pending_head,
             valid=valid & (reduce_clone != 0))

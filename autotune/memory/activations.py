@@ -124,11 +124,16 @@ def _attention_sublayer_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, dev
     return n
 
 
+def _mlp_saved_per_token(m: ModelSpec, p: int) -> float:
+    """Per token, the MLP's f-wide saved tensors (a MoE block's: the router's and the routed pairs',
+    ``moe.moe_saved_per_token``): ``mlp_saved_per_block`` per token."""
+    return moe.moe_saved_per_token(m, p) if m.is_moe else (4 if m.gated_mlp else 2) * p * m.intermediate_size
+
+
 def _mlp_sublayer_saved(m: ModelSpec, p: int, mask_bytes: int) -> float:
     """Per token, what the MLP module keeps, its input (the norm's output) excluded."""
     f = m.intermediate_size
-    # a MoE block: the router's and the routed pairs' saved tensors (moe.py)
-    n = moe.moe_saved_per_token(m, p) if m.is_moe else (4 if m.gated_mlp else 2) * p * f
+    n = _mlp_saved_per_token(m, p)  # a MoE block: the router's and the routed pairs' saved tensors (moe.py)
     if m.implementation == "hf" and m.hidden_act == "gelu_new" and not m.is_moe:
         # transformers activations.py NewGELUActivation is a Python composite,
         # 0.5*x*(1+tanh(c*(x+0.044715*x^3))): autograd keeps x, tanh(.), 0.5*x and 1+tanh(.)
@@ -224,22 +229,55 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     return n
 
 
-def _attention_backward_transient(m: ModelSpec, p: int, s: int, device: str = "cuda") -> float:
+def _attention_backward_transient(m: ModelSpec, p: int, s: int, device: str = "cuda", mask_bytes: int = 1) -> float:
     """Gradient buffers of the attention core's backward, per token, beyond its saved tensors.
 
-    Eager: the probabilities' gradient in the model dtype next to the fp32 gradient of the
-    softmax (s x s per head). sdpa/flash: dq, dk, dv. sdpa's CPU math path (dropout): fp32
-    gradients of the dropout output and of the softmax (s x s per head).
+    Eager (torch's engine, the core's ops last first): PV's backward makes the probabilities' gradient
+    (the model dtype) and dv beside every saved tensor and its incoming gradient; then the softmax's
+    backward holds the fp32 gradient of its output (the incoming one cast up, or itself in fp32) and
+    ``_softmax_backward_data``'s fp32 result once PV's saved s x s tensor (the probabilities cast to the
+    model dtype, or the dropout's output and its noise) is released: the larger of the two (s x s per
+    head). With gpt-oss's sinks (softmax in the model dtype) the probabilities' gradient in the model
+    dtype next to an fp32 one. sdpa/flash: dq, dk, dv. sdpa's CPU math path (dropout): fp32 gradients of
+    the dropout output and of the softmax (s x s per head).
     """
     if _sdpa_math(m, device):
         # the softmax gradient next to the dropout output's gradient (fp32, s x s per head), after
         # the PV matmul's backward released the saved dropout output (fp32, s x s per head)
         return 4 * m.num_attention_heads * s
     if m.attn_implementation == "eager":
-        return (4 + p) * m.num_attention_heads * s
+        if m.attention_sinks:
+            return (4 + p) * m.num_attention_heads * s
+        a = m.num_attention_heads
+        saved_by_pv = (mask_bytes + p) if m.attention_dropout > 0 else (p if p < 4 else 0)
+        v = m.q_size if a > m.num_key_value_heads else m.kv_size  # dv beside the saved (repeated) v
+        return max(p * a * s + p * v + p * m.q_size, (8 - saved_by_pv) * a * s)  # + PV's incoming gradient
     if _sliding_mask_built(m, s) and m.num_key_value_heads < m.num_attention_heads:
         return 3 * p * m.q_size  # dk, dv of the repeated k, v (_attention_core_saved)
     return p * (m.q_size + 2 * m.kv_size)
+
+
+def _released_before_core(m: ModelSpec, p: int, mask_bytes: int, device: str, tiled_mlp: bool = False) -> float:
+    """Per token, what a block's backward has released of its saved tensors (beyond the MLP's
+    ``mlp_saved_per_block``) when its eager attention core's backward runs: o_proj's input (the core's
+    output made contiguous, transformers ``eager_attention_forward``) and, blocks run in sequence,
+    everything saved after the core: the MLP's pre-norm and the post-norms (Gemma2's
+    post_attention_layernorm and post_feedforward_layernorm), the residual dropout masks, the MLP's saves
+    beyond its f-wide tensors (HF's composite GELU). The PV matmul's saved v and the gradient it gives
+    (dv) are the same size and swap places. Read off the allocation traces of hf-gemma2 fsdp2 mbs 1 seq
+    512 full bf16 and of the reference GPT-2 with attention dropout (benchmarks/peak_trace_worker.py: the
+    peak at block 0's softmax backward; docs/accuracy.md). sdpa and latent attention: nothing (their
+    core's output is what o_proj reads)."""
+    if m.attn_implementation != "eager" or m.is_mla:
+        return 0.0
+    n = p * m.q_size
+    if m.parallel_residual:  # both branches read the block input: the MLP's norm may still be ahead
+        return float(n)
+    h, norm = m.hidden_size, _norm_saved(m, p, device)
+    n += norm + (m.norms_per_block - 2) * (norm - p * h)
+    masks = mask_bytes * h if m.hidden_dropout > 0 else 0
+    extra = masks if tiled_mlp else _mlp_sublayer_saved(m, p, mask_bytes) - _mlp_saved_per_token(m, p)
+    return float(n + extra + masks)
 
 
 def _mlp_backward_transient(m: ModelSpec, p: int, mask_bytes: int) -> float:
@@ -472,7 +510,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         loss_bwd = 0.0
         logits_tokens = 0.0
     nonblock += logits_saved - (4 * V * tokens + softcap)
-    mlp_saved = (moe.moe_saved_per_token(m, p) if m.is_moe else (4 if m.gated_mlp else 2) * p * m.intermediate_size) * tokens
+    mlp_saved = _mlp_saved_per_token(m, p) * tokens
     moe_fwd = moe.grouped_forward_transient(m, p, int(tokens), device=device) if m.is_moe else 0.0
     moe_re = moe.grouped_forward_transient(m, p, int(tokens), recompute=True, device=device) if m.is_moe else 0.0
     if m.is_moe:
@@ -515,7 +553,9 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         loss_backward_transient=loss_bwd,
         recompute=(per_plain - per_ck) if n_ck else 0.0,
         mlp_saved_per_block=mlp_saved,
-        attention_backward_transient=mla.backward_transient(m, p, s_full, int(tokens), device) if m.is_mla else (_attention_backward_transient(m, p, s_full, device) + attn_bwd) * tokens,
+        attention_backward_transient=(mla.backward_transient(m, p, s_full, int(tokens), device) if m.is_mla else
+                                      (_attention_backward_transient(m, p, s_full, device, mb) + attn_bwd
+                                       - _released_before_core(m, p, mb, device, split.tiled_mlp)) * tokens),
         final_norm_saved=_norm_saved(m, p, device) * tokens,
         forward_only_masks=forward_mask,
         final_norm_forward_extra=_final_norm_forward_extra(m, p, tokens, s, bool(n_ck)),

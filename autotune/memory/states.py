@@ -107,6 +107,16 @@ class _States:
     nvme: float = 0.0             # NVMe bytes per GPU
 
     @property
+    def core_grads_held(self) -> bool:
+        """Whether a block's weight gradients made before its attention core's backward (the feed-forward's,
+        o_proj's, the later norms': ``ModelSpec.params_after_attention_core``) are still alive there: ZeRO-0
+        keeps each as ``param.grad`` (``grad_per_block``) unless they leave autograd once made (accumulation
+        adds them into the carried ones, ``ffn_grads_released``). Traced: hf-gemma2 ZeRO-0 mbs 2 seq 512 full
+        bf16 (benchmarks/peak_trace_worker.py), the peak at block 1's softmax backward beside its MLP's and
+        o_proj's gradients."""
+        return bool(self.grad_per_block) and not self.ffn_grads_released
+
+    @property
     def buffers_after_head(self) -> float:
         """``buffers_bwd`` once the head's backward is done (ZeRO-3's ``head_released``)."""
         return self.buffers_bwd - self.head_released

@@ -251,3 +251,63 @@ def test_sliding_window_mask_saved_per_block(window, tmp_path):
                                                 mask_bytes=2, device="cpu") * batch * seq
     mask_and_repeats = (2 * seq + 2 * 2 * (spec.q_size - spec.kv_size)) * batch * seq
     assert predicted - unmasked == (mask_and_repeats if window <= seq else 0)
+
+
+CORE_CASES = {"gemma2": ("gemma2-2b", {**SMALL, "query_pre_attn_scalar": 32, "vocab_size": 64, "attention_dropout": 0.0}),
+              "gemma2-dropout": ("gemma2-2b", {**SMALL, "query_pre_attn_scalar": 32, "vocab_size": 64,
+                                               "attention_dropout": 0.1})}
+
+
+@pytest.mark.parametrize("case", sorted(CORE_CASES))
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_attention_core_backward_matches_an_allocation_trace(precision, case, tmp_path):
+    """transformers' Gemma-2 (eager attention with softcapped s x s scores, four norms per block), with
+    and without attention dropout, no checkpointing, plain torch (every weight gradient kept as ``param.grad``, as
+    ZeRO-0 keeps it): in the last block's backward, the peak over what was allocated when its output
+    gradient arrived is the model's attention core instant (``attention_backward_transient`` net of
+    ``mlp_saved_per_block``, with the block's weight gradients made before it,
+    ``params_after_attention_core``), larger there than the MLP's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    name, over = CORE_CASES[case]
+    cfg = json.load(open(os.path.join(HF_DIR, f"{name}.json")))
+    cfg.update(over)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    spec = ModelSpec(**hf_config_fields(str(path)))
+    hf = transformers.AutoConfig.from_pretrained(str(path))
+    hf._attn_implementation = spec.attn_implementation
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf, dtype=dtype).train()
+    layers = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+    def mark(name):  # a tensor hook on the block's output: fires when its gradient arrives, holds nothing
+        def on_grad(grad):
+            with torch.profiler.record_function(name):
+                pass
+        return lambda module, args, out: (out[0] if isinstance(out, tuple) else out).register_hook(on_grad) and None
+
+    layers[-1].register_forward_hook(mark("LAST_BLOCK"))
+    layers[-2].register_forward_hook(mark("NEXT_BLOCK"))
+    batch, seq = 1, 1024
+    x = torch.randint(0, 64, (batch, seq))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(input_ids=x, labels=x, use_cache=False).loss.backward()
+    events, marks = _allocations_and_marks(prof)
+    total, start, peak = 0, None, 0
+    for t, size in events:
+        if t >= marks["NEXT_BLOCK"]:
+            break
+        if start is None and t >= marks["LAST_BLOCK"]:
+            start = total
+        total += size
+        if start is not None:
+            peak = max(peak, total)
+    act = activation_breakdown(spec, TrainingSpec(seq_len=seq, global_batch_size=batch, precision=precision),
+                               Strategy(micro_batch_size=batch, precision=precision), device="cpu")
+    p = 2 if precision == "bf16" else 4
+    attention = act.attention_backward_transient - act.mlp_saved_per_block + p * spec.params_after_attention_core()
+    mlp = act.mlp_backward_transient
+    assert attention > mlp  # the core's instant is this block's peak
+    assert peak - start == pytest.approx(attention, rel=0.01), (peak - start, attention, mlp, act.attention_backward_transient)

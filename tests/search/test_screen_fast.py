@@ -39,6 +39,8 @@ JOBS = {
     "qwen3-moe-ep": ("examples/qwen3-30b-a3b.yaml", {}),  # expert parallelism (default space's moe section)
     # latent attention, shared experts, a dense first block (blocks of two kinds, memory/mixed.py)
     "deepseek-v2-lite": ("examples/deepseek-v2-lite.yaml", {}),
+    # eager attention with sinks (the core's backward instant, ZeRO-0's gradients held there), MoE
+    "gpt-oss-20b": ("examples/gpt-oss-20b.yaml", {}),
 }
 
 
