@@ -215,7 +215,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[
     return a, cols[n] > 0, cols[n + 1] > 0, cols[n + 2] > 0
 
 
-_ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffers_step", "buffers_fwd",
+_ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffers_step", "step_gather", "buffers_fwd",
        "grad_per_block", "grad_buffer", "resident_buffers", "partition_after", "reduce_flat", "reduce_clone", "cpu",
        "nvme", "reduce_clone_dense", "ffn_grads_released", "leaf_hook", "head_released", "core_grads_held")
 _st_fields = attrgetter(*_ST)
@@ -364,6 +364,8 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     add("backward", grads=np.where(m.num_parameters > bucket, c["grads"], 0.0) - moved,
         buffers=bwd + reduce_flat, valid=reduce_flat != 0)
     add("optimizer", grads=c["grads"], buffers=c["buffers_step"])
+    add("optimizer", buffers=c["step_gather"])  # estimate.py's step() instants
+    add("optimizer", grads=carry)
     return (*_verdict(w.best(), hardware, headroom, params=c["params"], optimizer=c["optimizer"],
                       resident_grads=c["grad_buffer"], resident_buffers=c["resident_buffers"],
                       cpu_per_gpu=c["cpu"] + a["offloaded"],

@@ -161,6 +161,10 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
             buffers=bwd + st.reduce_flat)
     # optimizer step
     add("optimizer", grads=st.grads, buffers=st.buffers_step)
+    add("optimizer", buffers=st.step_gather)
+    # the usual loop calls engine.step() after every micro-step: a non-boundary one enters it holding
+    # what the accumulation carries (the step itself does nothing there; engine.py ``step``)
+    add("optimizer", grads=carry)
 
     why = (f"the buffers hold {_gib(retained)} of expert weights ZeRO-3 gathered in the forward and the experts' "
            "grouped_mm keeps to the backward (checkpointing the blocks' feed-forward, op, mlp or full, recomputes "

@@ -58,6 +58,22 @@ def rank_params(m: ModelSpec, dp: int) -> tuple[tuple[int, ...], ...]:
 
 
 @functools.lru_cache(maxsize=4096)
+def largest_partition_piece(m: ModelSpec, dp: int) -> int:
+    """Elements of the largest piece of one parameter inside a rank's ZeRO-1/2 partition, over the ranks
+    (a parameter straddling a boundary is narrowed to its piece: stage_1_and_2.py ``get_flat_partition``)."""
+    sizes = parameter_order(m)
+    total = sum(sizes)
+    align = 2 * dp if dp > 1 else 1
+    part = -(-total // align) * align // dp
+    best, start = 0, 0
+    for size in sizes:
+        for r in range(start // part, min(dp, -(-(start + size) // part))):
+            best = max(best, min(start + size, (r + 1) * part) - max(start, r * part))
+        start += size
+    return best
+
+
+@functools.lru_cache(maxsize=4096)
 def grad_partition_elements(m: ModelSpec, dp: int) -> int:
     """Elements of ZeRO-1/2's ``grads_in_partition`` on the rank where it is largest: every parameter
     that overlaps the rank's partition counts whole (stage_1_and_2.py ``copy_grads_in_partition``:
@@ -91,6 +107,7 @@ class _States:
     buffers_bwd: float = 0.0      # DeepSpeed buffers alive from the first gradient on (buckets, live params)
     buffers_bwd_end: float = 0.0  # extra buffers at the end of backward (ZeRO-0 all-reduce flatten)
     buffers_step: float = 0.0     # extra buffers at the optimizer step
+    step_gather: float = 0.0      # ZeRO-1/2 on CPU, several ranks: gloo's all-gather output after the step
     buffers_fwd: float = 0.0      # extra buffers during forward (ZeRO-3 fetched params)
     grad_per_block: float = 0.0   # gradient bytes that accumulate per block during backward
     grad_buffer: float = 0.0      # gradient storage allocated once and resident (ZeRO-3 partition)
@@ -239,8 +256,16 @@ def _zero12_states(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     else:
         out.optimizer = (4 + k_opt) * part
         out.buffers_bwd = 2 * p * bucket  # ipg double buffer (overlap_comm)
+        # the step (stage_1_and_2.py ``step``): the gradient norm casts each gradient piece to fp64 in turn
+        # (``get_grad_norm_direct``: ``g.data.to(get_norm_dtype())``, torch.double where the device has it),
+        # then the partition is flattened (``self.flatten(self.averaged_gradients[i])``) and cast to the
+        # master's fp32 (``flat_grad_partition.to(...)``: a copy unless the model is fp32)
         fp32_grad = 4 * part if p < 4 else 0
-        out.buffers_step = p * part + max(p * bucket, fp32_grad)
+        out.buffers_step = max(8 * largest_partition_piece(m, dp), p * part + fp32_grad)
+        # after the step the gradients are freed and the updated partitions all-gathered; gloo's
+        # ``_allgather_base`` allocates the whole flat output (on CUDA all_gather_into_tensor fills the
+        # model's own flat buffer: nothing new)
+        out.step_gather = p * psi if (device == "cpu" and dp > 1) else 0.0
         host = 0
     if dp > 1:
         # each bucket reduce goes through allreduce_and_scatter -> allreduce_bucket, which

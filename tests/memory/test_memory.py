@@ -258,7 +258,13 @@ def test_gradient_accumulation_carry(stage, dp, copies):
     ga1, ga2, ga4 = (_peak(SMALL, stage, g, dp) for g in (1, 2, 4))
     assert ga2.phases["forward"] - ga1.phases["forward"] == pytest.approx(carry, abs=8)
     assert ga4.gpu["peak"] == ga2.gpu["peak"] and ga2.gpu["peak"] >= ga1.gpu["peak"]
-    assert ga2.phases["optimizer"] == ga1.phases["optimizer"]
+    # engine.step() after a non-boundary micro-step is entered holding the carry (ZeRO-1's ipg buckets
+    # too); the boundary step's own instants are those of GA 1
+    kept = 2 * SMALL.vocab_size * 2 * 256  # the usual loop's outputs.logits
+    entry = ga1.gpu["parameters"] + ga1.gpu["optimizer_states"] + kept + (carry if stage != 1 else
+                                                              2 * SMALL.num_parameters + 2 * 2 * SMALL.num_parameters)
+    assert ga2.phases["optimizer"] == pytest.approx(max(ga1.phases["optimizer"], entry), abs=8)
+    assert ga4.phases["optimizer"] == ga2.phases["optimizer"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
