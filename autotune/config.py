@@ -21,7 +21,8 @@ from autotune.backends.script_command import check_command
 from autotune.errors import ConfigError
 from autotune.hf_config import (check_block_bytes, check_exact_count, map_hf_config, read_hf_config, unchecked_note,
                                 warm_checks)
-from autotune.model_rules import check_model_training, check_modelled, check_stated_balance, int_tuple
+from autotune.model_rules import (check_model_training, check_modelled, check_norm_kernel, check_stated_balance, int_tuple,
+                                   norm_kernel_note)
 from autotune.spec import OPTIMIZER_TYPES, GPUSpec, HardwareSpec, ModelSpec, NVMeSpec, OptimizerSpec, TrainingSpec
 from autotune.knobs import getter, knob_fields, literal_choices
 from autotune.strategy import Strategy, ignored_knobs, validation_errors
@@ -126,6 +127,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "hidden_act": choice(*_MODEL_CHOICES["hidden_act"]),
     "tie_word_embeddings": bool_,
     "norm": choice(*_MODEL_CHOICES["norm"]),
+    "rms_norm_kernel": choice(*_MODEL_CHOICES["rms_norm_kernel"]),
     "bias": bool_,
     "qkv_bias": bool_,
     "position_embedding": choice(*_MODEL_CHOICES["position_embedding"]),
@@ -402,8 +404,9 @@ def _model(raw: Any, base_dir: str) -> tuple[ModelSpec, Optional[str], Optional[
     spec = ModelSpec(**merged)
     check_modelled(spec, hf_path)
     check_stated_balance(spec)
-    note = unchecked_note(hf_cfg, hf_path, spec) if hf_cfg is not None else None
-    return spec, factory, hf_path, (note,) if note else ()
+    check_norm_kernel(spec)
+    notes = (unchecked_note(hf_cfg, hf_path, spec) if hf_cfg is not None else None, norm_kernel_note(spec))
+    return spec, factory, hf_path, tuple(n for n in notes if n)
 
 
 def hf_config_fields(path: str, exact_check: bool = True) -> dict[str, Any]:

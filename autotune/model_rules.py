@@ -61,6 +61,27 @@ def check_stated_balance(spec: ModelSpec) -> None:
                           f"its experts", path="model.ep_rank_imbalance")
 
 
+def check_norm_kernel(spec: ModelSpec) -> None:
+    """Liger's RMSNorm (``rms_norm_kernel: liger``) is sized for a dense decoder's ``rmsnorm`` (Liger's llama
+    casting mode): another norm, or a MoE / latent-attention model, is refused in one line."""
+    if spec.rms_norm_kernel == "torch":
+        return
+    if spec.norm != "rmsnorm":
+        raise ConfigError(f"rms_norm_kernel liger is sized for norm rmsnorm (Liger's llama casting), but the model's "
+                          f"norm is {spec.norm}", path="model.rms_norm_kernel")
+    if spec.is_moe or spec.is_mla:
+        raise ConfigError("rms_norm_kernel liger is sized for dense decoders, not a mixture-of-experts or "
+                          "latent-attention model", path="model.rms_norm_kernel")
+
+
+def norm_kernel_note(spec: ModelSpec) -> Optional[str]:
+    """What ``rms_norm_kernel: liger`` leaves as an upper bound (None under torch's RMSNorm)."""
+    if spec.rms_norm_kernel != "liger":
+        return None
+    return ("model.rms_norm_kernel liger: the norms' backward makes no temporaries (Liger writes dX into dY); "
+            "their saved tensors are sized as torch's RMSNorm, 4 h bytes per token and norm above Liger's")
+
+
 def check_modelled(spec: ModelSpec, hf_path: Optional[str]) -> None:
     """A mixture-of-experts or latent-attention model is described exactly (its parameter count);
     the memory model sizes the routed MoE blocks of Mixtral / Qwen3-MoE (autotune.memory.moe

@@ -51,6 +51,13 @@ class ModelSpec:
     norm: Norm = "rmsnorm"
     """Normalisation layer kind; ``rmsnorm_fp32``: RMSNorm whose weight is applied in fp32 before
     the cast back (HF GemmaRMSNorm, Olmo2RMSNorm; same parameters as rmsnorm, more saved bytes)."""
+    rms_norm_kernel: Literal["torch", "liger"] = "torch"
+    """Which code runs an ``rmsnorm``: ``torch``, the model's own (HF LlamaRMSNorm's eager ops, whose
+    backward makes fp32 h-wide temporaries); ``liger``, Liger-Kernel's LigerRMSNormFunction (what
+    ``AutoLigerKernelForCausalLM`` and ArcticTraining's liger model factory swap in), whose backward writes
+    dX into dY (liger_kernel/ops/rms_norm.py ``rms_norm_backward``): no token-sized temporaries. Its saved
+    tensors (X, fp32 rstd, Y: 2 p h + 4 bytes per token) are sized as torch's (4 h + 2 p h + 4), an upper
+    bound that ``estimate`` states."""
     bias: bool = False
     """Whether linear layers (and LayerNorms) carry a bias."""
     qkv_bias: bool = False

@@ -99,7 +99,8 @@ class Job:
 
     @classmethod
     def of(cls, row: dict) -> "Job":
-        return cls(row["run"], model_from_name(row["model"]), hardware_of(row), strategy_of(row), row["loop"],
+        model = model_from_name(row["model"]).replace(rms_norm_kernel=row.get("rms_norm_kernel") or "torch")
+        return cls(row["run"], model, hardware_of(row), strategy_of(row), row["loop"],
                    row.get("data_loader_fork") or "none")
 
     def training(self, seq: int) -> TrainingSpec:

@@ -540,6 +540,15 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
                    + n_weights * p * m.intermediate_size * m.hidden_size)
         # the tiles' weight gradients are held (ds_grad_is_ready False until the last tile): none released
         mlp_released = mlp_bwd
+        if m.norm == "rmsnorm" and m.rms_norm_kernel == "torch" and m.norms_per_block == 2:
+            # then the pre-MLP RMSNorm's backward, which no longer sits below an untiled MLP's: its saved
+            # tensors (the MLP's input, TiledMLP's only saved one, among them) replaced by its fp32 input
+            # and PowBackward0's five fp32 h-wide tensors (as the final norm's, final_norm_backward_live),
+            # the MLP's weight gradients handed over unless ZeRO-0 keeps them (allocation trace of
+            # hf-qwen2-long ZeRO-1, tiled loss and MLP, full: the block's backward peak)
+            norm = (24.0 * m.hidden_size - _norm_saved(m, p, device)) * tokens
+            mlp_bwd = max(mlp_bwd, norm + n_weights * p * m.intermediate_size * m.hidden_size)
+            mlp_released = max(mlp_released, norm)
         mlp_saved = 0.0
     return ActivationBreakdown(
         blocks=blocks,
@@ -563,6 +572,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         checkpoint_frame_kept=(_checkpoint_frame_kept(m, p, gran, zero3_linear=zero3) * tokens
                                + (CPU_RNG_STATE_BYTES if device == "cpu" else 0.0)) if n_ck else 0.0,
         final_norm_backward_live=(24.0 * m.hidden_size * tokens if m.norm in ("rmsnorm", "rmsnorm_fp32")
+                                  and m.rms_norm_kernel == "torch"
                                   else _norm_saved(m, p, device) * tokens),
         mlp_backward_transient=mlp_bwd,
         mlp_backward_released=mlp_released,

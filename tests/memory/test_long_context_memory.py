@@ -98,6 +98,29 @@ def test_tiled_mlp_keeps_only_the_mlp_input():
             < plain.per_block_plain + plain.mlp_backward_transient - 2 * M.intermediate_size * 4096)
 
 
+def test_tiled_mlp_backward_peaks_at_torchs_rmsnorm_not_ligers(write):
+    """Under TiledMLP the block's backward peak is the pre-MLP RMSNorm's backward where the model's own RMSNorm runs
+    (its fp32 input and PowBackward0's five fp32 h-wide tensors, 24 h bytes per token, against its saved 4 h + 2 p h
+    + 4); Liger's RMSNorm writes dX into dY, so there the tiles' instant stays (and the final norm's backward holds
+    only its saved tensors). The liger job says what it leaves as an upper bound."""
+    s = Z3.replace(tiled_mlp=True)
+    tokens = TR.seq_len  # micro-batch 1
+    torch_ = _act(s)
+    liger = activation_breakdown(M.replace(rms_norm_kernel="liger"), TR, s)
+    h, p = M.hidden_size, 2
+    norm = (24 * h - (4 * h + 2 * p * h + 4)) * tokens
+    assert torch_.mlp_backward_transient == norm + 3 * p * M.intermediate_size * h  # ZeRO-3: the weights still held
+    assert torch_.mlp_backward_released == norm
+    assert liger.mlp_backward_transient < norm  # the tiles' instant: the input's gradient, one tile, the weights
+    assert torch_.final_norm_backward_live == 24 * h * tokens
+    assert liger.final_norm_backward_live == liger.final_norm_saved
+    job = open(os.path.join(ROOT, "examples", "llama3.1-8b-long.yaml")).read().replace(
+        "hf_config: llama-3.1-8b.json", f"hf_config: {os.path.join(ROOT, 'examples', 'llama-3.1-8b.json')}")
+    said = load_config(write(job.replace("model:\n", "model:\n  rms_norm_kernel: liger\n")))
+    assert said.model.rms_norm_kernel == "liger" and any("model.rms_norm_kernel liger" in n for n in said.notes)
+    assert LONG.model.rms_norm_kernel == "torch" and not any("rms_norm_kernel" in n for n in LONG.notes)
+
+
 def test_activation_offload_moves_the_checkpoints_to_host_memory():
     s = Z3.replace(sequence_parallel_size=8)
     on_gpu, offloaded = estimate_memory(M, TR, HW, s), estimate_memory(M, TR, HW, s.replace(activation_offload="cpu"))
@@ -174,9 +197,13 @@ def test_stored_long_context_rows_are_not_under_predicted_beyond_the_margin(tmp_
 
     bench, rows = _long_context_rows()
     assert all(stored is not None and stored["status"] == "ok" for _, stored in rows), "rows without a measurement"
-    errors = {(r["model"], r["stage"], bench.knob_text(r["knobs"])): bench.predict(dict(stored), tmp_path)["error"]
-              for r, stored in rows}
+    predicted = {(r["model"], r["stage"], bench.knob_text(r["knobs"])): bench.predict(dict(stored), tmp_path)
+                 for r, stored in rows}
+    errors = {k: r["error"] for k, r in predicted.items()}
     assert {k for k in errors if "sp2" in k[2]} and {k for k in errors if "ao" in k[2]}  # every knob measured
+    # the backward phase too, where the forward holds the step's peak (tiled MLP: the pre-MLP norm's backward)
+    backward = {k: r["phases_predicted"]["backward"] / r["phases_measured"]["backward"] - 1 for k, r in predicted.items()}
+    assert min(backward.values()) > -0.01, min(backward.items(), key=lambda kv: kv[1])
     under = {k: e for k, e in errors.items() if e < -PREDICTION_MARGIN}
     assert set(under) == set(KNOWN_UNDER), under
     assert all(e > -0.03 for e in errors.values()), min(errors.items(), key=lambda kv: kv[1])

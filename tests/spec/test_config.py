@@ -37,6 +37,8 @@ BAD = [
     (BASE.replace("training: {seq_len: 4096, global_batch_size: 64}\n", ""), "training"),
     ("model: {preset: llama2-7b\n", "malformed YAML"),
     (BASE.replace("preset: llama2-7b", "hf_config: missing.json"), "model.hf_config"),
+    (BASE.replace("preset: llama2-7b", "preset: llama2-7b, rms_norm_kernel: triton"), "model.rms_norm_kernel"),
+    (BASE.replace("preset: llama2-7b", "preset: gpt2, rms_norm_kernel: liger"), "model.rms_norm_kernel"),
 ]
 
 
