@@ -336,6 +336,9 @@ LONG_CONTEXT_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision, kn
     ("hf-gemma-long", 0, 2, 1, 1, 2048, "full", "fp32", "sp+ao"),
     # op checkpointing with Ulysses (its all-to-alls inside the checkpointed block, replayed by count)
     ("hf-llama", 2, 2, 1, 1, 512, "op", "bf16", "sp+tl"), ("hf-llama-long", 1, 2, 1, 1, 2048, "op", "fp32", "sp"),
+    # the pre-MLP (OLMo2: post-MLP) RMSNorm's backward under TiledMLP, torch's norm (docs/long-context.md)
+    ("hf-gemma-long", 1, 1, 1, 1, 2048, "full", "bf16", "tl+tm"), ("hf-olmo2", 1, 1, 1, 1, 1024, "full", "bf16", "tl+tm"),
+    ("hf-llama-long", 2, 2, 1, 1, 2048, "full", "fp32", "tl+tm"),
 ]
 
 

@@ -540,7 +540,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
                    + n_weights * p * m.intermediate_size * m.hidden_size)
         # the tiles' weight gradients are held (ds_grad_is_ready False until the last tile): none released
         mlp_released = mlp_bwd
-        if m.norm == "rmsnorm" and m.rms_norm_kernel == "torch" and m.norms_per_block == 2:
+        if m.norm in ("rmsnorm", "rmsnorm_fp32") and m.rms_norm_kernel == "torch" and m.norms_per_block == 2:
             # then the pre-MLP RMSNorm's backward, which no longer sits below an untiled MLP's: its saved
             # tensors (the MLP's input, TiledMLP's only saved one, among them) replaced by its fp32 input
             # and PowBackward0's five fp32 h-wide tensors (as the final norm's, final_norm_backward_live),
