@@ -32,6 +32,15 @@ def _norm_saved(m: ModelSpec, p: int, device: str = "cuda") -> float:
     return 2 * p * h + (2 * p if device == "cpu" else 8)
 
 
+def _block_norm_backward_live(m: ModelSpec, p: int) -> float:
+    """Per token, a block's torch RMSNorm at its backward's peak (PowBackward0's last multiply,
+    torch/csrc/autograd/FunctionsManual.cpp ``pow_backward``): its fp32 input and five fp32 h-wide
+    tensors, as the final norm's (``final_norm_backward_live``); in fp32 four, the incoming gradient
+    needing no fp32 copy (``ToCopyBackward0`` a no-op; allocation trace of hf-llama-long ZeRO-2 fp32
+    under TiledMLP, where the final norm's trace keeps five: its gradient comes from the fp32 lm_head)."""
+    return (24.0 if p < 4 else 20.0) * m.hidden_size
+
+
 def _sdpa_math(m: ModelSpec, device: str) -> bool:
     """sdpa with attention dropout on the CPU: PyTorch's CPU flash kernel has no dropout, so
     ``scaled_dot_product_attention`` falls back to ``_scaled_dot_product_attention_math``
@@ -546,7 +555,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
             # and PowBackward0's five fp32 h-wide tensors (as the final norm's, final_norm_backward_live),
             # the MLP's weight gradients handed over unless ZeRO-0 keeps them (allocation trace of
             # hf-qwen2-long ZeRO-1, tiled loss and MLP, full: the block's backward peak)
-            norm = (24.0 * m.hidden_size - _norm_saved(m, p, device)) * tokens
+            norm = (_block_norm_backward_live(m, p) - _norm_saved(m, p, device)) * tokens
             mlp_bwd = max(mlp_bwd, norm + n_weights * p * m.intermediate_size * m.hidden_size)
             mlp_released = max(mlp_released, norm)
         mlp_saved = 0.0
