@@ -80,6 +80,8 @@ LONG_FAMILIES = {
     "hf-mistral-long": ("mistral-7b-v0.1", {**_LONG, "vocab_size": 256, "sliding_window": 4096}),
     # a 64-token vocabulary: the loss is small, so unchecked the final norm's backward is the peak
     "hf-llama-v64": ("llama-3.2-1b", {**_LONG, "vocab_size": 64}),
+    # Gemma-3's four norms per block (GemmaRMSNorm), every layer sliding over a window above the sequence
+    "hf-gemma3-long": ("gemma3-1b-pt", {**_LONG, "vocab_size": 256, "sliding_window": 4096, "query_pre_attn_scalar": 16}),
 }
 # mixture-of-experts (issue 25): the published Mixtral / Qwen3-MoE config.json (tests/data/hf/moe) shrunk to
 # 4 experts, top-2, on the HF shape above (transformers' default grouped_mm experts path); "-sv": a
@@ -338,7 +340,7 @@ LONG_CONTEXT_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision, kn
     ("hf-llama", 2, 2, 1, 1, 512, "op", "bf16", "sp+tl"), ("hf-llama-long", 1, 2, 1, 1, 2048, "op", "fp32", "sp"),
     # the pre-MLP (OLMo2: post-MLP) RMSNorm's backward under TiledMLP, torch's norm (docs/long-context.md)
     ("hf-gemma-long", 1, 1, 1, 1, 2048, "full", "bf16", "tl+tm"), ("hf-olmo2", 1, 1, 1, 1, 1024, "full", "bf16", "tl+tm"),
-    ("hf-llama-long", 2, 2, 1, 1, 2048, "full", "fp32", "tl+tm"),
+    ("hf-llama-long", 2, 2, 1, 1, 2048, "full", "fp32", "tl+tm"), ("hf-gemma3-long", 1, 1, 1, 1, 2048, "full", "bf16", "tl+tm"),
 ]
 
 

@@ -37,8 +37,13 @@ def _block_norm_backward_live(m: ModelSpec, p: int) -> float:
     torch/csrc/autograd/FunctionsManual.cpp ``pow_backward``): its fp32 input and five fp32 h-wide
     tensors, as the final norm's (``final_norm_backward_live``); in fp32 four, the incoming gradient
     needing no fp32 copy (``ToCopyBackward0`` a no-op; allocation trace of hf-llama-long ZeRO-2 fp32
-    under TiledMLP, where the final norm's trace keeps five: its gradient comes from the fp32 lm_head)."""
-    return (24.0 if p < 4 else 20.0) * m.hidden_size
+    under TiledMLP, where the final norm's trace keeps five: its gradient comes from the fp32 lm_head).
+    Only the 2- and 4-norm blocks were traced (activation_breakdown applies it to those)."""
+    # Gemma-2/3 (four norms): the first norm's backward, the post-feedforward norm's before the tiled MLP's,
+    # holds the block output's gradient beside it and four fp32 per-token scalars (rsqrt and mean gradients)
+    # (allocation trace of a Gemma-3 block, ZeRO-1, tiled loss and MLP, full checkpointing, bf16)
+    first = p * m.hidden_size + 16.0 if (m.norms_per_block == 4 and p < 4) else 0.0
+    return (24.0 if p < 4 else 20.0) * m.hidden_size + first
 
 
 def _sdpa_math(m: ModelSpec, device: str) -> bool:
@@ -549,7 +554,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
                    + n_weights * p * m.intermediate_size * m.hidden_size)
         # the tiles' weight gradients are held (ds_grad_is_ready False until the last tile): none released
         mlp_released = mlp_bwd
-        if m.norm in ("rmsnorm", "rmsnorm_fp32") and m.rms_norm_kernel == "torch" and m.norms_per_block == 2:
+        if m.norm in ("rmsnorm", "rmsnorm_fp32") and m.rms_norm_kernel == "torch" and m.norms_per_block in (2, 4):
             # then the pre-MLP RMSNorm's backward, which no longer sits below an untiled MLP's: its saved
             # tensors (the MLP's input, TiledMLP's only saved one, among them) replaced by its fp32 input
             # and PowBackward0's five fp32 h-wide tensors (as the final norm's, final_norm_backward_live),
