@@ -341,6 +341,7 @@ LONG_CONTEXT_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision, kn
     # the pre-MLP (OLMo2: post-MLP) RMSNorm's backward under TiledMLP, torch's norm (docs/long-context.md)
     ("hf-gemma-long", 1, 1, 1, 1, 2048, "full", "bf16", "tl+tm"), ("hf-olmo2", 1, 1, 1, 1, 1024, "full", "bf16", "tl+tm"),
     ("hf-llama-long", 2, 2, 1, 1, 2048, "full", "fp32", "tl+tm"), ("hf-gemma3-long", 1, 1, 1, 1, 2048, "full", "bf16", "tl+tm"),
+    ("hf-gemma3-long", 0, 1, 1, 1, 2048, "full", "fp32", "tm"), ("hf-gemma3-long", 3, 2, 1, 1, 2048, "full", "bf16", "tm"),
 ]
 
 

@@ -41,8 +41,8 @@ def _block_norm_backward_live(m: ModelSpec, p: int) -> float:
     Only the 2- and 4-norm blocks were traced (activation_breakdown applies it to those)."""
     # Gemma-2/3 (four norms): the first norm's backward, the post-feedforward norm's before the tiled MLP's,
     # holds the block output's gradient beside it and four fp32 per-token scalars (rsqrt and mean gradients)
-    # (allocation trace of a Gemma-3 block, ZeRO-1, tiled loss and MLP, full checkpointing, bf16)
-    first = p * m.hidden_size + 16.0 if (m.norms_per_block == 4 and p < 4) else 0.0
+    # (allocation traces of a Gemma-3 block under tiled MLP and full checkpointing: ZeRO-1 bf16, ZeRO-0 fp32)
+    first = ((p * m.hidden_size + 16.0) if p < 4 else (8.0 * m.hidden_size + 4.0)) if m.norms_per_block == 4 else 0.0
     return (24.0 if p < 4 else 20.0) * m.hidden_size + first
 
 
