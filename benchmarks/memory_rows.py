@@ -287,6 +287,12 @@ CORE_ROWS = [("hf-gemma2", 2, 2, 1, 1, 512, "full", "fp32"), ("hf-gemma2", 3, 2,
              ("hf-gptoss-sv", 0, 1, 1, 1, 512, "full", "bf16"), ("hf-gptoss-sv", 2, 2, 1, 1, 1024, "full", "bf16"),
              ("hf-gptoss-sv", 0, 1, 1, 1, 1024, "none", "bf16")]
 
+# Gemma-3's four-norm block (GemmaRMSNorm): the post-feedforward norm's backward, before the MLP's, as the
+# step's peak under checkpointing (activations.py, the norms_per_block == 4 instant); every ZeRO stage and FSDP2
+NORM_ROWS = [("hf-gemma3-long", 1, 1, 1, 1, 2048, "full", "bf16"), ("hf-gemma3-long", 3, 2, 1, 1, 1024, "op", "bf16"),
+             ("hf-gemma3-long", 0, 1, 1, 1, 2048, "full", "fp32"), ("hf-gemma3-long", 2, 1, 1, 1, 2048, "none", "bf16"),
+             ("hf-gemma3-long", 2, 2, 1, 1, 2048, "full", "bf16"), ("hf-gemma3-long", "fsdp2", 1, 1, 1, 2048, "full", "bf16")]
+
 
 def long_rows() -> list[tuple]:
     """Long sequences with and without checkpointing: every (ZeRO stage, checkpointing) pair on each
@@ -468,4 +474,4 @@ def grid(quick: bool) -> list[dict]:
             + [dict(zip(ROW_KEYS, r), measure_steps=GA_ROWS_STEPS) for r in GA_ROWS]
             + [dict(zip(ROW_KEYS, r)) for r in TABLE_ROWS + FRAME_ROWS]
             + [dict(zip(ROW_KEYS, r)) for r in CORE_ROWS if have_hf or r[0] not in HF_FAMILIES]
-            + [dict(zip(ROW_KEYS, r)) for r in LONG_ROWS if have_hf])
+            + [dict(zip(ROW_KEYS, r)) for r in LONG_ROWS + NORM_ROWS if have_hf])

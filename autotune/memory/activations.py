@@ -544,6 +544,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         mlp_released = mlp_bwd  # an FSDP2 knob: the DeepSpeed walk never reads it
         blocks, moe_fwd = n_ck * per_ck + (L - n_ck) * per_plain, ep_forward_transient(m, p, int(tokens), ep)
         moe_re = moe_fwd
+    torch_rms_norm = m.norm in ("rmsnorm", "rmsnorm_fp32") and m.rms_norm_kernel == "torch"
     if split.tiled_mlp:
         # TiledMLP's backward: the input's gradient (zeros_like x), one tile's recomputed MLP and its
         # backward, the MLP's weight gradients accumulated over the tiles (ds_grad_is_ready held)
@@ -554,7 +555,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
                    + n_weights * p * m.intermediate_size * m.hidden_size)
         # the tiles' weight gradients are held (ds_grad_is_ready False until the last tile): none released
         mlp_released = mlp_bwd
-        if m.norm in ("rmsnorm", "rmsnorm_fp32") and m.rms_norm_kernel == "torch" and m.norms_per_block in (2, 4):
+        if torch_rms_norm and m.norms_per_block == 2:
             # then the pre-MLP RMSNorm's backward, which no longer sits below an untiled MLP's: its saved
             # tensors (the MLP's input, TiledMLP's only saved one, among them) replaced by its fp32 input
             # and PowBackward0's five fp32 h-wide tensors (as the final norm's, final_norm_backward_live),
@@ -564,6 +565,11 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
             mlp_bwd = max(mlp_bwd, norm + n_weights * p * m.intermediate_size * m.hidden_size)
             mlp_released = max(mlp_released, norm)
         mlp_saved = 0.0
+    if torch_rms_norm and m.norms_per_block == 4:
+        # Gemma-2/3: the post-feedforward norm's backward runs before the MLP's, every saved tensor of the
+        # block alive (a checkpointed block's recomputation runs inside its weight multiply's backward)
+        norm = (_block_norm_backward_live(m, p) - _norm_saved(m, p, device)) * tokens
+        mlp_bwd, mlp_released = max(mlp_bwd, norm), max(mlp_released, norm)
     return ActivationBreakdown(
         blocks=blocks,
         per_block_plain=per_plain,
