@@ -349,6 +349,10 @@ def validation_errors(
         errors.append(("sequence_parallel_size" if s.sequence_parallel_size > 1 else "context_parallel_size",
                        f"attention sinks (gpt-oss) are not sized with sequence parallel {s.sequence_parallel_size} "
                        f"or context parallel {s.context_parallel_size}: eager attention with sinks runs unsplit"))
+    if model.norms_per_block == 4 and s.sequence_parallel_size > 1:
+        # Gemma-3 under Ulysses: one rank's step holds more than the other's, not located (docs/long-context.md)
+        errors.append(("sequence_parallel_size", f"four-norm blocks (Gemma-2/3) are not sized with sequence parallel "
+                       f"{s.sequence_parallel_size}: the ranks' peaks differ by a term not modelled"))
     if model.is_mla and (s.checkpointing in ("selective", "op") or s.sequence_parallel_size > 1
                          or s.context_parallel_size > 1 or s.tiled_mlp):
         # memory/mla.py sizes DeepSeek-V2's attention whole or fully checkpointed, unsplit

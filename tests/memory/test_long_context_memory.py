@@ -146,6 +146,16 @@ def test_rules_name_the_key(change, gbs, key, words):
     assert errors and errors[0][0] == key and words in errors[0][1], errors
 
 
+def test_four_norm_blocks_refuse_ulysses():
+    """Gemma-3 under Ulysses: one rank's peak is above the other's by a term not modelled (hf-gemma3-long ZeRO-2
+    full bf16, 2 ranks: -3.27% at the worst rank), so the rule refuses it, naming the key; Llama keeps it."""
+    gemma3 = M.replace(norms_per_block=4)
+    s = Strategy(zero_stage=2, checkpointing="full", sequence_parallel_size=8)
+    errors = validation_errors(s, gemma3, TR, HW)
+    assert errors and errors[0][0] == "sequence_parallel_size" and "four-norm" in errors[0][1], errors
+    assert not validation_errors(s, M, TR, HW)
+
+
 def test_batch_arithmetic_counts_the_sequence_split():
     s = Strategy(zero_stage=3, sequence_parallel_size=4)
     assert batch_ranks(HW, s) == 2
