@@ -32,10 +32,15 @@ def _norm_saved(m: ModelSpec, p: int, device: str = "cuda") -> float:
     return 2 * p * h + (2 * p if device == "cpu" else 8)
 
 
+RMS_NORM_BACKWARD_LIVE = 24.0
+"""Bytes per token and unit of width that torch's RMSNorm holds at its backward's peak (PowBackward0's last
+multiply, torch/csrc/autograd/FunctionsManual.cpp ``pow_backward``): its fp32 input and five fp32 h-wide
+tensors (traced: test_final_norm_backward_peak_matches_an_allocation_trace)."""
+
+
 def _block_norm_backward_live(m: ModelSpec, p: int) -> float:
-    """Per token, a block's torch RMSNorm at its backward's peak (PowBackward0's last multiply,
-    torch/csrc/autograd/FunctionsManual.cpp ``pow_backward``): its fp32 input and five fp32 h-wide
-    tensors, as the final norm's (``final_norm_backward_live``); in fp32 four, the incoming gradient
+    """Per token, a block's torch RMSNorm at its backward's peak: ``RMS_NORM_BACKWARD_LIVE``, as the final
+    norm's (``final_norm_backward_live``); in fp32 one fp32 tensor fewer, the incoming gradient
     needing no fp32 copy (``ToCopyBackward0`` a no-op; allocation trace of hf-llama-long ZeRO-2 fp32
     under TiledMLP, where the final norm's trace keeps five: its gradient comes from the fp32 lm_head).
     Only the 2- and 4-norm blocks were traced (activation_breakdown applies it to those)."""
@@ -43,7 +48,7 @@ def _block_norm_backward_live(m: ModelSpec, p: int) -> float:
     # holds the block output's gradient beside it and four fp32 per-token scalars (rsqrt and mean gradients)
     # (allocation traces of a Gemma-3 block under tiled MLP and full checkpointing: ZeRO-1 bf16, ZeRO-0 fp32)
     first = ((p * m.hidden_size + 16.0) if p < 4 else (8.0 * m.hidden_size + 4.0)) if m.norms_per_block == 4 else 0.0
-    return (24.0 if p < 4 else 20.0) * m.hidden_size + first
+    return (RMS_NORM_BACKWARD_LIVE - (4.0 if p == 4 else 0.0)) * m.hidden_size + first
 
 
 def _sdpa_math(m: ModelSpec, device: str) -> bool:
@@ -545,6 +550,8 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         blocks, moe_fwd = n_ck * per_ck + (L - n_ck) * per_plain, ep_forward_transient(m, p, int(tokens), ep)
         moe_re = moe_fwd
     torch_rms_norm = m.norm in ("rmsnorm", "rmsnorm_fp32") and m.rms_norm_kernel == "torch"
+    # a block norm's backward beyond its saved tensors (an instant where the MLP's no longer dominates, below)
+    block_norm = (_block_norm_backward_live(m, p) - _norm_saved(m, p, device)) * tokens if torch_rms_norm else 0.0
     if split.tiled_mlp:
         # TiledMLP's backward: the input's gradient (zeros_like x), one tile's recomputed MLP and its
         # backward, the MLP's weight gradients accumulated over the tiles (ds_grad_is_ready held)
@@ -555,21 +562,19 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
                    + n_weights * p * m.intermediate_size * m.hidden_size)
         # the tiles' weight gradients are held (ds_grad_is_ready False until the last tile): none released
         mlp_released = mlp_bwd
-        if torch_rms_norm and m.norms_per_block == 2:
+        if m.norms_per_block == 2:
             # then the pre-MLP RMSNorm's backward, which no longer sits below an untiled MLP's: its saved
             # tensors (the MLP's input, TiledMLP's only saved one, among them) replaced by its fp32 input
             # and PowBackward0's five fp32 h-wide tensors (as the final norm's, final_norm_backward_live),
             # the MLP's weight gradients handed over unless ZeRO-0 keeps them (allocation trace of
             # hf-qwen2-long ZeRO-1, tiled loss and MLP, full: the block's backward peak)
-            norm = (_block_norm_backward_live(m, p) - _norm_saved(m, p, device)) * tokens
-            mlp_bwd = max(mlp_bwd, norm + n_weights * p * m.intermediate_size * m.hidden_size)
-            mlp_released = max(mlp_released, norm)
+            mlp_bwd = max(mlp_bwd, block_norm + n_weights * p * m.intermediate_size * m.hidden_size)
+            mlp_released = max(mlp_released, block_norm)
         mlp_saved = 0.0
     if torch_rms_norm and m.norms_per_block == 4:
         # Gemma-2/3: the post-feedforward norm's backward runs before the MLP's, every saved tensor of the
         # block alive (a checkpointed block's recomputation runs inside its weight multiply's backward)
-        norm = (_block_norm_backward_live(m, p) - _norm_saved(m, p, device)) * tokens
-        mlp_bwd, mlp_released = max(mlp_bwd, norm), max(mlp_released, norm)
+        mlp_bwd, mlp_released = max(mlp_bwd, block_norm), max(mlp_released, block_norm)
     return ActivationBreakdown(
         blocks=blocks,
         per_block_plain=per_plain,
@@ -591,8 +596,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         hidden_grad=p * m.hidden_size * tokens,
         checkpoint_frame_kept=(_checkpoint_frame_kept(m, p, gran, zero3_linear=zero3) * tokens
                                + (CPU_RNG_STATE_BYTES if device == "cpu" else 0.0)) if n_ck else 0.0,
-        final_norm_backward_live=(24.0 * m.hidden_size * tokens if m.norm in ("rmsnorm", "rmsnorm_fp32")
-                                  and m.rms_norm_kernel == "torch"
+        final_norm_backward_live=(RMS_NORM_BACKWARD_LIVE * m.hidden_size * tokens if torch_rms_norm
                                   else _norm_saved(m, p, device) * tokens),
         mlp_backward_transient=mlp_bwd,
         mlp_backward_released=mlp_released,

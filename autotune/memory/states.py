@@ -33,18 +33,21 @@ def _persistent_params(m: ModelSpec, threshold: int) -> int:
     return sum(n for n in parameter_order(m) if n <= threshold)
 
 
+def _zero12_partition(total: int, dp: int) -> int:
+    """Elements of one rank's ZeRO-1/2 partition of a flat group of ``total``: the group padded to a
+    multiple of 2 x dp (``nccl_start_alignment_factor``), split dp ways; the whole group on one rank."""
+    return -(-total // (2 * dp)) * 2 if dp > 1 else total
+
+
 @functools.lru_cache(maxsize=4096)
 def rank_params(m: ModelSpec, dp: int) -> tuple[tuple[int, ...], ...]:
     """Per rank, the elements of each parameter that overlaps its ZeRO-1/2 partition, whole
     (stage_1_and_2.py ``get_partition_info``: ``params_in_partition``), so a parameter straddling a
-    partition boundary counts on both sides. Partitions: the flat group padded to a multiple of
-    2 x dp (``nccl_start_alignment_factor``)."""
+    partition boundary counts on both sides (partitions: ``_zero12_partition``)."""
     sizes = parameter_order(m)
-    total = sum(sizes)
     if dp <= 1:
         return (tuple(sizes),)
-    align = 2 * dp
-    part = -(-total // align) * align // dp
+    part = _zero12_partition(sum(sizes), dp)
     out = []
     for r in range(dp):
         lo, hi = r * part, (r + 1) * part
@@ -62,9 +65,7 @@ def largest_partition_piece(m: ModelSpec, dp: int) -> int:
     """Elements of the largest piece of one parameter inside a rank's ZeRO-1/2 partition, over the ranks
     (a parameter straddling a boundary is narrowed to its piece: stage_1_and_2.py ``get_flat_partition``)."""
     sizes = parameter_order(m)
-    total = sum(sizes)
-    align = 2 * dp if dp > 1 else 1
-    part = -(-total // align) * align // dp
+    part = _zero12_partition(sum(sizes), dp)
     best, start = 0, 0
     for size in sizes:
         for r in range(start // part, min(dp, -(-(start + size) // part))):
