@@ -571,10 +571,18 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
             mlp_bwd = max(mlp_bwd, block_norm + n_weights * p * m.intermediate_size * m.hidden_size)
             mlp_released = max(mlp_released, block_norm)
         mlp_saved = 0.0
-    if torch_rms_norm and m.norms_per_block == 4:
-        # Gemma-2/3: the post-feedforward norm's backward runs before the MLP's, every saved tensor of the
-        # block alive (a checkpointed block's recomputation runs inside its weight multiply's backward)
-        mlp_bwd, mlp_released = max(mlp_bwd, block_norm), max(mlp_released, block_norm)
+    if m.norms_per_block == 4:
+        # Gemma-2/3: the post-feedforward norm's backward runs before the MLP's and releases what it saved
+        # (its input, rsqrt and normalised value; its output went to the residual), handing the MLP a
+        # gradient of its own (p h), alive through the down projection's backward (allocation trace of
+        # hf-gemma3-long ZeRO-0 full fp32: the MLP's instant 2 f + weight stays below the norm's)
+        post = (_norm_saved(m, p, device) - p * m.hidden_size) * tokens
+        down = p * (m.intermediate_size + m.hidden_size) * tokens + p * m.intermediate_size * m.hidden_size
+        mlp_bwd, mlp_released = max(mlp_bwd, down) - post, max(mlp_released, down) - post
+        if torch_rms_norm:
+            # ... every saved tensor of the block alive at the norm's backward (a checkpointed block's
+            # recomputation runs inside its weight multiply's backward)
+            mlp_bwd, mlp_released = max(mlp_bwd, block_norm), max(mlp_released, block_norm)
     return ActivationBreakdown(
         blocks=blocks,
         per_block_plain=per_plain,

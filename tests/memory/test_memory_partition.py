@@ -233,7 +233,7 @@ def test_stored_benchmark_within_the_prediction_margin(tmp_path):
     """Every row of the memory benchmark (benchmarks/memory_vs_deepspeed.py, real DeepSpeed and FSDP2
     steps, the worst step and rank) re-predicted from its stored measurement: none is under-predicted
     by more than PREDICTION_MARGIN, the long-sequence checkpointed rows (the final norm's backward)
-    included; the optimizer phase within 3.5% either way."""
+    included, nor over-predicted by more than 3%; the optimizer phase within 3.5% either way."""
     pytest.importorskip("transformers")
     from autotune.memory import PREDICTION_MARGIN
 
@@ -255,6 +255,10 @@ def test_stored_benchmark_within_the_prediction_margin(tmp_path):
     errors = {k: r["error"] for k, r in predicted.items()}
     worst = min(errors, key=errors.get)
     assert errors[worst] >= -PREDICTION_MARGIN, (worst, errors[worst])
+    # and none over-predicted beyond the benchmark's target of 3% (Gemma-3's MLP backward, after its
+    # post-feedforward norm's released that norm's saved tensors, read +3.51% while they were counted)
+    highest = max(errors, key=errors.get)
+    assert errors[highest] <= 0.03, (highest, errors[highest])
     # the optimizer phase (every engine.step() call of the usual loop: the boundary step's norm, flatten and
     # all-gather, and a non-boundary call entered with the accumulation's carry) on the same rows
     step = {k: (r["phases_predicted"]["optimizer"] - r["phases_measured"]["optimizer"]) / r["phases_measured"]["optimizer"]
