@@ -61,6 +61,14 @@ def check_stated_balance(spec: ModelSpec) -> None:
                           f"its experts", path="model.ep_rank_imbalance")
 
 
+LIGER_KERNEL_CONFIG: dict[str, bool] = {"rms_norm": True, "rope": False, "swiglu": False, "cross_entropy": False,
+                                        "fused_linear_cross_entropy": False}
+"""Liger's kernels ``rms_norm_kernel: liger`` swaps into a Hugging Face model: the RMSNorm alone, what the
+memory model sizes (its other kernels change tensors it sizes as transformers'). The ``kernel_config`` of
+transformers.integrations.liger ``apply_liger_kernel``, which HF Trainer calls with
+``TrainingArguments.liger_kernel_config`` when ``use_liger_kernel`` is set."""
+
+
 def check_norm_kernel(spec: ModelSpec) -> None:
     """Liger's RMSNorm (``rms_norm_kernel: liger``) is sized for a dense decoder's ``rmsnorm`` (Liger's llama
     casting mode): another norm, or a MoE / latent-attention model, is refused in one line."""

@@ -49,17 +49,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import autotune
     from autotune.config import load_config
-    from autotune.models.sources import build_for_job, loss_of
+    from autotune.models.sources import LIGER_ON_CPU, build_for_job, loss_of
     from autotune.worker.engines import torch_optimizer_of
 
     cuda = torch.cuda.is_available()
+    cfg = load_config(args.job)
+    if cfg.model.rms_norm_kernel == "liger" and not cuda:
+        raise SystemExit(LIGER_ON_CPU)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", args.local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
 
-    cfg = load_config(args.job)
     with open(args.deepspeed) as fh:
         ds_config = json.load(fh)
     job_dir = os.path.dirname(os.path.abspath(args.job))

@@ -61,16 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     import autotune
     from autotune.config import load_config
     from autotune.models.fsdp2 import make_optimizer
-    from autotune.models.sources import build_for_job, loss_of
+    from autotune.models.sources import LIGER_ON_CPU, build_for_job, loss_of
 
     cuda = torch.cuda.is_available()
+    cfg = load_config(args.job)
+    if cfg.model.rms_norm_kernel == "liger" and not cuda:
+        raise SystemExit(LIGER_ON_CPU)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
-    cfg = load_config(args.job)
     job_dir = os.path.dirname(os.path.abspath(args.job))
     built = build_for_job({"model_factory": cfg.model_factory, "hf_config": cfg.hf_config,
                            "python_path": [job_dir, os.getcwd()]}, cfg.model, cfg.training)

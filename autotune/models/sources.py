@@ -35,6 +35,7 @@ into ``status: "error"``. This module imports torch lazily (only the builders ne
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -247,18 +248,53 @@ def build_reference_model(spec: Any, seed: int = 0) -> BuiltModel:
 
 
 def build_for_job(job: dict, spec: Any, training: Any, seed: int = 0) -> BuiltModel:
-    """The module and batch function the job asks for (see the module docstring); ``seed``: the
-    first synthetic batch's seed (built-in sources; a factory seeds its own batches)."""
+    """The module and batch function the job asks for (see the module docstring), with the norm kernel
+    the model states (``apply_norm_kernel``); ``seed``: the first synthetic batch's seed (built-in
+    sources; a factory seeds its own batches)."""
     factory, hf_config = job.get("model_factory"), job.get("hf_config")
     if factory:
-        return build_factory_model(factory, spec, training, job.get("python_path"))
-    if hf_config:
-        if transformers_available():
-            return build_hf_model(hf_config, seed)
+        built = build_factory_model(factory, spec, training, job.get("python_path"))
+    elif hf_config and transformers_available():
+        built = build_hf_model(hf_config, seed)
+    else:
         built = build_reference_model(spec, seed)
-        built.notes.append("transformers not installed: profiled the reference decoder built from the HF config")
-        return built
-    return build_reference_model(spec, seed)
+        if hf_config:
+            built.notes.append("transformers not installed: profiled the reference decoder built from the HF config")
+    apply_norm_kernel(built, spec)
+    return built
+
+
+LIGER_ON_CPU = ("model.rms_norm_kernel liger needs CUDA: Liger's RMSNorm is a Triton kernel, which has no CPU "
+                "driver (triton 3.9 on the CPU: RuntimeError: 0 active drivers ([]). There should only be one.)")
+"""The one-line refusal of a Liger job on a CPU worker or script (the error its first forward raises, measured)."""
+
+
+def apply_norm_kernel(built: BuiltModel, spec: Any) -> None:
+    """``model.rms_norm_kernel: liger``: Liger's RMSNorm in every norm of a Hugging Face model, as HF Trainer's
+    ``use_liger_kernel`` puts it there (transformers.integrations.liger ``apply_liger_kernel`` with
+    ``model_rules.LIGER_KERNEL_CONFIG``); a factory's model keeps the norms it was built with (a note says so);
+    the reference decoder has no Liger norm (refused in one line). Torch's RMSNorm: nothing to do."""
+    if getattr(spec, "rms_norm_kernel", "torch") != "liger":
+        return
+    if built.source.startswith("factory"):
+        built.notes.append("model.rms_norm_kernel liger: the factory's model runs the norms it was built with "
+                           "(autotune swaps Liger's RMSNorm into Hugging Face models only)")
+        return
+    if built.source != "hf":
+        raise UserModelError("model.rms_norm_kernel liger: autotune swaps Liger's RMSNorm into Hugging Face models "
+                             "(model.hf_config, transformers installed); the reference decoder has none")
+    from autotune.model_rules import LIGER_KERNEL_CONFIG
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise UserModelError("model.rms_norm_kernel liger: liger-kernel is not installed (pip install liger-kernel)")
+    try:
+        from transformers.integrations.liger import apply_liger_kernel
+
+        apply_liger_kernel(built.module, dict(LIGER_KERNEL_CONFIG))
+    except ImportError as err:
+        raise UserModelError(f"model.rms_norm_kernel liger: {_first_line(err)}") from err
+    built.notes.append("Liger's RMSNorm in every norm (model.rms_norm_kernel liger: liger-kernel's "
+                       "apply_liger_kernel, rms_norm only)")
 
 
 def set_checkpointing(built: BuiltModel, granularity: str, n: Any, num_layers: int) -> None:

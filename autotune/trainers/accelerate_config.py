@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from autotune.trainers.common import (WRAPPED_LAYER_NOTE, Point, all_layers, checkpointing_call, expert_parallel_line,
-                                      long_context_lines, mixed_precision, pinned_anyway_line, sp_attention)
+                                      long_context_lines, mixed_precision, norm_kernel_line, pinned_anyway_line,
+                                      sp_attention)
 
 
 def accelerate_config(p: Point) -> dict[str, Any]:
@@ -93,6 +94,6 @@ def differences(p: Point) -> list[str]:
                        "buffers=[input_ids, shift_labels, position_ids], buffer_seq_dims=[1, 1, 1], "
                        "no_restore_buffers={input_ids, shift_labels, position_ids}):` (shift the labels and make "
                        "the positions explicit before the split, as HF Trainer does)")
-    out += long_context_lines(p, "accelerate")
+    out += long_context_lines(p, "accelerate") + norm_kernel_line(p, "accelerate")
     out += expert_parallel_line(p) + pinned_anyway_line(p, "accelerate")
     return out

@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 
 from autotune.config import Config
 from autotune.engine_configs import gradient_accumulation_steps, long_context_knobs
+from autotune.model_rules import LIGER_KERNEL_CONFIG
 from autotune.strategy import Strategy, batch_ranks, data_parallel_size
 
 
@@ -156,6 +157,18 @@ def long_context_lines(p: Point, trainer: str) -> list[str]:
         out.append(f"activation offload: call `{LONG_CONTEXT}.offload_in_forward(model{pin})` (checkpointed block "
                    "inputs kept in host memory) after the checkpointing call")
     return out
+
+
+def norm_kernel_line(p: Point, trainer: str) -> list[str]:
+    """The job's ``model.rms_norm_kernel: liger`` where the trainer's files cannot carry it (HF Trainer's do:
+    ``use_liger_kernel``); ``trainer``: accelerate, lightning or torchtitan."""
+    if p.cfg.model.rms_norm_kernel != "liger":
+        return []
+    if trainer == "torchtitan":
+        return ["model.rms_norm_kernel liger: torchtitan builds its own model with torch's RMSNorm, which holds "
+                "more activation memory in backward than the Liger norm the point was sized with"]
+    return [f"Liger's RMSNorm (model.rms_norm_kernel liger): call `transformers.integrations.liger.apply_liger_kernel("
+            f"model, {LIGER_KERNEL_CONFIG})` (pip install liger-kernel) before the engine is built"]
 
 
 def expert_parallel_line(p: Point) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
+from autotune.model_rules import LIGER_KERNEL_CONFIG
 from autotune.trainers.common import (WRAPPED_LAYER_NOTE, Point, all_layers, checkpointing_call, every_k_full,
                                       expert_parallel_line, long_context_lines, pinned_anyway_line, sp_attention)
 
@@ -80,6 +81,8 @@ def training_arguments(p: Point, ds_config_file: Optional[str]) -> dict[str, Any
         args.update(adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], adam_epsilon=opt.eps)
     ckpt, _ = checkpointing_args(p)
     args.update(ckpt)
+    if p.cfg.model.rms_norm_kernel == "liger":  # Trainer applies it (transformers.integrations.liger)
+        args.update(use_liger_kernel=True, liger_kernel_config=dict(LIGER_KERNEL_CONFIG))
     if s.engine == "fsdp2":
         # Trainer builds its own optimizer for FSDP (trainer_optimizer.py): torch AdamW / SGD
         if opt.type == "adamw":

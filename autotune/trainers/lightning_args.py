@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from autotune.trainers.common import Point, checkpointing_call, long_context_lines
+from autotune.trainers.common import Point, checkpointing_call, long_context_lines, norm_kernel_line
 
 _LIGHTNING_OWNS = ("gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
 _NO_ULYSSES = ("sequence_parallel_size", "seq_parallel_communication_data_type")
@@ -74,4 +74,4 @@ def differences(p: Point) -> list[str]:
         out.append("the DeepSpeed config holds the optimizer (the job's): configure_optimizers returns nothing")
         if s.num_checkpointed(p.layers):
             out.append(f"checkpointing: call `{checkpointing_call(p.cfg, s)}` in configure_model")
-    return out + long_context_lines(p, "lightning")
+    return out + long_context_lines(p, "lightning") + norm_kernel_line(p, "lightning")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from autotune.trainers.common import Point, pinned_anyway_line
+from autotune.trainers.common import Point, norm_kernel_line, pinned_anyway_line
 
 TITAN_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 """autotune precision -> torchtitan ``mixed_precision_param`` (it has no fp16)."""
@@ -82,7 +82,7 @@ def differences(p: Point) -> list[str]:
         if on:
             out.append(f"{knob}: torchtitan 0.2 has no such setting (its own model, not Hugging Face's): the file "
                        "runs without it (more activation memory than the point)")
-    return out + pinned_anyway_line(p, "torchtitan")
+    return out + norm_kernel_line(p, "torchtitan") + pinned_anyway_line(p, "torchtitan")
 
 
 YOURS = "[model] (name, flavor, hf_assets_path), the dataset and the step count are yours: add them"
