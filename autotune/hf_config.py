@@ -171,8 +171,8 @@ def _block_bytes(small: ModelSpec, precision: str) -> list[float]:
 
     p, tokens = hf_blocks.PRECISIONS[precision], hf_blocks.BATCH * hf_blocks.SEQ
     if not (small.is_moe or small.is_mla):
-        return [block_activation_bytes_per_token(small, p, hf_blocks.SEQ, "none", mask_bytes=p, device="cpu") * tokens
-                ] * (hf_blocks.BLOCKS - 1)
+        return [block_activation_bytes_per_token(small, p, hf_blocks.SEQ, "none", mask_bytes=p, device="cpu",
+                                                 batch=hf_blocks.BATCH) * tokens] * (hf_blocks.BLOCKS - 1)
     training = TrainingSpec(seq_len=hf_blocks.SEQ, global_batch_size=hf_blocks.BATCH, precision=precision)
     strategy = Strategy(micro_batch_size=hf_blocks.BATCH, precision=precision)
     kinds = layer_kinds(small) or (False,) * small.num_hidden_layers  # True: a dense block

@@ -67,6 +67,9 @@ HF_FAMILIES = {
                          "vocab_size": 2048}),
     "hf-neox": ("pythia-160m", {"num_key_value_heads": None, "intermediate_size": 512, "bos_token_id": 0,
                                 "eos_token_id": 0}),
+    # GPT-NeoX with attention dropout: sdpa's CPU math path on a fused, rotary q/k/v projection
+    "hf-neox-drop": ("pythia-160m", {"num_key_value_heads": None, "intermediate_size": 512, "bos_token_id": 0,
+                                     "eos_token_id": 0, "attention_dropout": 0.1}),
 }
 # long sequences (1024-4096 tokens) on tiny widths, so a real step takes seconds: three of the families
 # above shrunk further, with small vocabularies so the peak can fall inside the blocks' backward
@@ -294,6 +297,18 @@ NORM_ROWS = [("hf-gemma3-long", 1, 1, 1, 1, 2048, "full", "bf16"), ("hf-gemma3-l
              ("hf-gemma3-long", 2, 2, 1, 1, 2048, "full", "bf16"), ("hf-gemma3-long", "fsdp2", 1, 1, 1, 2048, "full", "bf16")]
 
 
+# sdpa's CPU math path (attention dropout): GPT-2's fused c_attn and GPT-NeoX's fused rotary q/k/v, one and two
+# sequences per micro-batch (fp32 with one keeps the fused output through v, activations.py _fused_output_kept),
+# seq 256-512, where under selective / attention checkpointing the core's recomputed backward is the peak
+MATH_ROWS = [("hf-gpt2", "fsdp2", 1, 1, 1, 512, "none", "fp32"), ("hf-gpt2", 0, 1, 1, 1, 256, "none", "fp32"),
+             ("hf-gpt2", 3, 2, 1, 1, 256, "none", "fp32"), ("hf-gpt2", "fsdp2", 1, 1, 1, 512, "selective", "fp32"),
+             ("hf-gpt2", 0, 1, 1, 1, 512, "selective", "bf16"), ("hf-gpt2", 0, 1, 1, 1, 512, "attention", "fp32"),
+             ("hf-gpt2", 0, 1, 1, 2, 512, "selective", "fp32"), ("hf-gpt2", 2, 1, 1, 2, 512, "selective", "bf16"),
+             ("hf-neox-drop", 0, 1, 1, 1, 512, "none", "fp32"), ("hf-neox-drop", 2, 1, 1, 2, 512, "none", "fp32"),
+             ("hf-neox-drop", "fsdp2", 1, 1, 1, 512, "selective", "bf16"),
+             ("hf-neox-drop", 3, 2, 1, 1, 512, "selective", "fp32")]
+
+
 def long_rows() -> list[tuple]:
     """Long sequences with and without checkpointing: every (ZeRO stage, checkpointing) pair on each
     long family, seq 1024/2048/4096, mbs 1/2, 1 and 2 ranks and bf16/fp32 rotating so each family sees
@@ -474,4 +489,4 @@ def grid(quick: bool) -> list[dict]:
             + [dict(zip(ROW_KEYS, r), measure_steps=GA_ROWS_STEPS) for r in GA_ROWS]
             + [dict(zip(ROW_KEYS, r)) for r in TABLE_ROWS + FRAME_ROWS]
             + [dict(zip(ROW_KEYS, r)) for r in CORE_ROWS if have_hf or r[0] not in HF_FAMILIES]
-            + [dict(zip(ROW_KEYS, r)) for r in LONG_ROWS + NORM_ROWS if have_hf])
+            + [dict(zip(ROW_KEYS, r)) for r in LONG_ROWS + NORM_ROWS + MATH_ROWS if have_hf])

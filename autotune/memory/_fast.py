@@ -36,7 +36,8 @@ _ACT_FIELDS = ("blocks", "per_block_plain", "per_block_checkpointed", "num_check
                "loss_forward_transient", "loss_backward_transient", "mlp_saved_per_block",
                "attention_backward_transient", "final_norm_saved", "forward_only_masks", "final_norm_forward_extra",
                "hidden_grad", "checkpoint_frame_kept", "final_norm_backward_live", "mlp_backward_transient", "mlp_backward_released",
-               "logits_tokens", "offloaded", "moe_forward_transient", "moe_recompute_transient", "masks_only_later")
+               "logits_tokens", "offloaded", "moe_forward_transient", "moe_recompute_transient", "masks_only_later",
+               "recompute", "core_recompute_transient")
 _act_fields = attrgetter(*_ACT_FIELDS)
 
 
@@ -162,8 +163,9 @@ def _points(n_ck: np.ndarray, L: int, extra: list[np.ndarray]) -> list[tuple[np.
 
 
 def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarray, L: int,
-                 attention_gran: np.ndarray, moe_recomputed: np.ndarray, released: Any = False) -> tuple[np.ndarray, ...]:
-    """walk.backward_blocks for block ``i``: (done, saved, mlp, attention, frame, recompute, has_recompute);
+                 recomputed_late: np.ndarray, moe_recomputed: np.ndarray, released: Any = False) -> tuple[np.ndarray, ...]:
+    """walk.backward_blocks for block ``i``: (done, saved, mlp, attention, frame, recompute, has_recompute,
+    has_attention);
     ``released``: per candidate, the MLP instant at ``mlp_backward_released`` (states.ffn_grads_released)."""
     n_ck, per_plain, per_ck = a["num_checkpointed"], a["per_block_plain"], a["per_block_checkpointed"]
     ck = i < n_ck
@@ -171,22 +173,26 @@ def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarra
     remaining = count * per_ck + (i + 1 - count) * per_plain
     frame = np.where(ck, a["checkpoint_frame_kept"], 0.0)
     block_other = other_saved - a["final_norm_saved"] + a["hidden_grad"]
-    saved = remaining + np.where(ck, per_plain - per_ck, 0.0) + block_other + frame - np.where(i == 0, a["masks_only_later"], 0.0)
-    a_mlp = np.where(ck & attention_gran, saved - (per_plain - per_ck) - frame, saved)
+    saved = remaining + np.where(ck, a["recompute"], 0.0) + block_other + frame - np.where(i == 0, a["masks_only_later"], 0.0)
+    late = ck & recomputed_late
+    a_mlp = np.where(late, saved - a["recompute"], saved)
     attn_delta = a["attention_backward_transient"] - a["mlp_saved_per_block"]
-    has_recompute = ck & moe_recomputed & (a["moe_recompute_transient"] > 0)  # walk._recompute
+    # walk._recompute: the larger of the MoE forward's and the attention core's recomputation instants
+    top = np.maximum(np.where(moe_recomputed, a["moe_recompute_transient"], 0.0), a["core_recompute_transient"])
+    has_recompute = ck & (top > 0)
     mlp_bwd = np.where(released, a["mlp_backward_released"], a["mlp_backward_transient"])
     return (L - 1 - i, saved, a_mlp + mlp_bwd, saved + attn_delta, frame,
-            saved + a["moe_recompute_transient"], has_recompute)
+            saved + top, has_recompute, (attn_delta > 0) | late)
 
 
 def activation_row(model: ModelSpec, training: TrainingSpec, s: Strategy, device: str) -> list[Any]:
-    """The activation terms of a candidate (``_ACT_FIELDS``), whether its granularity is ``attention``,
+    """The activation terms of a candidate (``_ACT_FIELDS``), whether it recomputes after the MLP's backward
+    (``ActivationBreakdown.recomputed_after_mlp``),
     whether its last block is checkpointed (fsdp2's forward) and whether a checkpointed block recomputes
     its MoE (``ActivationBreakdown.moe_recomputed``)."""
     L = model.num_hidden_layers
     act: ActivationBreakdown = activation_breakdown(model, training, s, device)
-    return [*_act_fields(act), act.granularity == "attention", (L - 1) in s.checkpointed_blocks(L), act.moe_recomputed]
+    return [*_act_fields(act), act.recomputed_after_mlp, (L - 1) in s.checkpointed_blocks(L), act.moe_recomputed]
 
 
 def _dense_activations(model: ModelSpec, training: TrainingSpec, strategies: Sequence[Strategy],
@@ -263,7 +269,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     cache: dict = {}
     table = _table(strategies, states_key, lambda s: states_row(m, training, hardware, s, device, cache))
     c = dict(zip(_DS, table))
-    a, attention_gran, last_ck, moe_recomputed = _activations(m, training, strategies, device)
+    a, recomputed_late, last_ck, moe_recomputed = _activations(m, training, strategies, device)
     # ZeRO-3's released expert copies but a checkpointed block's whose experts are recomputed
     # (states.experts_retained; the checkpointed blocks are the first num_checkpointed)
     cum = table[len(_DS):]
@@ -323,13 +329,15 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     if kinds is not None:  # every block, each of its kind (walk._mixed_blocks; estimate._blocks_backward)
         after = params_after(m)
         for i, kd, _, saved, mlp, _, attention, has_attention, recompute, has_recompute in _mixed_points(
-                [a_dense if d else a for d in kinds], a, attention_gran, moe_recomputed, other_saved, released):
+                [a_dense if d else a for d in kinds], a, recomputed_late, moe_recomputed, other_saved, released):
             g_before = head_grad + np.where(c["grad_per_block"] != 0, p * after[i], 0.0)
             g = g_before + np.where((bucket != 0) & (head + after[i] > bucket), c["grads"], 0.0)
             add("backward", grads=g, activations=mlp, buffers=bwd, pending=pending_head)
-            add("backward", grads=g_before, activations=recompute, buffers=bwd, pending=pending_head,
-                valid=has_recompute)
-            add("backward", grads=g + held * m.params_after_attention_core(False if kinds[i] else None), activations=attention,
+            core_grads = g + held * m.params_after_attention_core(False if kinds[i] else None)
+            # a recomputation under attention / selective runs after the MLP's backward (estimate._blocks_backward)
+            add("backward", grads=np.where(recomputed_late, core_grads, g_before), activations=recompute, buffers=bwd,
+                pending=pending_head, valid=has_recompute)
+            add("backward", grads=core_grads, activations=attention,
                 buffers=bwd, pending=pending_head, valid=has_attention)
             clone = c["reduce_clone_dense"] if kinds[i] else reduce_clone
             add("backward", grads=g, activations=mlp - kd["mlp_backward_transient"],
@@ -341,15 +349,16 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                 buffers=bwd + reduce_flat, pending=pending_head,
                 valid=reducing & ((i == r_true) | (i == r_false)))
     for i, valid in (_points(a["num_checkpointed"], L, extra) if kinds is None else ()):
-        done, saved, mlp, attention, _, recompute, has_recompute = _block_point(a, i, other_saved, L, attention_gran,
-                                                                              moe_recomputed, released)
+        done, saved, mlp, attention, _, recompute, has_recompute, has_attention = _block_point(
+            a, i, other_saved, L, recomputed_late, moe_recomputed, released)
         g_before = head_grad + done * c["grad_per_block"]
         g = g_before + np.where((bucket != 0) & (head + done * block_params > bucket), c["grads"], 0.0)
         add("backward", grads=g, activations=mlp, buffers=bwd, pending=pending_head, valid=valid)
-        add("backward", grads=g_before, activations=recompute, buffers=bwd, pending=pending_head,
-            valid=valid & has_recompute)
-        add("backward", grads=g + held * m.params_after_attention_core(), activations=attention, buffers=bwd,
-            pending=pending_head, valid=valid & (a["attention_backward_transient"] - a["mlp_saved_per_block"] > 0))
+        core_grads = g + held * m.params_after_attention_core()
+        add("backward", grads=np.where(recomputed_late, core_grads, g_before), activations=recompute, buffers=bwd,
+            pending=pending_head, valid=valid & has_recompute)
+        add("backward", grads=core_grads, activations=attention, buffers=bwd,
+            pending=pending_head, valid=valid & has_attention)
         add("backward", grads=g, activations=mlp - a["mlp_backward_transient"],
             buffers=bwd + p * down_weight_elements(m) + reduce_clone, pending=pending_head,
             valid=valid & (reduce_clone != 0))
@@ -394,7 +403,7 @@ def _saved_below(ks: list[dict[str, np.ndarray]], n_ck: np.ndarray) -> list[np.n
     return out
 
 
-def _mixed_points(ks: list[dict[str, np.ndarray]], a: dict[str, np.ndarray], attention_gran: np.ndarray,
+def _mixed_points(ks: list[dict[str, np.ndarray]], a: dict[str, np.ndarray], recomputed_late: np.ndarray,
                   moe_recomputed: np.ndarray, other_saved: np.ndarray, released: Any = False):
     """walk._mixed_blocks per candidate, last block first: (i, kind, checkpointed, saved, mlp, frame,
     attention instant, whether it has one, recomputation instant, whether it has one); ``released`` as
@@ -406,17 +415,21 @@ def _mixed_points(ks: list[dict[str, np.ndarray]], a: dict[str, np.ndarray], att
         k = ks[i]
         ck = i < n_ck
         frame = np.where(ck, k["checkpoint_frame_kept"], 0.0)
-        recompute = np.where(ck, k["per_block_plain"] - k["per_block_checkpointed"], 0.0)
+        recompute = np.where(ck, k["recompute"], 0.0)
         saved = below[i] + recompute + block_other + frame - (a["masks_only_later"] if i == 0 else 0.0)
-        a_mlp = np.where(ck & attention_gran, saved - recompute - frame, saved)
+        late = ck & recomputed_late
+        a_mlp = np.where(late, saved - recompute, saved)
         attn_delta = k["attention_backward_transient"] - k["mlp_saved_per_block"]
         mlp_bwd = np.where(released, k["mlp_backward_released"], k["mlp_backward_transient"])
-        yield (i, k, ck, saved, a_mlp + mlp_bwd, frame, saved + attn_delta, attn_delta > 0,
-               saved + k["moe_recompute_transient"], ck & moe_recomputed & (k["moe_recompute_transient"] > 0))
+        yield (i, k, ck, saved, a_mlp + mlp_bwd, frame, saved + attn_delta, (attn_delta > 0) | late,
+               saved + np.maximum(np.where(moe_recomputed, k["moe_recompute_transient"], 0.0),
+                                  k["core_recompute_transient"]),
+               ck & (np.maximum(np.where(moe_recomputed, k["moe_recompute_transient"], 0.0),
+                                k["core_recompute_transient"]) > 0))
 
 
 def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarray]], us: list[dict[str, np.ndarray]],
-                           a: dict[str, np.ndarray], attention_gran: np.ndarray, moe_recomputed: np.ndarray,
+                           a: dict[str, np.ndarray], recomputed_late: np.ndarray, moe_recomputed: np.ndarray,
                            other_saved: np.ndarray, head_grad: Any, carry: np.ndarray, reshard: np.ndarray,
                            gloo: bool) -> None:
     """fsdp2._blocks_backward over walk._mixed_blocks' points (every block, each of its kind: ``ks``, ``us``)."""
@@ -428,19 +441,23 @@ def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarr
     for x in us[1:]:
         upto.append(upto[-1] + x["u_block"])
     for i, k, ck, saved, mlp, frame, attention, has_attention, recompute, has_recompute in _mixed_points(
-            ks, a, attention_gran, moe_recomputed, other_saved):
+            ks, a, recomputed_late, moe_recomputed, other_saved):
         u = us[i]
         done = u["on_gpu"] * done_after[i]
         rs_prev = u["r"] * us[i + 1]["rs_mlp"] if i < L - 1 else 0.0
         nxt = us[i - 1]["flat"] if i > 0 else 0.0
         gathered = u["u_root"] + np.where(reshard, u["u_block"], upto[i]) + (np.where(reshard, nxt, 0.0) if i > 0 else 0.0)
         if gloo and i > 0:
-            pre = saved - np.where(frame != 0, k["per_block_plain"] - k["per_block_checkpointed"] + frame, 0.0)
+            pre = saved - np.where(frame != 0, k["recompute"] + frame, 0.0)
             add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + nxt,
                 valid=reshard & (nxt != 0))
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev)
-        add("backward", sharded=done, unsharded=head_grad, activations=recompute,
-            buffers=gathered - (np.where(reshard, nxt, 0.0) if i > 0 else 0.0) + rs_prev, valid=has_recompute)
+        core_rs = np.where(u["rs_own"] != 0, u["r"] * u["rs_own"], rs_prev)  # at the attention instant
+        # (fsdp2.py: a recomputation under attention / selective runs as the attention instant, after the MLP's)
+        add("backward", sharded=done, unsharded=head_grad + np.where(recomputed_late, u["u_block"], 0.0),
+            activations=recompute, buffers=gathered - np.where(recomputed_late, 0.0, (np.where(reshard, nxt, 0.0)
+                                                                                         if i > 0 else 0.0))
+            + np.where(recomputed_late, core_rs, rs_prev), valid=has_recompute)
         add("backward", sharded=done, unsharded=head_grad + u["p"] * u["mlp_params"],
             activations=saved - k["mlp_saved_per_block"], buffers=gathered + np.maximum(rs_prev, u["r"] * u["rs_own"]))
         add("backward", sharded=done, unsharded=head_grad + u["u_block"], activations=attention,
@@ -459,7 +476,7 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     k_opt = training.optimizer.state_bytes_per_parameter
     u = dict(zip(_U + ("carry", "reshard", "host"),
                  _table(strategies, units_key, lambda s: units_row(m, training, hardware, s, device))))
-    a, attention_gran, last_ck, moe_recomputed = _activations(m, training, strategies, device)
+    a, recomputed_late, last_ck, moe_recomputed = _activations(m, training, strategies, device)
     n = len(strategies)
     un, up, ur, carry, reshard = u["n"], u["p"], u["r"], u["carry"], u["reshard"] > 0
     tokens = a["logits_tokens"]
@@ -525,26 +542,28 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     extra = [np.full(n, 1, dtype=np.int64), np.full(n, L - 2, dtype=np.int64)]
     rs_block = ur * u["rs_unit"]
     if kinds is not None:
-        _mixed_blocks_backward(add, ks, us, a, attention_gran, moe_recomputed, other_saved, head_grad, carry, reshard,
+        _mixed_blocks_backward(add, ks, us, a, recomputed_late, moe_recomputed, other_saved, head_grad, carry, reshard,
                                device == "cpu")
     for i, valid in (_points(a["num_checkpointed"], L, extra) if kinds is None else ()):
-        done_blocks, saved, mlp, attention, frame, recompute, has_recompute = _block_point(
-            a, i, other_saved, L, attention_gran, moe_recomputed)
+        done_blocks, saved, mlp, attention, frame, recompute, has_recompute, has_attention = _block_point(
+            a, i, other_saved, L, recomputed_late, moe_recomputed)
         done = on_gpu * done_blocks * u["grad_block"]
         rs_prev = np.where(done_blocks != 0, ur * u["rs_mlp"], 0.0)
         gathered = u_root + u_block * np.where(reshard, 1, i + 1) + np.where(reshard & (i > 0), flat, 0.0)
-        pre = saved - np.where(frame != 0, a["per_block_plain"] - a["per_block_checkpointed"] + frame, 0.0)
+        pre = saved - np.where(frame != 0, a["recompute"] + frame, 0.0)
         add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + flat,
             valid=valid & reshard & (i > 0) & (flat != 0) & (device == "cpu"))  # fsdp2: gloo's all-gather copy
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev, valid=valid)
-        add("backward", sharded=done, unsharded=head_grad, activations=recompute,
-            buffers=gathered - np.where(reshard & (i > 0), flat, 0.0) + rs_prev, valid=valid & has_recompute)
+        core_rs = np.where(u["rs_own"] != 0, ur * u["rs_own"], rs_prev)  # at the attention instant
+        add("backward", sharded=done, unsharded=head_grad + np.where(recomputed_late, u_block, 0.0),
+            activations=recompute, buffers=gathered - np.where(recomputed_late, 0.0, np.where(reshard & (i > 0), flat, 0.0))
+            + np.where(recomputed_late, core_rs, rs_prev), valid=valid & has_recompute)
         add("backward", sharded=done, unsharded=head_grad + up * u["mlp_params"],
             activations=saved - a["mlp_saved_per_block"], buffers=gathered + np.maximum(rs_prev, ur * u["rs_own"]),
             valid=valid)
         add("backward", sharded=done, unsharded=head_grad + u_block, activations=attention,
             buffers=gathered + np.where(u["rs_own"] != 0, ur * u["rs_own"], rs_prev),
-            valid=valid & (a["attention_backward_transient"] - a["mlp_saved_per_block"] > 0))
+            valid=valid & has_attention)
         after = saved - a["per_block_plain"] - frame
         add("backward", sharded=done, unsharded=head_grad + u_block, activations=after, buffers=gathered + rs_block,
             valid=valid)

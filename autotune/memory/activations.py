@@ -68,16 +68,45 @@ def _sliding_mask_built(m: ModelSpec, s: int) -> bool:
             and s >= m.sliding_window)
 
 
-def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device: str = "cuda") -> float:
-    """Bytes per token the attention core (softmax(QK^T)V) keeps, q/k/v inputs included."""
+def _fused_output_kept(m: ModelSpec, p: int, batch: int, device: str) -> bool:
+    """sdpa's CPU math path keeps the whole fused q/k/v projection output (Phi-3 qkv_proj, GPT-NeoX
+    query_key_value, GPT-2's Conv1D c_attn) through v: in fp32 nothing upcasts v, and with one sequence per
+    micro-batch ``at::matmul`` folds the batch into the heads as a view of v (not a copy), which the PV
+    bmm saves (torch 2.13 aten/src/ATen/native/LinearAlgebra.cpp ``matmul``; measured with saved-tensor
+    hooks: batch 1 keeps p (q + kv) bytes per token more than batch 2). A repeated v (GQA) is a copy."""
+    return (_sdpa_math(m, device) and p == 4 and batch == 1 and (m.fused_qkv or m.linear_addmm)
+            and m.num_key_value_heads == m.num_attention_heads)
+
+
+def _selective_inputs_unsaved(m: ModelSpec, p: int, batch: int, device: str) -> float:
+    """Per token, under ``selective`` on sdpa's CPU math path: the storage of the core's inputs (q, k, v) that
+    its checkpoint keeps (autotune.models.checkpointing.checkpoint_attention_core) and a plain core does not,
+    alive beside the recomputed core (the math path saves fp32 copies of the scaled q and k, and of v but
+    as ``_fused_output_kept`` says): rotated q and k (their own tensors), v's storage (a fused projection's
+    whole output) unless the plain core keeps it (allocation trace of hf-gpt2 ZeRO-0 seq 512 selective
+    bf16: the bf16 c_attn output beside the recomputed fp32 copies)."""
+    if not _sdpa_math(m, device):
+        return 0.0
+    q, kv = m.q_size, m.kv_size
+    fused = m.fused_qkv or m.linear_addmm
+    v_kept = p == 4 and batch == 1 and m.num_key_value_heads == m.num_attention_heads
+    own_qk = 0 if (fused and m.position_embedding != "rope") else p * (q + kv)  # else views of the fused output
+    return float(own_qk + (0 if v_kept else p * ((q + 2 * kv) if fused else kv)))
+
+
+def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device: str = "cuda",
+                          batch: int = 2) -> float:
+    """Bytes per token the attention core (softmax(QK^T)V) keeps, q/k/v inputs included; ``batch``: the
+    sequences of a micro-batch (only sdpa's CPU math path reads it, ``_fused_output_kept``)."""
     q, kv, a = m.q_size, m.kv_size, m.num_attention_heads
     if _sdpa_math(m, device):
         # math path (measured with saved_tensors_hooks, torch 2.13 CPU): fp32 copies of the scaled
         # q and k (k repeated for GQA), v (fp32, repeated), the fp32 softmax output, the fp32
         # dropout noise and the dropout output (each b x a x s x s); the output is not saved, the
-        # contiguous copy o_proj saves is (p q)
+        # contiguous copy o_proj saves is (p q); v a view of a fused projection's whole output instead
         kv_eff = q if m.num_key_value_heads < a else kv
-        return 4 * (q + 2 * kv_eff) + 12 * a * s + p * q
+        kept = p * (q + kv) if _fused_output_kept(m, p, batch, device) else 0
+        return 4 * (q + 2 * kv_eff) + 12 * a * s + p * q + kept
     if m.attn_implementation == "sdpa":
         # flash kernels save q, k, v, out and the fp32 log-sum-exp; no s x s matrix. The CPU kernel
         # allocates out like q (aten/src/ATen/native/transformers/attention.cpp, empty_like): q made
@@ -115,16 +144,17 @@ def _attention_core_selective(m: ModelSpec, p: int) -> float:
     return p * (q + 2 * kv) + p * q
 
 
-def _attention_sublayer_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device: str, core: str) -> float:
+def _attention_sublayer_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device: str, core: str,
+                              batch: int = 2) -> float:
     """Per token, what the attention module (projections, core, its residual dropout) keeps, its
     input (the norm's output, counted with the norm) excluded. ``core``: ``"full"`` or
-    ``"selective"`` (core recomputed, Korthikanti et al. 2022 sec. 5)."""
+    ``"selective"`` (core recomputed, Korthikanti et al. 2022 sec. 5); ``batch``: sequences per micro-batch."""
     if m.is_mla:  # DeepSeek-V2's latent attention (mla.py)
         return mla.attention_saved(m, p, s, device)
     if core == "selective":
         n = _attention_core_selective(m, p)
     else:
-        n = _attention_core_saved(m, p, s, mask_bytes, device)
+        n = _attention_core_saved(m, p, s, mask_bytes, device, batch)
     if m.qk_norm != "none":
         # HF q_norm / k_norm (RMSNorm with the fp32 upcast, Qwen3 per head, OLMo2 over the whole
         # projection): the fp32 input, the normalised value in the model dtype (saved by the weight
@@ -133,10 +163,12 @@ def _attention_sublayer_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, dev
         width = m.q_size + m.kv_size
         vectors = (m.num_attention_heads + m.num_key_value_heads) if m.qk_norm == "head" else 2
         n += (8 if m.norm == "rmsnorm_fp32" else 4 + p) * width + 4 * vectors
-    if m.fused_qkv and m.position_embedding == "rope" and (core != "selective" or m.implementation == "hf"):
+    if (m.fused_qkv and m.position_embedding == "rope" and (core != "selective" or m.implementation == "hf")
+            and (core == "selective" or not _sdpa_math(m, device))):
         # rotary makes new q and k, v stays a view of the fused projection's output: attention (or
         # the checkpoint of HF's selective, autotune.models.checkpointing.checkpoint_attention_core, which
         # keeps its inputs) keeps that whole output (q + 2 kv) where separate projections keep v alone
+        # (sdpa's CPU math path only as _fused_output_kept says, counted with the core)
         n += p * (m.q_size + m.kv_size)
     if m.hidden_dropout > 0:
         n += mask_bytes * m.hidden_size  # its residual-branch dropout mask
@@ -216,7 +248,8 @@ def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False)
 
 
 def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing: str = "none",
-                                     mask_bytes: int = 1, device: str = "cuda", zero3_linear: bool = False) -> float:
+                                     mask_bytes: int = 1, device: str = "cuda", zero3_linear: bool = False,
+                                     batch: int = 2) -> float:
     """Bytes per token one block keeps for backward (Korthikanti et al. 2022, per operation).
 
     ``checkpointing``: ``full`` keeps the block input only; ``attention`` / ``mlp`` checkpoint that
@@ -224,7 +257,8 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     the norm output the norm count already has); ``op`` keeps what the op-level selective policy
     saves (``_op_sac_saved``); ``selective`` recomputes the attention core.
     ``mask_bytes``: bytes per element of a dropout mask (1 on CUDA: bool mask of the fused
-    kernel; the model dtype's size on CPU, whose dropout multiplies by a noise tensor).
+    kernel; the model dtype's size on CPU, whose dropout multiplies by a noise tensor). ``batch``: the
+    micro-batch's sequences (sdpa's CPU math path keeps more with one, ``_fused_output_kept``).
     """
     h = m.hidden_size
     # Granite's residual + h * residual_multiplier and inputs_embeds * embedding_multiplier
@@ -242,7 +276,8 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     if m.parallel_residual and m.norm == "layernorm":
         n -= p * h  # both pre-norms save the same block input (native_layer_norm): one tensor
     if checkpointing != "attention":
-        n += _attention_sublayer_saved(m, p, s, mask_bytes, device, "selective" if checkpointing == "selective" else "full")
+        n += _attention_sublayer_saved(m, p, s, mask_bytes, device, "selective" if checkpointing == "selective" else "full",
+                                       batch)
     if checkpointing != "mlp":
         n += _mlp_sublayer_saved(m, p, mask_bytes)
     return n
@@ -261,9 +296,11 @@ def _attention_backward_transient(m: ModelSpec, p: int, s: int, device: str = "c
     the dropout output and of the softmax (s x s per head).
     """
     if _sdpa_math(m, device):
-        # the softmax gradient next to the dropout output's gradient (fp32, s x s per head), after
-        # the PV matmul's backward released the saved dropout output (fp32, s x s per head)
-        return 4 * m.num_attention_heads * s
+        # the PV matmul's backward (fp32): the probabilities' gradient (s x s per head) and dv (v repeated for
+        # GQA) beside the saved dropout output and the incoming fp32 gradient of the output; then the softmax
+        # gradient takes the dropout output's place (allocation trace of hf-gpt2 fsdp2 seq 512 selective fp32)
+        kv_eff = m.q_size if m.num_key_value_heads < m.num_attention_heads else m.kv_size
+        return 4 * m.num_attention_heads * s + 4 * (m.q_size + kv_eff)
     if m.attn_implementation == "eager":
         if m.attention_sinks:
             return (4 + p) * m.num_attention_heads * s
@@ -276,6 +313,23 @@ def _attention_backward_transient(m: ModelSpec, p: int, s: int, device: str = "c
     return p * (m.q_size + 2 * m.kv_size)
 
 
+def _math_core_forward_transient(m: ModelSpec, p: int, batch: int, s: int) -> float:
+    """Per token, sdpa's CPU math path at its forward's end beyond what it saves (torch 2.13
+    aten/src/ATen/native/transformers/attention.cpp ``_scaled_dot_product_attention_math``, allocation
+    traces of the kernel alone, fp32 and bf16, one and two sequences): its fp32 output; in bf16 the fp32
+    copies of q and k (locals until it returns), the probabilities cast back (``attn.to(origin_dtype)``, s x s
+    per head) and the output cast; with several sequences a q-sized copy for the batched matmul of a q laid
+    out (b, s, heads, d), which rotary's ``torch.cat`` does not leave (in bf16 also v's fp32 copy, whose
+    contiguous clone is what PV saves). The (s, s) fp32 causal mask is per micro-batch, added by the caller,
+    and so are the core's inputs, alive in the attention module's frame (``_selective_inputs_unsaved``)."""
+    q, a = m.q_size, m.num_attention_heads
+    kv_eff = q if m.num_key_value_heads < a else m.kv_size
+    n = 4 * q + (4 * q if batch > 1 and not m.rotary_concat else 0)
+    if p < 4:
+        n += 4 * (q + kv_eff) + (4 * kv_eff if batch > 1 else 0) + p * a * s + p * q
+    return float(n)
+
+
 def _released_before_core(m: ModelSpec, p: int, mask_bytes: int, device: str, tiled_mlp: bool = False) -> float:
     """Per token, what a block's backward has released of its saved tensors (beyond the MLP's
     ``mlp_saved_per_block``) when its eager attention core's backward runs: o_proj's input (the core's
@@ -285,9 +339,11 @@ def _released_before_core(m: ModelSpec, p: int, mask_bytes: int, device: str, ti
     beyond its f-wide tensors (HF's composite GELU). The PV matmul's saved v and the gradient it gives
     (dv) are the same size and swap places. Read off the allocation traces of hf-gemma2 fsdp2 mbs 1 seq
     512 full bf16 and of the reference GPT-2 with attention dropout (benchmarks/peak_trace_worker.py: the
-    peak at block 0's softmax backward; docs/accuracy.md). sdpa and latent attention: nothing (their
-    core's output is what o_proj reads)."""
-    if m.attn_implementation != "eager" or m.is_mla:
+    peak at block 0's softmax backward; docs/accuracy.md); sdpa's CPU math path the same (its s x s
+    instant reaches the peak: allocation trace of hf-gpt2 fsdp2 seq 512 selective fp32). sdpa's kernels
+    and latent attention: nothing (their core's output is what o_proj reads, and their backward
+    instant stays below the MLP's)."""
+    if (m.attn_implementation != "eager" and not _sdpa_math(m, device)) or m.is_mla:
         return 0.0
     n = p * m.q_size
     if m.parallel_residual:  # both branches read the block input: the MLP's norm may still be ahead
@@ -465,9 +521,9 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     # tiled MLP (TiledMLP): the MLP keeps only its input (the norm output, already counted)
     mlp_untiled = _mlp_sublayer_saved(m, p, mb) - (mb * m.hidden_size if m.hidden_dropout > 0 else 0.0)
     mlp_cut = mlp_untiled if split.tiled_mlp else 0.0
-    per_plain = ((block_activation_bytes_per_token(m, p, s_full, "none", mb, device) + attn_saved - mlp_cut) * tokens
-                 + _block_fixed_bytes(m, s_full, "none", p=p))
-    ck_saved = block_activation_bytes_per_token(m, p, s_full, gran, mb, device, zero3_linear=zero3)
+    per_plain = ((block_activation_bytes_per_token(m, p, s_full, "none", mb, device, batch=b) + attn_saved - mlp_cut)
+                 * tokens + _block_fixed_bytes(m, s_full, "none", p=p))
+    ck_saved = block_activation_bytes_per_token(m, p, s_full, gran, mb, device, zero3_linear=zero3, batch=b)
     if gran not in ("full", "op"):  # these granularities keep the attention core / MLP as plain blocks do
         ck_saved += (attn_saved if gran != "attention" else 0.0) - (mlp_cut if gran != "mlp" else 0.0)
     per_ck = ck_saved * tokens + _block_fixed_bytes(m, s_full, gran, device, p)
@@ -549,6 +605,19 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         mlp_released = mlp_bwd  # an FSDP2 knob: the DeepSpeed walk never reads it
         blocks, moe_fwd = n_ck * per_ck + (L - n_ck) * per_plain, ep_forward_transient(m, p, int(tokens), ep)
         moe_re = moe_fwd
+    core_re = 0.0
+    if n_ck and _sdpa_math(m, device) and gran != "mlp":
+        # the recomputed core's forward end: what the block saves after the core is not made yet (the MLP's
+        # pre-norm output too under a parallel residual, whose MLP runs after the attention)
+        after = (_released_before_core(m, p, mb, device, split.tiled_mlp)
+                 + (0.0 if split.tiled_mlp else _mlp_saved_per_token(m, p)))
+        if m.parallel_residual and not split.tiled_mlp:
+            after += (_mlp_sublayer_saved(m, p, mb) - _mlp_saved_per_token(m, p) + _norm_saved(m, p, device)
+                      - p * m.hidden_size)
+        # the core's inputs the plain core does not save: alive in the attention's frame (selective: counted
+        # in ``recompute``, its checkpoint keeps them)
+        inputs = _selective_inputs_unsaved(m, p, b, device) if gran != "selective" else 0.0
+        core_re = (_math_core_forward_transient(m, p, b, s_full) + inputs - after) * tokens + 4 * s_full * s_full
     torch_rms_norm = m.norm in ("rmsnorm", "rmsnorm_fp32") and m.rms_norm_kernel == "torch"
     # a block norm's backward beyond its saved tensors (an instant where the MLP's no longer dominates, below)
     block_norm = (_block_norm_backward_live(m, p) - _norm_saved(m, p, device)) * tokens if torch_rms_norm else 0.0
@@ -593,7 +662,8 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         logits_saved=logits_saved,
         loss_forward_transient=loss_fwd,
         loss_backward_transient=loss_bwd,
-        recompute=(per_plain - per_ck) if n_ck else 0.0,
+        recompute=(per_plain - per_ck + (_selective_inputs_unsaved(m, p, b, device) * tokens if gran == "selective"
+                                         else 0.0)) if n_ck else 0.0,
         mlp_saved_per_block=mlp_saved,
         attention_backward_transient=(mla.backward_transient(m, p, s_full, int(tokens), device) if m.is_mla else
                                       (_attention_backward_transient(m, p, s_full, device, mb) + attn_bwd
@@ -613,5 +683,6 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         moe_forward_transient=moe_fwd,
         moe_recompute_transient=moe_re,
         masks_only_later=masks_later,
+        core_recompute_transient=core_re,
         moe_recomputed=gran not in ("attention", "selective"),
     )

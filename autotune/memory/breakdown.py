@@ -25,6 +25,13 @@ class ActivationBreakdown:
     granularity: str
     """The checkpointing granularity applied (``Strategy.checkpointing``; ``none`` when no block is
     checkpointed)."""
+
+    @property
+    def recomputed_after_mlp(self) -> bool:
+        """A checkpointed block is recomputed at its attention's backward, after its MLP's: ``attention``
+        checkpoints the attention module, ``selective`` its core (the first saved tensor the backward
+        unpacks runs the recomputation, torch/utils/checkpoint.py); ``full`` and ``op`` recompute first."""
+        return self.granularity in ("attention", "selective")
     nonblock: float
     """Saved outside the blocks at the forward's end: the final norm, the embedding dropout mask,
     ``logits_saved``, the rope tables and the masks / position ids a checkpoint keeps."""
@@ -37,8 +44,10 @@ class ActivationBreakdown:
     loss_backward_transient: float
     """At the backward's start: the fp32 nll and log_softmax gradients next to the saved output."""
     recompute: float
-    """What one checkpointed block's recomputation adds back (``per_block_plain -
-    per_block_checkpointed``; 0 without checkpointing; per block)."""
+    """What one checkpointed block's recomputation adds to what its checkpoint keeps (``per_block_plain -
+    per_block_checkpointed``, plus, under ``selective`` on sdpa's CPU math path, the core's inputs the
+    checkpoint keeps and a plain core would not: activations._selective_inputs_unsaved; 0 without
+    checkpointing; per block)."""
     mlp_saved_per_block: float
     """The MLP's saved intermediate tensors (2 or 4 f-wide, model dtype; per block)."""
     attention_backward_transient: float
@@ -89,6 +98,11 @@ class ActivationBreakdown:
     instant plus what the backward holds when the recomputation starts (grouped_mm: the combine's view backward
     makes the gradient contiguous, tokens x top-k x h, before ``inv_perm`` is unpacked; expert parallelism's
     transient was read off the recomputation itself); per block, 0: none."""
+    core_recompute_transient: float = 0.0
+    """A checkpointed block's recomputation at the end of its attention core's forward on sdpa's CPU math path,
+    beyond the recomputed set: the core's locals and outputs (activations._math_core_forward_transient) less
+    the block's saved tensors made after the core; per block, 0: none (other kernels stay below the block's
+    backward instants)."""
     moe_recomputed: bool = False
     """Whether a checkpointed block recomputes its MoE feed-forward (granularities other than
     attention / selective, which keep it)."""

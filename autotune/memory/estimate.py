@@ -210,11 +210,14 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
         g = g_before + (st.grads if bucket and head + done > bucket else 0.0)
         add("backward", grads=g, activations=pt.mlp, buffers=bwd, pending=pending_head)
         dense = bool(mixed and mixed[pt.block])
-        if pt.recompute is not None:  # a checkpointed block's recomputation at its experts' forward peak
-            add("backward", grads=g_before, activations=pt.recompute, buffers=bwd, pending=pending_head)
-        if pt.attention is not None:  # its attention backward: MLP tensors freed, the core's gradients appear;
-            # ZeRO-0 without accumulation keeps the block's weight gradients made so far as param.grad
-            held = p * m.params_after_attention_core(False if dense else None) if st.core_grads_held else 0.0
+        # ZeRO-0 without accumulation keeps the block's weight gradients made so far as param.grad
+        held = p * m.params_after_attention_core(False if dense else None) if st.core_grads_held else 0.0
+        if pt.recompute is not None:  # a checkpointed block's recomputation at its experts' / core's forward peak
+            # (attention / selective: after the MLP's backward, with its gradients)
+            add("backward", grads=(g + held) if act.recomputed_after_mlp else g_before, activations=pt.recompute,
+                buffers=bwd,
+                pending=pending_head)
+        if pt.attention is not None:  # its attention backward: MLP tensors freed, the core's gradients appear
             add("backward", grads=g + held, activations=pt.attention, buffers=bwd, pending=pending_head)
         clone = st.reduce_clone_dense if dense else st.reduce_clone
         if clone:  # ZeRO-3 on CPU: the down projection's weight gradient reduce-scattered by

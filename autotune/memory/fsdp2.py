@@ -299,7 +299,7 @@ def _blocks_backward(add: Callable[..., None], us: list[_Units], act: Activation
             # the block's pre-backward (before a checkpointed one's recomputation): the next block's
             # prefetched all-gather, whose gloo collective allocates a temporary as large as its flat
             # output (c10d::_allgather_base_ / gloo:all_gather, allocation traces; ProcessGroupGloo.cpp)
-            pre = pt.saved - (k.per_block_plain - k.per_block_checkpointed + pt.frame if pt.frame else 0.0)
+            pre = pt.saved - (k.recompute + pt.frame if pt.frame else 0.0)
             add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + gloo_copy)
         # MLP backward at its peak: the down projection's weight gradient (unsharded, param_dtype) is
         # part of the MLP's transient (activations.py _mlp_backward_transient); the other weight
@@ -309,8 +309,11 @@ def _blocks_backward(add: Callable[..., None], us: list[_Units], act: Activation
             # the recomputation's experts combine (EP), before the MLP's backward: the next block's all-gather
             # is not issued yet (its prefetch comes with the experts unit's pre-backward, after the
             # recomputation: reverse post-forward order, layers.i, its experts, layers.i-1; allocation traces)
-            add("backward", sharded=done, unsharded=head_grad, activations=pt.recompute,
-                buffers=gathered - (nxt if (reshard and i > 0) else 0.0) + rs_prev)
+            # (attention / selective: the core's, after the MLP's backward, as at its attention instant)
+            late = k.recomputed_after_mlp
+            add("backward", sharded=done, unsharded=head_grad + (u.u_block if late else 0.0), activations=pt.recompute,
+                buffers=gathered - (nxt if (reshard and i > 0 and not late) else 0.0)
+                + ((u.r * u.rs_own if u.rs_own else rs_prev) if late else rs_prev))
         # the MLP done: all its weight gradients, its saved tensors released
         # (with expert parallelism the experts' post-backward: their reduce-scatter input replaces the other)
         add("backward", sharded=done, unsharded=head_grad + u.p * u.mlp_params,

@@ -35,8 +35,9 @@ class BlockPoint(NamedTuple):
     """The block's own kind of terms (dense-MLP blocks among MoE ones: ``ActivationBreakdown.dense``);
     None: the step's record."""
     recompute: Optional[float] = None
-    """At its recomputation's MoE forward peak (``ActivationBreakdown.moe_recompute_transient`` on top of
-    the recomputed set, before the backward starts; None: not recomputed, or never above ``mlp``)."""
+    """At its recomputation's MoE forward peak or attention core's forward end (``_recompute``; before the
+    backward starts, or under attention / selective before the core's; None: not recomputed, or never above
+    ``mlp``)."""
 
 
 def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: int, other_saved: float,
@@ -71,11 +72,13 @@ def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: in
         ck = is_ck(i)
         remaining = count_ck(i) * per_ck + (i + 1 - count_ck(i)) * per_plain
         frame = act.checkpoint_frame_kept if ck else 0.0
-        a = remaining + (per_plain - per_ck if ck else 0.0) + block_other + frame - (act.masks_only_later if i == 0 else 0.0)
-        # a checkpointed attention module is recomputed only after the MLP's backward
-        a_mlp = a - (per_plain - per_ck) - frame if (ck and act.granularity == "attention") else a
-        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None, frame, act,
-                              _recompute(act, ck, a)))
+        a = remaining + (act.recompute if ck else 0.0) + block_other + frame - (act.masks_only_later if i == 0 else 0.0)
+        # a checkpointed attention module / core is recomputed only after the MLP's backward
+        late = ck and act.recomputed_after_mlp
+        a_mlp = a - act.recompute if late else a
+        # its attention backward: above the MLP's when its transient is, or when only it holds the recomputation
+        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if (attn_delta > 0 or late) else None,
+                              frame, act, _recompute(act, ck, a)))
     return out
 
 
@@ -92,21 +95,25 @@ def _mixed_blocks(act: ActivationBreakdown, strategy: Strategy, L: int, other_sa
     for i in range(L - 1, -1, -1):
         k, is_ck = kinds[i], i in ck
         frame = k.checkpoint_frame_kept if is_ck else 0.0
-        recompute = k.per_block_plain - k.per_block_checkpointed if is_ck else 0.0
+        recompute = k.recompute if is_ck else 0.0
         a = below[i] + recompute + block_other + frame - (act.masks_only_later if i == 0 else 0.0)
-        a_mlp = a - recompute - frame if (is_ck and act.granularity == "attention") else a
+        late = is_ck and act.recomputed_after_mlp
+        a_mlp = a - recompute if late else a
         attn_delta = k.attention_backward_transient - k.mlp_saved_per_block
         mlp_bwd = k.mlp_backward_released if released else k.mlp_backward_transient
-        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if attn_delta > 0 else None,
+        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if (attn_delta > 0 or late) else None,
                               frame, k, _recompute(k, is_ck, a)))
     return out
 
 
 def _recompute(k: ActivationBreakdown, checkpointed: bool, a: float) -> Optional[float]:
-    """A checkpointed block's recomputation instant at its MoE forward peak (``BlockPoint.recompute``):
-    the recomputed set ``a`` (the block's saved tensors, all made by then but what runs after the
-    experts, which the transient nets out) plus ``moe_recompute_transient``."""
-    return a + k.moe_recompute_transient if (checkpointed and k.moe_recomputed and k.moe_recompute_transient > 0) else None
+    """A checkpointed block's recomputation instant (``BlockPoint.recompute``): the recomputed set ``a`` (the
+    block's saved tensors, all made by then but what runs after the experts or the attention core, which
+    the transients net out) plus the larger of ``moe_recompute_transient`` (its MoE forward's peak) and
+    ``core_recompute_transient`` (its attention core's forward end)."""
+    moe = k.moe_recompute_transient if k.moe_recomputed else 0.0
+    top = max(moe, k.core_recompute_transient)
+    return a + top if (checkpointed and top > 0) else None
 
 
 class Candidate(NamedTuple):
