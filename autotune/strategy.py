@@ -401,6 +401,12 @@ def validation_errors(
                        "parameters inside the checkpointed block, and torch's selective checkpoint raises "
                        "'c10d._allgather_base_ ... not found in storage' when its recomputation gathers more than "
                        "its forward; use full, selective, attention or mlp, or engine fsdp2"))
+    if s.tiled_mlp and model.is_moe:
+        # transformers' MoE blocks return (hidden states, router logits), which DeepSpeed's TiledMLP cannot
+        # concatenate over tiles (measured: Mixtral, Qwen-MoE, gpt-oss raise), and no MoE block is sized tiled
+        errors.append(("tiled_mlp", "tiled_mlp on a mixture-of-experts model is not sized (the tiled MLP of a MoE "
+                       "block is not modelled; DeepSpeed's TiledMLP cannot tile transformers' MoE blocks, which "
+                       "return router logits too), but got tiled_mlp true"))
     if s.activation_offload != "none" and s.checkpointing != "full":
         errors.append(("activation_offload", f"activation_offload={s.activation_offload} moves the inputs of "
                        f"fully checkpointed blocks, so it needs checkpointing full, but got {s.checkpointing}"))
@@ -484,9 +490,6 @@ def _expert_parallel_errors(s: Strategy, model: ModelSpec, hardware: HardwareSpe
     if s.checkpointing == "op":
         return [(key, f"{key} > 1 with checkpointing op is not sized (the op policy's saved mm outputs of the "
                  f"expert chunks are not modelled), but got {ep}")]
-    if s.tiled_mlp:
-        return [(key, f"{key} > 1 with tiled_mlp is not sized (the tiled MLP of a MoE block is not modelled), "
-                 f"but got {ep}")]
     return []
 
 
