@@ -353,13 +353,14 @@ def validation_errors(
         # Gemma-3 under Ulysses: one rank's step holds more than the other's, not located (docs/long-context.md)
         errors.append(("sequence_parallel_size", f"four-norm blocks (Gemma-2/3) are not sized with sequence parallel "
                        f"{s.sequence_parallel_size}: the ranks' peaks differ by a term not modelled"))
-    if model.is_mla and (s.checkpointing in ("selective", "op") or s.sequence_parallel_size > 1
+    if model.is_mla and (s.checkpointing == "op" or s.sequence_parallel_size > 1
                          or s.context_parallel_size > 1 or s.tiled_mlp):
-        # memory/mla.py sizes DeepSeek-V2's attention whole or fully checkpointed, unsplit
-        errors.append(("checkpointing" if s.checkpointing in ("selective", "op") else "sequence_parallel_size",
+        # memory/mla.py sizes DeepSeek-V2's attention whole, fully checkpointed or its kernel (selective), unsplit
+        errors.append(("checkpointing" if s.checkpointing == "op" else "sequence_parallel_size",
                        f"multi-head latent attention is not sized with checkpointing {s.checkpointing}, sequence "
                        f"parallel {s.sequence_parallel_size}, context parallel {s.context_parallel_size}, "
-                       f"tiled_mlp {s.tiled_mlp}: use checkpointing none/full/attention/mlp without sequence splits"))
+                       f"tiled_mlp {s.tiled_mlp}: use checkpointing none/full/selective/attention/mlp without "
+                       f"sequence splits"))
     if s.micro_batch_size >= 1 and not split:
         dp = batch_ranks(hardware, s)
         per_step = s.micro_batch_size * dp

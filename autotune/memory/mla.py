@@ -39,7 +39,15 @@ def math_kernel(m: ModelSpec, device: str) -> bool:
     return device == "cpu" and qk_head_dim(m) != v_head_dim(m)
 
 
-def attention_saved(m: ModelSpec, p: int, s: int, device: str) -> float:
+def core_inputs(m: ModelSpec, p: int) -> float:
+    """Per token, the storages of the attention function's inputs: the concatenated query and the built key
+    (p a qk each) and the value, a view of kv_b_proj's output (p a (nope + v)); what a selective checkpoint of
+    the function keeps (autotune.models.checkpointing.checkpoint_attention_core)."""
+    a = m.num_attention_heads
+    return float(2 * p * a * qk_head_dim(m) + p * a * (m.qk_nope_head_dim + v_head_dim(m)))
+
+
+def attention_saved(m: ModelSpec, p: int, s: int, device: str, core: str = "full") -> float:
     """Per token, what DeepseekV2Attention keeps for backward, its input (the norm output) excluded:
     * the q LoRA's RMSNorm (q_lora_rank wide); none with a plain ``q_proj`` (its output is not saved);
     * kv_a_layernorm (kv_lora_rank wide); in fp32 its input is the split view of kv_a_proj_with_mqa's
@@ -52,11 +60,14 @@ def attention_saved(m: ModelSpec, p: int, s: int, device: str) -> float:
     * the flash kernels (same head dims, or CUDA's memory-efficient kernel): the concatenated query and
       the built key (p a qk each), the value's storage (kv_b_proj's output, p a (nope + v)), the output
       (p a v) and the fp32 log-sum-exp (4 a);
-    * o_proj's input, the contiguous copy of the transposed output (p a v)."""
+    * o_proj's input, the contiguous copy of the transposed output (p a v).
+    ``core`` ``selective``: the kernel recomputed, its inputs kept by the checkpoint (``core_inputs``)."""
     a, qk, v, r = m.num_attention_heads, qk_head_dim(m), v_head_dim(m), m.qk_rope_head_dim
     n = _norm(m.q_lora_rank, p) if m.q_lora_rank is not None else 0.0
     n += _norm(int(m.kv_lora_rank or 0), p) + (4 * r if p == 4 else 0)
-    if math_kernel(m, device):
+    if core == "selective":
+        n += core_inputs(m, p)
+    elif math_kernel(m, device):
         n += 4 * (2 * a * qk + a * v) + 4 * a * s
     else:
         n += 2 * p * a * qk + p * a * (m.qk_nope_head_dim + v) + p * a * v + 4 * a
