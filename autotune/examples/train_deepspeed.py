@@ -42,7 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    one_process_env()
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -56,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.job)
     if cfg.model.rms_norm_kernel == "liger" and not cuda:
         raise SystemExit(LIGER_ON_CPU)
+    one_process_env()  # its free port taken just before the group binds it
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", args.local_rank) if cuda else torch.device("cpu")

@@ -54,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     if layout.get("context_parallel"):
         raise SystemExit("context_parallel: run the point's snippet (fsdp2_configs/<k>.py, CUDA only): each batch "
                          "goes through torch's context_parallel, which this script does not do")
-    one_process_env()
     import torch
     import torch.distributed as dist
 
@@ -67,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.job)
     if cfg.model.rms_norm_kernel == "liger" and not cuda:
         raise SystemExit(LIGER_ON_CPU)
+    one_process_env()  # its free port taken just before the group binds it
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")

@@ -5,6 +5,7 @@ scripts refuse it on the CPU (Triton has no CPU driver), and the trainers' files
 import dataclasses
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -97,9 +98,11 @@ def test_the_example_scripts_refuse_liger_on_the_cpu_before_any_process_group(sc
     engine_file = tmp_path / "engine.json"
     engine_file.write_text("{}")
     flag = "--deepspeed" if script == "train_deepspeed" else "--fsdp2"
+    before = dict(os.environ)
     with pytest.raises(SystemExit) as err:
         main(["--job", str(job), flag, str(engine_file)])
     assert str(err.value.code) == LIGER_ON_CPU
+    assert dict(os.environ) == before  # refused before torchrun's variables are set (they would leak to other tests)
 
 
 def test_the_trainers_files_carry_liger(tmp_path):
