@@ -444,6 +444,8 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     ("hf-deepseekv2", 0, 1, 1, 1, 256, "selective", "fp32"), ("hf-deepseekv2-dense", 0, 2, 1, 1, 256, "selective", "fp32"),
     ("hf-deepseekv2-sv", 2, 2, 1, 1, 256, "selective", "bf16"), ("hf-deepseekv3", 1, 1, 1, 1, 256, "selective", "bf16"),
     ("hf-deepseekv2-q", "fsdp2", 1, 1, 1, 512, "selective", "fp32"),
+    # Granite-MoE's feed-forward is ``block_sparse_moe``, not ``mlp``: mlp checkpointing failed in the worker
+    ("hf-granitemoe", 0, 1, 1, 2, 256, "mlp", "bf16"), ("hf-granitemoe-sv", 2, 2, 1, 4, 256, "mlp", "fp32"),
 ]
 
 

@@ -236,9 +236,10 @@ def _wrap_blocks(model: Any, n: Blocks, op_level: bool = False) -> list[str]:
 
 
 SUBMODULE_NAMES = {"attention": ("self_attn", "attn", "attention", "self_attention"),
-                   "mlp": ("mlp", "feed_forward", "ffn")}
+                   "mlp": ("mlp", "feed_forward", "ffn", "block_sparse_moe")}
 """Attribute names of a block's attention / MLP module (HF Llama-family ``self_attn`` / ``mlp``,
-GPT-2 ``attn`` / ``mlp``, GPT-NeoX ``attention`` / ``mlp``, autotune's decoders ``attn`` / ``mlp``)."""
+GPT-2 ``attn`` / ``mlp``, GPT-NeoX ``attention`` / ``mlp``, Granite-MoE's ``block_sparse_moe``,
+autotune's decoders ``attn`` / ``mlp``)."""
 
 
 def _block_submodules(model: Any, granularity: str, n: Blocks) -> tuple[list[Any], int]:

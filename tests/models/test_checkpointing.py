@@ -184,9 +184,10 @@ def test_hf_selective_refuses_a_model_without_the_attention_interface():
 
 @pytest.mark.parametrize("granularity", ["attention", "mlp", "op"])
 def test_module_granularities_keep_gradients_and_save_less(granularity):
-    """attention / mlp / op on the reference decoder (its set_checkpointing) and on a Hugging Face
-    model (the module of each layer, or the layer under the op-level policy, wrapped): same loss and
-    gradients, less saved for backward."""
+    """attention / mlp / op on the reference decoder (its set_checkpointing) and on Hugging Face models
+    (the module of each layer, or the layer under the op-level policy, wrapped; Granite-MoE's feed-forward
+    is its ``block_sparse_moe``, where mlp checkpointing once failed): same loss and gradients, less saved
+    for backward."""
     transformers = pytest.importorskip("transformers")
     from autotune.presets import model_from_name
     from autotune.models.reference import build_model
@@ -194,8 +195,12 @@ def test_module_granularities_keep_gradients_and_save_less(granularity):
     ids = torch.randint(0, 128, (2, 16))
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                                    num_key_value_heads=4, vocab_size=128)
+    granite = transformers.GraniteMoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
+                                            num_local_experts=4, num_experts_per_tok=2)
     builders = [lambda: build_model(model_from_name("tiny-llama")),
-                lambda: transformers.AutoModelForCausalLM.from_config(cfg)]
+                lambda: transformers.AutoModelForCausalLM.from_config(cfg),
+                lambda: transformers.AutoModelForCausalLM.from_config(granite)]
     for build in builders:
         results = []
         for g in ("none", granularity):
