@@ -449,8 +449,8 @@ def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarr
         gathered = u["u_root"] + np.where(reshard, u["u_block"], upto[i]) + (np.where(reshard, nxt, 0.0) if i > 0 else 0.0)
         if gloo and i > 0:
             pre = saved - np.where(frame != 0, k["recompute"] + frame, 0.0)
-            add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + nxt,
-                valid=reshard & (nxt != 0))
+            add("backward", sharded=done, unsharded=head_grad, activations=pre,
+                buffers=gathered + rs_prev + nxt + us[i - 1]["cast_in"], valid=reshard & (nxt != 0))
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev)
         core_rs = np.where(u["rs_own"] != 0, u["r"] * u["rs_own"], rs_prev)  # at the attention instant
         # (fsdp2.py: a recomputation under attention / selective runs as the attention instant, after the MLP's)
@@ -551,8 +551,8 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
         rs_prev = np.where(done_blocks != 0, ur * u["rs_mlp"], 0.0)
         gathered = u_root + u_block * np.where(reshard, 1, i + 1) + np.where(reshard & (i > 0), flat, 0.0)
         pre = saved - np.where(frame != 0, a["recompute"] + frame, 0.0)
-        add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + flat,
-            valid=valid & reshard & (i > 0) & (flat != 0) & (device == "cpu"))  # fsdp2: gloo's all-gather copy
+        add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + flat
+            + u["cast_in"], valid=valid & reshard & (i > 0) & (flat != 0) & (device == "cpu"))  # fsdp2: gloo's copy
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev, valid=valid)
         core_rs = np.where(u["rs_own"] != 0, ur * u["rs_own"], rs_prev)  # at the attention instant
         add("backward", sharded=done, unsharded=head_grad + np.where(recomputed_late, u_block, 0.0),

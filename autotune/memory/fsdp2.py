@@ -298,9 +298,12 @@ def _blocks_backward(add: Callable[..., None], us: list[_Units], act: Activation
         if gloo_copy and reshard and pt.block > 0:
             # the block's pre-backward (before a checkpointed one's recomputation): the next block's
             # prefetched all-gather, whose gloo collective allocates a temporary as large as its flat
-            # output (c10d::_allgather_base_ / gloo:all_gather, allocation traces; ProcessGroupGloo.cpp)
+            # output (c10d::_allgather_base_ / gloo:all_gather, allocation traces; ProcessGroupGloo.cpp),
+            # beside its input, the shard cast to param_dtype (_fsdp_collectives.py _get_param_all_gather_inputs:
+            # flat_foreach_copy_input, alive through the collective; traced: hf-qwen3moe-nf FSDP2 selective bf16)
             pre = pt.saved - (k.recompute + pt.frame if pt.frame else 0.0)
-            add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + gloo_copy)
+            add("backward", sharded=done, unsharded=head_grad, activations=pre,
+                buffers=gathered + rs_prev + gloo_copy + us[i - 1].cast_in)
         # MLP backward at its peak: the down projection's weight gradient (unsharded, param_dtype) is
         # part of the MLP's transient (activations.py _mlp_backward_transient); the other weight
         # gradients come after the multiply's backward has released its f-wide gradients
