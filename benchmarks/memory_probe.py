@@ -8,8 +8,8 @@ compared with ``estimate_memory(device="cpu")``. A row off by more than the targ
     python benchmarks/memory_probe.py --moe --seed 11 --count 40     # mixture-of-experts families, EP 2
 
 Prints one line per row: the signed error (predicted / measured - 1; for EP rows also at the load factors
-the step measured, stated), or SKIP with the worker's reason when the row cannot run (a rule the job's
-validation should have raised is a finding too).
+the step measured, stated), REFUSED with the rule a job would raise (not run), or SKIP with the worker's
+reason when an accepted row cannot run (a rule validation should have raised: a finding).
 """
 
 from __future__ import annotations
@@ -53,6 +53,12 @@ def draw(rng: random.Random, moe: bool) -> dict:
     return row
 
 
+def _order(spec: tuple) -> tuple:
+    """``specs``' (model, training, hardware, strategy) in ``validate``'s order."""
+    model, training, hardware, strategy = spec
+    return strategy, model, training, hardware
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=1, help="the draw's seed (the same seed, the same rows)")
@@ -61,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stored", default=str(Path(__file__).parent / "data" / "memory_vs_deepspeed.json"),
                     help="rows already measured (skipped)")
     args = ap.parse_args(argv)
-    from memory_vs_deepspeed import run_row
+    from memory_vs_deepspeed import run_row, specs
+
+    from autotune.strategy import validate
 
     stored = {row_key(r) for r in json.loads(Path(args.stored).read_text())} if os.path.exists(args.stored) else set()
     rng, work = random.Random(args.seed), Path(tempfile.mkdtemp(prefix="autotune_probe_"))
@@ -72,8 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         done += 1
         t0 = time.time()
-        out = run_row(row, Path(tempfile.mkdtemp(dir=work)), timeout=300)
         name = tuple(row[k] for k in ROW_KEYS) + (row["knobs"] or "",)
+        refused = validate(*_order(specs(row, Path(tempfile.mkdtemp(dir=work)))))
+        if refused:  # what a job would refuse is not probed (the benchmark itself does not validate)
+            print(f"REFUSED {name}: {refused[0][:160]}", flush=True)
+            continue
+        out = run_row(row, Path(tempfile.mkdtemp(dir=work)), timeout=300)
         if out.get("status") != "ok":
             print(f"SKIP {name} {out.get('status')}: {str(out.get('reason'))[:160]}", flush=True)
             continue
