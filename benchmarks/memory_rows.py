@@ -449,6 +449,8 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     # FSDP2 on gloo, bf16: the block's pre-backward prefetch holds the next unit's cast shard (the all-gather's
     # input) beside its output and gloo's temporary (fsdp2.py; read -2.08% without it)
     ("hf-qwen3moe-nf", "fsdp2", 2, 1, 1, 512, "selective", "bf16"),
+    # latent attention's value a view of kv_b_proj's output in fp32 with one sequence (mla.value_kept; -1.07%)
+    ("hf-deepseekv3", 0, 1, 1, 1, 512, "mlp", "fp32"), ("hf-deepseekv2", "fsdp2", 1, 1, 1, 512, "none", "fp32"),
 ]
 
 

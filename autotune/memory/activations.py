@@ -85,8 +85,11 @@ def _selective_inputs_unsaved(m: ModelSpec, p: int, batch: int, device: str) -> 
     as ``_fused_output_kept`` says): rotated q and k (their own tensors), v's storage (a fused projection's
     whole output) unless the plain core keeps it (allocation trace of hf-gpt2 ZeRO-0 seq 512 selective
     bf16: the bf16 c_attn output beside the recomputed fp32 copies)."""
-    if m.is_mla:  # the CPU math kernel saves fp32 copies of all three (mla.attention_saved); flash the inputs
-        return mla.core_inputs(m, p) if mla.math_kernel(m, device) else 0.0
+    if m.is_mla:  # the CPU math kernel saves fp32 copies (mla.attention_saved), the value's storage only as
+        # mla.value_kept says; flash the inputs themselves
+        kept = p * m.num_attention_heads * (m.qk_nope_head_dim + mla.v_head_dim(m)) if mla.value_kept(
+            m, p, batch, device) else 0.0
+        return mla.core_inputs(m, p) - kept if mla.math_kernel(m, device) else 0.0
     if not _sdpa_math(m, device):
         return 0.0
     q, kv = m.q_size, m.kv_size
@@ -152,7 +155,7 @@ def _attention_sublayer_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, dev
     input (the norm's output, counted with the norm) excluded. ``core``: ``"full"`` or
     ``"selective"`` (core recomputed, Korthikanti et al. 2022 sec. 5); ``batch``: sequences per micro-batch."""
     if m.is_mla:  # DeepSeek-V2's latent attention (mla.py)
-        return mla.attention_saved(m, p, s, device, core)
+        return mla.attention_saved(m, p, s, device, core, batch)
     if core == "selective":
         n = _attention_core_selective(m, p)
     else:

@@ -47,7 +47,16 @@ def core_inputs(m: ModelSpec, p: int) -> float:
     return float(2 * p * a * qk_head_dim(m) + p * a * (m.qk_nope_head_dim + v_head_dim(m)))
 
 
-def attention_saved(m: ModelSpec, p: int, s: int, device: str, core: str = "full") -> float:
+def value_kept(m: ModelSpec, p: int, batch: int, device: str) -> bool:
+    """On the CPU math kernel in fp32 with one sequence per micro-batch the value stays a view of kv_b_proj's
+    output down to PV's bmm (nothing upcasts it, and ``at::matmul`` folds one sequence into the heads as a
+    view), which keeps that whole output, p a (nope + v), where otherwise a contiguous fp32 copy (4 a v) is
+    saved (measured: hf-deepseekv3 ZeRO-0 mlp fp32 at mbs 1 read -0.86% / -1.07% at seq 256 / 512, 4 a nope
+    bytes per token and layer, while the rows with 2 sequences are exact; as activations._fused_output_kept)."""
+    return math_kernel(m, device) and p == 4 and batch == 1
+
+
+def attention_saved(m: ModelSpec, p: int, s: int, device: str, core: str = "full", batch: int = 2) -> float:
     """Per token, what DeepseekV2Attention keeps for backward, its input (the norm output) excluded:
     * the q LoRA's RMSNorm (q_lora_rank wide); none with a plain ``q_proj`` (its output is not saved);
     * kv_a_layernorm (kv_lora_rank wide); in fp32 its input is the split view of kv_a_proj_with_mqa's
@@ -61,14 +70,16 @@ def attention_saved(m: ModelSpec, p: int, s: int, device: str, core: str = "full
       the built key (p a qk each), the value's storage (kv_b_proj's output, p a (nope + v)), the output
       (p a v) and the fp32 log-sum-exp (4 a);
     * o_proj's input, the contiguous copy of the transposed output (p a v).
-    ``core`` ``selective``: the kernel recomputed, its inputs kept by the checkpoint (``core_inputs``)."""
+    ``core`` ``selective``: the kernel recomputed, its inputs kept by the checkpoint (``core_inputs``);
+    ``batch``: sequences per micro-batch (``value_kept``)."""
     a, qk, v, r = m.num_attention_heads, qk_head_dim(m), v_head_dim(m), m.qk_rope_head_dim
     n = _norm(m.q_lora_rank, p) if m.q_lora_rank is not None else 0.0
     n += _norm(int(m.kv_lora_rank or 0), p) + (4 * r if p == 4 else 0)
     if core == "selective":
         n += core_inputs(m, p)
     elif math_kernel(m, device):
-        n += 4 * (2 * a * qk + a * v) + 4 * a * s
+        value = p * a * (m.qk_nope_head_dim + v) if value_kept(m, p, batch, device) else 4 * a * v
+        n += 4 * 2 * a * qk + value + 4 * a * s
     else:
         n += 2 * p * a * qk + p * a * (m.qk_nope_head_dim + v) + p * a * v + 4 * a
     return n + p * a * v
