@@ -48,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import autotune
     from autotune.config import load_config
-    from autotune.models.sources import LIGER_ON_CPU, build_for_job, loss_of
+    from autotune.models.sources import build_for_job, loss_of, norm_kernel_refusal
     from autotune.worker.engines import torch_optimizer_of
 
     cuda = torch.cuda.is_available()
     cfg = load_config(args.job)
-    if cfg.model.rms_norm_kernel == "liger" and not cuda:
-        raise SystemExit(LIGER_ON_CPU)
+    refusal = norm_kernel_refusal(cfg.model, cuda)
+    if refusal:
+        raise SystemExit(refusal)
     one_process_env()  # its free port taken just before the group binds it
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()

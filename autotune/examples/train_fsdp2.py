@@ -60,12 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     import autotune
     from autotune.config import load_config
     from autotune.models.fsdp2 import make_optimizer
-    from autotune.models.sources import LIGER_ON_CPU, build_for_job, loss_of
+    from autotune.models.sources import build_for_job, loss_of, norm_kernel_refusal
 
     cuda = torch.cuda.is_available()
     cfg = load_config(args.job)
-    if cfg.model.rms_norm_kernel == "liger" and not cuda:
-        raise SystemExit(LIGER_ON_CPU)
+    refusal = norm_kernel_refusal(cfg.model, cuda)
+    if refusal:
+        raise SystemExit(refusal)
     one_process_env()  # its free port taken just before the group binds it
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -162,6 +162,12 @@ def _points(n_ck: np.ndarray, L: int, extra: list[np.ndarray]) -> list[tuple[np.
     return [(pts[:, j], valid[:, j]) for j in range(pts.shape[1])]
 
 
+def _recompute_top(k: dict[str, np.ndarray], moe_recomputed: np.ndarray) -> np.ndarray:
+    """walk._recompute's transient: the larger of the MoE forward's (when the granularity recomputes the MoE)
+    and the attention core's recomputation instants above the recomputed set (0: none)."""
+    return np.maximum(np.where(moe_recomputed, k["moe_recompute_transient"], 0.0), k["core_recompute_transient"])
+
+
 def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarray, L: int,
                  recomputed_late: np.ndarray, moe_recomputed: np.ndarray, released: Any = False) -> tuple[np.ndarray, ...]:
     """walk.backward_blocks for block ``i``: (done, saved, mlp, attention, frame, recompute, has_recompute,
@@ -177,8 +183,7 @@ def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarra
     late = ck & recomputed_late
     a_mlp = np.where(late, saved - a["recompute"], saved)
     attn_delta = a["attention_backward_transient"] - a["mlp_saved_per_block"]
-    # walk._recompute: the larger of the MoE forward's and the attention core's recomputation instants
-    top = np.maximum(np.where(moe_recomputed, a["moe_recompute_transient"], 0.0), a["core_recompute_transient"])
+    top = _recompute_top(a, moe_recomputed)
     has_recompute = ck & (top > 0)
     mlp_bwd = np.where(released, a["mlp_backward_released"], a["mlp_backward_transient"])
     return (L - 1 - i, saved, a_mlp + mlp_bwd, saved + attn_delta, frame,
@@ -421,11 +426,9 @@ def _mixed_points(ks: list[dict[str, np.ndarray]], a: dict[str, np.ndarray], rec
         a_mlp = np.where(late, saved - recompute, saved)
         attn_delta = k["attention_backward_transient"] - k["mlp_saved_per_block"]
         mlp_bwd = np.where(released, k["mlp_backward_released"], k["mlp_backward_transient"])
+        top = _recompute_top(k, moe_recomputed)
         yield (i, k, ck, saved, a_mlp + mlp_bwd, frame, saved + attn_delta, (attn_delta > 0) | late,
-               saved + np.maximum(np.where(moe_recomputed, k["moe_recompute_transient"], 0.0),
-                                  k["core_recompute_transient"]),
-               ck & (np.maximum(np.where(moe_recomputed, k["moe_recompute_transient"], 0.0),
-                                k["core_recompute_transient"]) > 0))
+               saved + top, ck & (top > 0))
 
 
 def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarray]], us: list[dict[str, np.ndarray]],

@@ -68,14 +68,19 @@ def _sliding_mask_built(m: ModelSpec, s: int) -> bool:
             and s >= m.sliding_window)
 
 
+def _v_view_kept(m: ModelSpec, p: int, batch: int, device: str) -> bool:
+    """sdpa's CPU math path saves v itself, a view of its projection's output, not a copy: in fp32 nothing
+    upcasts v, and with one sequence per micro-batch ``at::matmul`` folds the batch into the heads as a view
+    (torch 2.13 aten/src/ATen/native/LinearAlgebra.cpp ``matmul``), which the PV bmm saves. A repeated v
+    (GQA) is a copy."""
+    return _sdpa_math(m, device) and p == 4 and batch == 1 and m.num_key_value_heads == m.num_attention_heads
+
+
 def _fused_output_kept(m: ModelSpec, p: int, batch: int, device: str) -> bool:
-    """sdpa's CPU math path keeps the whole fused q/k/v projection output (Phi-3 qkv_proj, GPT-NeoX
-    query_key_value, GPT-2's Conv1D c_attn) through v: in fp32 nothing upcasts v, and with one sequence per
-    micro-batch ``at::matmul`` folds the batch into the heads as a view of v (not a copy), which the PV
-    bmm saves (torch 2.13 aten/src/ATen/native/LinearAlgebra.cpp ``matmul``; measured with saved-tensor
-    hooks: batch 1 keeps p (q + kv) bytes per token more than batch 2). A repeated v (GQA) is a copy."""
-    return (_sdpa_math(m, device) and p == 4 and batch == 1 and (m.fused_qkv or m.linear_addmm)
-            and m.num_key_value_heads == m.num_attention_heads)
+    """v's view (``_v_view_kept``) keeps a fused q/k/v projection's whole output (Phi-3 qkv_proj, GPT-NeoX
+    query_key_value, GPT-2's Conv1D c_attn; measured with saved-tensor hooks: batch 1 keeps p (q + kv) bytes
+    per token more than batch 2)."""
+    return _v_view_kept(m, p, batch, device) and (m.fused_qkv or m.linear_addmm)
 
 
 def _selective_inputs_unsaved(m: ModelSpec, p: int, batch: int, device: str) -> float:
@@ -85,18 +90,14 @@ def _selective_inputs_unsaved(m: ModelSpec, p: int, batch: int, device: str) -> 
     as ``_fused_output_kept`` says): rotated q and k (their own tensors), v's storage (a fused projection's
     whole output) unless the plain core keeps it (allocation trace of hf-gpt2 ZeRO-0 seq 512 selective
     bf16: the bf16 c_attn output beside the recomputed fp32 copies)."""
-    if m.is_mla:  # the CPU math kernel saves fp32 copies (mla.attention_saved), the value's storage only as
-        # mla.value_kept says; flash the inputs themselves
-        kept = p * m.num_attention_heads * (m.qk_nope_head_dim + mla.v_head_dim(m)) if mla.value_kept(
-            m, p, batch, device) else 0.0
-        return mla.core_inputs(m, p) - kept if mla.math_kernel(m, device) else 0.0
+    if m.is_mla:
+        return mla.inputs_unsaved(m, p, batch, device)
     if not _sdpa_math(m, device):
         return 0.0
     q, kv = m.q_size, m.kv_size
     fused = m.fused_qkv or m.linear_addmm
-    v_kept = p == 4 and batch == 1 and m.num_key_value_heads == m.num_attention_heads
     own_qk = 0 if (fused and m.position_embedding != "rope") else p * (q + kv)  # else views of the fused output
-    return float(own_qk + (0 if v_kept else p * ((q + 2 * kv) if fused else kv)))
+    return float(own_qk + (0 if _v_view_kept(m, p, batch, device) else p * ((q + 2 * kv) if fused else kv)))
 
 
 def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device: str = "cuda",
@@ -689,5 +690,4 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         moe_recompute_transient=moe_re,
         masks_only_later=masks_later,
         core_recompute_transient=core_re,
-        moe_recomputed=gran not in ("attention", "selective"),
     )

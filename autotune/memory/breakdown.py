@@ -26,12 +26,6 @@ class ActivationBreakdown:
     """The checkpointing granularity applied (``Strategy.checkpointing``; ``none`` when no block is
     checkpointed)."""
 
-    @property
-    def recomputed_after_mlp(self) -> bool:
-        """A checkpointed block is recomputed at its attention's backward, after its MLP's: ``attention``
-        checkpoints the attention module, ``selective`` its core (the first saved tensor the backward
-        unpacks runs the recomputation, torch/utils/checkpoint.py); ``full`` and ``op`` recompute first."""
-        return self.granularity in ("attention", "selective")
     nonblock: float
     """Saved outside the blocks at the forward's end: the final norm, the embedding dropout mask,
     ``logits_saved``, the rope tables and the masks / position ids a checkpoint keeps."""
@@ -103,11 +97,21 @@ class ActivationBreakdown:
     beyond the recomputed set: the core's locals and outputs (activations._math_core_forward_transient) less
     the block's saved tensors made after the core; per block, 0: none (other kernels stay below the block's
     backward instants)."""
-    moe_recomputed: bool = False
-    """Whether a checkpointed block recomputes its MoE feed-forward (granularities other than
-    attention / selective, which keep it)."""
     dense: Optional["ActivationBreakdown"] = None
     """A MoE model with dense-MLP blocks among the sparse ones (``ModelSpec.dense_layers``): the dense
     blocks' own terms (their "per block" fields; None: every block is of this record's kind)."""
     dense_layers: tuple[bool, ...] = ()
     """With ``dense``: per block index, whether that block has the dense MLP (``memory.mixed.layer_kinds``)."""
+
+    @property
+    def recomputed_after_mlp(self) -> bool:
+        """A checkpointed block is recomputed at its attention's backward, after its MLP's: ``attention``
+        checkpoints the attention module, ``selective`` its core (the first saved tensor the backward
+        unpacks runs the recomputation, torch/utils/checkpoint.py); ``full`` and ``op`` recompute first."""
+        return self.granularity in ("attention", "selective")
+
+    @property
+    def moe_recomputed(self) -> bool:
+        """Whether a checkpointed block recomputes its MoE feed-forward (granularities other than attention /
+        selective, which keep it)."""
+        return not self.recomputed_after_mlp

@@ -215,8 +215,7 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
         if pt.recompute is not None:  # a checkpointed block's recomputation at its experts' / core's forward peak
             # (attention / selective: after the MLP's backward, with its gradients)
             add("backward", grads=(g + held) if act.recomputed_after_mlp else g_before, activations=pt.recompute,
-                buffers=bwd,
-                pending=pending_head)
+                buffers=bwd, pending=pending_head)
         if pt.attention is not None:  # its attention backward: MLP tensors freed, the core's gradients appear
             add("backward", grads=g + held, activations=pt.attention, buffers=bwd, pending=pending_head)
         clone = st.reduce_clone_dense if dense else st.reduce_clone

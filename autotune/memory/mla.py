@@ -39,12 +39,25 @@ def math_kernel(m: ModelSpec, device: str) -> bool:
     return device == "cpu" and qk_head_dim(m) != v_head_dim(m)
 
 
+def _value_storage(m: ModelSpec, p: int) -> float:
+    """Per token, kv_b_proj's output, which the value is a view of (p a (nope + v))."""
+    return float(p * m.num_attention_heads * (m.qk_nope_head_dim + v_head_dim(m)))
+
+
 def core_inputs(m: ModelSpec, p: int) -> float:
     """Per token, the storages of the attention function's inputs: the concatenated query and the built key
-    (p a qk each) and the value, a view of kv_b_proj's output (p a (nope + v)); what a selective checkpoint of
-    the function keeps (autotune.models.checkpointing.checkpoint_attention_core)."""
-    a = m.num_attention_heads
-    return float(2 * p * a * qk_head_dim(m) + p * a * (m.qk_nope_head_dim + v_head_dim(m)))
+    (p a qk each) and the value's (``_value_storage``); what a selective checkpoint of the function keeps
+    (autotune.models.checkpointing.checkpoint_attention_core)."""
+    return 2 * p * m.num_attention_heads * qk_head_dim(m) + _value_storage(m, p)
+
+
+def inputs_unsaved(m: ModelSpec, p: int, batch: int, device: str) -> float:
+    """Per token, the storages of ``core_inputs`` a plain kernel does not save (what a selective checkpoint
+    holds beside the recomputed kernel): on the CPU math kernel all but the value's when ``value_kept``
+    (it saves fp32 copies, ``attention_saved``); the flash kernels save the inputs themselves."""
+    if not math_kernel(m, device):
+        return 0.0
+    return core_inputs(m, p) - (_value_storage(m, p) if value_kept(m, p, batch, device) else 0.0)
 
 
 def value_kept(m: ModelSpec, p: int, batch: int, device: str) -> bool:
@@ -52,7 +65,7 @@ def value_kept(m: ModelSpec, p: int, batch: int, device: str) -> bool:
     output down to PV's bmm (nothing upcasts it, and ``at::matmul`` folds one sequence into the heads as a
     view), which keeps that whole output, p a (nope + v), where otherwise a contiguous fp32 copy (4 a v) is
     saved (measured: hf-deepseekv3 ZeRO-0 mlp fp32 at mbs 1 read -0.86% / -1.07% at seq 256 / 512, 4 a nope
-    bytes per token and layer, while the rows with 2 sequences are exact; as activations._fused_output_kept)."""
+    bytes per token and layer, while the rows with 2 sequences are exact; as activations._v_view_kept)."""
     return math_kernel(m, device) and p == 4 and batch == 1
 
 
@@ -78,10 +91,10 @@ def attention_saved(m: ModelSpec, p: int, s: int, device: str, core: str = "full
     if core == "selective":
         n += core_inputs(m, p)
     elif math_kernel(m, device):
-        value = p * a * (m.qk_nope_head_dim + v) if value_kept(m, p, batch, device) else 4 * a * v
+        value = _value_storage(m, p) if value_kept(m, p, batch, device) else 4 * a * v
         n += 4 * 2 * a * qk + value + 4 * a * s
     else:
-        n += 2 * p * a * qk + p * a * (m.qk_nope_head_dim + v) + p * a * v + 4 * a
+        n += core_inputs(m, p) + p * a * v + 4 * a
     return n + p * a * v
 
 

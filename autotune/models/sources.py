@@ -269,6 +269,12 @@ LIGER_ON_CPU = ("model.rms_norm_kernel liger needs CUDA: Liger's RMSNorm is a Tr
 """The one-line refusal of a Liger job on a CPU worker or script (the error its first forward raises, measured)."""
 
 
+def norm_kernel_refusal(spec: Any, cuda: bool) -> Optional[str]:
+    """Why the job's norm kernel cannot run on this device (``LIGER_ON_CPU``), checked before any process group
+    or model is built; None where it can."""
+    return LIGER_ON_CPU if getattr(spec, "rms_norm_kernel", "torch") == "liger" and not cuda else None
+
+
 def apply_norm_kernel(built: BuiltModel, spec: Any) -> None:
     """``model.rms_norm_kernel: liger``: Liger's RMSNorm in every norm of a Hugging Face model, as HF Trainer's
     ``use_liger_kernel`` puts it there (transformers.integrations.liger ``apply_liger_kernel`` with

@@ -261,14 +261,15 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     import torch
 
     from autotune.models.reference import count_parameters
-    from autotune.models.sources import LIGER_ON_CPU, build_for_job
+    from autotune.models.sources import build_for_job, norm_kernel_refusal
     from autotune.spec import ModelSpec, TrainingSpec
     from autotune.strategy import Strategy
 
     ctx = Context(job, result, probe, rank, world, local_rank, use_cuda, memory_mode)
     model_spec, training, strategy = ModelSpec(**job.model), TrainingSpec(**job.training), Strategy(**job.strategy)
-    if model_spec.rms_norm_kernel == "liger" and not use_cuda:
-        raise RuntimeError(LIGER_ON_CPU)
+    refusal = norm_kernel_refusal(model_spec, use_cuda)
+    if refusal:
+        raise RuntimeError(refusal)
     seed = int(job.setting("seed"))
     torch.manual_seed(seed + rank)
     device = set_dist_env(ctx)
