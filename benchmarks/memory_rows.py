@@ -307,6 +307,11 @@ MATH_ROWS = [("hf-gpt2", "fsdp2", 1, 1, 1, 512, "none", "fp32"), ("hf-gpt2", 0, 
              ("hf-neox-drop", 0, 1, 1, 1, 512, "none", "fp32"), ("hf-neox-drop", 2, 1, 1, 2, 512, "none", "fp32"),
              ("hf-neox-drop", "fsdp2", 1, 1, 1, 512, "selective", "bf16"),
              ("hf-neox-drop", 3, 2, 1, 1, 512, "selective", "fp32")]
+CARRY_ROWS = [("hf-neox-drop", 1, 1, 2, 1, 512, "selective", "fp32"), ("hf-neox-drop", 1, 2, 2, 1, 512, "selective", "fp32"),
+              ("hf-gpt2", 1, 1, 2, 1, 512, "attention", "fp32"), ("hf-gpt2", 1, 2, 2, 1, 512, "selective", "fp32"),
+              ("hf-neox-drop", 1, 1, 4, 1, 512, "selective", "fp32"), ("hf-neox-drop", 1, 1, 2, 2, 256, "attention", "bf16")]
+"""ZeRO-1 with gradient accumulation where the peak comes late in the backward (a core recomputed after the MLP's
+backward): two micro-steps (the carry split between them, estimate.split_carry), and four for contrast."""
 
 
 def long_rows() -> list[tuple]:
@@ -501,4 +506,4 @@ def grid(quick: bool) -> list[dict]:
             + [dict(zip(ROW_KEYS, r), measure_steps=GA_ROWS_STEPS) for r in GA_ROWS]
             + [dict(zip(ROW_KEYS, r)) for r in TABLE_ROWS + FRAME_ROWS]
             + [dict(zip(ROW_KEYS, r)) for r in CORE_ROWS if have_hf or r[0] not in HF_FAMILIES]
-            + [dict(zip(ROW_KEYS, r)) for r in LONG_ROWS + NORM_ROWS + MATH_ROWS if have_hf])
+            + [dict(zip(ROW_KEYS, r)) for r in LONG_ROWS + NORM_ROWS + MATH_ROWS + CARRY_ROWS if have_hf])

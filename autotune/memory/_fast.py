@@ -23,7 +23,7 @@ import numpy as np
 from autotune.knobs import memory_key
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import PREDICTION_MARGIN
-from autotune.memory.estimate import _accumulation_carry
+from autotune.memory.estimate import _accumulation_carry, split_carry
 from autotune.memory.fsdp2 import _units, offload_host
 from autotune.memory.mixed import blocks_within, dense_block_spec, kind_spec, layer_kinds, params_after
 from autotune.memory.moe import down_weight_elements
@@ -230,7 +230,7 @@ _ST = ("params", "grads", "optimizer", "buffers_bwd", "buffers_bwd_end", "buffer
        "grad_per_block", "grad_buffer", "resident_buffers", "partition_after", "reduce_flat", "reduce_clone", "cpu",
        "nvme", "reduce_clone_dense", "ffn_grads_released", "leaf_hook", "head_released", "core_grads_held")
 _st_fields = attrgetter(*_ST)
-_DS = _ST + ("p", "carry", "grow", "carry_ipg", "zero1", "zero0", "k", "k2", "blocked")
+_DS = _ST + ("p", "carry", "grow", "carry_ipg", "split", "zero1", "zero0", "k", "k2", "blocked")
 
 
 def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: Strategy, device: str,
@@ -250,7 +250,9 @@ def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: 
         st = dataclasses.replace(st, **zero3_gathered(m, s, engine_settings(m, training, s),
                                                       data_parallel_size(hardware), device))
     p = BYTES_PER_ELEMENT[s.precision]
-    carry, grow = _accumulation_carry(m, hardware, s, gradient_accumulation_steps(s, training, hardware))
+    gas = gradient_accumulation_steps(s, training, hardware)
+    carry, grow = _accumulation_carry(m, hardware, s, gas)
+    carry_ipg = st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0
     bucket = st.partition_after or 0
     blocked = bool(bucket and block_params)
     # estimate._blocks_backward: blocks done before the gradient partition exists, before the second reduce
@@ -261,9 +263,8 @@ def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: 
         k2 = int(max(0.0, 2 * bucket - head) // block_params) if blocked else 0
     # then ZeRO-3's retained expert copies summed over the first i blocks, i = 0..L (states.experts_retained)
     retained = np.concatenate(([0.0], np.cumsum(st.experts_retained or [0.0] * m.num_hidden_layers)))
-    return [*_st_fields(st), p, carry, grow,
-            st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0, s.zero_stage == 1, s.zero_stage == 0, k, k2,
-            blocked, *retained]
+    return [*_st_fields(st), p, carry, grow, carry_ipg, split_carry(m, s, gas, carry, carry_ipg),
+            s.zero_stage == 1, s.zero_stage == 0, k, k2, blocked, *retained]
 
 
 def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
@@ -283,7 +284,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     c["buffers_fwd"], c["buffers_bwd"] = c["buffers_fwd"] + retained, c["buffers_bwd"] + retained
     kinds = layer_kinds(m)
     a_dense = _dense_activations(m, training, strategies, device) if kinds is not None else None
-    p, carry, grow, carry_ipg = c["p"], c["carry"], c["grow"] > 0, c["carry_ipg"]
+    p, carry, grow, carry_ipg, split = c["p"], c["carry"], c["grow"] > 0, c["carry_ipg"], c["split"]
     released = c["ffn_grads_released"] > 0  # the MLP instants' transient (estimate._blocks_backward)
     tokens = a["logits_tokens"]
     kept = p * V * tokens if loop == "keep_outputs" else np.zeros(n)
@@ -292,10 +293,11 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     pending_head = p * head if m.tie_word_embeddings else np.zeros(n)
 
     def add(phase: str, grads: Any = 0.0, activations: Any = 0.0, logits: Any = 0.0, buffers: Any = 0.0,
-            pending: Any = 0.0, valid: Any = True) -> None:
+            pending: Any = 0.0, valid: Any = True, hooked: tuple[Any, Any] = (0.0, 0.0)) -> None:
         logits = logits + kept
-        if phase != "optimizer":
-            grads = np.where(grow, grads + carry - np.minimum(carry_ipg, buffers),
+        if phase != "optimizer":  # estimate.split_relief over the candidates
+            relief = np.maximum(0.0, np.minimum(p * hooked[0], split - p * hooked[1]))
+            grads = np.where(grow, grads + carry - np.minimum(carry_ipg, buffers) - relief,
                              np.maximum(grads - pending, carry) + pending)
         w.add(phase, fixed + grads + activations + logits + buffers, grads, activations, logits, buffers, valid)
 
@@ -317,8 +319,11 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
     zero0 = c["zero0"] > 0
     head_grad = np.where(zero0 | m.tie_word_embeddings, p * head, 0.0)
     bwd = c["buffers_bwd"] - c["head_released"]
+    head_hooked = 0.0 if m.tie_word_embeddings else float(head)  # estimate.py's
     add("backward", grads=head_grad, activations=saved_blocks + other_saved - a["final_norm_saved"]
-        + a["final_norm_backward_live"], buffers=bwd, pending=pending_head)
+        + a["final_norm_backward_live"], buffers=bwd, pending=pending_head,
+        hooked=(head_hooked, head_hooked + m.norm_params()))
+    hooked_before = head_hooked + m.norm_params()
 
     # estimate._blocks_backward
     held = np.where(c["core_grads_held"] != 0, p, 0.0)  # bytes per parameter made before the attention core's backward
@@ -337,41 +342,49 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                 [a_dense if d else a for d in kinds], a, recomputed_late, moe_recomputed, other_saved, released):
             g_before = head_grad + np.where(c["grad_per_block"] != 0, p * after[i], 0.0)
             g = g_before + np.where((bucket != 0) & (head + after[i] > bucket), c["grads"], 0.0)
-            add("backward", grads=g, activations=mlp, buffers=bwd, pending=pending_head)
-            core_grads = g + held * m.params_after_attention_core(False if kinds[i] else None)
+            after_core = m.params_after_attention_core(False if kinds[i] else None)
+            hooked = (hooked_before + after[i], hooked_before + after[i] + m.block_params(False if kinds[i] else None))
+            late = (hooked[0] + after_core, hooked[1])
+            add("backward", grads=g, activations=mlp, buffers=bwd, pending=pending_head, hooked=hooked)
+            core_grads = g + held * after_core
             # a recomputation under attention / selective runs after the MLP's backward (estimate._blocks_backward)
             add("backward", grads=np.where(recomputed_late, core_grads, g_before), activations=recompute, buffers=bwd,
-                pending=pending_head, valid=has_recompute)
+                pending=pending_head, valid=has_recompute,
+                hooked=(np.where(recomputed_late, late[0], hooked[0]), hooked[1]))
             add("backward", grads=core_grads, activations=attention,
-                buffers=bwd, pending=pending_head, valid=has_attention)
+                buffers=bwd, pending=pending_head, valid=has_attention, hooked=late)
             clone = c["reduce_clone_dense"] if kinds[i] else reduce_clone
             add("backward", grads=g, activations=mlp - kd["mlp_backward_transient"],
                 buffers=bwd + p * down_weight_elements(kind_spec(m, kinds[i])) + clone,
-                pending=pending_head, valid=clone != 0)
+                pending=pending_head, valid=clone != 0, hooked=hooked)
             add("backward", grads=g, activations=saved - kd["mlp_saved_per_block"] + kd["hidden_grad"],
-                buffers=bwd + c["leaf_hook"], pending=pending_head, valid=(c["leaf_hook"] != 0) & (not kinds[i]))
+                buffers=bwd + c["leaf_hook"], pending=pending_head, valid=(c["leaf_hook"] != 0) & (not kinds[i]),
+                hooked=hooked)
             add("backward", grads=np.where(i == r_false, g_before, g), activations=saved,
                 buffers=bwd + reduce_flat, pending=pending_head,
-                valid=reducing & ((i == r_true) | (i == r_false)))
+                valid=reducing & ((i == r_true) | (i == r_false)), hooked=hooked)
     for i, valid in (_points(a["num_checkpointed"], L, extra) if kinds is None else ()):
         done, saved, mlp, attention, _, recompute, has_recompute, has_attention = _block_point(
             a, i, other_saved, L, recomputed_late, moe_recomputed, released)
         g_before = head_grad + done * c["grad_per_block"]
         g = g_before + np.where((bucket != 0) & (head + done * block_params > bucket), c["grads"], 0.0)
-        add("backward", grads=g, activations=mlp, buffers=bwd, pending=pending_head, valid=valid)
+        hooked = (hooked_before + done * block_params, hooked_before + (done + 1) * block_params)
+        late = (hooked[0] + m.params_after_attention_core(), hooked[1])
+        add("backward", grads=g, activations=mlp, buffers=bwd, pending=pending_head, valid=valid, hooked=hooked)
         core_grads = g + held * m.params_after_attention_core()
         add("backward", grads=np.where(recomputed_late, core_grads, g_before), activations=recompute, buffers=bwd,
-            pending=pending_head, valid=valid & has_recompute)
+            pending=pending_head, valid=valid & has_recompute,
+            hooked=(np.where(recomputed_late, late[0], hooked[0]), hooked[1]))
         add("backward", grads=core_grads, activations=attention, buffers=bwd,
-            pending=pending_head, valid=valid & has_attention)
+            pending=pending_head, valid=valid & has_attention, hooked=late)
         add("backward", grads=g, activations=mlp - a["mlp_backward_transient"],
             buffers=bwd + p * down_weight_elements(m) + reduce_clone, pending=pending_head,
-            valid=valid & (reduce_clone != 0))
+            valid=valid & (reduce_clone != 0), hooked=hooked)
         add("backward", grads=g, activations=saved - a["mlp_saved_per_block"] + a["hidden_grad"],
-            buffers=bwd + c["leaf_hook"], pending=pending_head, valid=valid & (c["leaf_hook"] != 0))
+            buffers=bwd + c["leaf_hook"], pending=pending_head, valid=valid & (c["leaf_hook"] != 0), hooked=hooked)
         in_reduces = reducing & ((i == r_true) | (i == r_false))
         add("backward", grads=np.where(i == r_false, g_before, g), activations=saved,
-            buffers=bwd + reduce_flat, pending=pending_head, valid=valid & in_reduces)
+            buffers=bwd + reduce_flat, pending=pending_head, valid=valid & in_reduces, hooked=hooked)
 
     moved = np.where(c["zero1"] > 0, carry - carry_ipg, 0.0)
     add("backward", grads=c["grads"] - moved, buffers=bwd + c["buffers_bwd_end"])

@@ -60,6 +60,27 @@ def _accumulation_carry(m: ModelSpec, hardware: HardwareSpec, s: Strategy, gas: 
     return 0.0, True
 
 
+def split_carry(m: ModelSpec, s: Strategy, gas: int, carry: float, carry_ipg: float) -> float:
+    """ZeRO-1 with exactly two micro-steps: the carried gradients (``carry`` less the ipg buckets), which
+    the backward's instants then split between its two micro-steps (``split_relief``); 0 otherwise.
+
+    The micro-step that holds the carry is the boundary one, whose gradient hooks add each new gradient
+    into the carried ``param.grad`` and copy it into the reduce bucket, rebinding it there
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``: ``grad_reduc.data =
+    new_grad_tensor.data``): the carry of every parameter hooked so far is gone. The first micro-step
+    (no carry, no reduce) holds those parameters' own ``param.grad`` instead. With three or more
+    micro-steps a middle one holds the whole carry (measured on allocation traces, docs/accuracy.md).
+    """
+    return float(carry - carry_ipg) if (s.zero_stage == 1 and gas == 2 and carry) else 0.0
+
+
+def split_relief(split: float, lo: float, hi: float) -> float:
+    """Bytes of ``split`` (split_carry) not alive at a backward instant whose hooked parameters'
+    gradients take ``lo`` to ``hi`` bytes: the carry micro-step holds at most ``split - lo``, the
+    first one at most ``hi``; never negative."""
+    return max(0.0, min(lo, split - hi))
+
+
 def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,
                     *, headroom: float = 0.0, device: str = "cuda", loop: Loop = "keep_outputs") -> MemoryEstimate:
     """Predict per-GPU peak memory of a steady-state step, host/NVMe needs and the verdict.
@@ -97,6 +118,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     # ZeRO-1: part of the carry is the ipg double buffer (2 reduce buckets) filled in the earlier
     # micro-steps; where the boundary micro-step's own buckets are counted, they are those buffers
     carry_ipg = st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0
+    split = split_carry(m, s, gas, carry, carry_ipg)
 
     fixed = st.params + st.optimizer + st.grad_buffer + st.resident_buffers
     cands: list[Candidate] = []
@@ -107,12 +129,14 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     pending_head = p * head if m.tie_word_embeddings else 0.0
 
     def add(phase: str, grads: float = 0.0, activations: float = 0.0, logits: float = 0.0,
-            buffers: float = 0.0, pending: float = 0.0) -> None:
+            buffers: float = 0.0, pending: float = 0.0, hooked: tuple[float, float] = (0.0, 0.0)) -> None:
         logits += kept
         if phase != "optimizer":
             # later micro-steps: accumulated gradients (ZeRO-0 adds into them in place, but not
-            # what autograd still holds, ``pending``)
-            grads = grads + carry - min(carry_ipg, buffers) if grow else max(grads - pending, carry) + pending
+            # what autograd still holds, ``pending``); ``hooked``: the parameters whose gradient hooks
+            # have run, at least and at most (split_carry)
+            grads = (grads + carry - min(carry_ipg, buffers) - split_relief(split, p * hooked[0], p * hooked[1])
+                     if grow else max(grads - pending, carry) + pending)
         cands.append(Candidate(phase, fixed + grads + activations + logits + buffers, grads, activations, logits,
                                 buffers))
 
@@ -145,9 +169,11 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     head_grad = p * head if (s.zero_stage == 0 or m.tie_word_embeddings) else 0.0
     bwd = st.buffers_after_head
     # the final norm's backward at its peak (activations.py final_norm_backward_live)
+    head_hooked = 0.0 if m.tie_word_embeddings else float(head)  # a tied head's hook waits for the embedding
     add("backward", grads=head_grad, activations=saved_blocks + other_saved - act.final_norm_saved
-        + act.final_norm_backward_live, buffers=bwd, pending=pending_head)
-    _blocks_backward(add, m, s, st, act, other_saved, head_grad, pending_head)
+        + act.final_norm_backward_live, buffers=bwd, pending=pending_head,
+        hooked=(head_hooked, head_hooked + m.norm_params()))
+    _blocks_backward(add, m, s, st, act, other_saved, head_grad, pending_head, head_hooked + m.norm_params())
     # ZeRO-1 at the accumulation boundary: each carried full-size gradient is copied into the
     # reduce bucket and rebound to it (stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads:
     # ``grad_reduc.data = new_grad_tensor.data``), so after the last hook only the buckets and the
@@ -175,11 +201,12 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
 
 
 def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _States, act: ActivationBreakdown,
-                     other_saved: float, head_grad: float, pending_head: float) -> None:
+                     other_saved: float, head_grad: float, pending_head: float, hooked_before: float) -> None:
     """The candidates through the blocks' backward, last block to first (``add`` as in
     estimate_memory; ``st`` the model states; ``head_grad`` the head's weight gradient still
     alive beside the buckets: ZeRO-0 keeps every gradient; a tied one is pending, so no gradient
-    hook fires for it before the embedding's backward)."""
+    hook fires for it before the embedding's backward; ``hooked_before``: the parameters hooked
+    before the blocks, head and final norm)."""
     p = BYTES_PER_ELEMENT[s.precision]
     L = m.num_hidden_layers
     head = m.vocab_size * m.hidden_size
@@ -208,27 +235,31 @@ def _blocks_backward(add: Callable[..., None], m: ModelSpec, s: Strategy, st: _S
         # without ZeRO-1/2's gradient partition (ZeRO-0 keeps every block's gradients)
         g_before = head_grad + (p * done if (mixed and st.grad_per_block) else pt.done * st.grad_per_block)
         g = g_before + (st.grads if bucket and head + done > bucket else 0.0)
-        add("backward", grads=g, activations=pt.mlp, buffers=bwd, pending=pending_head)
         dense = bool(mixed and mixed[pt.block])
+        after_core = m.params_after_attention_core(False if dense else None)
+        # the parameters hooked at this block's instants: the blocks done, at most this one too (split_carry)
+        hooked = (hooked_before + done, hooked_before + done + m.block_params(False if dense else None))
+        late = (hooked[0] + after_core, hooked[1])  # after the MLP's backward: its hooks (and o_proj's) have run
+        add("backward", grads=g, activations=pt.mlp, buffers=bwd, pending=pending_head, hooked=hooked)
         # ZeRO-0 without accumulation keeps the block's weight gradients made so far as param.grad
-        held = p * m.params_after_attention_core(False if dense else None) if st.core_grads_held else 0.0
+        held = p * after_core if st.core_grads_held else 0.0
         if pt.recompute is not None:  # a checkpointed block's recomputation at its experts' / core's forward peak
             # (attention / selective: after the MLP's backward, with its gradients)
             add("backward", grads=(g + held) if act.recomputed_after_mlp else g_before, activations=pt.recompute,
-                buffers=bwd, pending=pending_head)
+                buffers=bwd, pending=pending_head, hooked=late if act.recomputed_after_mlp else hooked)
         if pt.attention is not None:  # its attention backward: MLP tensors freed, the core's gradients appear
-            add("backward", grads=g + held, activations=pt.attention, buffers=bwd, pending=pending_head)
+            add("backward", grads=g + held, activations=pt.attention, buffers=bwd, pending=pending_head, hooked=late)
         clone = st.reduce_clone_dense if dense else st.reduce_clone
         if clone:  # ZeRO-3 on CPU: the down projection's weight gradient reduce-scattered by
             # its hook, the linear's saved input released, its input gradient (as wide) alive; gloo's
             # copy of the gradient (states.py)
             add("backward", grads=g, activations=pt.mlp - pt.act.mlp_backward_transient,
                 buffers=bwd + p * down_weight_elements(kind_spec(m, dense)) + clone,
-                pending=pending_head)
+                pending=pending_head, hooked=hooked)
         if st.leaf_hook and not dense:  # ZeRO-3, a leaf MoE block's backward hook: its saved tensors released,
             # its input's gradient alive, every expert gradient reduced there (moe.leaf_hook_elements)
             add("backward", grads=g, activations=pt.saved - pt.act.mlp_saved_per_block + pt.act.hidden_grad,
-                buffers=bwd + st.leaf_hook, pending=pending_head)
+                buffers=bwd + st.leaf_hook, pending=pending_head, hooked=hooked)
         if pt.block in reduces:  # a bucket is all-reduced during this block's backward
             add("backward", grads=g if reduces[pt.block] else g_before, activations=pt.saved,
-                buffers=bwd + st.reduce_flat, pending=pending_head)
+                buffers=bwd + st.reduce_flat, pending=pending_head, hooked=hooked)

@@ -368,3 +368,25 @@ def test_offload_gpu_model_states_reproduce_deepspeed_estimators(gpus):
         persist = st.params - (0 if off_par else 2 * part)
         assert st.params - persist + st.optimizer + st.grad_buffer == pytest.approx(gpu - largest_mem, abs=8)
         assert st.cpu * gpus >= cpu / 1.5
+
+
+def test_zero1_two_micro_steps_split_the_carry():
+    """ZeRO-1, GA 2: the carry micro-step is the boundary one, whose hooks move each hooked parameter's
+    carried gradient into the reduce bucket (estimate.split_carry). At a late backward peak (a core
+    recomputed after its block's MLP backward: small vocabulary, attention dropout on the CPU's math
+    path) GA 2 holds the carry of the parameters not hooked yet; GA 4's middle micro-step holds it all."""
+    from autotune.memory.estimate import split_relief
+
+    assert split_relief(0.0, 5.0, 6.0) == 0.0  # no split: nothing released
+    assert split_relief(10.0, 3.0, 4.0) == 3.0  # early: the hooked carry is gone
+    assert split_relief(10.0, 7.0, 8.0) == 2.0  # late: the first micro-step's own gradients (8) dominate
+    assert split_relief(10.0, 6.0, 11.0) == 0.0
+    m = SMALL.replace(vocab_size=64, attention_dropout=0.1)
+    ga1, ga2, ga4 = (_peak(m, 1, g, precision="fp32", ckpt="selective").gpu["peak"] for g in (1, 2, 4))
+    hooked = m.vocab_size * m.hidden_size + m.norm_params() + m.params_after_attention_core()
+    assert ga4 - ga1 == 4 * m.num_parameters
+    assert ga2 - ga1 == 4 * (m.num_parameters - hooked)
+    # ZeRO-0 and ZeRO-2 carry the same in every later micro-step
+    for stage in (0, 2):
+        assert _peak(m, stage, 2, precision="fp32", ckpt="selective").gpu["peak"] == \
+            _peak(m, stage, 4, precision="fp32", ckpt="selective").gpu["peak"]
