@@ -368,6 +368,12 @@ LONG_CONTEXT_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision, kn
     ("hf-gemma-long", 1, 1, 1, 1, 2048, "full", "bf16", "tl+tm"), ("hf-olmo2", 1, 1, 1, 1, 1024, "full", "bf16", "tl+tm"),
     ("hf-llama-long", 2, 2, 1, 1, 2048, "full", "fp32", "tl+tm"), ("hf-gemma3-long", 1, 1, 1, 1, 2048, "full", "bf16", "tl+tm"),
     ("hf-gemma3-long", 0, 1, 1, 1, 2048, "full", "fp32", "tm"), ("hf-gemma3-long", 3, 2, 1, 1, 2048, "full", "bf16", "tm"),
+    # op checkpointing over TiledMLP: the policy counts and keeps every other mm output of the tiles too
+    # (activations._op_sac_saved ``tiles``); Qwen2's biased q/k/v (addmm), Llama's four mm, a shorter last tile
+    ("hf-qwen2-long", "fsdp2", 1, 1, 1, 1024, "op", "bf16", "tm"), ("hf-qwen2", "fsdp2-keep", 2, 4, 2, 1024, "op", "bf16", "tl+tm"),
+    ("hf-llama-long", 2, 1, 1, 1, 1024, "op", "bf16", "tm"), ("hf-llama-long", 0, 1, 1, 1, 2048, "op", "fp32", "tm"),
+    ("hf-olmo2", "fsdp2", 1, 1, 2, 1024, "op", "fp32", "tm"), ("hf-qwen3", 1, 1, 4, 1, 512, "op", "fp32", "tm"),
+    ("hf-phi3", 2, 1, 1, 1, 1000, "op", "bf16", "tm"),
 ]
 
 

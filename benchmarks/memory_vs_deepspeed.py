@@ -5,7 +5,7 @@
     python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
     python benchmarks/memory_vs_deepspeed.py --reuse out.json    # re-predict stored measurements
-    python benchmarks/memory_vs_deepspeed.py --long-context      # 26 rows of issue 24's knobs (long_context_grid)
+    python benchmarks/memory_vs_deepspeed.py --long-context      # 33 rows of issue 24's knobs (long_context_grid)
     python benchmarks/memory_vs_deepspeed.py --moe               # the Mixtral / Qwen3-MoE / DeepSeek-V2 rows (moe_grid, docs/moe.md)
 
 The grid: 10 Hugging Face families from their published config.json (tests/data/hf: llama, mistral,

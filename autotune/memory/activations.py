@@ -10,7 +10,7 @@ from autotune.memory.breakdown import ActivationBreakdown
 from autotune.memory.common import host_pinned, pinned_bytes
 from autotune.memory.expert_parallel import ep_backward_transient, ep_forward_transient, ep_saved
 from autotune.memory.mixed import dense_block_spec, layer_kinds, mixed_breakdown
-from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention
+from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention, tile_lengths
 from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
 
@@ -238,16 +238,26 @@ def _moe_linears(m: ModelSpec) -> list[tuple[int, bool]]:
     return router
 
 
-def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False) -> float:
+def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False, tiles: tuple[int, ...] = ()) -> float:
     """Per token, what op-level selective checkpointing keeps of a block (``autotune.models.checkpointing
     .op_sac_context``, torchtitan's policy): the block input, the attention kernel's outputs (out
     and the fp32 log-sum-exp of sdpa's flash kernels; eager and the CPU math path are recomputed)
     and the output of every other ``aten.mm`` in the block's order (1st, 3rd, ...; ``_block_linears``:
-    an ``addmm`` is recomputed and not counted)."""
+    an ``addmm`` is recomputed and not counted). ``tiles``: TiledMLP's tile lengths of one sequence
+    (``tile_lengths``; empty: untiled): its tiles run the MLP's linears one tile after the other under
+    ``no_grad``, and the policy's caching mode counts and keeps their ``mm`` outputs all the same
+    (torch/utils/checkpoint.py ``_CachingTorchDispatchMode`` does not read the grad mode)."""
     h, q = m.hidden_size, m.q_size
     # a MoE block: the attention's linears, then the router's and the shared expert's (``_moe_linears``)
-    mm_widths = [width for width, is_mm in _block_linears(m, zero3_linear) if is_mm]
-    n = p * h + p * sum(mm_widths[0::2])
+    linears = _block_linears(m, zero3_linear)
+    if tiles:  # the attention's mm outputs over the whole sequence, then each tile's MLP mm outputs
+        n_attn = 2 if m.fused_qkv else 4
+        widths = [(w, 1.0) for w, is_mm in linears[:n_attn] if is_mm]
+        widths += [(w, length / sum(tiles)) for length in tiles for w, is_mm in linears[n_attn:] if is_mm]
+        n = p * h + p * sum(w * share for w, share in widths[0::2])
+    else:
+        mm_widths = [width for width, is_mm in linears if is_mm]
+        n = p * h + p * sum(mm_widths[0::2])
     if m.attn_implementation == "sdpa" and not _sdpa_math(m, device):
         n += p * q + 4 * m.num_attention_heads
     return n
@@ -255,7 +265,7 @@ def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False)
 
 def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing: str = "none",
                                      mask_bytes: int = 1, device: str = "cuda", zero3_linear: bool = False,
-                                     batch: int = 2) -> float:
+                                     batch: int = 2, tiles: tuple[int, ...] = ()) -> float:
     """Bytes per token one block keeps for backward (Korthikanti et al. 2022, per operation).
 
     ``checkpointing``: ``full`` keeps the block input only; ``attention`` / ``mlp`` checkpoint that
@@ -264,7 +274,8 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     saves (``_op_sac_saved``); ``selective`` recomputes the attention core.
     ``mask_bytes``: bytes per element of a dropout mask (1 on CUDA: bool mask of the fused
     kernel; the model dtype's size on CPU, whose dropout multiplies by a noise tensor). ``batch``: the
-    micro-batch's sequences (sdpa's CPU math path keeps more with one, ``_fused_output_kept``).
+    micro-batch's sequences (sdpa's CPU math path keeps more with one, ``_fused_output_kept``);
+    ``tiles``: TiledMLP's tile lengths under ``op`` (``_op_sac_saved``).
     """
     h = m.hidden_size
     # Granite's residual + h * residual_multiplier and inputs_embeds * embedding_multiplier
@@ -275,7 +286,7 @@ def block_activation_bytes_per_token(m: ModelSpec, p: int, s: int, checkpointing
     if checkpointing == "full":
         return p * h  # the block input saved by the checkpoint
     if checkpointing == "op":
-        return _op_sac_saved(m, p, device, zero3_linear)
+        return _op_sac_saved(m, p, device, zero3_linear, tiles)
     # the two pre-norms' outputs are saved by the next linear; extra (post-)norms (Gemma2) feed the
     # residual add, which saves nothing
     n = 2 * _norm_saved(m, p, device) + (m.norms_per_block - 2) * (_norm_saved(m, p, device) - p * h)
@@ -427,7 +438,8 @@ keeps per checkpointed region to replay dropout (torch/utils/checkpoint.py ``pre
 host memory on GPUs, where the device generator's state is a few bytes."""
 
 
-def _checkpoint_frame_kept(m: ModelSpec, p: int, checkpointing: str, zero3_linear: bool = False) -> float:
+def _checkpoint_frame_kept(m: ModelSpec, p: int, checkpointing: str, zero3_linear: bool = False,
+                           tiled_mlp: bool = False) -> float:
     """Per token, what a ``full`` / ``op`` checkpoint keeps through its block's backward beyond the
     recomputed block's own saved tensors (the checkpoint frame lives until the block's last node ran):
     * the block input (``_CheckpointFrame.save_inputs``, torch/utils/checkpoint.py) when the first
@@ -438,12 +450,14 @@ def _checkpoint_frame_kept(m: ModelSpec, p: int, checkpointing: str, zero3_linea
       (``_recomputation_hook.pack_hook`` raises ``_StopRecomputationError`` at the last saved
       tensor, its input), so ``_CachedTorchDispatchMode`` never consumes that storage entry; not
       when something after it saves a tensor (residual dropout, post-norms, a MoE block's routed experts
-      after its last ``mm``, the router's or Qwen2-MoE's shared-expert gate: ``_moe_linears``)."""
+      after its last ``mm``, the router's or Qwen2-MoE's shared-expert gate: ``_moe_linears``), nor under
+      TiledMLP (``tiled_mlp``), whose input is packed after its forward ran every tile (a custom
+      Function's saved tensors are packed once it returns), so the recomputation consumes them all."""
     n = 0.0
     h = m.hidden_size
     if checkpointing in ("full", "op") and m.norm in ("rmsnorm", "rmsnorm_fp32") and p < 4:
         n += p * h
-    if checkpointing == "op" and m.hidden_dropout == 0 and m.norms_per_block == 2 and not m.is_moe:
+    if checkpointing == "op" and m.hidden_dropout == 0 and m.norms_per_block == 2 and not m.is_moe and not tiled_mlp:
         *before, (_, down_mm) = _block_linears(m, zero3_linear)
         n_mm_before = sum(is_mm for _, is_mm in before)
         if down_mm and n_mm_before % 2 == 0:  # the down projection is mm number n_mm_before + 1: odd, kept
@@ -529,7 +543,8 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     mlp_cut = mlp_untiled if split.tiled_mlp else 0.0
     per_plain = ((block_activation_bytes_per_token(m, p, s_full, "none", mb, device, batch=b) + attn_saved - mlp_cut)
                  * tokens + _block_fixed_bytes(m, s_full, "none", p=p))
-    ck_saved = block_activation_bytes_per_token(m, p, s_full, gran, mb, device, zero3_linear=zero3, batch=b)
+    ck_saved = block_activation_bytes_per_token(m, p, s_full, gran, mb, device, zero3_linear=zero3, batch=b,
+                                                tiles=tile_lengths(s, m.hidden_size) if split.tiled_mlp else ())
     if gran not in ("full", "op"):  # these granularities keep the attention core / MLP as plain blocks do
         ck_saved += (attn_saved if gran != "attention" else 0.0) - (mlp_cut if gran != "mlp" else 0.0)
     per_ck = ck_saved * tokens + _block_fixed_bytes(m, s_full, gran, device, p)
@@ -678,7 +693,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         forward_only_masks=forward_mask,
         final_norm_forward_extra=_final_norm_forward_extra(m, p, tokens, s, bool(n_ck)),
         hidden_grad=p * m.hidden_size * tokens,
-        checkpoint_frame_kept=(_checkpoint_frame_kept(m, p, gran, zero3_linear=zero3) * tokens
+        checkpoint_frame_kept=(_checkpoint_frame_kept(m, p, gran, zero3_linear=zero3, tiled_mlp=split.tiled_mlp) * tokens
                                + (CPU_RNG_STATE_BYTES if device == "cpu" else 0.0)) if n_ck else 0.0,
         final_norm_backward_live=(RMS_NORM_BACKWARD_LIVE * m.hidden_size * tokens if torch_rms_norm
                                   else _norm_saved(m, p, device) * tokens),

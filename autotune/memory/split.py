@@ -58,6 +58,13 @@ def mlp_tile_tokens(b: int, s_local: int, hidden: int) -> int:
     return b * -(-s_local // mlp_tiles(s_local, hidden))
 
 
+def tile_lengths(s_local: int, hidden: int) -> tuple[int, ...]:
+    """TiledMLP's tiles of one sequence of ``s_local`` tokens: torch.chunk into ``mlp_tiles`` shards gives
+    chunks of ceil(s / n) tokens and a shorter last one (fewer chunks when the last would be empty)."""
+    c = -(-s_local // mlp_tiles(s_local, hidden))
+    return (c,) * (s_local // c) + ((s_local % c,) if s_local % c else ())
+
+
 def split_attention(m: ModelSpec, p: int, split: Split) -> tuple[float, float]:
     """Per local token, what splitting the sequence adds to the attention core: (saved, backward
     transient).

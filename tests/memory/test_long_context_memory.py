@@ -98,6 +98,25 @@ def test_tiled_mlp_keeps_only_the_mlp_input():
             < plain.per_block_plain + plain.mlp_backward_transient - 2 * M.intermediate_size * 4096)
 
 
+def test_op_checkpointing_keeps_every_other_mm_of_the_tiles_too():
+    """Op-level checkpointing over TiledMLP: the policy counts the tiles' mm calls (docs/long-context.md):
+    Llama's block runs q, k, v, o (mm 1-4), then per tile gate, up, down; the odd ones are kept. Two tiles
+    of 4096 tokens at seq 8192: gate (mm 5) and down (7) of the first tile, up (9) of the second."""
+    from autotune.memory.split import tile_lengths
+
+    assert tile_lengths(8192, 4096) == (4096, 4096) and tile_lengths(1000, 128) == (125,) * 8
+    assert tile_lengths(1000, 96) == (91,) * 10 + (90,) and tile_lengths(100, 128) == (100,)
+    seq = dataclasses.replace(TR, seq_len=8192)
+    s = Strategy(zero_stage=1, checkpointing="op")
+    plain, tiled = _act(s, seq), _act(s.replace(tiled_mlp=True), seq)
+    h, f, p = M.hidden_size, M.intermediate_size, 2
+    # untiled: gate (mm 5) and down (7): f + h per token; tiled: half the tokens' gate and down, half's up
+    assert tiled.per_block_checkpointed - plain.per_block_checkpointed == pytest.approx(
+        p * ((f + h) / 2 + f / 2 - (f + h)) * 8192)
+    # the untiled block's down projection (mm 7) stays cached past early-stopped recomputation; not tiled
+    assert plain.checkpoint_frame_kept - tiled.checkpoint_frame_kept == p * h * 8192
+
+
 def test_tiled_mlp_backward_peaks_at_torchs_rmsnorm_not_ligers(write):
     """Under TiledMLP the block's backward peak is the pre-MLP RMSNorm's backward where the model's own RMSNorm runs
     (its fp32 input and PowBackward0's five fp32 h-wide tensors, 24 h bytes per token, against its saved 4 h + 2 p h
