@@ -408,6 +408,13 @@ def validation_errors(
         errors.append(("tiled_mlp", "tiled_mlp on a mixture-of-experts model is not sized (the tiled MLP of a MoE "
                        "block is not modelled; DeepSpeed's TiledMLP cannot tile transformers' MoE blocks, which "
                        "return router logits too), but got tiled_mlp true"))
+    if s.checkpointing == "mlp" and model.input_jitter_draws:
+        # PhimoeSparseMoeBlock.forward multiplies its input in place by the jitter draw (``hidden_states *=``),
+        # the very tensor a checkpoint of the block saved: torch's unpack raises "modified by an inplace
+        # operation" in the backward (measured: hf-phimoe, ZeRO-0/1, bf16 and fp32)
+        errors.append(("checkpointing", "checkpointing mlp is not available with input_jitter_noise > 0 (PhiMoE): "
+                       "the MoE block multiplies its input in place, which a checkpoint of that block saved, and "
+                       "torch raises in the backward; use full, op, selective or attention, or input_jitter_noise 0"))
     if s.activation_offload != "none" and s.checkpointing != "full":
         errors.append(("activation_offload", f"activation_offload={s.activation_offload} moves the inputs of "
                        f"fully checkpointed blocks, so it needs checkpointing full, but got {s.checkpointing}"))

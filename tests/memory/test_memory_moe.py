@@ -286,6 +286,12 @@ def test_phimoe_terms(tmp_path):
     assert "input jitter" in moe.not_sized(mix.replace(input_jitter_draws=1), "mixtral")
     job = load_config(_job(tmp_path, path))
     assert not validation_errors(Strategy(engine="fsdp2", expert_parallel_size=8), job.model, job.training, job.hardware)
+    # its in-place input jitter modifies what a checkpoint of the MoE block saved: mlp checkpointing refused
+    errs = validation_errors(Strategy(checkpointing="mlp"), job.model, job.training, job.hardware)
+    assert [k for k, _ in errs] == ["checkpointing"] and "input_jitter_noise" in errs[0][1]
+    assert not validation_errors(Strategy(checkpointing="mlp"), job.model.replace(input_jitter_draws=0), job.training,
+                                 job.hardware)
+    assert not validation_errors(Strategy(checkpointing="full"), job.model, job.training, job.hardware)
 
 
 def test_zero12_hook_releases_the_experts_down_weight_gradient(tmp_path):
