@@ -463,6 +463,12 @@ MOE_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): ZeRO 0-3 a
     # latent attention's value a view of kv_b_proj's output in fp32 with one sequence (mla.value_kept; -1.07%)
     ("hf-deepseekv3", 0, 1, 1, 1, 512, "mlp", "fp32"), ("hf-deepseekv2", "fsdp2", 1, 1, 1, 512, "none", "fp32"),
 ]
+ATTENTION_INSTANT_ROWS = [  # FSDP2: a block's attention core backward, the MLP's and o_proj's unsharded weight gradients
+    # alive, above its MLP's instant where the MLP saves more than the core's transient (walk.backward_blocks)
+    ("hf-granitemoe-sv", "fsdp2-rbf16", 2, 4, 1, 256, "op", "bf16"), ("hf-granitemoe-sv", "fsdp2", 1, 1, 1, 256, "full", "bf16"),
+    ("hf-granitemoe-sv", "fsdp2-rbf16", 1, 1, 1, 256, "op", "bf16"), ("hf-granitemoe-sv", "fsdp2-keep", 2, 1, 1, 256, "none", "bf16"),
+    ("hf-qwen3moe-sv", "fsdp2", 1, 1, 1, 256, "full", "bf16"), ("hf-mixtral-sv", "fsdp2", 2, 1, 1, 256, "full", "fp32"),
+]
 
 
 # expert parallelism 2 on 2 gloo ranks (fsdp2: each block's E / 2 experts their own fully_shard unit,
@@ -489,8 +495,8 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
 
 
 def moe_grid() -> list[dict]:
-    """MOE_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
-    return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS]
+    """MOE_ROWS, ATTENTION_INSTANT_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
+    return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS + ATTENTION_INSTANT_ROWS]
             + [dict(zip(ROW_KEYS, r), knobs={"expert_parallel_size": 2}) for r in MOE_EP_ROWS])
 
 

@@ -187,7 +187,7 @@ def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarra
     has_recompute = ck & (top > 0)
     mlp_bwd = np.where(released, a["mlp_backward_released"], a["mlp_backward_transient"])
     return (L - 1 - i, saved, a_mlp + mlp_bwd, saved + attn_delta, frame,
-            saved + top, has_recompute, (attn_delta > 0) | late)
+            saved + top, has_recompute, (a["attention_backward_transient"] > 0) | late)
 
 
 def activation_row(model: ModelSpec, training: TrainingSpec, s: Strategy, device: str) -> list[Any]:
@@ -400,7 +400,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
 
 
 _U = ("n", "p", "r", "per_block", "root", "on_gpu", "u_root", "u_block", "flat", "cast_in", "grad_block", "all_grads",
-      "mlp_params", "rs_unit", "rs_mlp", "rs_own")
+      "mlp_params", "core_params", "rs_unit", "rs_mlp", "rs_own")
 _u_fields = attrgetter(*_U)
 
 
@@ -440,7 +440,7 @@ def _mixed_points(ks: list[dict[str, np.ndarray]], a: dict[str, np.ndarray], rec
         attn_delta = k["attention_backward_transient"] - k["mlp_saved_per_block"]
         mlp_bwd = np.where(released, k["mlp_backward_released"], k["mlp_backward_transient"])
         top = _recompute_top(k, moe_recomputed)
-        yield (i, k, ck, saved, a_mlp + mlp_bwd, frame, saved + attn_delta, (attn_delta > 0) | late,
+        yield (i, k, ck, saved, a_mlp + mlp_bwd, frame, saved + attn_delta, (k["attention_backward_transient"] > 0) | late,
                saved + top, ck & (top > 0))
 
 
@@ -470,13 +470,13 @@ def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarr
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev)
         core_rs = np.where(u["rs_own"] != 0, u["r"] * u["rs_own"], rs_prev)  # at the attention instant
         # (fsdp2.py: a recomputation under attention / selective runs as the attention instant, after the MLP's)
-        add("backward", sharded=done, unsharded=head_grad + np.where(recomputed_late, u["u_block"], 0.0),
+        add("backward", sharded=done, unsharded=head_grad + np.where(recomputed_late, u["p"] * u["core_params"], 0.0),
             activations=recompute, buffers=gathered - np.where(recomputed_late, 0.0, (np.where(reshard, nxt, 0.0)
                                                                                          if i > 0 else 0.0))
             + np.where(recomputed_late, core_rs, rs_prev), valid=has_recompute)
         add("backward", sharded=done, unsharded=head_grad + u["p"] * u["mlp_params"],
             activations=saved - k["mlp_saved_per_block"], buffers=gathered + np.maximum(rs_prev, u["r"] * u["rs_own"]))
-        add("backward", sharded=done, unsharded=head_grad + u["u_block"], activations=attention,
+        add("backward", sharded=done, unsharded=head_grad + u["p"] * u["core_params"], activations=attention,
             buffers=gathered + np.where(u["rs_own"] != 0, u["r"] * u["rs_own"], rs_prev), valid=has_attention)
         after = saved - k["per_block_plain"] - frame
         add("backward", sharded=done, unsharded=head_grad + u["u_block"], activations=after,
@@ -571,13 +571,13 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
             + u["cast_in"], valid=valid & reshard & (i > 0) & (flat != 0) & (device == "cpu"))  # fsdp2: gloo's copy
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev, valid=valid)
         core_rs = np.where(u["rs_own"] != 0, ur * u["rs_own"], rs_prev)  # at the attention instant
-        add("backward", sharded=done, unsharded=head_grad + np.where(recomputed_late, u_block, 0.0),
+        add("backward", sharded=done, unsharded=head_grad + np.where(recomputed_late, up * u["core_params"], 0.0),
             activations=recompute, buffers=gathered - np.where(recomputed_late, 0.0, np.where(reshard & (i > 0), flat, 0.0))
             + np.where(recomputed_late, core_rs, rs_prev), valid=valid & has_recompute)
         add("backward", sharded=done, unsharded=head_grad + up * u["mlp_params"],
             activations=saved - a["mlp_saved_per_block"], buffers=gathered + np.maximum(rs_prev, ur * u["rs_own"]),
             valid=valid)
-        add("backward", sharded=done, unsharded=head_grad + u_block, activations=attention,
+        add("backward", sharded=done, unsharded=head_grad + up * u["core_params"], activations=attention,
             buffers=gathered + np.where(u["rs_own"] != 0, ur * u["rs_own"], rs_prev),
             valid=valid & has_attention)
         after = saved - a["per_block_plain"] - frame

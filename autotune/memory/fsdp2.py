@@ -78,6 +78,9 @@ class _Units(NamedTuple):
     """Every unit's fp32 gradient shard."""
     mlp_params: int
     """Weights of one block's MLP."""
+    core_params: int
+    """Parameters whose gradients exist at the block's attention core backward: the MLP's weights
+    (``mlp_params``), o_proj, the norms and biases after the core (spec.params_after_attention_core)."""
     rs_unit: int
     """Parameters of a block's largest unit (its reduce-scatter input): the block, or with expert
     parallelism the larger of its dense part and its experts unit."""
@@ -135,7 +138,7 @@ def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
                u_root=p * root, u_block=p * per_block,
                flat=p * per_block if n > 1 else 0.0, cast_in=p * per_block / n if p < 4 else 0.0,
                grad_block=on_gpu * 4 * per_block / n, all_grads=on_gpu * 4 * m.num_parameters / n,
-               mlp_params=ffn_weight_elements(m), rs_unit=per_block,
+               mlp_params=ffn_weight_elements(m), core_params=m.params_after_attention_core(), rs_unit=per_block,
                rs_mlp=per_block, rs_own=0)  # a MoE's: its router and every expert (moe.py)
     if s.expert_parallel_size <= 1 or not m.is_moe:
         return u
@@ -147,7 +150,8 @@ def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
     return u._replace(u_block=p * (e.dense + e.local),
                       flat=p * max(e.dense if n > 1 else 0, e.local if e.mod_ep > 1 else 0),
                       cast_in=p * max(e.dense / n, e.local / e.mod_ep) if p < 4 else 0.0,
-                      mlp_params=u.mlp_params - block_expert_elements(m) + e.local, rs_unit=max(e.dense, e.local),
+                      mlp_params=u.mlp_params - block_expert_elements(m) + e.local,
+                      core_params=u.core_params - block_expert_elements(m) + e.local, rs_unit=max(e.dense, e.local),
                       # the backward's units: layers.i, its experts, layers.i-1, ... (FSDP2 runs and prefetches
                       # them in reverse post-forward order, _fsdp_state.py _pre_backward; one reduce-scatter
                       # input kept until the next post-backward, _fsdp_param_group.py post_backward)
@@ -314,15 +318,16 @@ def _blocks_backward(add: Callable[..., None], us: list[_Units], act: Activation
             # recomputation: reverse post-forward order, layers.i, its experts, layers.i-1; allocation traces)
             # (attention / selective: the core's, after the MLP's backward, as at its attention instant)
             late = k.recomputed_after_mlp
-            add("backward", sharded=done, unsharded=head_grad + (u.u_block if late else 0.0), activations=pt.recompute,
+            add("backward", sharded=done, unsharded=head_grad + (u.p * u.core_params if late else 0.0),
+                activations=pt.recompute,
                 buffers=gathered - (nxt if (reshard and i > 0 and not late) else 0.0)
                 + ((u.r * u.rs_own if u.rs_own else rs_prev) if late else rs_prev))
         # the MLP done: all its weight gradients, its saved tensors released
         # (with expert parallelism the experts' post-backward: their reduce-scatter input replaces the other)
         add("backward", sharded=done, unsharded=head_grad + u.p * u.mlp_params,
             activations=pt.saved - k.mlp_saved_per_block, buffers=gathered + max(rs_prev, u.r * u.rs_own))
-        if pt.attention is not None:
-            add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=pt.attention,
+        if pt.attention is not None:  # the MLP's, o_proj's and the norms' weight gradients (not q, k, v yet)
+            add("backward", sharded=done, unsharded=head_grad + u.p * u.core_params, activations=pt.attention,
                 buffers=gathered + (u.r * u.rs_own if u.rs_own else rs_prev))
         # post-backward (the block's activations gone, the previous reduce-scatter input released):
         # its gradients copied into a new reduce-scatter input, then freed before the reduce output

@@ -28,7 +28,7 @@ class BlockPoint(NamedTuple):
     mlp: float
     """During the block's MLP backward (its transients included)."""
     attention: Optional[float]
-    """During its attention backward (None when that is never larger than ``mlp``)."""
+    """During its attention backward (None without an attention backward transient)."""
     frame: float = 0.0
     """Part of ``saved`` its checkpoint frame keeps beyond the recomputed set (released with the block)."""
     act: Optional[ActivationBreakdown] = None
@@ -76,8 +76,10 @@ def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: in
         # a checkpointed attention module / core is recomputed only after the MLP's backward
         late = ck and act.recomputed_after_mlp
         a_mlp = a - act.recompute if late else a
-        # its attention backward: above the MLP's when its transient is, or when only it holds the recomputation
-        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if (attn_delta > 0 or late) else None,
+        # its attention backward: the MLP's saved tensors released, the attention's transient and (the engines)
+        # the MLP's weight gradients alive: an instant of its own whenever that transient exists
+        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd,
+                              a + attn_delta if (act.attention_backward_transient > 0 or late) else None,
                               frame, act, _recompute(act, ck, a)))
     return out
 
@@ -101,7 +103,8 @@ def _mixed_blocks(act: ActivationBreakdown, strategy: Strategy, L: int, other_sa
         a_mlp = a - recompute if late else a
         attn_delta = k.attention_backward_transient - k.mlp_saved_per_block
         mlp_bwd = k.mlp_backward_released if released else k.mlp_backward_transient
-        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd, a + attn_delta if (attn_delta > 0 or late) else None,
+        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd,
+                              a + attn_delta if (k.attention_backward_transient > 0 or late) else None,
                               frame, k, _recompute(k, is_ck, a)))
     return out
 
