@@ -469,6 +469,13 @@ ATTENTION_INSTANT_ROWS = [  # FSDP2: a block's attention core backward, the MLP'
     ("hf-granitemoe-sv", "fsdp2-rbf16", 1, 1, 1, 256, "op", "bf16"), ("hf-granitemoe-sv", "fsdp2-keep", 2, 1, 1, 256, "none", "bf16"),
     ("hf-qwen3moe-sv", "fsdp2", 1, 1, 1, 256, "full", "bf16"), ("hf-mixtral-sv", "fsdp2", 2, 1, 1, 256, "full", "fp32"),
 ]
+POST_BACKWARD_ROWS = [  # FSDP2 on 2 ranks, few tokens: a block's post-backward is the peak, its parameters resharded
+    # before the reduce-scatter, gloo's clone of the fp32 input beside it and the new shard (fsdp2._blocks_backward)
+    ("hf-qwen3moe-nf", "fsdp2-keep", 2, 2, 1, 128, "op", "bf16"), ("hf-qwen3moe-nf", "fsdp2-keep", 2, 1, 1, 128, "none", "bf16"),
+    ("hf-qwen3moe-nf", "fsdp2", 2, 1, 1, 128, "op", "bf16"), ("hf-qwen3moe-nf", "fsdp2-keep", 2, 1, 1, 128, "full", "bf16"),
+    ("hf-mixtral-sv", "fsdp2-keep", 2, 1, 1, 128, "none", "bf16"), ("hf-olmoe-sv", "fsdp2-rbf16", 2, 1, 1, 128, "full", "bf16"),
+    ("hf-qwen3moe-nf", "fsdp2-keep", 2, 1, 1, 128, "none", "fp32"),
+]
 
 
 # expert parallelism 2 on 2 gloo ranks (fsdp2: each block's E / 2 experts their own fully_shard unit,
@@ -495,8 +502,8 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
 
 
 def moe_grid() -> list[dict]:
-    """MOE_ROWS, ATTENTION_INSTANT_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
-    return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS + ATTENTION_INSTANT_ROWS]
+    """MOE_ROWS, ATTENTION_INSTANT_ROWS, POST_BACKWARD_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
+    return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS + ATTENTION_INSTANT_ROWS + POST_BACKWARD_ROWS]
             + [dict(zip(ROW_KEYS, r), knobs={"expert_parallel_size": 2}) for r in MOE_EP_ROWS])
 
 

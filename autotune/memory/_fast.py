@@ -479,10 +479,12 @@ def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarr
         add("backward", sharded=done, unsharded=head_grad + u["p"] * u["core_params"], activations=attention,
             buffers=gathered + np.where(u["rs_own"] != 0, u["r"] * u["rs_own"], rs_prev), valid=has_attention)
         after = saved - k["per_block_plain"] - frame
+        # fsdp2.py: the block resharded before its reduce-scatter; gloo's clone of the input beside the new shard
         add("backward", sharded=done, unsharded=head_grad + u["u_block"], activations=after,
-            buffers=gathered + u["r"] * u["rs_unit"])
+            buffers=gathered - u["u_block"] + u["r"] * u["rs_unit"])
         add("backward", sharded=np.where(carry != 0, carry, done) + u["grad_block"], unsharded=head_grad,
-            activations=after, buffers=gathered + u["r"] * u["rs_unit"])
+            activations=after, buffers=gathered - u["u_block"]
+            + u["r"] * u["rs_unit"] * np.where(gloo & (u["n"] > 1), 2, 1))
 
 
 def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
@@ -557,6 +559,7 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     # fsdp2._blocks_backward
     extra = [np.full(n, 1, dtype=np.int64), np.full(n, L - 2, dtype=np.int64)]
     rs_block = ur * u["rs_unit"]
+    rs_clone = np.where((device == "cpu") & (un > 1), 2, 1)  # fsdp2.py: gloo's reduce-scatter clones its input
     if kinds is not None:
         _mixed_blocks_backward(add, ks, us, a, recomputed_late, moe_recomputed, other_saved, head_grad, carry, reshard,
                                device == "cpu")
@@ -581,16 +584,16 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
             buffers=gathered + np.where(u["rs_own"] != 0, ur * u["rs_own"], rs_prev),
             valid=valid & has_attention)
         after = saved - a["per_block_plain"] - frame
-        add("backward", sharded=done, unsharded=head_grad + u_block, activations=after, buffers=gathered + rs_block,
-            valid=valid)
+        add("backward", sharded=done, unsharded=head_grad + u_block, activations=after,
+            buffers=gathered - u_block + rs_block, valid=valid)
         add("backward", sharded=np.where(carry != 0, carry, done) + u["grad_block"], unsharded=head_grad,
-            activations=after, buffers=gathered + rs_block, valid=valid)
+            activations=after, buffers=gathered - u_block + rs_block * rs_clone, valid=valid)
 
     blocks_sharded = u["all_grads"] - on_gpu * 4 * u["root"] / un
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], activations=a["hidden_grad"],
         buffers=u_root + ur * us[0]["rs_unit"])
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], buffers=u_root + ur * u["root"])
-    add("backward", sharded=u["all_grads"], buffers=u_root + ur * u["root"])
+    add("backward", sharded=u["all_grads"], buffers=u_root + ur * u["root"] * rs_clone)
     add("optimizer", sharded=u["all_grads"], buffers=on_gpu * 4 * shard)
     host = u["host"]
     pair = 2 * u_block if kinds is None else np.max([x["u_block"] + y["u_block"] for x, y in zip(us, us[1:])], axis=0)

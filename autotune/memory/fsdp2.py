@@ -258,7 +258,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, activations=act.hidden_grad,
         buffers=u.u_root + u.r * us[0].rs_unit)
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, buffers=u.u_root + u.r * u.root)
-    add("backward", sharded=u.all_grads, buffers=u.u_root + u.r * u.root)
+    add("backward", sharded=u.all_grads, buffers=u.u_root + u.r * u.root * (2 if (device == "cpu" and u.n > 1) else 1))
     # optimizer step: AdamW foreach's fp32 temporary of the shard
     add("optimizer", sharded=u.all_grads, buffers=u.on_gpu * 4 * shard)
 
@@ -329,11 +329,14 @@ def _blocks_backward(add: Callable[..., None], us: list[_Units], act: Activation
         if pt.attention is not None:  # the MLP's, o_proj's and the norms' weight gradients (not q, k, v yet)
             add("backward", sharded=done, unsharded=head_grad + u.p * u.core_params, activations=pt.attention,
                 buffers=gathered + (u.r * u.rs_own if u.rs_own else rs_prev))
-        # post-backward (the block's activations gone, the previous reduce-scatter input released):
-        # its gradients copied into a new reduce-scatter input, then freed before the reduce output
-        # (the new shard) is allocated; accumulating, that output is added into the existing shard
+        # post-backward (the block's activations gone, the previous reduce-scatter input released): its
+        # unsharded parameters freed first (reshard after backward, _fsdp_param_group.py post_backward, whatever
+        # reshard_after_forward says), its gradients copied into a new reduce-scatter input, then freed before
+        # the reduce output (the new shard) is allocated; accumulating, that output is added into the existing
+        # shard. Gloo's reduce-scatter clones its input for the collective (c10d::_reduce_scatter_base_, allocation
+        # traces: beside the input and the new shard)
         after = pt.saved - k.per_block_plain - pt.frame
         add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=after,
-            buffers=gathered + u.r * u.rs_unit)
+            buffers=gathered - u.u_block + u.r * u.rs_unit)
         add("backward", sharded=(carry if carry else done) + u.grad_block, unsharded=head_grad, activations=after,
-            buffers=gathered + u.r * u.rs_unit)
+            buffers=gathered - u.u_block + u.r * u.rs_unit * (2 if (gloo and u.n > 1) else 1))
