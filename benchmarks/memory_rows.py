@@ -309,7 +309,8 @@ MATH_ROWS = [("hf-gpt2", "fsdp2", 1, 1, 1, 512, "none", "fp32"), ("hf-gpt2", 0, 
              ("hf-neox-drop", 3, 2, 1, 1, 512, "selective", "fp32")]
 CARRY_ROWS = [("hf-neox-drop", 1, 1, 2, 1, 512, "selective", "fp32"), ("hf-neox-drop", 1, 2, 2, 1, 512, "selective", "fp32"),
               ("hf-gpt2", 1, 1, 2, 1, 512, "attention", "fp32"), ("hf-gpt2", 1, 2, 2, 1, 512, "selective", "fp32"),
-              ("hf-neox-drop", 1, 1, 4, 1, 512, "selective", "fp32"), ("hf-neox-drop", 1, 1, 2, 2, 256, "attention", "bf16")]
+              ("hf-neox-drop", 1, 1, 4, 1, 512, "selective", "fp32"), ("hf-neox-drop", 1, 1, 2, 2, 256, "attention", "bf16"),
+              ("hf-gemma2", 1, 1, 2, 1, 512, "attention", "fp32"), ("hf-gpt2", 1, 1, 2, 1, 512, "full", "fp32")]
 """ZeRO-1 with gradient accumulation where the peak comes late in the backward (a core recomputed after the MLP's
 backward): two micro-steps (the carry split between them, estimate.split_carry), and four for contrast."""
 
@@ -476,6 +477,10 @@ POST_BACKWARD_ROWS = [  # FSDP2 on 2 ranks, few tokens: a block's post-backward 
     ("hf-mixtral-sv", "fsdp2-keep", 2, 1, 1, 128, "none", "bf16"), ("hf-olmoe-sv", "fsdp2-rbf16", 2, 1, 1, 128, "full", "bf16"),
     ("hf-qwen3moe-nf", "fsdp2-keep", 2, 1, 1, 128, "none", "fp32"),
 ]
+CARRY_MOE_ROWS = [  # ZeRO-1, two micro-steps (estimate.split_carry): the forward's last attention core holds the whole
+    # carry (estimate.last_forward_relief); gpt-oss's eager core with sinks
+    ("hf-gptoss-sv", 1, 1, 2, 1, 512, "attention", "fp32"), ("hf-gptoss-sv", 1, 2, 2, 1, 512, "full", "bf16"),
+]
 
 
 # expert parallelism 2 on 2 gloo ranks (fsdp2: each block's E / 2 experts their own fully_shard unit,
@@ -502,8 +507,8 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
 
 
 def moe_grid() -> list[dict]:
-    """MOE_ROWS, ATTENTION_INSTANT_ROWS, POST_BACKWARD_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
-    return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS + ATTENTION_INSTANT_ROWS + POST_BACKWARD_ROWS]
+    """MOE_ROWS, ATTENTION_INSTANT_ROWS, POST_BACKWARD_ROWS, CARRY_MOE_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
+    return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS + ATTENTION_INSTANT_ROWS + POST_BACKWARD_ROWS + CARRY_MOE_ROWS]
             + [dict(zip(ROW_KEYS, r), knobs={"expert_parallel_size": 2}) for r in MOE_EP_ROWS])
 
 

@@ -1,6 +1,6 @@
 """Analytical peak memory vs real DeepSpeed training steps on the CPU accelerator.
 
-    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 250 configs
+    python benchmarks/memory_vs_deepspeed.py --json out.json     # full grid, 252 configs
     python benchmarks/memory_vs_deepspeed.py --quick             # 3 reference configs
     python benchmarks/memory_vs_deepspeed.py --spot              # 8 off-grid HF configs (GA 3, ...)
     python benchmarks/memory_vs_deepspeed.py --filter model=hf-phi3 --filter stage=3
@@ -25,7 +25,7 @@ h = 64, every ZeRO stage x none/full/op, 1 and 2 ranks, mbs 1-2, bf16/fp32; a 64
 the final norm's backward is the peak; Mistral's sliding window at and below the sequence; two rows at
 seq 512/256), and 10 where eager attention's core backward is the peak (``CORE_ROWS``: Gemma-2 at seq
 512-1024, the reference GPT-2 with attention dropout, gpt-oss), and 6 of Gemma-3's four-norm block
-(``NORM_ROWS``), and 12 of sdpa's CPU math path (``MATH_ROWS``: attention dropout, 1 and 2 sequences), and 6 of
+(``NORM_ROWS``), and 12 of sdpa's CPU math path (``MATH_ROWS``: attention dropout, 1 and 2 sequences), and 8 of
 ZeRO-1's accumulation carry at a late backward peak (``CARRY_ROWS``). Every config runs
 ``autotune.worker.main`` in fresh processes (``python`` for 1 rank, ``torchrun
 --nproc_per_node 2`` with gloo for 2) with a torch AdamW (fused, like DeepSpeed's FusedAdam)

@@ -386,6 +386,17 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         add("backward", grads=np.where(i == r_false, g_before, g), activations=saved,
             buffers=bwd + reduce_flat, pending=pending_head, valid=valid & in_reduces, hooked=hooked)
 
+    # estimate.py: the carry micro-step's forward at the last checkpointed block's attention core (split_carry)
+    if kinds is not None:
+        last_saved_bwd = next(_mixed_points([a_dense if d else a for d in kinds], a, recomputed_late, moe_recomputed,
+                                            other_saved, released))[3]
+    else:
+        last_saved_bwd = _block_point(a, np.full(n, L - 1), other_saved, L, recomputed_late, moe_recomputed, released)[1]
+    lk = a_dense if (kinds is not None and kinds[-1]) else a
+    core = lk["attention_backward_transient"] if m.attn_implementation == "eager" else np.maximum(
+        0.0, lk["core_recompute_transient"])
+    add("forward", activations=last_saved_bwd - (lk["mlp_saved_per_block"] + lk["hidden_grad"] - core),
+        buffers=c["buffers_fwd"], valid=(split > 0) & last_ck)
     moved = np.where(c["zero1"] > 0, carry - carry_ipg, 0.0)
     add("backward", grads=c["grads"] - moved, buffers=bwd + c["buffers_bwd_end"])
     add("backward", grads=np.where(m.num_parameters > bucket, c["grads"], 0.0) - moved,
