@@ -267,6 +267,22 @@ def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: 
             s.zero_stage == 1, s.zero_stage == 0, k, k2, blocked, *retained]
 
 
+def _last_core_forward(m: ModelSpec, a: dict[str, np.ndarray], a_dense: Optional[dict[str, np.ndarray]],
+                       other_saved: np.ndarray, recomputed_late: np.ndarray, moe_recomputed: np.ndarray) -> np.ndarray:
+    """The last checkpointed block's attention core in the forward, per candidate (walk.last_forward_relief off its
+    backward instant ``BlockPoint.saved``; both walks)."""
+    kinds, L = layer_kinds(m), m.num_hidden_layers
+    if kinds is not None:
+        saved = next(_mixed_points([a_dense if d else a for d in kinds], a, recomputed_late, moe_recomputed,
+                                   other_saved))[3]
+    else:
+        saved = _block_point(a, np.full(len(other_saved), L - 1), other_saved, L, recomputed_late, moe_recomputed)[1]
+    k = a_dense if (kinds is not None and kinds[-1]) else a
+    core = k["attention_backward_transient"] if m.attn_implementation == "eager" else np.maximum(
+        0.0, k["core_recompute_transient"])
+    return saved - (k["mlp_saved_per_block"] + k["hidden_grad"] - core)
+
+
 def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
                headroom: float, device: str, loop: str) -> tuple[np.ndarray, np.ndarray, _Walk]:
     """estimate.estimate_memory's walk (deepspeed engine) over the candidates."""
@@ -386,17 +402,8 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
         add("backward", grads=np.where(i == r_false, g_before, g), activations=saved,
             buffers=bwd + reduce_flat, pending=pending_head, valid=valid & in_reduces, hooked=hooked)
 
-    # estimate.py: the carry micro-step's forward at the last checkpointed block's attention core (split_carry)
-    if kinds is not None:
-        last_saved_bwd = next(_mixed_points([a_dense if d else a for d in kinds], a, recomputed_late, moe_recomputed,
-                                            other_saved, released))[3]
-    else:
-        last_saved_bwd = _block_point(a, np.full(n, L - 1), other_saved, L, recomputed_late, moe_recomputed, released)[1]
-    lk = a_dense if (kinds is not None and kinds[-1]) else a
-    core = lk["attention_backward_transient"] if m.attn_implementation == "eager" else np.maximum(
-        0.0, lk["core_recompute_transient"])
-    add("forward", activations=last_saved_bwd - (lk["mlp_saved_per_block"] + lk["hidden_grad"] - core),
-        buffers=c["buffers_fwd"], valid=(split > 0) & last_ck)
+    add("forward", activations=_last_core_forward(m, a, a_dense, other_saved, recomputed_late, moe_recomputed),
+        buffers=c["buffers_fwd"], valid=last_ck)
     moved = np.where(c["zero1"] > 0, carry - carry_ipg, 0.0)
     add("backward", grads=c["grads"] - moved, buffers=bwd + c["buffers_bwd_end"])
     add("backward", grads=np.where(m.num_parameters > bucket, c["grads"], 0.0) - moved,
@@ -528,6 +535,7 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     saved_blocks, logits_saved = a["blocks"], a["logits_saved"]
     other_saved = a["nonblock"] - logits_saved
     kinds = layer_kinds(m)  # blocks of two kinds (memory/mixed.py): each block's own terms and units
+    a_dense = None
     if kinds is None:
         ks, us, all_blocks = [a] * L, [u] * L, u_block * L
     else:
@@ -552,6 +560,8 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     moe_fwd = last_a["moe_forward_transient"]
     add("forward", activations=saved_blocks + other_saved - a["final_norm_saved"] + a["forward_only_masks"] + moe_fwd,
         buffers=u_root + gathered_last + last_u["flat"], valid=(moe_fwd > 0) & ~(last_ck & moe_recomputed))
+    add("forward", activations=_last_core_forward(m, a, a_dense, other_saved, recomputed_late, moe_recomputed),
+        buffers=u_root + gathered_last + last_u["flat"], valid=last_ck)
     add("forward", activations=saved_blocks + other_saved + a["final_norm_forward_extra"] + a["forward_only_masks"],
         buffers=u_root + kept_blocks + last_u["flat"])
     add("forward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_forward_transient"],

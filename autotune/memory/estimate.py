@@ -11,7 +11,7 @@ from autotune.memory.common import MemoryEstimate, _gib
 from autotune.memory.mixed import blocks_within, kind_spec, layer_kinds, params_after
 from autotune.memory.moe import down_weight_elements
 from autotune.memory.states import _model_states, _States, experts_retained, grad_partition_elements
-from autotune.memory.walk import LOOPS, Candidate, Loop, backward_blocks, finish
+from autotune.memory.walk import LOOPS, Candidate, Loop, backward_blocks, finish, last_forward_relief
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy, data_parallel_size
 from autotune.engine_configs import default_buckets, gradient_accumulation_steps
@@ -79,20 +79,6 @@ def split_relief(split: float, lo: float, hi: float) -> float:
     gradients take ``lo`` to ``hi`` bytes: the carry micro-step holds at most ``split - lo``, the
     first one at most ``hi``; never negative."""
     return max(0.0, min(lo, split - hi))
-
-
-def last_forward_relief(m: ModelSpec, k: ActivationBreakdown) -> float:
-    """What the last checkpointed block's backward instant (walk.BlockPoint.saved: its recomputed set, every
-    block's saved tensors, the gradient flowing back) holds beyond the same block's attention core in the
-    forward, where the carry micro-step of split_carry holds the whole carry that its backward hands to the
-    buckets (hf-gptoss-sv ZeRO-1 GA 2 attention fp32: the forward's core is the step's peak): the MLP's saved
-    tensors (made after the core) and the hidden states' gradient, less the core's forward transient: eager
-    attention's score chain, estimated as its backward's transient (not itemized: -0.60% on that row, whose
-    sinks' cat and max sit beside it), sdpa's recomputed core end (``core_recompute_transient``, the CPU math
-    kernel; none for the fused kernels)."""
-    core = (k.attention_backward_transient if m.attn_implementation == "eager"
-            else max(0.0, k.core_recompute_transient))
-    return k.mlp_saved_per_block + k.hidden_grad - core
 
 
 def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy,
@@ -188,7 +174,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
         + act.final_norm_backward_live, buffers=bwd, pending=pending_head,
         hooked=(head_hooked, head_hooked + m.norm_params()))
     _blocks_backward(add, m, s, st, act, other_saved, head_grad, pending_head, head_hooked + m.norm_params())
-    if split and (L - 1) in s.checkpointed_blocks(L):
+    if (L - 1) in s.checkpointed_blocks(L):  # the last block's attention core in the forward (walk.last_forward_relief)
         last = backward_blocks(act, s, L, other_saved)[0]
         add("forward", activations=last.saved - last_forward_relief(m, last.act or act), buffers=st.buffers_fwd)
     # ZeRO-1 at the accumulation boundary: each carried full-size gradient is copied into the

@@ -43,7 +43,7 @@ from autotune.memory.expert_parallel import block_expert_elements, ep_units
 from autotune.memory.mixed import dense_block_spec, layer_kinds, layer_params, saved_below
 from autotune.memory.moe import expert_width, ffn_weight_elements
 from autotune.memory.states import parameter_shapes
-from autotune.memory.walk import Candidate, Loop, backward_blocks, finish
+from autotune.memory.walk import Candidate, Loop, backward_blocks, finish, last_forward_relief
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
 from autotune.engine_configs import engine_settings, gradient_accumulation_steps, shard_group_size
@@ -223,6 +223,10 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
         # every block's saved tensors but what the decoder makes after it (the final norm's)
         add("forward", activations=saved_blocks + other_saved - act.final_norm_saved + act.forward_only_masks
             + last_kind.moe_forward_transient, buffers=u.u_root + (last.u_block if reshard else all_blocks) + last.flat)
+    if last_ck:  # the last block's attention core in the forward (walk.last_forward_relief)
+        lp = backward_blocks(act, s, L, other_saved)[0]
+        add("forward", activations=lp.saved - last_forward_relief(m, lp.act or act),
+            buffers=u.u_root + (last.u_block if reshard else all_blocks) + last.flat)
     # the final norm's forward, inside the decoder's (activations.py final_norm_forward_extra)
     add("forward", activations=saved_blocks + other_saved + act.final_norm_forward_extra + act.forward_only_masks,
         buffers=u.u_root + (0.0 if reshard else all_blocks) + last.flat)

@@ -84,6 +84,20 @@ def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: in
     return out
 
 
+def last_forward_relief(m: ModelSpec, k: ActivationBreakdown) -> float:
+    """What the last checkpointed block's backward instant (``BlockPoint.saved``: its recomputed set, every
+    block's saved tensors, the gradient flowing back) holds beyond the same block's attention core in the
+    forward, an instant of both walks: the MLP's saved tensors (made after the core) and the hidden states'
+    gradient, less the core's forward transient: eager attention's score chain, estimated as its backward's
+    transient (not itemized: -0.60% on hf-gptoss-sv ZeRO-1 GA 2 attention fp32, whose sinks' cat and max sit
+    beside it), sdpa's recomputed core end (``core_recompute_transient``, the CPU math kernel; none for the
+    fused kernels). It holds the step's peak where the forward holds more gradients than the backward's
+    instants (estimate.split_carry), and the forward phase's own figure everywhere (docs/accuracy.md)."""
+    core = (k.attention_backward_transient if m.attn_implementation == "eager"
+            else max(0.0, k.core_recompute_transient))
+    return k.mlp_saved_per_block + k.hidden_grad - core
+
+
 def _mixed_blocks(act: ActivationBreakdown, strategy: Strategy, L: int, other_saved: float,
                   released: bool = False) -> list[BlockPoint]:
     """``backward_blocks`` for blocks of two kinds (memory/mixed.py): every block visited, each with its
