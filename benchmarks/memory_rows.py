@@ -477,6 +477,11 @@ POST_BACKWARD_ROWS = [  # FSDP2 on 2 ranks, few tokens: a block's post-backward 
     ("hf-mixtral-sv", "fsdp2-keep", 2, 1, 1, 128, "none", "bf16"), ("hf-olmoe-sv", "fsdp2-rbf16", 2, 1, 1, 128, "full", "bf16"),
     ("hf-qwen3moe-nf", "fsdp2-keep", 2, 1, 1, 128, "none", "fp32"),
 ]
+GQA_MATH_ROWS = [  # sdpa's CPU math kernel (Granite's attention dropout) with grouped kv heads: enable_gqa repeats k and v
+    # inside the kernel (activations._math_core_forward_transient), the recomputed core's forward end the peak
+    ("hf-granitemoe-sv", 1, 1, 1, 1, 256, "attention", "bf16"), ("hf-granitemoe-sv", 0, 1, 1, 1, 256, "selective", "fp32"),
+    ("hf-granitemoe-sv", 2, 1, 1, 2, 256, "attention", "bf16"), ("hf-granitemoe-sv", "fsdp2", 1, 1, 1, 256, "selective", "bf16"),
+]
 CARRY_MOE_ROWS = [  # ZeRO-1, two micro-steps (estimate.split_carry): the forward's last attention core holds the whole
     # carry (estimate.last_forward_relief); gpt-oss's eager core with sinks
     ("hf-gptoss-sv", 1, 1, 2, 1, 512, "attention", "fp32"), ("hf-gptoss-sv", 1, 2, 2, 1, 512, "full", "bf16"),
@@ -507,8 +512,9 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
 
 
 def moe_grid() -> list[dict]:
-    """MOE_ROWS, ATTENTION_INSTANT_ROWS, POST_BACKWARD_ROWS, CARRY_MOE_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
-    return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS + ATTENTION_INSTANT_ROWS + POST_BACKWARD_ROWS + CARRY_MOE_ROWS]
+    """MOE_ROWS, ATTENTION_INSTANT_ROWS, POST_BACKWARD_ROWS, CARRY_MOE_ROWS, GQA_MATH_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
+    return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS + ATTENTION_INSTANT_ROWS + POST_BACKWARD_ROWS + CARRY_MOE_ROWS
+             + GQA_MATH_ROWS]
             + [dict(zip(ROW_KEYS, r), knobs={"expert_parallel_size": 2}) for r in MOE_EP_ROWS])
 
 

@@ -337,11 +337,15 @@ def _math_core_forward_transient(m: ModelSpec, p: int, batch: int, s: int) -> fl
     copies of q and k (locals until it returns), the probabilities cast back (``attn.to(origin_dtype)``, s x s
     per head) and the output cast; with several sequences a q-sized copy for the batched matmul of a q laid
     out (b, s, heads, d), which rotary's ``torch.cat`` does not leave (in bf16 also v's fp32 copy, whose
-    contiguous clone is what PV saves). The (s, s) fp32 causal mask is per micro-batch, added by the caller,
+    contiguous clone is what PV saves). With grouped kv heads (transformers' ``use_gqa_in_sdpa``: no mask,
+    ``enable_gqa``) the kernel repeats k and v itself (``repeat_interleave``), one q-sized fp32 tensor more at
+    its peak than with as many kv heads as q heads (traces of the kernel alone, bf16 and fp32, one and two
+    sequences: 4 q bytes per token). The (s, s) fp32 causal mask is per micro-batch, added by the caller,
     and so are the core's inputs, alive in the attention module's frame (``_selective_inputs_unsaved``)."""
     q, a = m.q_size, m.num_attention_heads
-    kv_eff = q if m.num_key_value_heads < a else m.kv_size
-    n = 4 * q + (4 * q if batch > 1 and not m.rotary_concat else 0)
+    gqa = m.num_key_value_heads < a
+    kv_eff = q if gqa else m.kv_size
+    n = 4 * q + (4 * q if batch > 1 and not m.rotary_concat else 0) + (4 * q if gqa else 0)
     if p < 4:
         n += 4 * (q + kv_eff) + (4 * kv_eff if batch > 1 else 0) + p * a * s + p * q
     return float(n)
