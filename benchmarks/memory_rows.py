@@ -482,6 +482,11 @@ GQA_MATH_ROWS = [  # sdpa's CPU math kernel (Granite's attention dropout) with g
     ("hf-granitemoe-sv", 1, 1, 1, 1, 256, "attention", "bf16"), ("hf-granitemoe-sv", 0, 1, 1, 1, 256, "selective", "fp32"),
     ("hf-granitemoe-sv", 2, 1, 1, 2, 256, "attention", "bf16"), ("hf-granitemoe-sv", "fsdp2", 1, 1, 1, 256, "selective", "bf16"),
 ]
+EAGER_WEIGHTS_ROWS = [  # gpt-oss's eager attention returns its weights, held by the decoder layer through the experts'
+    # forward where a checkpointed core saves none (activations._eager_weights_returned): the forward's peak
+    ("hf-gptoss-sv", "fsdp2-rbf16", 2, 2, 1, 256, "selective", "fp32"), ("hf-gptoss-sv", "fsdp2-rbf16", 2, 1, 1, 256, "selective", "fp32"),
+    ("hf-gptoss-sv", "fsdp2-rbf16", 1, 2, 1, 256, "selective", "fp32"), ("hf-gptoss-sv", "fsdp2-rbf16", 1, 2, 1, 256, "selective", "bf16"),
+]
 CARRY_MOE_ROWS = [  # ZeRO-1, two micro-steps (estimate.split_carry): the forward's last attention core holds the whole
     # carry (estimate.last_forward_relief); gpt-oss's eager core with sinks
     ("hf-gptoss-sv", 1, 1, 2, 1, 512, "attention", "fp32"), ("hf-gptoss-sv", 1, 2, 2, 1, 512, "full", "bf16"),
@@ -512,9 +517,9 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
 
 
 def moe_grid() -> list[dict]:
-    """MOE_ROWS, ATTENTION_INSTANT_ROWS, POST_BACKWARD_ROWS, CARRY_MOE_ROWS, GQA_MATH_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
+    """MOE_ROWS, ATTENTION_INSTANT_ROWS, POST_BACKWARD_ROWS, CARRY_MOE_ROWS, GQA_MATH_ROWS, EAGER_WEIGHTS_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
     return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS + ATTENTION_INSTANT_ROWS + POST_BACKWARD_ROWS + CARRY_MOE_ROWS
-             + GQA_MATH_ROWS]
+             + GQA_MATH_ROWS + EAGER_WEIGHTS_ROWS]
             + [dict(zip(ROW_KEYS, r), knobs={"expert_parallel_size": 2}) for r in MOE_EP_ROWS])
 
 

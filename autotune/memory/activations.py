@@ -144,6 +144,18 @@ def _attention_core_saved(m: ModelSpec, p: int, s: int, mask_bytes: int, device:
     return n
 
 
+def _eager_weights_returned(m: ModelSpec, p: int, s: int) -> float:
+    """Per token, the attention weights transformers' eager attention returns beside its output
+    (``eager_attention_forward``: the dropout's output in the model dtype; gpt-oss's a view of its softmax
+    over the scores and the sink column, s + 1 wide), which the decoder layer holds (``hidden_states, _ =
+    self.self_attn(...)``) until its forward returns: through the feed-forward, beyond what a checkpointed
+    core saves (allocation trace of hf-gptoss-sv FSDP2 selective fp32: the last block's experts' forward
+    peak). sdpa returns none."""
+    if m.attn_implementation != "eager":
+        return 0.0
+    return float(p * m.num_attention_heads * (s + 1 if m.attention_sinks else s))
+
+
 def _attention_core_selective(m: ModelSpec, p: int) -> float:
     """Attention core under selective checkpointing: only its inputs q, k, v and its output."""
     q, kv = m.q_size, m.kv_size
@@ -705,7 +717,8 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         mlp_backward_released=mlp_released,
         logits_tokens=logits_tokens,
         offloaded=offloaded,
-        moe_forward_transient=moe_fwd,
+        moe_forward_transient=moe_fwd + (_eager_weights_returned(m, p, s_full) * tokens
+                                         if (moe_fwd and n_ck and gran not in ("none", "mlp")) else 0.0),
         moe_recompute_transient=moe_re,
         masks_only_later=masks_later,
         core_recompute_transient=core_re,
