@@ -23,8 +23,8 @@ import numpy as np
 from autotune.knobs import memory_key
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import PREDICTION_MARGIN
-from autotune.memory.estimate import _accumulation_carry, split_carry
-from autotune.memory.fsdp2 import _units, offload_host
+from autotune.memory.estimate import _accumulation_carry, carry_buckets, split_carry
+from autotune.memory.fsdp2 import _units, offload_host, rs_input_copies
 from autotune.memory.mixed import blocks_within, dense_block_spec, kind_spec, layer_kinds, params_after
 from autotune.memory.moe import down_weight_elements
 from autotune.memory.states import _model_states, zero3_gathered
@@ -252,7 +252,7 @@ def states_row(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s: 
     p = BYTES_PER_ELEMENT[s.precision]
     gas = gradient_accumulation_steps(s, training, hardware)
     carry, grow = _accumulation_carry(m, hardware, s, gas)
-    carry_ipg = st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0
+    carry_ipg = carry_buckets(st, s, carry)
     bucket = st.partition_after or 0
     blocked = bool(bucket and block_params)
     # estimate._blocks_backward: blocks done before the gradient partition exists, before the second reduce
@@ -502,7 +502,7 @@ def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarr
             buffers=gathered - u["u_block"] + u["r"] * u["rs_unit"])
         add("backward", sharded=np.where(carry != 0, carry, done) + u["grad_block"], unsharded=head_grad,
             activations=after, buffers=gathered - u["u_block"]
-            + u["r"] * u["rs_unit"] * np.where(gloo & (u["n"] > 1), 2, 1))
+            + u["r"] * u["rs_unit"] * rs_input_copies(gloo, u["n"]))
 
 
 def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategies: Sequence[Strategy],
@@ -580,7 +580,7 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     # fsdp2._blocks_backward
     extra = [np.full(n, 1, dtype=np.int64), np.full(n, L - 2, dtype=np.int64)]
     rs_block = ur * u["rs_unit"]
-    rs_clone = np.where((device == "cpu") & (un > 1), 2, 1)  # fsdp2.py: gloo's reduce-scatter clones its input
+    rs_copies = rs_input_copies(device == "cpu", un)
     if kinds is not None:
         _mixed_blocks_backward(add, ks, us, a, recomputed_late, moe_recomputed, other_saved, head_grad, carry, reshard,
                                device == "cpu")
@@ -608,13 +608,13 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
         add("backward", sharded=done, unsharded=head_grad + u_block, activations=after,
             buffers=gathered - u_block + rs_block, valid=valid)
         add("backward", sharded=np.where(carry != 0, carry, done) + u["grad_block"], unsharded=head_grad,
-            activations=after, buffers=gathered - u_block + rs_block * rs_clone, valid=valid)
+            activations=after, buffers=gathered - u_block + rs_block * rs_copies, valid=valid)
 
     blocks_sharded = u["all_grads"] - on_gpu * 4 * u["root"] / un
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], activations=a["hidden_grad"],
         buffers=u_root + ur * us[0]["rs_unit"])
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], buffers=u_root + ur * u["root"])
-    add("backward", sharded=u["all_grads"], buffers=u_root + ur * u["root"] * rs_clone)
+    add("backward", sharded=u["all_grads"], buffers=u_root + ur * u["root"] * rs_copies)
     add("optimizer", sharded=u["all_grads"], buffers=on_gpu * 4 * shard)
     host = u["host"]
     pair = 2 * u_block if kinds is None else np.max([x["u_block"] + y["u_block"] for x, y in zip(us, us[1:])], axis=0)

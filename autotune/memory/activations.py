@@ -216,22 +216,38 @@ def _mlp_sublayer_saved(m: ModelSpec, p: int, mask_bytes: int) -> float:
 def _block_linears(m: ModelSpec, zero3_linear: bool = False) -> list[tuple[int, bool]]:
     """A block's linears in call order (q, k, v or the fused qkv; o; the MLP's input projection(s);
     the down projection last; a MoE block's router and shared expert, ``_moe_linears``) as (output width,
-    runs ``aten.mm``). Biased linears run ``addmm``, except under ZeRO-3 (``zero3_linear``), whose
-    memory-efficient linear computes a batched input as ``matmul`` plus the bias
-    (deepspeed/runtime/zero/linear.py ``LinearFunctionForZeroStage3``), unless the model calls
-    ``torch.addmm`` itself (``linear_addmm``, HF GPT-2's Conv1D)."""
-    h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
+    runs ``aten.mm``): ``_attention_linears`` then ``_ffn_linears``."""
+    return _attention_linears(m, zero3_linear) + _ffn_linears(m, zero3_linear)
+
+
+def _mm_flags(m: ModelSpec, zero3_linear: bool) -> tuple[bool, bool]:
+    """Whether the q/k/v projections and the other linears run ``aten.mm``. Biased linears run ``addmm``,
+    except under ZeRO-3 (``zero3_linear``), whose memory-efficient linear computes a batched input as
+    ``matmul`` plus the bias (deepspeed/runtime/zero/linear.py ``LinearFunctionForZeroStage3``), unless the
+    model calls ``torch.addmm`` itself (``linear_addmm``, HF GPT-2's Conv1D)."""
     biased_mm = zero3_linear and not m.linear_addmm
-    qkv_mm = biased_mm or not (m.bias or m.qkv_bias or m.linear_addmm)
-    rest_mm = biased_mm or not (m.bias or m.linear_addmm)
-    if m.fused_qkv:  # Phi-3 qkv_proj / gate_up_proj, GPT-NeoX query_key_value
-        linears = [(q + 2 * kv, qkv_mm), (h, rest_mm)]
-    else:
-        linears = [(q, qkv_mm), (kv, qkv_mm), (kv, qkv_mm), (h, rest_mm)]
+    return biased_mm or not (m.bias or m.qkv_bias or m.linear_addmm), biased_mm or not (m.bias or m.linear_addmm)
+
+
+def _attention_linears(m: ModelSpec, zero3_linear: bool = False) -> list[tuple[int, bool]]:
+    """``_block_linears``' attention part: q, k, v or the fused qkv (Phi-3 qkv_proj, GPT-NeoX
+    query_key_value), then o."""
+    h, q, kv = m.hidden_size, m.q_size, m.kv_size
+    qkv_mm, rest_mm = _mm_flags(m, zero3_linear)
+    if m.fused_qkv:
+        return [(q + 2 * kv, qkv_mm), (h, rest_mm)]
+    return [(q, qkv_mm), (kv, qkv_mm), (kv, qkv_mm), (h, rest_mm)]
+
+
+def _ffn_linears(m: ModelSpec, zero3_linear: bool = False) -> list[tuple[int, bool]]:
+    """``_block_linears``' feed-forward part: the MLP's input projection(s) (Phi-3's fused gate_up_proj) and
+    the down projection, or a MoE block's router and shared expert (``_moe_linears``)."""
     if m.is_moe:
-        return linears + _moe_linears(m)
+        return _moe_linears(m)
+    h, f = m.hidden_size, m.intermediate_size
+    rest_mm = _mm_flags(m, zero3_linear)[1]
     up = ([(2 * f, rest_mm)] if m.fused_qkv else [(f, rest_mm)] * 2) if m.gated_mlp else [(f, rest_mm)]
-    return linears + up + [(h, rest_mm)]
+    return up + [(h, rest_mm)]
 
 
 def _moe_linears(m: ModelSpec) -> list[tuple[int, bool]]:
@@ -261,15 +277,12 @@ def _op_sac_saved(m: ModelSpec, p: int, device: str, zero3_linear: bool = False,
     (torch/utils/checkpoint.py ``_CachingTorchDispatchMode`` does not read the grad mode)."""
     h, q = m.hidden_size, m.q_size
     # a MoE block: the attention's linears, then the router's and the shared expert's (``_moe_linears``)
-    linears = _block_linears(m, zero3_linear)
-    if tiles:  # the attention's mm outputs over the whole sequence, then each tile's MLP mm outputs
-        n_attn = 2 if m.fused_qkv else 4
-        widths = [(w, 1.0) for w, is_mm in linears[:n_attn] if is_mm]
-        widths += [(w, length / sum(tiles)) for length in tiles for w, is_mm in linears[n_attn:] if is_mm]
-        n = p * h + p * sum(w * share for w, share in widths[0::2])
-    else:
-        mm_widths = [width for width, is_mm in linears if is_mm]
-        n = p * h + p * sum(mm_widths[0::2])
+    # the mm outputs in call order, each with its share of the tokens: the attention's over the whole
+    # sequence, then the feed-forward's, once or tile by tile
+    shares = [length / sum(tiles) for length in tiles] if tiles else [1.0]
+    mms = [(w, 1.0) for w, is_mm in _attention_linears(m, zero3_linear) if is_mm]
+    mms += [(w, share) for share in shares for w, is_mm in _ffn_linears(m, zero3_linear) if is_mm]
+    n = p * h + p * sum(w * share for w, share in mms[0::2])
     if m.attn_implementation == "sdpa" and not _sdpa_math(m, device):
         n += p * q + 4 * m.num_attention_heads
     return n

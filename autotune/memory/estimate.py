@@ -60,6 +60,12 @@ def _accumulation_carry(m: ModelSpec, hardware: HardwareSpec, s: Strategy, gas: 
     return 0.0, True
 
 
+def carry_buckets(st: _States, s: Strategy, carry: float) -> float:
+    """ZeRO-1: the part of the accumulation carry that is the ipg double buffer (2 reduce buckets) filled in
+    the earlier micro-steps; where the boundary micro-step's own buckets are counted, they are those buffers."""
+    return st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0
+
+
 def split_carry(m: ModelSpec, s: Strategy, gas: int, carry: float, carry_ipg: float) -> float:
     """ZeRO-1 with exactly two micro-steps: the carried gradients (``carry`` less the ipg buckets), which
     the backward's instants then split between its two micro-steps (``split_relief``); 0 otherwise.
@@ -115,9 +121,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, hardware: Hardware
     kept = p * m.vocab_size * tokens if loop == "keep_outputs" else 0.0
     gas = gradient_accumulation_steps(s, training, hardware)
     carry, grow = _accumulation_carry(m, hardware, s, gas)
-    # ZeRO-1: part of the carry is the ipg double buffer (2 reduce buckets) filled in the earlier
-    # micro-steps; where the boundary micro-step's own buckets are counted, they are those buffers
-    carry_ipg = st.buffers_bwd if (carry and s.zero_stage == 1) else 0.0
+    carry_ipg = carry_buckets(st, s, carry)
     split = split_carry(m, s, gas, carry, carry_ipg)
 
     fixed = st.params + st.optimizer + st.grad_buffer + st.resident_buffers

@@ -35,7 +35,7 @@ half precision): ``activation_breakdown``, with plain ``nn.Linear`` autograd.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import MemoryEstimate, _partition, forked_copies, host_pinned, pinned_bytes
@@ -128,6 +128,13 @@ def offload_host(m: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, s
     shard = m.num_parameters / n
     on_host = pinned_shards(m, n, s.expert_parallel_size) if host_pinned(s.pin_memory, device) else 4 * shard
     return 2 * on_host + (k_opt + 4) * shard + forked_copies(training, 4 * shard, k_opt * shard)
+
+
+def rs_input_copies(gloo: bool, n: Any) -> Any:
+    """Copies of a reduce-scatter's input alive during the collective: gloo's reduce-scatter (the CPU, more
+    than one rank) clones its input (c10d::_reduce_scatter_base_, allocation traces: beside the input and the
+    new shard), 2; else 1. ``n`` the shard group's size, a number or (the screen) an array of them."""
+    return 1 + gloo * (n > 1)
 
 
 def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
@@ -265,7 +272,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, activations=act.hidden_grad,
         buffers=u.u_root + u.r * us[0].rs_unit)
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, buffers=u.u_root + u.r * u.root)
-    add("backward", sharded=u.all_grads, buffers=u.u_root + u.r * u.root * (2 if (device == "cpu" and u.n > 1) else 1))
+    add("backward", sharded=u.all_grads, buffers=u.u_root + u.r * u.root * rs_input_copies(device == "cpu", u.n))
     # optimizer step: AdamW foreach's fp32 temporary of the shard
     add("optimizer", sharded=u.all_grads, buffers=u.on_gpu * 4 * shard)
 
@@ -340,10 +347,9 @@ def _blocks_backward(add: Callable[..., None], us: list[_Units], act: Activation
         # unsharded parameters freed first (reshard after backward, _fsdp_param_group.py post_backward, whatever
         # reshard_after_forward says), its gradients copied into a new reduce-scatter input, then freed before
         # the reduce output (the new shard) is allocated; accumulating, that output is added into the existing
-        # shard. Gloo's reduce-scatter clones its input for the collective (c10d::_reduce_scatter_base_, allocation
-        # traces: beside the input and the new shard)
+        # shard; on gloo beside its input's clone (rs_input_copies)
         after = pt.saved - k.per_block_plain - pt.frame
         add("backward", sharded=done, unsharded=head_grad + u.u_block, activations=after,
             buffers=gathered - u.u_block + u.r * u.rs_unit)
         add("backward", sharded=(carry if carry else done) + u.grad_block, unsharded=head_grad, activations=after,
-            buffers=gathered - u.u_block + u.r * u.rs_unit * (2 if (gloo and u.n > 1) else 1))
+            buffers=gathered - u.u_block + u.r * u.rs_unit * rs_input_copies(gloo, u.n))

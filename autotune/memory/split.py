@@ -52,17 +52,17 @@ def mlp_tiles(seq: int, hidden: int) -> int:
     return max(1, -(-seq // hidden))
 
 
-def mlp_tile_tokens(b: int, s_local: int, hidden: int) -> int:
-    """Tokens per tile of TiledMLP: torch.chunk's largest chunk of each sequence into ``mlp_tiles``
-    shards, over the micro-batch."""
-    return b * -(-s_local // mlp_tiles(s_local, hidden))
-
-
 def tile_lengths(s_local: int, hidden: int) -> tuple[int, ...]:
     """TiledMLP's tiles of one sequence of ``s_local`` tokens: torch.chunk into ``mlp_tiles`` shards gives
     chunks of ceil(s / n) tokens and a shorter last one (fewer chunks when the last would be empty)."""
     c = -(-s_local // mlp_tiles(s_local, hidden))
-    return (c,) * (s_local // c) + ((s_local % c,) if s_local % c else ())
+    return (c,) * (s_local // c) + ((s_local % c,) if s_local % c else ()) if c else ()
+
+
+def mlp_tile_tokens(b: int, s_local: int, hidden: int) -> int:
+    """Tokens per tile of TiledMLP: torch.chunk's largest chunk of each sequence (``tile_lengths``), over
+    the micro-batch."""
+    return b * max(tile_lengths(s_local, hidden), default=0)
 
 
 def split_attention(m: ModelSpec, p: int, split: Split) -> tuple[float, float]:
