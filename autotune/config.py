@@ -158,6 +158,7 @@ MODEL_FIELDS: dict[str, Checker] = {
     "moe_load_imbalance": optional(float_(1.0, 1e6)),
     "moe_min_load": optional(float_(0.0, 1.0)),
     "ep_rank_imbalance": optional(float_(1.0, 1e6)),
+    "ep_step_imbalance": optional(float_(1.0, 1e6)),
     "router_bias": bool_,
     "expert_bias": bool_,
     "q_lora_rank": optional(int_(1, 1 << 20)),

@@ -42,10 +42,12 @@ def _text_config(hf_path: Optional[str]) -> dict:
 def check_stated_balance(spec: ModelSpec) -> None:
     """The stated load-imbalance factors fit the model: only a MoE model has them; the busiest expert
     cannot take more than every token (moe_load_imbalance <= experts / top-k: top-k picks distinct
-    experts); an EP rank's received rows average its experts, so not above the busiest expert's."""
+    experts); an EP rank's received rows average its experts, so not above the busiest expert's, and its
+    rows over a step's blocks average its dispatches, so not above the busiest dispatch's."""
     expert, rank, least = spec.moe_load_imbalance, spec.ep_rank_imbalance, spec.moe_min_load
-    if (expert or rank or least is not None) and not spec.is_moe:
-        key = "moe_load_imbalance" if expert else "ep_rank_imbalance" if rank else "moe_min_load"
+    if (expert or rank or spec.ep_step_imbalance or least is not None) and not spec.is_moe:
+        key = ("moe_load_imbalance" if expert else "ep_rank_imbalance" if rank else
+               "ep_step_imbalance" if spec.ep_step_imbalance else "moe_min_load")
         raise ConfigError(f"{key} is stated for a model without routed experts (num_experts 0)", path=f"model.{key}")
     if not spec.is_moe:
         return
@@ -59,6 +61,11 @@ def check_stated_balance(spec: ModelSpec) -> None:
         raise ConfigError(f"ep_rank_imbalance {rank} is above the busiest expert's factor "
                           f"{expert_imbalance(spec):g} (moe_load_imbalance): a rank's received rows average "
                           f"its experts", path="model.ep_rank_imbalance")
+    step, busiest = spec.ep_step_imbalance, rank or expert_imbalance(spec)
+    if step and step > busiest:
+        raise ConfigError(f"ep_step_imbalance {step} is above the busiest rank's dispatch factor {busiest:g} "
+                          f"({'ep_rank_imbalance' if rank else 'moe_load_imbalance'}): a rank's rows over a "
+                          f"step's blocks average its dispatches", path="model.ep_step_imbalance")
 
 
 LIGER_KERNEL_CONFIG: dict[str, bool] = {"rms_norm": True, "rope": False, "swiglu": False, "cross_entropy": False,

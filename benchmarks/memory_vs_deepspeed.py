@@ -184,14 +184,19 @@ def predict(out: dict, workdir: Path) -> dict:
         out["error_routing_busiest"] = (out["predicted_routing_busiest"] - out["measured"]) / out["measured"]
         # the stated factors a user who measured this routing would give (ModelSpec.moe_load_imbalance: the
         # largest chunk, one source rank's rows for one expert, over its mean; moe_min_load: the smallest;
-        # ep_rank_imbalance: the rank's)
+        # ep_rank_imbalance: the rank's busiest dispatch; ep_step_imbalance: the rank's rows over a micro-step's
+        # MoE blocks, their forward dispatches, the first of a step's: a recomputation dispatches them again)
         chunks = [n for st in out.get("routing_steps") or [] for dispatch in st for n in dispatch]
         if chunks:
+            moe_blocks = model.num_hidden_layers - model.num_dense_layers
             out["expert_imbalance_measured"] = max(chunks) * model.num_experts / mean
             out["expert_least_measured"] = min(chunks) * model.num_experts / mean
+            out["step_imbalance_measured"] = max(sum(map(sum, st[:moe_blocks])) / moe_blocks
+                                                 for st in out["routing_steps"] if st) / mean
             stated = model.replace(moe_load_imbalance=out["expert_imbalance_measured"],
                                    moe_min_load=out["expert_least_measured"],
-                                   ep_rank_imbalance=out["imbalance_measured"])
+                                   ep_rank_imbalance=out["imbalance_measured"],
+                                   ep_step_imbalance=out["step_imbalance_measured"])
             out["predicted_stated"] = estimate_memory(stated, training, hardware, strategy, device="cpu").gpu["peak"]
             out["error_stated"] = (out["predicted_stated"] - out["measured"]) / out["measured"]
     return out
@@ -320,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                    if r.get("error_routing") is not None else "")
         if r.get("error_stated") is not None:
             routing += (f"; stated factors {r['expert_imbalance_measured']:.3f} / {r.get('expert_least_measured', 0):.3f}"
-                        f" / {r['imbalance_measured']:.3f}: {100 * r['error_stated']:+.2f}%")
+                        f" / {r['imbalance_measured']:.3f} / {r.get('step_imbalance_measured', 0):.3f}: "
+                        f"{100 * r['error_stated']:+.2f}%")
         return (head + f"{r['measured'] / 2**20:>13.2f}{r['predicted'] / 2**20:>14.2f}{100 * r['error']:>+8.2f}"
                 f"  {r['measured_phase']}/{r['predicted_phase']}" + routing)
 

@@ -112,7 +112,7 @@ def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dic
     }
 
 
-STATED_LOAD_KEYS = ("moe_load_imbalance", "moe_min_load", "ep_rank_imbalance")
+STATED_LOAD_KEYS = ("moe_load_imbalance", "moe_min_load", "ep_rank_imbalance", "ep_step_imbalance")
 """The model fields a job states its routing with (ModelSpec; docs/moe.md, Load imbalance)."""
 
 
@@ -121,12 +121,13 @@ def routed_load_factors(model: Any, ep: int) -> dict[str, Any]:
     least-loaded expert's tokens and the busiest EP rank's received rows over their means
     (memory.moe.expert_imbalance, ModelSpec.moe_min_load, memory.expert_parallel.rank_imbalance), and
     whether the job stated them."""
-    from autotune.memory.expert_parallel import rank_imbalance
+    from autotune.memory.expert_parallel import rank_imbalance, step_imbalance
     from autotune.memory.moe import expert_imbalance
 
     stated = [k for k in STATED_LOAD_KEYS if getattr(model, k) is not None]
     return {"busiest_expert": expert_imbalance(model), "least_expert": model.moe_min_load or 0.0,
-            "busiest_rank": rank_imbalance(model, ep), "stated": bool(stated), "stated_keys": stated}
+            "busiest_rank": rank_imbalance(model, ep), "busiest_rank_step": step_imbalance(model, ep),
+            "stated": bool(stated), "stated_keys": stated}
 
 
 def routed_load_line(f: dict[str, Any]) -> str:
@@ -137,7 +138,7 @@ def routed_load_line(f: dict[str, Any]) -> str:
            + ": state " + ", ".join(f"model.{k}" for k in missing[:-1]) + (" and " if len(missing) > 1 else "")
            + f"model.{missing[-1]} from a measured routing, docs/moe.md")
     return (f"routed loads: busiest expert {f['busiest_expert']:g} x the mean, least {f['least_expert']:g} x, "
-            f"busiest EP rank {f['busiest_rank']:g} x ({how})")
+            f"busiest EP rank {f['busiest_rank']:g} x, over a step {f['busiest_rank_step']:g} x ({how})")
 
 
 def fsdp2_line(layout: dict[str, Any]) -> str:

@@ -24,6 +24,7 @@ from autotune.knobs import memory_key
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import PREDICTION_MARGIN
 from autotune.memory.estimate import _accumulation_carry, carry_buckets, split_carry
+from autotune.memory.expert_parallel import ep_excess
 from autotune.memory.fsdp2 import _units, offload_host, rs_input_copies
 from autotune.memory.mixed import blocks_within, dense_block_spec, kind_spec, layer_kinds, params_after
 from autotune.memory.moe import down_weight_elements
@@ -37,7 +38,7 @@ _ACT_FIELDS = ("blocks", "per_block_plain", "per_block_checkpointed", "num_check
                "attention_backward_transient", "final_norm_saved", "forward_only_masks", "final_norm_forward_extra",
                "hidden_grad", "checkpoint_frame_kept", "final_norm_backward_live", "mlp_backward_transient", "mlp_backward_released",
                "logits_tokens", "offloaded", "moe_forward_transient", "moe_recompute_transient", "masks_only_later",
-               "recompute", "core_recompute_transient")
+               "recompute", "core_recompute_transient", "ep_mean_saved", "ep_spread", "ep_blocks_hold")
 _act_fields = attrgetter(*_ACT_FIELDS)
 
 
@@ -186,8 +187,26 @@ def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarra
     top = _recompute_top(a, moe_recomputed)
     has_recompute = ck & (top > 0)
     mlp_bwd = np.where(released, a["mlp_backward_released"], a["mlp_backward_transient"])
-    return (L - 1 - i, saved, a_mlp + mlp_bwd, saved + attn_delta, frame,
-            saved + top, has_recompute, (a["attention_backward_transient"] > 0) | late)
+    # walk.ep_held / ep_excess_at: the blocks below holding their received rows, all MoE blocks
+    held = i - np.where(a["ep_blocks_hold"] > 0, 0, np.minimum(i, n_ck))
+    without, with_ = _ep_excess(a, held, L), _ep_excess(a, held + 1, L)
+    return (L - 1 - i, saved + np.maximum(without, with_), a_mlp + mlp_bwd + with_, saved + attn_delta + without, frame,
+            saved + top + with_, has_recompute, (a["attention_backward_transient"] > 0) | late)
+
+
+def _ep_held(a: dict[str, np.ndarray], ks: list[Any]) -> np.ndarray:
+    """walk.ep_held per candidate: (L + 1, candidates), row i the MoE blocks below block i (``ks[j] is a``)
+    holding their received rows (the first n_ck checkpointed)."""
+    n_ck, hold = a["num_checkpointed"], a["ep_blocks_hold"] > 0
+    rows = [np.zeros(len(n_ck))]
+    for j, k in enumerate(ks):
+        rows.append(rows[-1] + ((k is a) & (hold | (j >= n_ck))))
+    return np.stack(rows)
+
+
+def _ep_excess(a: dict[str, np.ndarray], held: Any, moe_blocks: int) -> np.ndarray:
+    """expert_parallel.ep_excess per candidate."""
+    return ep_excess(a["ep_spread"], a["ep_mean_saved"], moe_blocks, held)
 
 
 def activation_row(model: ModelSpec, training: TrainingSpec, s: Strategy, device: str) -> list[Any]:
@@ -447,19 +466,22 @@ def _mixed_points(ks: list[dict[str, np.ndarray]], a: dict[str, np.ndarray], rec
     n_ck = a["num_checkpointed"]
     below = _saved_below(ks, n_ck)
     block_other = other_saved - a["final_norm_saved"] + a["hidden_grad"]
+    held, moe_blocks = _ep_held(a, ks), sum(k is a for k in ks)  # walk.ep_held / ep_excess_at
     for i in range(len(ks) - 1, -1, -1):
         k = ks[i]
         ck = i < n_ck
         frame = np.where(ck, k["checkpoint_frame_kept"], 0.0)
         recompute = np.where(ck, k["recompute"], 0.0)
         saved = below[i] + recompute + block_other + frame - (a["masks_only_later"] if i == 0 else 0.0)
+        without, with_ = _ep_excess(a, held[i], moe_blocks), _ep_excess(a, held[i] + (k is a), moe_blocks)
         late = ck & recomputed_late
         a_mlp = np.where(late, saved - recompute, saved)
         attn_delta = k["attention_backward_transient"] - k["mlp_saved_per_block"]
         mlp_bwd = np.where(released, k["mlp_backward_released"], k["mlp_backward_transient"])
         top = _recompute_top(k, moe_recomputed)
-        yield (i, k, ck, saved, a_mlp + mlp_bwd, frame, saved + attn_delta, (k["attention_backward_transient"] > 0) | late,
-               saved + top, ck & (top > 0))
+        yield (i, k, ck, saved + np.maximum(without, with_), a_mlp + mlp_bwd + with_, frame,
+               saved + attn_delta + without, (k["attention_backward_transient"] > 0) | late,
+               saved + top + with_, ck & (top > 0))
 
 
 def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarray]], us: list[dict[str, np.ndarray]],
@@ -547,35 +569,40 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     last_saved = np.where(last_ck, last_a["per_block_checkpointed"], last_a["per_block_plain"])
     kept_blocks = np.where(reshard, 0.0, all_blocks)
     gathered_last = np.where(reshard, last_u["u_block"], all_blocks)
-    add("forward", activations=saved_blocks - last_saved + other_saved + a["forward_only_masks"],
-        buffers=u_root + gathered_last + last_u["flat"] + last_u["cast_in"])
+    # expert parallelism: the blocks' received rows (fsdp2.py; walk.ep_held / ep_excess_at)
+    held, moe_blocks = _ep_held(a, ks), sum(k is a for k in ks)
+    ep_all = _ep_excess(a, held[L], moe_blocks)
+    add("forward", activations=saved_blocks - last_saved + other_saved + a["forward_only_masks"]
+        + _ep_excess(a, held[L - 1], moe_blocks), buffers=u_root + gathered_last + last_u["flat"] + last_u["cast_in"])
     if kinds is not None:  # an earlier block of the other kind: its own gather transient
         below = _saved_below(ks, a["num_checkpointed"])
         upto = np.zeros(n)
         for i in range(L - 1):
             upto = upto + us[i]["u_block"]
             if kinds[i] != kinds[-1]:
-                add("forward", activations=(below[i - 1] if i else 0.0) + other_saved + a["forward_only_masks"],
+                add("forward", activations=(below[i - 1] if i else 0.0) + other_saved + a["forward_only_masks"]
+                    + _ep_excess(a, held[i], moe_blocks),
                     buffers=u_root + np.where(reshard, us[i]["u_block"], upto) + us[i]["flat"] + us[i]["cast_in"])
     moe_fwd = last_a["moe_forward_transient"]
-    add("forward", activations=saved_blocks + other_saved - a["final_norm_saved"] + a["forward_only_masks"] + moe_fwd,
-        buffers=u_root + gathered_last + last_u["flat"], valid=(moe_fwd > 0) & ~(last_ck & moe_recomputed))
+    add("forward", activations=saved_blocks + other_saved - a["final_norm_saved"] + a["forward_only_masks"] + moe_fwd
+        + _ep_excess(a, held[L - 1] + (ks[-1] is a), moe_blocks), buffers=u_root + gathered_last + last_u["flat"],
+        valid=(moe_fwd > 0) & ~(last_ck & moe_recomputed))
     add("forward", activations=_last_core_forward(m, a, a_dense, other_saved, recomputed_late, moe_recomputed),
         buffers=u_root + gathered_last + last_u["flat"], valid=last_ck)
-    add("forward", activations=saved_blocks + other_saved + a["final_norm_forward_extra"] + a["forward_only_masks"],
-        buffers=u_root + kept_blocks + last_u["flat"])
-    add("forward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_forward_transient"],
+    add("forward", activations=saved_blocks + other_saved + a["final_norm_forward_extra"] + a["forward_only_masks"]
+        + ep_all, buffers=u_root + kept_blocks + last_u["flat"])
+    add("forward", activations=saved_blocks + other_saved + ep_all, logits=logits_saved + a["loss_forward_transient"],
         buffers=u_root + kept_blocks + last_u["flat"])
     at_start = u_root + np.where(reshard, last_u["flat"], all_blocks)
-    add("backward", activations=saved_blocks + other_saved, logits=logits_saved, buffers=2 * u_root + kept_blocks,
-        valid=un > 1)
-    add("backward", activations=saved_blocks + other_saved, logits=logits_saved + a["loss_backward_transient"],
-        buffers=at_start)
+    add("backward", activations=saved_blocks + other_saved + ep_all, logits=logits_saved,
+        buffers=2 * u_root + kept_blocks, valid=un > 1)
+    add("backward", activations=saved_blocks + other_saved + ep_all,
+        logits=logits_saved + a["loss_backward_transient"], buffers=at_start)
     head_grad = up * V * m.hidden_size
-    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved, logits=up * V * tokens,
+    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved + ep_all, logits=up * V * tokens,
         buffers=at_start)
     add("backward", unsharded=head_grad, activations=saved_blocks + other_saved - a["final_norm_saved"]
-        + a["final_norm_backward_live"], buffers=at_start)
+        + a["final_norm_backward_live"] + ep_all, buffers=at_start)
 
     # fsdp2._blocks_backward
     extra = [np.full(n, 1, dtype=np.int64), np.full(n, L - 2, dtype=np.int64)]

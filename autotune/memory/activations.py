@@ -8,7 +8,8 @@ import functools
 from autotune.memory import mla, moe
 from autotune.memory.breakdown import ActivationBreakdown
 from autotune.memory.common import host_pinned, pinned_bytes
-from autotune.memory.expert_parallel import ep_backward_transient, ep_forward_transient, ep_saved
+from autotune.memory.expert_parallel import (ep_backward_transient, ep_forward_transient, ep_row_saved, ep_saved,
+                                              step_rows)
 from autotune.memory.mixed import dense_block_spec, layer_kinds, mixed_breakdown
 from autotune.memory.split import NO_SPLIT, Split, loss_tile_tokens, mlp_tile_tokens, split_attention, tile_lengths
 from autotune.spec import BYTES_PER_ELEMENT, ModelSpec, TrainingSpec
@@ -644,7 +645,8 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     else:
         mlp_bwd, mlp_released = _dense_mlp_backward(m, p, mb, tokens)
     if ep > 1:  # expert parallelism's experts path instead of grouped_mm (no offsets; memory/expert_parallel.py)
-        d = ep_saved(m, p, int(tokens), ep)
+        ep_rows = step_rows(m, int(tokens), ep)  # the blocks at the step's mean rows (expert_parallel.ep_excess)
+        d = ep_saved(m, p, int(tokens), ep, ep_rows[0])
         mlp_saved, per_plain, per_ck = mlp_saved + d, per_plain + d - moe.moe_fixed_bytes(m), per_ck + (
             d - moe.moe_fixed_bytes(m) if gran in ("attention", "selective") else 0.0)
         # the shared experts' instants around EP's routed ones as around grouped_mm's (moe.moe_backward_transient):
@@ -735,4 +737,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
         moe_recompute_transient=moe_re,
         masks_only_later=masks_later,
         core_recompute_transient=core_re,
+        **(dict(ep_mean_saved=float(ep_row_saved(m, p) * ep_rows[0]),
+                ep_spread=float(ep_row_saved(m, p) * (ep_rows[1] - ep_rows[0])),
+                ep_blocks_hold=gran in ("attention", "selective")) if ep > 1 and m.is_moe else {}),
     )

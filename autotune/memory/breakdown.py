@@ -97,6 +97,16 @@ class ActivationBreakdown:
     beyond the recomputed set: the core's locals and outputs (activations._math_core_forward_transient) less
     the block's saved tensors made after the core; per block, 0: none (other kernels stay below the block's
     backward instants)."""
+    ep_mean_saved: float = 0.0
+    """Expert parallelism: what a MoE block keeps of its received rows at the step's mean
+    (``expert_parallel.ep_step_terms``; part of the per-block terms); 0 without expert parallelism."""
+    ep_spread: float = 0.0
+    """Expert parallelism: what the busiest dispatch's received rows keep above ``ep_mean_saved``, the terms
+    of the block being run (its transients) sized at the busiest, held blocks at the mean; the step walks add
+    ``expert_parallel.ep_excess`` (0: the step's factor is the dispatch's)."""
+    ep_blocks_hold: bool = False
+    """With ``ep_spread``: a checkpointed block keeps its received rows (attention, selective), else only
+    plain blocks and the block being recomputed hold them."""
     dense: Optional["ActivationBreakdown"] = None
     """A MoE model with dense-MLP blocks among the sparse ones (``ModelSpec.dense_layers``): the dense
     blocks' own terms (their "per block" fields; None: every block is of this record's kind)."""

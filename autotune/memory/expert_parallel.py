@@ -17,7 +17,7 @@ most the busiest expert's tokens, ``moe.worst_expert_tokens`` (``moe_load_imbala
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from autotune.memory.moe import (EP_RANK_IMBALANCE, _routing_weight_bytes, expert_imbalance, expert_width,
                                  least_expert_tokens, pair_saved, saved_after_routed, worst_expert_tokens)
@@ -40,6 +40,13 @@ def rank_imbalance(m: ModelSpec, ep: int = 0) -> float:
     if ep and m.num_experts // ep == 1:
         return expert_imbalance(m)
     return min(EP_RANK_IMBALANCE, expert_imbalance(m))
+
+
+def step_imbalance(m: ModelSpec, ep: int = 0) -> float:
+    """The busiest EP rank's received rows summed over a micro-step's MoE blocks over the mean (MoE blocks x
+    tokens x top-k): the stated ``ep_step_imbalance``, else the rank's busiest dispatch (``rank_imbalance``),
+    at most it (a rank's mean over the blocks is at most its busiest block's)."""
+    return min(m.ep_step_imbalance or rank_imbalance(m, ep), rank_imbalance(m, ep))
 
 
 def received_rows(m: ModelSpec, tokens: int, ep: int, imbalance: Optional[float] = None) -> int:
@@ -70,10 +77,17 @@ def ep_units(m: ModelSpec, n: int, ep: int) -> EpUnits:
     return EpUnits(dense=m.block_params() - experts, local=experts // ep, mod_ep=max(1, n // ep))
 
 
-def ep_saved(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
+def ep_row_saved(m: ModelSpec, p: int) -> int:
+    """What a block keeps per received row (``ep_saved``): the dispatched input (h), the gate_up output (2f),
+    silu's output and the product (f each)."""
+    return p * (m.hidden_size + 4 * expert_width(m))
+
+
+def ep_saved(m: ModelSpec, p: int, tokens: int, ep: int, rows: Optional[int] = None) -> float:
     """What the routed experts keep per block under EP minus what the grouped_mm path keeps (its
     ``tokens`` x top-k x ``pair_saved``; the router's are the same; the grouped offsets, which EP does
-    not keep, are ``moe_fixed_bytes(m)`` at its default p, apart). S = tokens x top-k sent rows, R received:
+    not keep, are ``moe_fixed_bytes(m)`` at its default p, apart). S = tokens x top-k sent rows, R received
+    (``rows``, default ``received_rows``):
     * per sent row: ``order`` (argsort, int64, saved by the weights' index), ``order // k`` twice (int64,
       saved by the input's index and by ``index_add``), the combined row (h, saved by ``back *
       weights``), its routing weight cast to the row's dtype (p: ``.to(back.dtype)``) and the weighted
@@ -82,9 +96,27 @@ def ep_saved(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
       gate_up output (2f: silu's input and ``up`` are views), silu's output and the product (f each);
     the down outputs and their ``torch.cat`` are not saved (CatBackward keeps sizes), nor are the
     all-to-all buffers (torch/distributed/nn/functional.py ``_AlltoAllSingle`` saves split sizes)."""
-    h, f = m.hidden_size, expert_width(m)
-    sent, rows = tokens * m.num_experts_per_tok, received_rows(m, tokens, ep)
-    return float(sent * (24 + 2 * p * h + p) + rows * p * (h + 4 * f) - sent * pair_saved(m, p))
+    h = m.hidden_size
+    sent, rows = tokens * m.num_experts_per_tok, received_rows(m, tokens, ep) if rows is None else rows
+    return float(sent * (24 + 2 * p * h + p) + rows * ep_row_saved(m, p) - sent * pair_saved(m, p))
+
+
+def step_rows(m: ModelSpec, tokens: int, ep: int) -> tuple[int, int]:
+    """A block's received rows at the step's mean (``step_imbalance``: what every block's saved tensors are
+    sized with) and at the busiest dispatch (``rank_imbalance``: the block being run or recomputed, whose
+    saved tensors above the mean ``ep_excess`` adds)."""
+    return received_rows(m, tokens, ep, step_imbalance(m, ep)), received_rows(m, tokens, ep)
+
+
+def ep_excess(spread: Any, mean: Any, moe_blocks: Any, held: Any) -> Any:
+    """What an instant holding ``held`` blocks' received rows (the block being run counted where its saved
+    tensors exist) keeps beyond ``held`` blocks at the step's mean: the rank's rows over the held blocks are at
+    most ``held`` busiest dispatches and at most every MoE block's at the mean (``moe_blocks`` x the mean), so
+    ``min(held x spread, (moe_blocks - held) x mean)``, ``mean`` and ``spread``
+    the saved bytes of ``step_rows``' mean and of the busiest's rows above it (``ep_row_saved``; scalars or
+    numpy arrays alike); 0 where the step factor is the dispatch's (no spread)."""
+    a, b = held * spread, (moe_blocks - held) * mean
+    return a - (a - b) * (a > b)
 
 
 def ep_forward_transient(m: ModelSpec, p: int, tokens: int, ep: int) -> float:

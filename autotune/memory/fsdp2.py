@@ -39,11 +39,12 @@ from typing import Any, Callable, NamedTuple
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import MemoryEstimate, _partition, forked_copies, host_pinned, pinned_bytes
-from autotune.memory.expert_parallel import block_expert_elements, ep_units
+from autotune.memory.expert_parallel import block_expert_elements, ep_excess, ep_units
 from autotune.memory.mixed import dense_block_spec, layer_kinds, layer_params, saved_below
 from autotune.memory.moe import expert_width, ffn_weight_elements
 from autotune.memory.states import parameter_shapes
-from autotune.memory.walk import Candidate, Loop, backward_blocks, finish, last_forward_relief
+from autotune.memory.walk import (Candidate, Loop, backward_blocks, ep_excess_at, ep_held, finish,
+                                  last_forward_relief)
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
 from autotune.engine_configs import engine_settings, gradient_accumulation_steps, shard_group_size
@@ -219,30 +220,35 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     last_kind = act.dense if (act.dense is not None and act.dense_layers[-1]) else act
     last_ck = (L - 1) in s.checkpointed_blocks(L)
     last_saved = last_kind.per_block_checkpointed if last_ck else last_kind.per_block_plain
-    add("forward", activations=saved_blocks - last_saved + other_saved + act.forward_only_masks,
+    held_below, moe_blocks = ep_held(act, s, L)  # expert parallelism: the blocks' received rows (ep_excess)
+    ep_all = ep_excess(act.ep_spread, act.ep_mean_saved, moe_blocks, held_below[L]) if act.ep_spread else 0.0
+    add("forward", activations=saved_blocks - last_saved + other_saved + act.forward_only_masks
+        + ep_excess_at(act, held_below, moe_blocks, L - 1)[0],
         buffers=u.u_root + (last.u_block if reshard else all_blocks) + last.flat + last.cast_in)
     if mixed:  # an earlier block of the other kind: its own gather transient (memory/mixed.py)
         below = saved_below(act, s.checkpointed_blocks(L), L)
         for i in range(L - 1):
             if us[i] is not last:
                 gathered = us[i].u_block if reshard else sum(x.u_block for x in us[:i + 1])
-                add("forward", activations=(below[i - 1] if i else 0.0) + other_saved + act.forward_only_masks,
+                add("forward", activations=(below[i - 1] if i else 0.0) + other_saved + act.forward_only_masks
+                    + ep_excess_at(act, held_below, moe_blocks, i)[0],
                     buffers=u.u_root + gathered + us[i].flat + us[i].cast_in)
     if last_kind.moe_forward_transient and not (last_ck and last_kind.moe_recomputed):
         # the last block's experts combine (EP; a checkpointed block's own recomputation instant is larger):
         # every block's saved tensors but what the decoder makes after it (the final norm's)
         add("forward", activations=saved_blocks + other_saved - act.final_norm_saved + act.forward_only_masks
-            + last_kind.moe_forward_transient, buffers=u.u_root + (last.u_block if reshard else all_blocks) + last.flat)
+            + last_kind.moe_forward_transient + ep_excess_at(act, held_below, moe_blocks, L - 1)[1], buffers=u.u_root + (last.u_block if reshard else all_blocks) + last.flat)
     if last_ck:  # the last block's attention core in the forward (walk.last_forward_relief)
         lp = backward_blocks(act, s, L, other_saved)[0]
         add("forward", activations=lp.saved - last_forward_relief(m, lp.act or act),
             buffers=u.u_root + (last.u_block if reshard else all_blocks) + last.flat)
     # the final norm's forward, inside the decoder's (activations.py final_norm_forward_extra)
-    add("forward", activations=saved_blocks + other_saved + act.final_norm_forward_extra + act.forward_only_masks,
+    add("forward", activations=saved_blocks + other_saved + act.final_norm_forward_extra + act.forward_only_masks
+        + ep_all,
         buffers=u.u_root + (0.0 if reshard else all_blocks) + last.flat)
     # forward end: the loss transients (inside the model's forward: the root is still gathered; the
     # last block's flat buffer waits for the root's post-forward)
-    add("forward", activations=saved_blocks + other_saved, logits=logits_saved + act.loss_forward_transient,
+    add("forward", activations=saved_blocks + other_saved + ep_all, logits=logits_saved + act.loss_forward_transient,
         buffers=u.u_root + (0.0 if reshard else all_blocks) + last.flat)
     # backward start: the root gathered again, and (resharded) the last block's all-gather issued
     # as the root's backward prefetch (its flat buffer; copied out by the block's own hook);
@@ -253,17 +259,18 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
         # copy-out while the flat all-gather output still exists (_fsdp_collectives.py
         # foreach_all_gather_copy_out: alloc_all_gather_outputs, then copies from all_gather_output),
         # before the logits gradient
-        add("backward", activations=saved_blocks + other_saved, logits=logits_saved,
+        add("backward", activations=saved_blocks + other_saved + ep_all, logits=logits_saved,
             buffers=2 * u.u_root + (0.0 if reshard else all_blocks))
-    add("backward", activations=saved_blocks + other_saved, logits=logits_saved + act.loss_backward_transient,
+    add("backward", activations=saved_blocks + other_saved + ep_all,
+        logits=logits_saved + act.loss_backward_transient,
         buffers=at_start)
     # lm_head backward: its unsharded gradient stays until the root's post-backward
     head_grad = u.p * m.vocab_size * m.hidden_size
-    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved,
+    add("backward", unsharded=head_grad, activations=saved_blocks + other_saved + ep_all,
         logits=u.p * m.vocab_size * tokens, buffers=at_start)
     # the final norm's backward: its fp32 transients next to everything saved (the logits gradient gone)
     add("backward", unsharded=head_grad, activations=saved_blocks + other_saved - act.final_norm_saved
-        + act.final_norm_backward_live,
+        + act.final_norm_backward_live + ep_all,
         buffers=at_start)
     _blocks_backward(add, us, act, s, L, other_saved, head_grad, carry, device == "cpu")
     # backward end: the root's post-backward (head and embedding gradients, unsharded, then its

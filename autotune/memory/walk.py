@@ -3,9 +3,11 @@ instants of a step, and the verdict built from the largest of them."""
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Iterable, Literal, NamedTuple, Optional
 
 from autotune.memory.activations import ActivationBreakdown
+from autotune.memory.expert_parallel import ep_excess
 from autotune.memory.mixed import block_kinds, saved_below
 from autotune.memory.common import GPU_COMPONENTS, MemoryEstimate, PREDICTION_MARGIN, _gib, overhead_bytes
 from autotune.reason import Reason
@@ -67,21 +69,46 @@ def backward_blocks(act: ActivationBreakdown, strategy: Strategy, num_layers: in
     # gradient of the hidden states (one h-wide tensor per token) flows from block to block
     block_other = other_saved - act.final_norm_saved + act.hidden_grad
     mlp_bwd = act.mlp_backward_released if released else act.mlp_backward_transient
+    held_below, moe_blocks = ep_held(act, strategy, L)
     out = []
     for i in sorted((i for i in points if 0 <= i < L), reverse=True):
         ck = is_ck(i)
         remaining = count_ck(i) * per_ck + (i + 1 - count_ck(i)) * per_plain
         frame = act.checkpoint_frame_kept if ck else 0.0
         a = remaining + (act.recompute if ck else 0.0) + block_other + frame - (act.masks_only_later if i == 0 else 0.0)
+        # expert parallelism: the blocks below holding received rows, without and with this block's (ep_excess)
+        without, with_ = ep_excess_at(act, held_below, moe_blocks, i)
         # a checkpointed attention module / core is recomputed only after the MLP's backward
         late = ck and act.recomputed_after_mlp
         a_mlp = a - act.recompute if late else a
         # its attention backward: the MLP's saved tensors released, the attention's transient and (the engines)
         # the MLP's weight gradients alive: an instant of its own whenever that transient exists
-        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd,
-                              a + attn_delta if (act.attention_backward_transient > 0 or late) else None,
-                              frame, act, _recompute(act, ck, a)))
+        out.append(BlockPoint(i, L - 1 - i, a + max(without, with_), a_mlp + mlp_bwd + with_,
+                              a + attn_delta + without if (act.attention_backward_transient > 0 or late) else None,
+                              frame, act, _recompute(act, ck, a + with_)))
     return out
+
+
+def ep_held(act: ActivationBreakdown, strategy: Strategy, L: int) -> tuple[list[int], int]:
+    """Expert parallelism: per block index i, the MoE blocks below it (0..i-1) holding their received rows
+    (plain ones; checkpointed ones where ``ep_blocks_hold``), and how many MoE blocks the step has
+    (``expert_parallel.ep_excess``)."""
+    if not act.ep_spread:
+        return [0] * (L + 1), L
+    ck = set(strategy.checkpointed_blocks(L))
+    kinds = block_kinds(act, L)
+    return (list(accumulate((k is act and (act.ep_blocks_hold or i not in ck) for i, k in enumerate(kinds)),
+                            initial=0)), sum(k is act for k in kinds))
+
+
+def ep_excess_at(act: ActivationBreakdown, held_below: list[int], moe_blocks: int, i: int) -> tuple[float, float]:
+    """``expert_parallel.ep_excess`` at block i's instants without and with its own received rows (a MoE
+    block's, once run or recomputed); (0, 0) without expert parallelism."""
+    if not act.ep_spread:
+        return 0.0, 0.0
+    own = act.dense is None or not act.dense_layers[i]
+    return (ep_excess(act.ep_spread, act.ep_mean_saved, moe_blocks, held_below[i]),
+            ep_excess(act.ep_spread, act.ep_mean_saved, moe_blocks, held_below[i] + own))
 
 
 def last_forward_relief(m: ModelSpec, k: ActivationBreakdown) -> float:
@@ -107,19 +134,21 @@ def _mixed_blocks(act: ActivationBreakdown, strategy: Strategy, L: int, other_sa
     ck = set(strategy.checkpointed_blocks(L))
     below = saved_below(act, strategy.checkpointed_blocks(L), L)
     block_other = other_saved - act.final_norm_saved + act.hidden_grad
+    held_below, moe_blocks = ep_held(act, strategy, L)
     out = []
     for i in range(L - 1, -1, -1):
         k, is_ck = kinds[i], i in ck
         frame = k.checkpoint_frame_kept if is_ck else 0.0
         recompute = k.recompute if is_ck else 0.0
         a = below[i] + recompute + block_other + frame - (act.masks_only_later if i == 0 else 0.0)
+        without, with_ = ep_excess_at(act, held_below, moe_blocks, i)
         late = is_ck and act.recomputed_after_mlp
         a_mlp = a - recompute if late else a
         attn_delta = k.attention_backward_transient - k.mlp_saved_per_block
         mlp_bwd = k.mlp_backward_released if released else k.mlp_backward_transient
-        out.append(BlockPoint(i, L - 1 - i, a, a_mlp + mlp_bwd,
-                              a + attn_delta if (k.attention_backward_transient > 0 or late) else None,
-                              frame, k, _recompute(k, is_ck, a)))
+        out.append(BlockPoint(i, L - 1 - i, a + max(without, with_), a_mlp + mlp_bwd + with_,
+                              a + attn_delta + without if (k.attention_backward_transient > 0 or late) else None,
+                              frame, k, _recompute(k, is_ck, a + with_)))
     return out
 
 

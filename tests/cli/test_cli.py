@@ -126,12 +126,12 @@ def test_an_expert_parallel_estimate_says_what_routing_it_assumed(capsys, tmp_pa
     for ep, rank in (("4", EP_RANK_IMBALANCE), ("8", MOE_LOAD_IMBALANCE)):
         assert main(["estimate", mixtral, "--engine", "fsdp2", "--expert-parallel-size", ep]) == 0
         (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("routed loads: ")]
-        assert (f"busiest expert {MOE_LOAD_IMBALANCE:g} x the mean, least 0 x, busiest EP rank {rank:g} x "
-                f"(autotune's default bounds") in line
+        assert (f"busiest expert {MOE_LOAD_IMBALANCE:g} x the mean, least 0 x, busiest EP rank {rank:g} x, over a "
+                f"step {rank:g} x (autotune's default bounds") in line
     assert main(["estimate", mixtral, *flags, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["routed_load_factors"] == {
         "busiest_expert": MOE_LOAD_IMBALANCE, "least_expert": 0.0, "busiest_rank": MOE_LOAD_IMBALANCE,
-        "stated": False, "stated_keys": []}
+        "busiest_rank_step": MOE_LOAD_IMBALANCE, "stated": False, "stated_keys": []}
     assert main(["estimate", mixtral, "--engine", "fsdp2", "--json"]) == 0
     assert "routed_load_factors" not in json.loads(capsys.readouterr().out)
     import yaml
@@ -142,20 +142,22 @@ def test_an_expert_parallel_estimate_says_what_routing_it_assumed(capsys, tmp_pa
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert main(["estimate", str(tmp_path / "job.yaml"), *flags]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("routed loads: ")]
-    assert ("busiest expert 1.2 x the mean, least 0 x, busiest EP rank 1.1 x (the rest autotune's default bounds: "
-            "state model.moe_min_load from a measured routing") in line
-    job["model"].update(moe_min_load=0.8)  # the least-loaded chunk: a tighter bound on the backward's chunk loop
+    assert ("busiest expert 1.2 x the mean, least 0 x, busiest EP rank 1.1 x, over a step 1.1 x (the rest autotune's "
+            "default bounds: state model.moe_min_load and model.ep_step_imbalance from a measured routing") in line
+    # the least-loaded chunk: a tighter bound on the backward's chunk loop; the rank's rows over a step: on the blocks'
+    job["model"].update(moe_min_load=0.8, ep_step_imbalance=1.05)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert main(["estimate", str(tmp_path / "job.yaml"), *flags]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("routed loads: ")]
-    assert "busiest expert 1.2 x the mean, least 0.8 x, busiest EP rank 1.1 x (as the job states them)" in line
+    assert "busiest expert 1.2 x the mean, least 0.8 x, busiest EP rank 1.1 x, over a step 1.05 x (as the job states them)" in line
     assert main(["estimate", str(tmp_path / "job.yaml"), *flags, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["routed_load_factors"]["least_expert"] == 0.8
-    job["model"].update(moe_load_imbalance=1.2, ep_rank_imbalance=None, moe_min_load=None)  # the rank's default: at most the expert's
+    # the rank's default: at most the expert's
+    job["model"].update(moe_load_imbalance=1.2, ep_rank_imbalance=None, moe_min_load=None, ep_step_imbalance=None)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert main(["estimate", str(tmp_path / "job.yaml"), *flags]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("routed loads: ")]
-    assert "busiest expert 1.2 x the mean, least 0 x, busiest EP rank 1.2 x" in line
+    assert "busiest expert 1.2 x the mean, least 0 x, busiest EP rank 1.2 x, over a step 1.2 x" in line
 
 
 def test_tiny_model_estimate_in_mib(capsys):

@@ -240,6 +240,10 @@ def _model_job(tmp_path, base: str, **model):
     (dict(moe_load_imbalance=1.2, ep_rank_imbalance=1.3), "model.ep_rank_imbalance: ep_rank_imbalance 1.3 is above"),
     (dict(moe_load_imbalance=0.9), "model.moe_load_imbalance"),
     (dict(moe_min_load=1.5), "model.moe_min_load"),
+    (dict(ep_rank_imbalance=1.1, ep_step_imbalance=1.2), "model.ep_step_imbalance: ep_step_imbalance 1.2 is above"),
+    (dict(ep_step_imbalance=1.9), "model.ep_step_imbalance: ep_step_imbalance 1.9 is above the busiest rank's "
+                                  "dispatch factor 1.8 (moe_load_imbalance)"),
+    (dict(ep_step_imbalance=0.9), "model.ep_step_imbalance"),
 ])
 def test_a_stated_load_imbalance_the_model_cannot_have_is_one_line(tmp_path, capsys, model, needle):
     """The stated factors (ModelSpec.moe_load_imbalance, ep_rank_imbalance) are checked against the model:
@@ -248,7 +252,7 @@ def test_a_stated_load_imbalance_the_model_cannot_have_is_one_line(tmp_path, cap
     _one_line_error(capsys, needle)
 
 
-@pytest.mark.parametrize("key,value", [("moe_load_imbalance", 1.2), ("moe_min_load", 0.5)])
+@pytest.mark.parametrize("key,value", [("moe_load_imbalance", 1.2), ("moe_min_load", 0.5), ("ep_step_imbalance", 1.1)])
 def test_a_stated_load_imbalance_on_a_dense_model_is_one_line(tmp_path, capsys, key, value):
     assert main(["estimate", _model_job(tmp_path, LLAMA, **{key: value})]) == 2
     _one_line_error(capsys, f"model.{key}: {key} is stated for a model without routed experts")

@@ -24,6 +24,9 @@ from conftest import ROOT
 
 def _cfg(name: str, **hardware):
     cfg = load_config(os.path.join(ROOT, name))
+    model = hardware.pop("model", None)
+    if model:
+        cfg = dataclasses.replace(cfg, model=cfg.model.replace(**model))
     if hardware:
         cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, **hardware))
     return cfg
@@ -39,6 +42,10 @@ JOBS = {
     "qwen3-moe-ep": ("examples/qwen3-30b-a3b.yaml", {}),  # expert parallelism (default space's moe section)
     # latent attention, shared experts, a dense first block (blocks of two kinds, memory/mixed.py)
     "deepseek-v2-lite": ("examples/deepseek-v2-lite.yaml", {}),
+    # a step's mean below the busiest dispatch (expert_parallel.ep_excess: the blocks' received rows bounded
+    # block by block), uniform and with a dense first block
+    "qwen3-moe-ep-step": ("examples/qwen3-30b-a3b.yaml", {"model": {"ep_step_imbalance": 1.1}}),
+    "deepseek-v2-lite-step": ("examples/deepseek-v2-lite.yaml", {"model": {"ep_step_imbalance": 1.05}}),
     # eager attention with sinks (the core's backward instant, ZeRO-0's gradients held there), MoE
     "gpt-oss-20b": ("examples/gpt-oss-20b.yaml", {}),
 }
@@ -57,7 +64,7 @@ def _pool(cfg, stride: int) -> list[Strategy]:
 @pytest.mark.parametrize("device, loop", [("cuda", "keep_outputs"), ("cpu", "drop_outputs")])
 def test_grid_verdicts_equal_estimate_memory(job, device, loop):
     path, hw = JOBS[job]
-    cfg = _cfg(path, **hw)
+    cfg = _cfg(path, **dict(hw))
     m, tr, hwspec = cfg.model, cfg.training, cfg.hardware
     pool = _pool(cfg, 11 if device == "cuda" else 37)
     pool.append(Strategy(checkpointing="full", checkpoint_every=4))  # not on the grid: None
@@ -86,7 +93,7 @@ def test_grid_verdicts_equal_estimate_memory(job, device, loop):
 @pytest.mark.parametrize("job", ["llama2-7b", "gpt2", "tiny-fsdp2"])
 def test_screen_equals_estimate_memory_and_simulate_per_candidate(job):
     path, hw = JOBS[job]
-    cfg = _cfg(path, **hw)
+    cfg = _cfg(path, **dict(hw))
     assert cfg.search.fidelity != "traced" and cfg.search.trace_near_limit <= 0  # the analytic screen
     m, tr, hwspec = cfg.model, cfg.training, cfg.hardware
     params = {"gemm_eff": 0.5, "overlap": 0.2}
