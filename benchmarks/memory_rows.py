@@ -491,6 +491,14 @@ CARRY_MOE_ROWS = [  # ZeRO-1, two micro-steps (estimate.split_carry): the forwar
     # carry (estimate.last_forward_relief); gpt-oss's eager core with sinks
     ("hf-gptoss-sv", 1, 1, 2, 1, 512, "attention", "fp32"), ("hf-gptoss-sv", 1, 2, 2, 1, 512, "full", "bf16"),
 ]
+MLA_CORE_ROWS = [  # latent attention's core on sdpa's CPU math kernel at 384-512 tokens, few heads: its softmax
+    # backward holds the peak; the block's post-attention norm released before it (activations._released_before_core),
+    # in fp32 the value's gradient beside the probabilities' (mla.backward_transient)
+    ("hf-deepseekv3", 0, 1, 1, 1, 512, "full", "fp32"), ("hf-deepseekv3", "fsdp2-rbf16", 1, 1, 2, 512, "full", "fp32"),
+    ("hf-deepseekv2-sv", 1, 2, 1, 1, 512, "full", "bf16"), ("hf-deepseekv2", 2, 2, 1, 1, 512, "selective", "fp32"),
+    ("hf-deepseekv2", 2, 1, 1, 1, 512, "selective", "fp32"), ("hf-deepseekv3-sv", "fsdp2", 2, 1, 1, 512, "attention", "bf16"),
+    ("hf-deepseekv2-dense", 3, 2, 1, 1, 512, "full", "fp32"), ("hf-deepseekv2-q", "fsdp2-keep", 1, 1, 2, 384, "full", "fp32"),
+]
 
 
 # expert parallelism 2 on 2 gloo ranks (fsdp2: each block's E / 2 experts their own fully_shard unit,
@@ -517,9 +525,10 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
 
 
 def moe_grid() -> list[dict]:
-    """MOE_ROWS, ATTENTION_INSTANT_ROWS, POST_BACKWARD_ROWS, CARRY_MOE_ROWS, GQA_MATH_ROWS, EAGER_WEIGHTS_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
+    """MOE_ROWS, ATTENTION_INSTANT_ROWS, POST_BACKWARD_ROWS, CARRY_MOE_ROWS, GQA_MATH_ROWS, EAGER_WEIGHTS_ROWS,
+    MLA_CORE_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
     return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS + ATTENTION_INSTANT_ROWS + POST_BACKWARD_ROWS + CARRY_MOE_ROWS
-             + GQA_MATH_ROWS + EAGER_WEIGHTS_ROWS]
+             + GQA_MATH_ROWS + EAGER_WEIGHTS_ROWS + MLA_CORE_ROWS]
             + [dict(zip(ROW_KEYS, r), knobs={"expert_parallel_size": 2}) for r in MOE_EP_ROWS])
 
 

@@ -388,11 +388,11 @@ def _released_before_core(m: ModelSpec, p: int, mask_bytes: int, device: str, ti
     512 full bf16 and of the reference GPT-2 with attention dropout (benchmarks/peak_trace_worker.py: the
     peak at block 0's softmax backward; docs/accuracy.md); sdpa's CPU math path the same (its s x s
     instant reaches the peak: allocation trace of hf-gpt2 fsdp2 seq 512 selective fp32). sdpa's kernels
-    and latent attention: nothing (their core's output is what o_proj reads, and their backward
-    instant stays below the MLP's)."""
-    if (m.attn_implementation != "eager" and not _sdpa_math(m, device)) or m.is_mla:
+    nothing (their core's output is what o_proj reads, and their backward instant stays below the MLP's);
+    latent attention on the math path all but o_proj's input, which ``mla.backward_transient`` releases."""
+    if not (mla.math_kernel(m, device) if m.is_mla else m.attn_implementation == "eager" or _sdpa_math(m, device)):
         return 0.0
-    n = p * m.q_size
+    n = 0 if m.is_mla else p * m.q_size
     if m.parallel_residual:  # both branches read the block input: the MLP's norm may still be ahead
         return float(n)
     h, norm = m.hidden_size, _norm_saved(m, p, device)
@@ -718,8 +718,8 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
                                          else 0.0)) if n_ck else 0.0,
         mlp_saved_per_block=mlp_saved,
         attention_backward_transient=(mla.backward_transient(m, p, s_full, int(tokens), device) if m.is_mla else
-                                      (_attention_backward_transient(m, p, s_full, device, mb) + attn_bwd
-                                       - _released_before_core(m, p, mb, device, split.tiled_mlp)) * tokens),
+                                      (_attention_backward_transient(m, p, s_full, device, mb) + attn_bwd) * tokens)
+        - _released_before_core(m, p, mb, device, split.tiled_mlp) * tokens,
         final_norm_saved=_norm_saved(m, p, device) * tokens,
         forward_only_masks=forward_mask,
         final_norm_forward_extra=_final_norm_forward_extra(m, p, tokens, s, bool(n_ck)),

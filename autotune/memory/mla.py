@@ -105,12 +105,14 @@ def backward_transient(m: ModelSpec, p: int, s: int, tokens: int, device: str) -
     * the probabilities' backward: the fp32 output gradient (a v) and its contiguous copy, the value's
       and the probabilities' fp32 gradients (a v, a s), o_proj's saved input released (p a v);
     * the softmax backward: the probabilities' gradient and the scores' (fp32, a s each) and the value's
-      gradient, the output gradient and the saved fp32 value released;
+      gradient (fp32, a v), the output gradient released, and in 16-bit training the value's fp32 copy the
+      PV matmul saved (in fp32 it saved a view of kv_b_proj's output, which the block keeps: allocation
+      trace of hf-deepseekv2 ZeRO-2 seq 512 selective fp32, its peak at the last block's softmax backward);
     on the flash kernels the gradients of q, k and v (as for a dense model)."""
     a, qk, v, h = m.num_attention_heads, qk_head_dim(m), v_head_dim(m), m.hidden_size
     weight = p * h * a * v
     if math_kernel(m, device):
-        per_token = max(8 * a * v + 4 * a * s, 8 * a * s) - p * a * v
+        per_token = max(8 * a * v + 4 * a * s, 8 * a * s + (4 * a * v if p == 4 else 0)) - p * a * v
     else:
         per_token = p * (2 * a * qk + a * v)
     return weight + per_token * tokens
