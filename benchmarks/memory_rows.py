@@ -521,6 +521,11 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
     ("hf-qwen3moe-sv", "fsdp2-keep", 2, 1, 4, 256, "mlp", "fp32"),
     # one expert per rank (2 experts, top-1, EP 2)
     ("hf-mixtral-e2", "fsdp2", 2, 1, 4, 256, "none", "bf16"), ("hf-mixtral-e2", "fsdp2-keep", 2, 1, 4, 256, "full", "fp32"),
+    # latent attention's core holds the peak after the experts unit's post-backward (fsdp2._Units.rs_own, grad_own:
+    # its parameters resharded, its gradients a reduce-scatter input and a new shard); two micro-steps among them
+    ("hf-deepseekv2-sv", "fsdp2-keep", 2, 2, 1, 256, "full", "bf16"), ("hf-deepseekv3", "fsdp2-rbf16", 2, 2, 2, 512, "full", "fp32"),
+    ("hf-deepseekv3-sv", "fsdp2-rbf16", 2, 2, 1, 128, "selective", "bf16"), ("hf-deepseekv3", "fsdp2-rbf16", 2, 1, 2, 512, "full", "fp32"),
+    ("hf-deepseekv2-sv", "fsdp2", 2, 2, 1, 256, "full", "bf16"), ("hf-deepseekv2-sv", "fsdp2-keep", 2, 1, 1, 256, "full", "bf16"),
 ]
 
 

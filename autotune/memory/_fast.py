@@ -25,7 +25,7 @@ from autotune.memory.activations import ActivationBreakdown, activation_breakdow
 from autotune.memory.common import PREDICTION_MARGIN
 from autotune.memory.estimate import _accumulation_carry, carry_buckets, split_carry
 from autotune.memory.expert_parallel import ep_excess
-from autotune.memory.fsdp2 import _units, offload_host, rs_input_copies
+from autotune.memory.fsdp2 import _Units, _units, offload_host, rs_input_copies
 from autotune.memory.mixed import blocks_within, dense_block_spec, kind_spec, layer_kinds, params_after
 from autotune.memory.moe import down_weight_elements
 from autotune.memory.states import _model_states, zero3_gathered
@@ -436,8 +436,7 @@ def _deepspeed(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,
                       nvme_per_gpu=c["nvme"]), w)
 
 
-_U = ("n", "p", "r", "per_block", "root", "on_gpu", "u_root", "u_block", "flat", "cast_in", "grad_block", "all_grads",
-      "mlp_params", "core_params", "rs_unit", "rs_mlp", "rs_own")
+_U = _Units._fields
 _u_fields = attrgetter(*_U)
 
 
@@ -508,16 +507,18 @@ def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarr
             add("backward", sharded=done, unsharded=head_grad, activations=pre,
                 buffers=gathered + rs_prev + nxt + us[i - 1]["cast_in"], valid=reshard & (nxt != 0))
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev)
-        core_rs = np.where(u["rs_own"] != 0, u["r"] * u["rs_own"], rs_prev)  # at the attention instant
+        core_rs = np.where(u["rs_own"] != 0, (u["r"] - u["p"]) * u["rs_own"], rs_prev)  # at the attention instant
         # (fsdp2.py: a recomputation under attention / selective runs as the attention instant, after the MLP's)
-        add("backward", sharded=done, unsharded=head_grad + np.where(recomputed_late, u["p"] * u["core_params"], 0.0),
+        own = u["on_gpu"] * u["grad_own"]  # fsdp2.py: the experts unit's new gradient shard
+        add("backward", sharded=done + np.where(recomputed_late, own, 0.0),
+            unsharded=head_grad + np.where(recomputed_late, u["p"] * u["core_params"], 0.0),
             activations=recompute, buffers=gathered - np.where(recomputed_late, 0.0, (np.where(reshard, nxt, 0.0)
                                                                                          if i > 0 else 0.0))
             + np.where(recomputed_late, core_rs, rs_prev), valid=has_recompute)
         add("backward", sharded=done, unsharded=head_grad + u["p"] * u["mlp_params"],
             activations=saved - k["mlp_saved_per_block"], buffers=gathered + np.maximum(rs_prev, u["r"] * u["rs_own"]))
-        add("backward", sharded=done, unsharded=head_grad + u["p"] * u["core_params"], activations=attention,
-            buffers=gathered + np.where(u["rs_own"] != 0, u["r"] * u["rs_own"], rs_prev), valid=has_attention)
+        add("backward", sharded=done + own, unsharded=head_grad + u["p"] * u["core_params"], activations=attention,
+            buffers=gathered + core_rs, valid=has_attention)
         after = saved - k["per_block_plain"] - frame
         # fsdp2.py: the block resharded before its reduce-scatter; gloo's clone of the input beside the new shard
         add("backward", sharded=done, unsharded=head_grad + u["u_block"], activations=after,
@@ -621,16 +622,17 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
         add("backward", sharded=done, unsharded=head_grad, activations=pre, buffers=gathered + rs_prev + flat
             + u["cast_in"], valid=valid & reshard & (i > 0) & (flat != 0) & (device == "cpu"))  # fsdp2: gloo's copy
         add("backward", sharded=done, unsharded=head_grad, activations=mlp, buffers=gathered + rs_prev, valid=valid)
-        core_rs = np.where(u["rs_own"] != 0, ur * u["rs_own"], rs_prev)  # at the attention instant
-        add("backward", sharded=done, unsharded=head_grad + np.where(recomputed_late, up * u["core_params"], 0.0),
+        core_rs = np.where(u["rs_own"] != 0, (ur - up) * u["rs_own"], rs_prev)  # at the attention instant
+        own = on_gpu * u["grad_own"]  # fsdp2.py: the experts unit's new gradient shard
+        add("backward", sharded=done + np.where(recomputed_late, own, 0.0),
+            unsharded=head_grad + np.where(recomputed_late, up * u["core_params"], 0.0),
             activations=recompute, buffers=gathered - np.where(recomputed_late, 0.0, np.where(reshard & (i > 0), flat, 0.0))
             + np.where(recomputed_late, core_rs, rs_prev), valid=valid & has_recompute)
         add("backward", sharded=done, unsharded=head_grad + up * u["mlp_params"],
             activations=saved - a["mlp_saved_per_block"], buffers=gathered + np.maximum(rs_prev, ur * u["rs_own"]),
             valid=valid)
-        add("backward", sharded=done, unsharded=head_grad + up * u["core_params"], activations=attention,
-            buffers=gathered + np.where(u["rs_own"] != 0, ur * u["rs_own"], rs_prev),
-            valid=valid & has_attention)
+        add("backward", sharded=done + own, unsharded=head_grad + up * u["core_params"], activations=attention,
+            buffers=gathered + core_rs, valid=valid & has_attention)
         after = saved - a["per_block_plain"] - frame
         add("backward", sharded=done, unsharded=head_grad + u_block, activations=after,
             buffers=gathered - u_block + rs_block, valid=valid)

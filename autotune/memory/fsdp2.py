@@ -83,7 +83,8 @@ class _Units(NamedTuple):
     """Parameters whose gradients exist at the block's attention core backward: the MLP's weights
     (``mlp_params``), o_proj, the norms and biases after the core (spec.params_after_attention_core); latent
     attention the whole block (its attention instant reads under with the core's alone: hf-deepseekv3-sv
-    FSDP2 attention bf16 -1.37%, -0.91% with the whole block)."""
+    FSDP2 attention bf16 -1.37%, -0.91% with the whole block); with expert parallelism less the experts,
+    whose unit's post-backward came first (their gradients its reduce-scatter input, ``rs_own``)."""
     rs_unit: int
     """Parameters of a block's largest unit (its reduce-scatter input): the block, or with expert
     parallelism the larger of its dense part and its experts unit."""
@@ -92,7 +93,12 @@ class _Units(NamedTuple):
     before it in backward order): the later block, or with expert parallelism its dense unit."""
     rs_own: int
     """With expert parallelism, the block's experts unit, whose reduce-scatter input is live during the
-    block's attention backward (its post-backward came first); 0 without (then as the MLP's)."""
+    block's attention backward (its post-backward came first, its unsharded parameters freed: allocation
+    traces of hf-deepseekv2-sv fsdp2-keep EP 2 full bf16, GA 1 and 2, the peaks at a softmax backward);
+    0 without (then as the MLP's)."""
+    grad_own: float = 0.0
+    """With expert parallelism, the experts unit's fp32 gradient shard, made by its post-backward: beside the
+    shards of the blocks done at the block's attention backward (accumulating, added into the carried one)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -162,11 +168,11 @@ def _units(m: ModelSpec, s: Strategy, hardware: HardwareSpec) -> _Units:
                       flat=p * max(e.dense if n > 1 else 0, e.local if e.mod_ep > 1 else 0),
                       cast_in=p * max(e.dense / n, e.local / e.mod_ep) if p < 4 else 0.0,
                       mlp_params=u.mlp_params - block_expert_elements(m) + e.local,
-                      core_params=u.core_params - block_expert_elements(m) + e.local, rs_unit=max(e.dense, e.local),
+                      core_params=u.core_params - block_expert_elements(m), rs_unit=max(e.dense, e.local),
                       # the backward's units: layers.i, its experts, layers.i-1, ... (FSDP2 runs and prefetches
                       # them in reverse post-forward order, _fsdp_state.py _pre_backward; one reduce-scatter
                       # input kept until the next post-backward, _fsdp_param_group.py post_backward)
-                      rs_mlp=e.dense, rs_own=e.local)
+                      rs_mlp=e.dense, rs_own=e.local, grad_own=4 * e.local / e.mod_ep)
 
 
 def _layer_units(m: ModelSpec, s: Strategy, hardware: HardwareSpec, u: _Units) -> list[_Units]:
@@ -333,23 +339,27 @@ def _blocks_backward(add: Callable[..., None], us: list[_Units], act: Activation
         # part of the MLP's transient (activations.py _mlp_backward_transient); the other weight
         # gradients come after the multiply's backward has released its f-wide gradients
         add("backward", sharded=done, unsharded=head_grad, activations=pt.mlp, buffers=gathered + rs_prev)
+        # at the attention instant (after the MLP's): with expert parallelism the experts unit's post-backward done,
+        # its reduce-scatter input in place of its unsharded parameters (rs_own); else the previous unit's input
+        core_rs = (u.r - u.p) * u.rs_own if u.rs_own else rs_prev
+        own = u.on_gpu * u.grad_own  # and its new gradient shard
         if pt.recompute is not None:
             # the recomputation's experts combine (EP), before the MLP's backward: the next block's all-gather
             # is not issued yet (its prefetch comes with the experts unit's pre-backward, after the
             # recomputation: reverse post-forward order, layers.i, its experts, layers.i-1; allocation traces)
             # (attention / selective: the core's, after the MLP's backward, as at its attention instant)
             late = k.recomputed_after_mlp
-            add("backward", sharded=done, unsharded=head_grad + (u.p * u.core_params if late else 0.0),
+            add("backward", sharded=done + (own if late else 0.0), unsharded=head_grad + (u.p * u.core_params if late else 0.0),
                 activations=pt.recompute,
                 buffers=gathered - (nxt if (reshard and i > 0 and not late) else 0.0)
-                + ((u.r * u.rs_own if u.rs_own else rs_prev) if late else rs_prev))
+                + (core_rs if late else rs_prev))
         # the MLP done: all its weight gradients, its saved tensors released
         # (with expert parallelism the experts' post-backward: their reduce-scatter input replaces the other)
         add("backward", sharded=done, unsharded=head_grad + u.p * u.mlp_params,
             activations=pt.saved - k.mlp_saved_per_block, buffers=gathered + max(rs_prev, u.r * u.rs_own))
         if pt.attention is not None:  # the MLP's, o_proj's and the norms' weight gradients (not q, k, v yet)
-            add("backward", sharded=done, unsharded=head_grad + u.p * u.core_params, activations=pt.attention,
-                buffers=gathered + (u.r * u.rs_own if u.rs_own else rs_prev))
+            add("backward", sharded=done + own, unsharded=head_grad + u.p * u.core_params, activations=pt.attention,
+                buffers=gathered + core_rs)
         # post-backward (the block's activations gone, the previous reduce-scatter input released): its
         # unsharded parameters freed first (reshard after backward, _fsdp_param_group.py post_backward, whatever
         # reshard_after_forward says), its gradients copied into a new reduce-scatter input, then freed before
