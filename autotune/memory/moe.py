@@ -30,7 +30,7 @@ expert as this factor x the mean."""
 EP_RANK_IMBALANCE = 1.5
 """The busiest expert-parallel rank's received rows over the mean (tokens x top-k) where the job states
 none (``ModelSpec.ep_rank_imbalance``), at most the expert factor: above every rank measured here (a
-rank's E / ep experts average its busiest one out: 1.02-1.30 x the mean on the tiny models' routers at
+rank's E / ep experts average its busiest one out: 1.02-1.38 x the mean on the tiny models' routers at
 init, while their chunks reached 1.71; docs/moe.md, Load imbalance). With one expert per rank (E = ep)
 nothing averages and the expert factor applies (``expert_parallel.rank_imbalance``)."""
 
