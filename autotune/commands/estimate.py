@@ -118,9 +118,9 @@ STATED_LOAD_KEYS = ("moe_load_imbalance", "moe_min_load", "ep_rank_imbalance", "
 
 def routed_load_factors(model: Any, ep: int) -> dict[str, Any]:
     """What an expert-parallel estimate assumed of the routing it cannot know: the busiest and the
-    least-loaded expert's tokens and the busiest EP rank's received rows over their means
-    (memory.moe.expert_imbalance, ModelSpec.moe_min_load, memory.expert_parallel.rank_imbalance), and
-    whether the job stated them."""
+    least-loaded expert's tokens and the busiest EP rank's received rows, in one dispatch and over a step's
+    blocks, over their means (memory.moe.expert_imbalance, ModelSpec.moe_min_load,
+    memory.expert_parallel.rank_imbalance, step_imbalance), and whether the job stated them."""
     from autotune.memory.expert_parallel import rank_imbalance, step_imbalance
     from autotune.memory.moe import expert_imbalance
 
