@@ -498,6 +498,9 @@ MLA_CORE_ROWS = [  # latent attention's core on sdpa's CPU math kernel at 384-51
     ("hf-deepseekv2-sv", 1, 2, 1, 1, 512, "full", "bf16"), ("hf-deepseekv2", 2, 2, 1, 1, 512, "selective", "fp32"),
     ("hf-deepseekv2", 2, 1, 1, 1, 512, "selective", "fp32"), ("hf-deepseekv3-sv", "fsdp2", 2, 1, 1, 512, "attention", "bf16"),
     ("hf-deepseekv2-dense", 3, 2, 1, 1, 512, "full", "fp32"), ("hf-deepseekv2-q", "fsdp2-keep", 1, 1, 2, 384, "full", "fp32"),
+    # its recomputation after the MLP's backward (attention): the peak at the kernel's softmax (mla.core_forward_transient)
+    ("hf-deepseekv2-sv", 2, 1, 2, 2, 128, "attention", "bf16"), ("hf-deepseekv2-sv", 2, 1, 1, 2, 128, "attention", "bf16"),
+    ("hf-deepseekv2-sv", 0, 1, 2, 2, 128, "attention", "bf16"),
 ]
 
 

@@ -165,8 +165,10 @@ def _points(n_ck: np.ndarray, L: int, extra: list[np.ndarray]) -> list[tuple[np.
 
 def _recompute_top(k: dict[str, np.ndarray], moe_recomputed: np.ndarray) -> np.ndarray:
     """walk._recompute's transient: the larger of the MoE forward's (when the granularity recomputes the MoE)
-    and the attention core's recomputation instants above the recomputed set (0: none)."""
-    return np.maximum(np.where(moe_recomputed, k["moe_recompute_transient"], 0.0), k["core_recompute_transient"])
+    and the attention core's recomputation instants against the recomputed set, the core's alone (below it
+    where the block's later saves are not made yet) without the MoE's (0: none)."""
+    moe = np.where(moe_recomputed, k["moe_recompute_transient"], 0.0)
+    return np.where(moe != 0, np.maximum(moe, k["core_recompute_transient"]), k["core_recompute_transient"])
 
 
 def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarray, L: int,
@@ -185,7 +187,7 @@ def _block_point(a: dict[str, np.ndarray], i: np.ndarray, other_saved: np.ndarra
     a_mlp = np.where(late, saved - a["recompute"], saved)
     attn_delta = a["attention_backward_transient"] - a["mlp_saved_per_block"]
     top = _recompute_top(a, moe_recomputed)
-    has_recompute = ck & (top > 0)
+    has_recompute = ck & (top != 0)
     mlp_bwd = np.where(released, a["mlp_backward_released"], a["mlp_backward_transient"])
     # walk.ep_held / ep_excess_at: the blocks below holding their received rows, all MoE blocks
     held = i - np.where(a["ep_blocks_hold"] > 0, 0, np.minimum(i, n_ck))
@@ -480,7 +482,7 @@ def _mixed_points(ks: list[dict[str, np.ndarray]], a: dict[str, np.ndarray], rec
         top = _recompute_top(k, moe_recomputed)
         yield (i, k, ck, saved + np.maximum(without, with_), a_mlp + mlp_bwd + with_, frame,
                saved + attn_delta + without, (k["attention_backward_transient"] > 0) | late,
-               saved + top + with_, ck & (top > 0))
+               saved + top + with_, ck & (top != 0))
 
 
 def _mixed_blocks_backward(add: Callable[..., None], ks: list[dict[str, np.ndarray]], us: list[dict[str, np.ndarray]],

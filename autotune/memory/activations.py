@@ -661,15 +661,21 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     if n_ck and _sdpa_math(m, device) and gran != "mlp":
         # the recomputed core's forward end: what the block saves after the core is not made yet (the MLP's
         # pre-norm output too under a parallel residual, whose MLP runs after the attention)
-        after = (_released_before_core(m, p, mb, device, split.tiled_mlp)
-                 + (0.0 if split.tiled_mlp else _mlp_saved_per_token(m, p)))
+        after = _released_before_core(m, p, mb, device, split.tiled_mlp)
         if m.parallel_residual and not split.tiled_mlp:
             after += (_mlp_sublayer_saved(m, p, mb) - _mlp_saved_per_token(m, p) + _norm_saved(m, p, device)
                       - p * m.hidden_size)
         # the core's inputs the plain core does not save: alive in the attention's frame (selective: counted
         # in ``recompute``, its checkpoint keeps them)
         inputs = _selective_inputs_unsaved(m, p, b, device) if gran != "selective" else 0.0
-        core_re = (_math_core_forward_transient(m, p, b, s_full) + inputs - after) * tokens + 4 * s_full * s_full
+        core_re = ((_math_core_forward_transient(m, p, b, s_full) + inputs - after) * tokens + 4 * s_full * s_full
+                   - (0.0 if split.tiled_mlp else mlp_saved))
+    elif n_ck and m.is_mla and mla.math_kernel(m, device) and gran != "mlp":
+        # latent attention's recomputed core on the math kernel, at its softmax: what the block saves after the core
+        # (o_proj's input, the post-attention norm's, the MLP's) not made yet; its inputs alive in the attention's frame
+        after = p * m.num_attention_heads * mla.v_head_dim(m) + _released_before_core(m, p, mb, device)
+        inputs = mla.inputs_unsaved(m, p, b, device) if gran != "selective" else 0.0
+        core_re = (mla.core_forward_transient(m, p, s_full) + inputs - after) * tokens + 4 * s_full * s_full - mlp_saved
     torch_rms_norm = m.norm in ("rmsnorm", "rmsnorm_fp32") and m.rms_norm_kernel == "torch"
     # a block norm's backward beyond its saved tensors (an instant where the MLP's no longer dominates, below)
     block_norm = (_block_norm_backward_live(m, p) - _norm_saved(m, p, device)) * tokens if torch_rms_norm else 0.0

@@ -69,6 +69,21 @@ def value_kept(m: ModelSpec, p: int, batch: int, device: str) -> bool:
     return math_kernel(m, device) and p == 4 and batch == 1
 
 
+def core_forward_transient(m: ModelSpec, p: int, s: int) -> float:
+    """Per token, the CPU math kernel's forward at its ``_safe_softmax`` beyond what it saves and its inputs: the
+    scores (fp32, a s) beside the probabilities, ``isneginf``'s mask of them (a s bytes) and, in 16-bit
+    training, the fp32 copies of q and k before their scaling (a qk each); the (s, s) causal mask is per call
+    (allocation trace of hf-deepseekv2-sv ZeRO-2 mbs 2 seq 128 attention bf16: the peak in block 1's
+    recomputation after its MLP's backward), and the attention's locals no backward saves: the projected query
+    (a qk), the rotated query and key rope parts (a r + r) and, in 16-bit training, the LoRA projections'
+    outputs whose fp32 copies the norms save (kv_lora_rank + r, q_lora_rank)."""
+    a, r = m.num_attention_heads, m.qk_rope_head_dim
+    frame = p * (a * qk_head_dim(m) + a * r + r)
+    if p < 4:
+        frame += p * (int(m.kv_lora_rank or 0) + r + (m.q_lora_rank or 0)) + 8 * a * qk_head_dim(m)
+    return float(5 * a * s + frame)
+
+
 def attention_saved(m: ModelSpec, p: int, s: int, device: str, core: str = "full", batch: int = 2) -> float:
     """Per token, what DeepseekV2Attention keeps for backward, its input (the norm output) excluded:
     * the q LoRA's RMSNorm (q_lora_rank wide); none with a plain ``q_proj`` (its output is not saved);

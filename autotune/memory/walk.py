@@ -156,10 +156,12 @@ def _recompute(k: ActivationBreakdown, checkpointed: bool, a: float) -> Optional
     """A checkpointed block's recomputation instant (``BlockPoint.recompute``): the recomputed set ``a`` (the
     block's saved tensors, all made by then but what runs after the experts or the attention core, which
     the transients net out) plus the larger of ``moe_recompute_transient`` (its MoE forward's peak) and
-    ``core_recompute_transient`` (its attention core's forward end)."""
+    ``core_recompute_transient`` (its attention core's forward end), the core's alone where the MoE's is
+    none: it may be negative (the MLP's saved tensors, in ``a``, released before a late recomputation) and
+    still above the block's other instants."""
     moe = k.moe_recompute_transient if k.moe_recomputed else 0.0
-    top = max(moe, k.core_recompute_transient)
-    return a + top if (checkpointed and top > 0) else None
+    top = max(moe, k.core_recompute_transient) if moe else k.core_recompute_transient
+    return a + top if (checkpointed and top) else None
 
 
 class Candidate(NamedTuple):
