@@ -529,6 +529,8 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
     ("hf-deepseekv2-sv", "fsdp2-keep", 2, 2, 1, 256, "full", "bf16"), ("hf-deepseekv3", "fsdp2-rbf16", 2, 2, 2, 512, "full", "fp32"),
     ("hf-deepseekv3-sv", "fsdp2-rbf16", 2, 2, 1, 128, "selective", "bf16"), ("hf-deepseekv3", "fsdp2-rbf16", 2, 1, 2, 512, "full", "fp32"),
     ("hf-deepseekv2-sv", "fsdp2", 2, 2, 1, 256, "full", "bf16"), ("hf-deepseekv2-sv", "fsdp2-keep", 2, 1, 1, 256, "full", "bf16"),
+    # four micro-steps: the root's reduce-scatter holds the peak, its new shard beside the carried one (fsdp2.py)
+    ("hf-qwen2moe-dense", "fsdp2-keep", 2, 4, 1, 128, "full", "bf16"),
 ]
 
 

@@ -645,7 +645,8 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], activations=a["hidden_grad"],
         buffers=u_root + ur * us[0]["rs_unit"])
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], buffers=u_root + ur * u["root"])
-    add("backward", sharded=u["all_grads"], buffers=u_root + ur * u["root"] * rs_copies)
+    add("backward", sharded=u["all_grads"] + np.where(carry != 0, on_gpu * 4 * u["root"] / un, 0.0),
+        unsharded=up * V * m.hidden_size, buffers=ur * u["root"] * rs_copies)  # fsdp2.py: the root's reduce-scatter
     add("optimizer", sharded=u["all_grads"], buffers=on_gpu * 4 * shard)
     host = u["host"]
     pair = 2 * u_block if kinds is None else np.max([x["u_block"] + y["u_block"] for x, y in zip(us, us[1:])], axis=0)

@@ -285,7 +285,11 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, activations=act.hidden_grad,
         buffers=u.u_root + u.r * us[0].rs_unit)
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, buffers=u.u_root + u.r * u.root)
-    add("backward", sharded=u.all_grads, buffers=u.u_root + u.r * u.root * rs_input_copies(device == "cpu", u.n))
+    # its reduce-scatter (root_post_backward_callback): the root resharded first, the lm_head's gradient still
+    # referenced beside the input (and gloo's clone of it); accumulating, the new shard beside the carried one
+    # (allocation trace of hf-qwen2moe-dense fsdp2-keep EP 2 GA 4 full bf16: the peak of micro-steps 2-4)
+    add("backward", sharded=u.all_grads + (u.on_gpu * 4 * u.root / u.n if carry else 0.0),
+        unsharded=u.p * m.vocab_size * m.hidden_size, buffers=u.r * u.root * rs_input_copies(device == "cpu", u.n))
     # optimizer step: AdamW foreach's fp32 temporary of the shard
     add("optimizer", sharded=u.all_grads, buffers=u.on_gpu * 4 * shard)
 
