@@ -481,6 +481,10 @@ GQA_MATH_ROWS = [  # sdpa's CPU math kernel (Granite's attention dropout) with g
     # inside the kernel (activations._math_core_forward_transient), the recomputed core's forward end the peak
     ("hf-granitemoe-sv", 1, 1, 1, 1, 256, "attention", "bf16"), ("hf-granitemoe-sv", 0, 1, 1, 1, 256, "selective", "fp32"),
     ("hf-granitemoe-sv", 2, 1, 1, 2, 256, "attention", "bf16"), ("hf-granitemoe-sv", "fsdp2", 1, 1, 1, 256, "selective", "bf16"),
+    # selective, recomputed after the MLP's backward: the core's instant below the recomputed set (walk._recompute),
+    # its peak inside the kernel at the dropout's cast
+    ("hf-granitemoe-sv", 1, 1, 1, 2, 128, "selective", "bf16"), ("hf-granitemoe-sv", 1, 2, 1, 2, 128, "selective", "bf16"),
+    ("hf-granitemoe-sv", 2, 2, 1, 2, 128, "selective", "bf16"),
 ]
 EAGER_WEIGHTS_ROWS = [  # gpt-oss's eager attention returns its weights, held by the decoder layer through the experts'
     # forward where a checkpointed core saves none (activations._eager_weights_returned): the forward's peak
