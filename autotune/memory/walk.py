@@ -26,7 +26,8 @@ class BlockPoint(NamedTuple):
     done: int
     """Blocks whose backward is complete."""
     saved: float
-    """Saved activations still alive, the block's recomputation included, no transient."""
+    """Saved activations still alive, the block's recomputation included, no transient; with expert
+    parallelism the held blocks' received rows at the largest they can be (``ep_excess_at``)."""
     mlp: float
     """During the block's MLP backward (its transients included)."""
     attention: Optional[float]
