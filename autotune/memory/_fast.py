@@ -641,11 +641,12 @@ def _fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, str
         add("backward", sharded=np.where(carry != 0, carry, done) + u["grad_block"], unsharded=head_grad,
             activations=after, buffers=gathered - u_block + rs_block * rs_copies, valid=valid)
 
-    blocks_sharded = u["all_grads"] - on_gpu * 4 * u["root"] / un
+    root_shard = on_gpu * 4 * u["root"] / un
+    blocks_sharded = u["all_grads"] - root_shard
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], activations=a["hidden_grad"],
         buffers=u_root + ur * us[0]["rs_unit"])
     add("backward", sharded=blocks_sharded, unsharded=up * u["root"], buffers=u_root + ur * u["root"])
-    add("backward", sharded=u["all_grads"] + np.where(carry != 0, on_gpu * 4 * u["root"] / un, 0.0),
+    add("backward", sharded=u["all_grads"] + np.where(carry != 0, root_shard, 0.0),
         unsharded=up * V * m.hidden_size, buffers=ur * u["root"] * rs_copies)  # fsdp2.py: the root's reduce-scatter
     add("optimizer", sharded=u["all_grads"], buffers=on_gpu * 4 * shard)
     host = u["host"]

@@ -673,7 +673,7 @@ def _breakdown(m: ModelSpec, s_full: int, b: int, precision: str, n_ck: int, gra
     elif n_ck and m.is_mla and mla.math_kernel(m, device) and gran != "mlp":
         # latent attention's recomputed core on the math kernel, at its softmax: what the block saves after the core
         # (o_proj's input, the post-attention norm's, the MLP's) not made yet; its inputs alive in the attention's frame
-        after = p * m.num_attention_heads * mla.v_head_dim(m) + _released_before_core(m, p, mb, device)
+        after = mla.o_proj_input(m, p) + _released_before_core(m, p, mb, device)
         inputs = mla.inputs_unsaved(m, p, b, device) if gran != "selective" else 0.0
         core_re = (mla.core_forward_transient(m, p, s_full) + inputs - after) * tokens + 4 * s_full * s_full - mlp_saved
     torch_rms_norm = m.norm in ("rmsnorm", "rmsnorm_fp32") and m.rms_norm_kernel == "torch"

@@ -99,7 +99,7 @@ class ActivationBreakdown:
     backward instants)."""
     ep_mean_saved: float = 0.0
     """Expert parallelism: what a MoE block keeps of its received rows at the step's mean
-    (``expert_parallel.ep_step_terms``; part of the per-block terms); 0 without expert parallelism."""
+    (``expert_parallel.step_rows``; part of the per-block terms); 0 without expert parallelism."""
     ep_spread: float = 0.0
     """Expert parallelism: what the busiest dispatch's received rows keep above ``ep_mean_saved``, the terms
     of the block being run (its transients) sized at the busiest, held blocks at the mean; the step walks add

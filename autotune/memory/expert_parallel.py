@@ -112,9 +112,9 @@ def ep_excess(spread: Any, mean: Any, moe_blocks: Any, held: Any) -> Any:
     """What an instant holding ``held`` blocks' received rows (the block being run counted where its saved
     tensors exist) keeps beyond ``held`` blocks at the step's mean: the rank's rows over the held blocks are at
     most ``held`` busiest dispatches and at most every MoE block's at the mean (``moe_blocks`` x the mean), so
-    ``min(held x spread, (moe_blocks - held) x mean)``, ``mean`` and ``spread``
-    the saved bytes of ``step_rows``' mean and of the busiest's rows above it (``ep_row_saved``; scalars or
-    numpy arrays alike); 0 where the step factor is the dispatch's (no spread)."""
+    ``min(held x spread, (moe_blocks - held) x mean)``, with ``mean`` the saved bytes of a block's rows at
+    ``step_rows``' mean and ``spread`` those of the busiest's rows above it (``ep_row_saved``); scalars or numpy
+    arrays alike; 0 where the step factor is the dispatch's (no spread)."""
     a, b = held * spread, (moe_blocks - held) * mean
     return a - (a - b) * (a > b)
 

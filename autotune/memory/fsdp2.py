@@ -39,11 +39,11 @@ from typing import Any, Callable, NamedTuple
 
 from autotune.memory.activations import ActivationBreakdown, activation_breakdown
 from autotune.memory.common import MemoryEstimate, _partition, forked_copies, host_pinned, pinned_bytes
-from autotune.memory.expert_parallel import block_expert_elements, ep_excess, ep_units
+from autotune.memory.expert_parallel import block_expert_elements, ep_units
 from autotune.memory.mixed import dense_block_spec, layer_kinds, layer_params, saved_below
 from autotune.memory.moe import expert_width, ffn_weight_elements
 from autotune.memory.states import parameter_shapes
-from autotune.memory.walk import (Candidate, Loop, backward_blocks, ep_excess_at, ep_held, finish,
+from autotune.memory.walk import (Candidate, Loop, backward_blocks, ep_excess_at, ep_excess_held, ep_held, finish,
                                   last_forward_relief)
 from autotune.spec import BYTES_PER_ELEMENT, HardwareSpec, ModelSpec, TrainingSpec
 from autotune.strategy import Strategy
@@ -227,7 +227,7 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     last_ck = (L - 1) in s.checkpointed_blocks(L)
     last_saved = last_kind.per_block_checkpointed if last_ck else last_kind.per_block_plain
     held_below, moe_blocks = ep_held(act, s, L)  # expert parallelism: the blocks' received rows (ep_excess)
-    ep_all = ep_excess(act.ep_spread, act.ep_mean_saved, moe_blocks, held_below[L]) if act.ep_spread else 0.0
+    ep_all = ep_excess_held(act, held_below[L], moe_blocks)
     add("forward", activations=saved_blocks - last_saved + other_saved + act.forward_only_masks
         + ep_excess_at(act, held_below, moe_blocks, L - 1)[0],
         buffers=u.u_root + (last.u_block if reshard else all_blocks) + last.flat + last.cast_in)
@@ -281,14 +281,15 @@ def estimate_fsdp2(model: ModelSpec, training: TrainingSpec, hardware: HardwareS
     _blocks_backward(add, us, act, s, L, other_saved, head_grad, carry, device == "cpu")
     # backward end: the root's post-backward (head and embedding gradients, unsharded, then its
     # reduce-scatter input), every block's sharded gradient
-    blocks_sharded = u.all_grads - u.on_gpu * 4 * u.root / u.n
+    root_shard = u.on_gpu * 4 * u.root / u.n
+    blocks_sharded = u.all_grads - root_shard
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, activations=act.hidden_grad,
         buffers=u.u_root + u.r * us[0].rs_unit)
     add("backward", sharded=blocks_sharded, unsharded=u.p * u.root, buffers=u.u_root + u.r * u.root)
     # its reduce-scatter (root_post_backward_callback): the root resharded first, the lm_head's gradient still
     # referenced beside the input (and gloo's clone of it); accumulating, the new shard beside the carried one
     # (allocation trace of hf-qwen2moe-dense fsdp2-keep EP 2 GA 4 full bf16: the peak of micro-steps 2-4)
-    add("backward", sharded=u.all_grads + (u.on_gpu * 4 * u.root / u.n if carry else 0.0),
+    add("backward", sharded=u.all_grads + (root_shard if carry else 0.0),
         unsharded=u.p * m.vocab_size * m.hidden_size, buffers=u.r * u.root * rs_input_copies(device == "cpu", u.n))
     # optimizer step: AdamW foreach's fp32 temporary of the shard
     add("optimizer", sharded=u.all_grads, buffers=u.on_gpu * 4 * shard)

@@ -69,6 +69,11 @@ def value_kept(m: ModelSpec, p: int, batch: int, device: str) -> bool:
     return math_kernel(m, device) and p == 4 and batch == 1
 
 
+def o_proj_input(m: ModelSpec, p: int) -> float:
+    """Per token, o_proj's input: the contiguous copy of the attention's transposed output (p a v)."""
+    return float(p * m.num_attention_heads * v_head_dim(m))
+
+
 def core_forward_transient(m: ModelSpec, p: int, s: int) -> float:
     """Per token, the CPU math kernel's forward at its ``_safe_softmax`` beyond what it saves and its inputs: the
     scores (fp32, a s) beside the probabilities, ``isneginf``'s mask of them (a s bytes) and, in 16-bit
@@ -110,7 +115,7 @@ def attention_saved(m: ModelSpec, p: int, s: int, device: str, core: str = "full
         n += 4 * 2 * a * qk + value + 4 * a * s
     else:
         n += core_inputs(m, p) + p * a * v + 4 * a
-    return n + p * a * v
+    return n + o_proj_input(m, p)
 
 
 def backward_transient(m: ModelSpec, p: int, s: int, tokens: int, device: str) -> float:
@@ -127,7 +132,7 @@ def backward_transient(m: ModelSpec, p: int, s: int, tokens: int, device: str) -
     a, qk, v, h = m.num_attention_heads, qk_head_dim(m), v_head_dim(m), m.hidden_size
     weight = p * h * a * v
     if math_kernel(m, device):
-        per_token = max(8 * a * v + 4 * a * s, 8 * a * s + (4 * a * v if p == 4 else 0)) - p * a * v
+        per_token = max(8 * a * v + 4 * a * s, 8 * a * s + (4 * a * v if p == 4 else 0)) - o_proj_input(m, p)
     else:
         per_token = p * (2 * a * qk + a * v)
     return weight + per_token * tokens

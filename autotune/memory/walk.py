@@ -102,14 +102,16 @@ def ep_held(act: ActivationBreakdown, strategy: Strategy, L: int) -> tuple[list[
                             initial=0)), sum(k is act for k in kinds))
 
 
+def ep_excess_held(act: ActivationBreakdown, held: int, moe_blocks: int) -> float:
+    """``expert_parallel.ep_excess`` of ``held`` blocks' received rows (0 without expert parallelism)."""
+    return ep_excess(act.ep_spread, act.ep_mean_saved, moe_blocks, held) if act.ep_spread else 0.0
+
+
 def ep_excess_at(act: ActivationBreakdown, held_below: list[int], moe_blocks: int, i: int) -> tuple[float, float]:
-    """``expert_parallel.ep_excess`` at block i's instants without and with its own received rows (a MoE
-    block's, once run or recomputed); (0, 0) without expert parallelism."""
-    if not act.ep_spread:
-        return 0.0, 0.0
+    """``ep_excess_held`` at block i's instants without and with its own received rows (a MoE block's, once
+    run or recomputed)."""
     own = act.dense is None or not act.dense_layers[i]
-    return (ep_excess(act.ep_spread, act.ep_mean_saved, moe_blocks, held_below[i]),
-            ep_excess(act.ep_spread, act.ep_mean_saved, moe_blocks, held_below[i] + own))
+    return ep_excess_held(act, held_below[i], moe_blocks), ep_excess_held(act, held_below[i] + own, moe_blocks)
 
 
 def last_forward_relief(m: ModelSpec, k: ActivationBreakdown) -> float:
