@@ -54,6 +54,8 @@ class TrialRow:
     """oom | crash | timeout | error | nan for a failed evaluation ("" otherwise)."""
     log_dir: str = ""
     """Where the backend kept the evaluation's logs ("" when it keeps none)."""
+    measured: Optional[dict[str, Any]] = None
+    """A measured trial's Measurement.extra (None for the simulate backend's and for unmeasured trials)."""
 
 
 def collect_rows(study: Study, space: SearchSpace, cfg: Config) -> list[TrialRow]:
@@ -83,6 +85,7 @@ def collect_rows(study: Study, space: SearchSpace, cfg: Config) -> list[TrialRow
             duplicate_of=attrs.duplicate_of,
             fail_status=fail_status(t),
             log_dir=(meas.get("extra") or {}).get("log_dir") or "",
+            measured=meas.get("extra") if meas.get("status") == "ok" else None,
         ))
     return rows
 
@@ -282,6 +285,9 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
         "front": points,
         "best": next((p for p in points if best is not None and p["trial"] == best.number), None),
     }
+    routing = measured_routing_summary(rows)
+    if routing is not None:
+        front_obj["measured_routing"] = routing
     if not points:
         front_obj["smallest_pruned"] = smallest_pruned(cfg, rows, est)
     if front_obj["best"] is not None:
@@ -300,6 +306,53 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
                                                                                     best_point["trainers"])})
     _write_summary(os.path.join(run_dir, "summary.md"), cfg, space, front_obj, rows, extra_summary or {})
     return front_obj
+
+
+def measured_routing_summary(rows: list[TrialRow]) -> Optional[dict[str, Any]]:
+    """The routing the measured expert-parallel trials dispatched (front.json ``measured_routing``): the trials,
+    the worst of their factors (the largest upper factors, the smallest least load: what covers every one), and
+    the range of their memory errors at the job's factors and at each trial's own measured routing; None
+    without such a trial."""
+    from autotune.backends.base import MEMORY_ERROR_AT_ROUTING_KEY, MEMORY_ERROR_KEY, ROUTING_KEY
+    from autotune.memory.expert_parallel import STATED_LOAD_KEYS
+
+    done = [r for r in rows if r.state == "COMPLETE" and r.duplicate_of is None and r.measured
+            and r.measured.get(ROUTING_KEY)]
+    if not done:
+        return None
+
+    def span(key: str) -> Optional[list[float]]:
+        errs = [r.measured[key] for r in done if r.measured.get(key) is not None]  # type: ignore[index]
+        return [min(errs), max(errs)] if errs else None
+
+    return {"trials": [r.number for r in done],
+            "factors": {k: (min if k == "moe_min_load" else max)(r.measured[ROUTING_KEY][k]  # type: ignore[index]
+                                                                 for r in done) for k in STATED_LOAD_KEYS},
+            "memory_error_pct": span(MEMORY_ERROR_KEY), "memory_error_at_routing_pct": span(MEMORY_ERROR_AT_ROUTING_KEY)}
+
+
+def measured_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
+    """front.json's ``measured_routing`` for people: what was measured, how the predictions did with it, and
+    the lines that state it in a job file."""
+    if not summary:
+        return []
+    f = summary["factors"]
+    trials = ", ".join(map(str, summary["trials"]))
+    line = (f"routing measured (expert-parallel trial{'s' if len(summary['trials']) > 1 else ''} {trials}, the worst "
+            f"over them): busiest expert {f['moe_load_imbalance']:g} x the mean, least {f['moe_min_load']:g} x, "
+            f"busiest EP rank {f['ep_rank_imbalance']:g} x, over a step {f['ep_step_imbalance']:g} x")
+    at, own = summary.get("memory_error_pct"), summary.get("memory_error_at_routing_pct")
+    if at and own:
+        line += (f"; the memory model's error on their peaks {_pct_span(at)} with the job's factors, "
+                 f"{_pct_span(own)} with their own routing")
+    return [line, "  to size expert-parallel candidates at it, state under model: "
+            + ", ".join(f"{k}: {v:g}" for k, v in f.items())
+            + " (the profiled model's router on its batches: docs/moe.md, \"Measuring the routing\")"]
+
+
+def _pct_span(span: list[float]) -> str:
+    lo, hi = span
+    return f"{lo:+.2f}%" if lo == hi else f"{lo:+.2f}%..{hi:+.2f}%"
 
 
 def trial_counts(rows: list[TrialRow]) -> dict[str, int]:
@@ -441,6 +494,8 @@ def _write_summary(path: str, cfg: Config, space: SearchSpace, front_obj: dict[s
         if best.get("equivalents"):
             lines += ["Equivalent within 1% in memory and speed: "
                       + "; ".join(e["strategy_text"] for e in best["equivalents"]), ""]
+    if front_obj.get("measured_routing"):
+        lines += ["## Routing measured", "", *measured_routing_lines(front_obj["measured_routing"]), ""]
     if reasons:
         lines += ["## Why candidates were pruned", ""]
         lines += [f"- {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:15]]
@@ -488,6 +543,7 @@ def format_show(run: RunData) -> str:
         "",
     ]
     lines += recommendation_lines(run.best, run.run_dir)
+    lines += measured_routing_lines(f.get("measured_routing"))
     if f.get("front_confidence"):
         lines.append(f["front_confidence"])
     report = os.path.join(run.run_dir, "report.html")

@@ -7,11 +7,9 @@ gave, so the benchmark can also predict at the measured routing (the mechanism's
 
 Each rank writes ``received_rows.<rank>.json`` beside the job's result: the largest output of an
 ``all_to_all_single`` whose input has the rank's tokens x top-k rows (the dispatch;
-autotune/models/expert_parallel.py ``exchange``), over every call; and ``routing_steps.<rank>.json``: per
-measured micro-step (from its forward mark on), the split of every counts exchange (``dist.all_to_all_single``
-of the int64 counts: the rows per (source rank, local expert) chunk, in the forward's loop order), forward
-and recomputation alike, so the benchmark can predict each micro-step at its own routing
-(memory/expert_parallel.py ``chunk_rows``).
+autotune/models/expert_parallel.py ``exchange``), over every call, warm-up included. The measured
+micro-steps' splits of every dispatch are the worker's own record (its result's ``routing``,
+autotune.worker.routing), which the benchmark reads as the profile backend does.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from pathlib import Path
 
 
 def main() -> int:
-    import torch.distributed as dist
     import torch.distributed.nn.functional as fn
 
     job = json.loads(Path(sys.argv[1]).read_text())
@@ -39,30 +36,8 @@ def main() -> int:
         return original(output, input, output_split_sizes, input_split_sizes, group=group)
 
     fn.all_to_all_single = recording  # expert_parallel imports it at call time
-    steps_out = out.with_name(f"routing_steps.{os.environ.get('RANK', '0')}.json")
-    steps: list[list[list[int]]] = []  # measured micro-steps, each its dispatches' splits
-    plain = dist.all_to_all_single
-
-    def counting(output, input, *args, **kwargs):
-        work = plain(output, input, *args, **kwargs)
-        if steps and not input.is_floating_point():  # the counts exchange (the rows' exchange moves float rows)
-            steps[-1].append([int(c) for c in output.tolist()])
-            steps_out.write_text(json.dumps(steps))
-        return work
-
-    dist.all_to_all_single = counting  # expert_parallel's forward looks it up at call time
     from autotune.worker.main import main as worker_main
 
-    import autotune.worker.main as worker
-
-    marking = worker.record_phase
-
-    def phase(name: str):  # called for the measured steps' phases only: a forward opens a micro-step
-        if name.endswith("forward"):
-            steps.append([])
-        return marking(name)
-
-    worker.record_phase = phase
     sys.argv = [sys.argv[0]] + sys.argv[1:]
     return worker_main()
 

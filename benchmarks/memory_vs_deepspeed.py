@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autotune.memory import estimate_memory  # noqa: E402
+from autotune.memory.expert_parallel import measured_routing  # noqa: E402
 from autotune.presets import gpu_from_name  # noqa: E402
 from autotune.spec import HardwareSpec, ModelSpec, TrainingSpec  # noqa: E402
 from autotune.strategy import Strategy  # noqa: E402
@@ -150,8 +151,10 @@ def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
     if ep:  # the busiest rank's dispatch: the largest output of an all-to-all fed tokens x top-k rows
         sent = row["mbs"] * row["seq"] * model.num_experts_per_tok
         out["received_rows"] = max(json.loads(f.read_text()).get(str(sent), 0) for f in d.glob("received_rows.*.json"))
-        # every measured micro-step's dispatch splits (rows per source rank and local expert, forward order), all ranks
-        out["routing_steps"] = [st for f in sorted(d.glob("routing_steps.*.json")) for st in json.loads(f.read_text())]
+        # every measured micro-step's dispatch splits (rows per source rank and local expert, forward order), all
+        # ranks: the worker's own record (autotune.worker.routing), as the profile backend reads it
+        out["routing_steps"] = [st for f in [d / "result.json", *sorted(d.glob("result.rank*.json"))]
+                                for st in (json.loads(f.read_text()).get("routing") or {}).get("steps", [])]
     return predict(out, workdir)
 
 
@@ -182,22 +185,14 @@ def predict(out: dict, workdir: Path) -> dict:
             (_at_routing(max(map(sum, st)) / mean, model, training, hardware, strategy, st)
              for st in out.get("routing_steps") or [] if st), default=out["predicted_routing"])
         out["error_routing_busiest"] = (out["predicted_routing_busiest"] - out["measured"]) / out["measured"]
-        # the stated factors a user who measured this routing would give (ModelSpec.moe_load_imbalance: the
-        # largest chunk, one source rank's rows for one expert, over its mean; moe_min_load: the smallest;
-        # ep_rank_imbalance: the rank's busiest dispatch; ep_step_imbalance: the rank's rows over a micro-step's
-        # MoE blocks, their forward dispatches, the first of a step's: a recomputation dispatches them again)
-        chunks = [n for st in out.get("routing_steps") or [] for dispatch in st for n in dispatch]
-        if chunks:
-            moe_blocks = model.num_hidden_layers - model.num_dense_layers
-            out["expert_imbalance_measured"] = max(chunks) * model.num_experts / mean
-            out["expert_least_measured"] = min(chunks) * model.num_experts / mean
-            out["step_imbalance_measured"] = max(sum(map(sum, st[:moe_blocks])) / moe_blocks
-                                                 for st in out["routing_steps"] if st) / mean
-            stated = model.replace(moe_load_imbalance=out["expert_imbalance_measured"],
-                                   moe_min_load=out["expert_least_measured"],
-                                   ep_rank_imbalance=out["imbalance_measured"],
-                                   ep_step_imbalance=out["step_imbalance_measured"])
-            out["predicted_stated"] = estimate_memory(stated, training, hardware, strategy, device="cpu").gpu["peak"]
+        # the stated factors a user who measured this routing would give (what the profile backend records for an
+        # expert-parallel trial: memory.expert_parallel.measured_routing)
+        stated = measured_routing(model, mean, out.get("routing_steps") or [])
+        if stated is not None:
+            (out["expert_imbalance_measured"], out["expert_least_measured"], out["imbalance_measured"],
+             out["step_imbalance_measured"]) = stated
+            out["predicted_stated"] = estimate_memory(model.replace(**stated._asdict()), training, hardware, strategy,
+                                                      device="cpu").gpu["peak"]
             out["error_stated"] = (out["predicted_stated"] - out["measured"]) / out["measured"]
     return out
 

@@ -20,6 +20,15 @@ PREDICTED_PEAK_KEY = "predicted_peak_bytes"
 """Measurement.extra key: the memory model's peak for the measured strategy (measuring backends)."""
 PREDICTED_TPS_KEY = "predicted_tokens_per_s_per_gpu"
 """Measurement.extra key: the simulator's tokens/s per GPU for the measured strategy (measuring backends)."""
+MEMORY_ERROR_KEY = "memory_error_pct"
+"""Measurement.extra key: PREDICTED_PEAK_KEY over the measured peak, minus 1, in percent (measuring backends)."""
+ROUTING_KEY = "routing"
+"""Measurement.extra key of an expert-parallel trial: the routing factors its measured steps gave, as the
+ModelSpec fields a job states them with (autotune.memory.expert_parallel.measured_routing)."""
+PREDICTED_AT_ROUTING_KEY = "predicted_peak_at_routing_bytes"
+"""Measurement.extra key of an expert-parallel trial: the memory model's peak with ROUTING_KEY's factors stated."""
+MEMORY_ERROR_AT_ROUTING_KEY = "memory_error_at_routing_pct"
+"""Measurement.extra key of an expert-parallel trial: PREDICTED_AT_ROUTING_KEY's error, as MEMORY_ERROR_KEY's."""
 
 
 def fail_reason_text(status: str, detail: str) -> str:

@@ -15,7 +15,9 @@ ranks over gloo), and turns the per-rank results into a Measurement:
   (llm-foundry's MFU definition, see ModelSpec.flops_per_token); None on CPU, where the GPU peak
   does not describe the device that ran;
 * ``extra``: predicted vs measured peak memory and tokens/s with the error in percent, the log
-  directory, reserved bytes, the phase of the peak or of the OOM, per-rank peaks, losses.
+  directory, reserved bytes, the phase of the peak or of the OOM, per-rank peaks, losses; for an
+  expert-parallel trial the routing its measured steps dispatched, as the factors a job states
+  (``routing``), and the peak predicted with them stated (``predicted_peak_at_routing_bytes``).
 
 Failures (oom, nan, crash, timeout, error) come from the structured results and exit statuses
 (autotune.backends.launch.failure_of); the logs stay under the trial directory.
@@ -34,7 +36,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from autotune.backends.base import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Backend, Measurement
+from autotune.backends.base import (MEMORY_ERROR_AT_ROUTING_KEY, MEMORY_ERROR_KEY, PREDICTED_AT_ROUTING_KEY,
+                                    PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, ROUTING_KEY, Backend, Measurement)
 from autotune.config import Config
 from autotune.backends.launch import LaunchResult, failure_of, launch
 from autotune.worker.protocol import WorkerJob, WorkerResult
@@ -155,8 +158,10 @@ class DeepSpeedBackend(Backend):
             self.calibrator.add(strategy, m)
         return m
 
-    def predictions(self, strategy: Strategy) -> dict[str, Optional[float]]:
-        """The analytical models' numbers for this strategy (memory model peak, simulated tokens/s)."""
+    def predictions(self, strategy: Strategy, device: Optional[str] = None) -> dict[str, Optional[float]]:
+        """The analytical models' numbers for this strategy (memory model peak, simulated tokens/s); the peak
+        of the same step on the device the workers ran on (``"cpu"``: DeepSpeed's CPU accelerator's kernels,
+        estimate_memory's ``device``; else CUDA's)."""
         from autotune.simulate import simulate
 
         cfg = self.cfg
@@ -164,7 +169,8 @@ class DeepSpeedBackend(Backend):
         try:
             from autotune.memory import estimate_memory
 
-            out[PREDICTED_PEAK_KEY] = int(estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy).gpu["peak"])
+            out[PREDICTED_PEAK_KEY] = int(estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy,
+                                                          device=_estimate_device(device)).gpu["peak"])
         except ImportError:  # memory model not installed in this checkout
             pass
         params = self.calibrator.current_params() if self.calibrator is not None else self.params
@@ -181,7 +187,7 @@ class DeepSpeedBackend(Backend):
             "elapsed_s": round(res.elapsed_s, 3), "device": rank0.device,
             "launch_id": res.launch_id, "launcher_pid": res.pid,
         }
-        extra.update(self.predictions(strategy))
+        extra.update(self.predictions(strategy, rank0.device))
         failed = failure_of(res)
         if failed is not None:
             return self._failure(res, ranks, rank0, failed, extra)
@@ -211,11 +217,37 @@ class DeepSpeedBackend(Backend):
             losses=rank0.losses, optimizer=rank0.optimizer,
             gradient_accumulation_steps=rank0.gradient_accumulation_steps,
             measured_tokens_per_s_per_gpu=tps_gpu,
-            memory_error_pct=_pct(extra[PREDICTED_PEAK_KEY], peak),
+            **{MEMORY_ERROR_KEY: _pct(extra[PREDICTED_PEAK_KEY], peak)},
             tokens_error_pct=_pct(extra[PREDICTED_TPS_KEY], tps_gpu),
         )
+        if strategy.expert_parallel_size > 1:
+            extra.update(self.routing_extra(strategy, ranks, peak, rank0.device))
         return Measurement(status="ok", peak_memory_bytes=peak, tokens_per_s_per_gpu=tps_gpu, step_time_s=step,
                            mfu=mfu, extra=extra)
+
+    def routing_extra(self, strategy: Strategy, ranks: list[WorkerResult], peak: int,
+                      device: Optional[str] = None) -> dict[str, Any]:
+        """An expert-parallel trial's measured routing (every rank's measured micro-steps) as the factors a job
+        states (ROUTING_KEY), the memory model's peak with them stated and its error; {} without a routing."""
+        from autotune.memory.expert_parallel import measured_routing
+
+        routed = [r.routing for r in ranks if r.routing]
+        factors = measured_routing(self.cfg.model, int(routed[0]["sent"]),
+                                   [st for r in routed for st in r["steps"]]) if routed else None
+        if factors is None:
+            return {}
+        out: dict[str, Any] = {ROUTING_KEY: factors._asdict(), PREDICTED_AT_ROUTING_KEY: None}
+        try:
+            from autotune.memory import estimate_memory
+
+            cfg = self.cfg
+            out[PREDICTED_AT_ROUTING_KEY] = int(estimate_memory(cfg.model.replace(**factors._asdict()), cfg.training,
+                                                                cfg.hardware, strategy,
+                                                                device=_estimate_device(device)).gpu["peak"])
+        except ImportError:  # memory model not installed in this checkout
+            pass
+        out[MEMORY_ERROR_AT_ROUTING_KEY] = _pct(out[PREDICTED_AT_ROUTING_KEY], peak)
+        return out
 
     @staticmethod
     def _failure(res: LaunchResult, ranks: list[WorkerResult], rank0: WorkerResult, failed: tuple[str, str],
@@ -231,6 +263,11 @@ class DeepSpeedBackend(Backend):
         if rank0.losses:
             extra["losses"] = rank0.losses
         return Measurement(status=status, reason=reason, extra=extra)  # type: ignore[arg-type]
+
+
+def _estimate_device(device: Optional[str]) -> str:
+    """estimate_memory's ``device`` for workers that ran on ``device`` (the worker's result: cpu | cuda)."""
+    return "cpu" if device == "cpu" else "cuda"
 
 
 def _number_of(trial_dir: Path) -> Optional[int]:

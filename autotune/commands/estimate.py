@@ -112,16 +112,12 @@ def estimate_report(cfg: Config, strategy: Strategy, trace: bool = False) -> dic
     }
 
 
-STATED_LOAD_KEYS = ("moe_load_imbalance", "moe_min_load", "ep_rank_imbalance", "ep_step_imbalance")
-"""The model fields a job states its routing with (ModelSpec; docs/moe.md, Load imbalance)."""
-
-
 def routed_load_factors(model: Any, ep: int) -> dict[str, Any]:
     """What an expert-parallel estimate assumed of the routing it cannot know: the busiest and the
     least-loaded expert's tokens and the busiest EP rank's received rows, in one dispatch and over a step's
     blocks, over their means (memory.moe.expert_imbalance, ModelSpec.moe_min_load,
     memory.expert_parallel.rank_imbalance, step_imbalance), and whether the job stated them."""
-    from autotune.memory.expert_parallel import rank_imbalance, step_imbalance
+    from autotune.memory.expert_parallel import STATED_LOAD_KEYS, rank_imbalance, step_imbalance
     from autotune.memory.moe import expert_imbalance
 
     stated = [k for k in STATED_LOAD_KEYS if getattr(model, k) is not None]
@@ -132,6 +128,8 @@ def routed_load_factors(model: Any, ep: int) -> dict[str, Any]:
 
 def routed_load_line(f: dict[str, Any]) -> str:
     """The routing an expert-parallel estimate assumed, in one line."""
+    from autotune.memory.expert_parallel import STATED_LOAD_KEYS
+
     missing = [k for k in STATED_LOAD_KEYS if k not in f["stated_keys"]]
     how = ("as the job states them" if not missing else
            ("autotune's default bounds" if not f["stated"] else "the rest autotune's default bounds")

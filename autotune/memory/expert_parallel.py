@@ -17,7 +17,8 @@ most the busiest expert's tokens, ``moe.worst_expert_tokens`` (``moe_load_imbala
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import math
+from typing import Any, NamedTuple, Optional, Sequence
 
 from autotune.memory.moe import (EP_RANK_IMBALANCE, _routing_weight_bytes, expert_imbalance, expert_width,
                                  least_expert_tokens, pair_saved, saved_after_routed, worst_expert_tokens)
@@ -133,6 +134,43 @@ def ep_forward_transient(m: ModelSpec, p: int, tokens: int, ep: int) -> float:
     splits = chunk_rows(m, tokens, ep)
     h, rows = m.hidden_size, max(map(sum, splits)) if splits else received_rows(m, tokens, ep)
     return float(2 * p * h * rows + 2 * p * h * tokens + 16 * m.num_experts - saved_after_routed(m, p, tokens))
+
+
+class MeasuredRouting(NamedTuple):
+    """The stated routing factors (the ModelSpec fields of the same names, docs/moe.md "Load imbalance") a
+    measured expert-parallel routing gives: what a job that measured its routing states."""
+
+    moe_load_imbalance: float
+    """The largest chunk (one source rank's rows for one expert) over its mean (tokens x top-k / experts)."""
+    moe_min_load: float
+    """The smallest chunk over the same mean."""
+    ep_rank_imbalance: float
+    """A rank's busiest dispatch (its received rows) over the mean (tokens x top-k)."""
+    ep_step_imbalance: float
+    """A rank's received rows summed over a micro-step's MoE blocks (their forward dispatches, the first of the
+    step's: a recomputation dispatches them again) over MoE blocks x the mean."""
+
+
+STATED_LOAD_KEYS: tuple[str, ...] = MeasuredRouting._fields
+"""The model fields a job states its routing with (ModelSpec; docs/moe.md, Load imbalance)."""
+
+
+def measured_routing(m: ModelSpec, sent: int, steps: Sequence[Sequence[Sequence[int]]]) -> Optional[MeasuredRouting]:
+    """The factors of a measured routing: ``sent`` the rows each rank sends per dispatch (tokens x top-k),
+    ``steps`` every rank's measured micro-steps, each the splits of its dispatches in forward order (the rows
+    received per (source rank, local expert), autotune.models.expert_parallel ``forward``'s counts exchange).
+    The upper factors are rounded up and the least load down (4 decimals), so a job that states them is
+    sized at or above the routing measured; None when nothing was dispatched."""
+    chunks = [n for st in steps for dispatch in st for n in dispatch]
+    moe_blocks = m.num_hidden_layers - m.num_dense_layers
+    if not chunks or sent <= 0 or moe_blocks <= 0:
+        return None
+    up = lambda x: math.ceil(x * 1e4 - 1e-6) / 1e4  # noqa: E731  (1e-6: a float's last bit is no imbalance)
+    return MeasuredRouting(
+        moe_load_imbalance=up(max(chunks) * m.num_experts / sent),
+        moe_min_load=math.floor(min(chunks) * m.num_experts / sent * 1e4 + 1e-6) / 1e4,
+        ep_rank_imbalance=up(max(sum(d) for st in steps for d in st) / sent),
+        ep_step_imbalance=up(max(sum(map(sum, st[:moe_blocks])) / len(st[:moe_blocks]) for st in steps if st) / sent))
 
 
 def chunk_rows(m: ModelSpec, tokens: int, ep: int) -> tuple[tuple[int, ...], ...] | None:

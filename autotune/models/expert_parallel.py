@@ -54,6 +54,8 @@ def expert_parallel(experts, ep_group):
         counts = torch.bincount(flat, minlength=num_experts)
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv, counts, group=ep_group)  # rows per (source rank, local expert)
+        if self.on_dispatch is not None:  # a routing recorder (autotune.worker.routing): rows sent, received
+            self.on_dispatch(int(flat.numel()), recv.tolist())
         send_splits = counts.view(ep, local).sum(1).tolist()
         recv_counts = recv.view(ep, local)
         recv_splits = recv_counts.sum(1).tolist()
@@ -73,6 +75,7 @@ def expert_parallel(experts, ep_group):
         return out.index_add(0, order // k, weighted.to(out.dtype))
 
     experts.forward = types.MethodType(forward, experts)
+    experts.on_dispatch = None
     experts.num_local_experts = local
     experts.ep_group = ep_group  # clip_grad_norm: the other ep ranks hold the other experts
     return experts

@@ -90,6 +90,10 @@ Result JSON (one per rank)::
       "step_times_s": [float, ...],         # measured optimizer steps, wall clock
       "tokens_per_s": float,                # all ranks: mbs * seq * GAS * world / (sp * cp) / median step time
       "host_offload_peak_bytes": int,       # activation_offload: most host bytes its checkpointed inputs held
+      "routing": {"sent": int, "steps": [[[int, ...], ...], ...]},  # expert parallelism: the rows this rank
+                                            #   sends per dispatch and, per measured micro-step, every
+                                            #   dispatch's received rows per (source rank, local expert)
+                                            #   (autotune.worker.routing)
       "losses": [float, ...],               # every step (warm-up included)
       "num_parameters": int,
       "optimizer": "BF16_Optimizer" | ...,  # DeepSpeed's final optimizer wrapper class (fsdp2: "AdamW")
@@ -300,8 +304,15 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
         probe.init_end = probe.now()
     if use_cuda:
         torch.cuda.synchronize()
-    if not _step_loop(ctx, engine, built, batches):
+    routing = None
+    if strategy.expert_parallel_size > 1:
+        from autotune.worker.routing import RoutingRecorder
+
+        routing = RoutingRecorder.install(built.module)
+    if not _step_loop(ctx, engine, built, batches, routing):
         return
+    if routing is not None and routing.result() is not None:
+        result["routing"] = routing.result()
     _maybe_fault(job, rank, "end")
     times = sorted(result["step_times_s"])
     if times:
@@ -316,9 +327,10 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     result["reason"] = None
 
 
-def _step_loop(ctx: Context, engine: Any, built: Any, batches: list) -> bool:
+def _step_loop(ctx: Context, engine: Any, built: Any, batches: list, routing: Any = None) -> bool:
     """Warm-up and measured optimizer steps (each GAS micro-steps of forward, backward, optimizer),
-    one engine-neutral loop; False when a loss went non-finite (status nan already set).
+    one engine-neutral loop; False when a loss went non-finite (status nan already set). ``routing``: an
+    autotune.worker.routing.RoutingRecorder, told where each measured micro-step begins.
 
     "loop": "keep_outputs" (default) is the loop people write, ``outputs = engine(**batch);
     engine.backward(outputs.loss); engine.step()``: ``outputs`` (and the logits in it) stays alive
@@ -355,6 +367,8 @@ def _step_loop(ctx: Context, engine: Any, built: Any, batches: list) -> bool:
                 mark = record_phase(MEASURED_MARK + phase) if (probe is not None and measured) else contextlib.nullcontext()
                 with mark:
                     if phase == "forward":
+                        if routing is not None and measured:
+                            routing.open_micro_step()
                         out = engine.forward(batches[micro % len(batches)])
                         loss = loss_of(out, built.source)
                         outputs = out if keep else None

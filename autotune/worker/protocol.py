@@ -113,6 +113,9 @@ class WorkerResult:
     """All ranks: mbs x seq x GAS x world / (sp x cp) / median step time."""
     host_offload_peak_bytes: Optional[int] = None
     """activation_offload: the most host bytes the offloaded checkpoint inputs held."""
+    routing: Optional[dict[str, Any]] = None
+    """Expert parallelism: ``sent`` rows per dispatch and the measured micro-steps' received splits
+    (autotune.worker.routing)."""
     losses: Optional[list[float]] = None
     num_parameters: Optional[int] = None
     optimizer: Optional[str] = None

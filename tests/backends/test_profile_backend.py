@@ -188,6 +188,34 @@ def test_failure_precedence():
     assert failure_of(_res(returncode=-9))[1] == "launcher killed by SIGKILL; no result from rank(s) 0, 1"
 
 
+def test_an_ep_measurement_states_its_ranks_routing(tmp_path):
+    """An expert-parallel trial's Measurement: both ranks' measured dispatches pooled into the factors a job
+    states (memory.expert_parallel.measured_routing), the peak predicted with them stated (below the
+    defaults' bounds here) and its error; a rank without a routing adds none, a non-EP trial no key."""
+    from autotune.backends.base import MEMORY_ERROR_AT_ROUTING_KEY, PREDICTED_AT_ROUTING_KEY, PREDICTED_PEAK_KEY, ROUTING_KEY
+    from autotune.memory.expert_parallel import measured_routing
+
+    pytest.importorskip("transformers")
+    cfg = load_config(os.path.join(ROOT, "examples", "tiny-cpu-moe.yaml"))
+    sent = 2 * cfg.training.seq_len * cfg.model.num_experts_per_tok  # mbs 2
+    steps = {0: [[[140, 120, 132, 120], [128, 128, 128, 116]]], 1: [[[100, 160, 140, 124], [132, 120, 132, 124]]]}
+    ok = {"status": "ok", "device": "cpu", "world_size": 2, "tokens_per_s": 100.0, "step_times_s": [1.0],
+          "peak_allocated_bytes": 7_000_000}
+    results = {r: {**ok, "rank": r, "routing": {"sent": sent, "steps": st}} for r, st in steps.items()}
+    s = Strategy(engine="fsdp2", expert_parallel_size=2, micro_batch_size=2)
+    m = backend(cfg, tmp_path).measurement(s, _res(returncode=0, results=results))
+    assert m.ok, m.reason
+    want = measured_routing(cfg.model, sent, steps[0] + steps[1])
+    assert m.extra[ROUTING_KEY] == want._asdict() and want.ep_rank_imbalance == 1.0235  # 524 / 512, up
+    assert m.extra[PREDICTED_AT_ROUTING_KEY] < m.extra[PREDICTED_PEAK_KEY]
+    assert m.extra[MEMORY_ERROR_AT_ROUTING_KEY] == round(100 * (m.extra[PREDICTED_AT_ROUTING_KEY] / 7_000_000 - 1), 2)
+    one = backend(cfg, tmp_path).measurement(s, _res(returncode=0, results={0: results[0], 1: ok}))
+    assert one.extra[ROUTING_KEY] == measured_routing(cfg.model, sent, steps[0])._asdict()
+    plain = backend(cfg, tmp_path).measurement(dataclasses.replace(s, expert_parallel_size=1),
+                                               _res(returncode=0, results=results))
+    assert ROUTING_KEY not in plain.extra
+
+
 def test_bounded_log_keeps_head_and_tail(tmp_path):
     r, w = os.pipe()
     pump = _BoundedPump(os.fdopen(r, "rb"), str(tmp_path / "out.log"), 1000)

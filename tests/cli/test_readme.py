@@ -116,6 +116,25 @@ def check_fsdp2_profile_run(run: Path) -> None:
     assert len(measurement["extra"]["per_rank_peak_bytes"]) == 2
 
 
+def check_measured_routing(run: Path) -> None:
+    """A profiled MoE example with EP trials: each EP trial's measurement states the routing its steps measured
+    and predicts its peak with it inside the memory benchmark's bounds (none under -2%, none over +3%), never
+    above the job's factors' prediction (autotune's default bounds); front.json keeps the worst over them."""
+    front = json.loads((run / "front.json").read_text())
+    ep = [r for r in completed(run) if r["expert_parallel_size"] == "2"]
+    assert ep and front["measured_routing"]["trials"] == [int(r["number"]) for r in ep]
+    for row in ep:
+        extra = json.loads((run / "trials" / row["number"] / "measurement.json").read_text())["extra"]
+        assert 1.0 <= extra["routing"]["ep_step_imbalance"] <= extra["routing"]["ep_rank_imbalance"]
+        assert extra["routing"]["ep_rank_imbalance"] <= extra["routing"]["moe_load_imbalance"]
+        for key, value in extra["routing"].items():  # the worst over the trials covers each
+            worst = front["measured_routing"]["factors"][key]
+            assert value >= worst if key == "moe_min_load" else value <= worst, (key, value, worst)
+        assert -2.0 <= extra["memory_error_at_routing_pct"] <= 3.0, extra
+        assert extra["predicted_peak_at_routing_bytes"] <= extra["predicted_peak_bytes"]
+    assert "## Routing measured" in (run / "summary.md").read_text()
+
+
 @pytest.mark.slow
 def test_readme_commands_run_verbatim(tmp_path):
     commands = all_commands()
@@ -155,6 +174,9 @@ def test_readme_commands_run_verbatim(tmp_path):
     # (default name): real FSDP2 trials on 2 CPU ranks, the one end-to-end run of this path
     (fsdp2_run,) = runs.glob("tiny-cpu-fsdp2-2*")
     check_fsdp2_profile_run(fsdp2_run)
+    # docs/moe.md's `autotune run examples/tiny-cpu-moe.yaml`: its EP trials measured their routing
+    (moe_run,) = runs.glob("tiny-cpu-moe-2*")
+    check_measured_routing(moe_run)
     # the profiled tiny example: the memory model's prediction within 2% of every measured peak (the
     # reference decoder it predicts is the model that ran; the custom model is the user's own)
     for row in completed(tiny):

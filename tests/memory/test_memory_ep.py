@@ -74,6 +74,45 @@ def test_ep_excess_bounds_every_routing_of_a_step():
     assert sum(front[:3]) == 3000
 
 
+def test_measured_routing_gives_the_stated_factors_it_covers():
+    """expert_parallel.measured_routing: on random routings of 2 ranks x 2 local experts over 3 MoE blocks (a
+    micro-step's forward dispatches, then a recomputation's), the factors bound what was measured from the right
+    side (upper factors x the mean at or above every chunk / dispatch / step mean, the least load at or below
+    the smallest chunk, each within the rounding), keep the model's rules (step <= rank <= expert <= E / k,
+    least <= 1), and pass the job file's checks; nothing dispatched: None."""
+    import random
+
+    from autotune.model_rules import check_stated_balance
+
+    m = load_config(QWEN).model.replace(num_experts=4, num_experts_per_tok=2, num_hidden_layers=3, dense_layers=())
+    tokens, ep = 64, 2
+    sent = tokens * m.num_experts_per_tok
+    rng = random.Random(11)
+    for _ in range(200):
+        steps = []
+        for _micro in range(rng.randint(1, 3)):
+            dispatches = []
+            for _block in range(m.num_hidden_layers + rng.randint(0, 2)):  # recomputation dispatches again
+                counts = [[0] * m.num_experts for _ in range(ep)]  # per source rank, per expert
+                for src in range(ep):
+                    for _t in range(tokens):
+                        for e in rng.sample(range(m.num_experts), m.num_experts_per_tok):
+                            counts[src][e] += 1
+                rank = rng.randrange(ep)  # the receiving rank's chunks: every source's rows for its 2 experts
+                dispatches.append([counts[src][rank * 2 + e] for src in range(ep) for e in range(2)])
+            steps.append(dispatches)
+        f = expert_parallel.measured_routing(m, sent, steps)
+        chunks = [n for st in steps for d in st for n in d]
+        assert f.moe_load_imbalance * sent / m.num_experts >= max(chunks) > (f.moe_load_imbalance - 2e-4) * sent / m.num_experts
+        assert f.moe_min_load * sent / m.num_experts <= min(chunks) < (f.moe_min_load + 2e-4) * sent / m.num_experts
+        assert f.ep_rank_imbalance * sent >= max(sum(d) for st in steps for d in st)
+        assert all(f.ep_step_imbalance * sent * 3 >= sum(map(sum, st[:3])) for st in steps)
+        assert f.ep_step_imbalance <= f.ep_rank_imbalance <= f.moe_load_imbalance <= m.num_experts / m.num_experts_per_tok
+        assert 0 <= f.moe_min_load <= 1
+        check_stated_balance(m.replace(**f._asdict()))  # a ConfigError if a job could not state them
+    assert expert_parallel.measured_routing(m, sent, []) is None and expert_parallel.measured_routing(m, sent, [[]]) is None
+
+
 def test_a_stated_step_factor_moves_the_ep_points_below_the_rank_factor(tmp_path):
     """ep_step_imbalance at the rank's factor changes nothing; below it, EP points whose blocks hold their
     received rows are sized lower (the blocks at the step's mean), never higher, and not below the same

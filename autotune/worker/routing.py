@@ -1,0 +1,50 @@
+"""The routing an expert-parallel job's measured steps dispatched, recorded by the worker.
+
+The memory model sizes an EP rank's received rows with stated factors (ModelSpec ``moe_load_imbalance``,
+``moe_min_load``, ``ep_rank_imbalance``, ``ep_step_imbalance``; autotune's default bounds where a job
+states none). A profiled EP candidate measures them: every routed-experts module that
+autotune.models.expert_parallel laid out calls its ``on_dispatch`` with the rows it sends and the rows it
+receives per (source rank, local expert) after its counts exchange; the recorder keeps them per measured
+micro-step (a forward opens one; a checkpointed block's recomputation dispatches again within it), and
+the worker writes them into the rank's result (``routing``), from which the launcher side computes the
+factors (autotune.memory.expert_parallel.measured_routing).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class RoutingRecorder:
+    """Records the dispatches of a model's expert-parallel experts during the measured micro-steps."""
+
+    def __init__(self, modules: list[Any]) -> None:
+        self.sent: Optional[int] = None
+        """Rows this rank sends per dispatch (tokens x top-k)."""
+        self.steps: list[list[list[int]]] = []
+        """Per measured micro-step, its dispatches' received rows per (source rank, local expert)."""
+        self.recording = False
+        for module in modules:
+            module.on_dispatch = self.dispatch
+
+    @classmethod
+    def install(cls, model: Any) -> Optional["RoutingRecorder"]:
+        """A recorder on ``model``'s expert-parallel experts (those with an ``ep_group``); None without any."""
+        modules = [m for m in model.modules() if getattr(m, "ep_group", None) is not None]
+        return cls(modules) if modules else None
+
+    def open_micro_step(self) -> None:
+        """A measured micro-step's forward begins: its dispatches (and its recomputations') are recorded."""
+        self.recording = True
+        self.steps.append([])
+
+    def dispatch(self, sent: int, received: list[int]) -> None:
+        if self.recording:
+            self.sent = sent
+            self.steps[-1].append([int(n) for n in received])
+
+    def result(self) -> Optional[dict[str, Any]]:
+        """The rank's ``routing`` result entry: ``sent`` rows per dispatch and the micro-steps' splits."""
+        if self.sent is None:
+            return None
+        return {"sent": self.sent, "steps": self.steps}
