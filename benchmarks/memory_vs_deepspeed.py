@@ -275,6 +275,30 @@ def summarize(results: list[dict]) -> list[str]:
     return lines
 
 
+def by_phase(results: list[dict]) -> list[str]:
+    """Each phase's signed error (predicted phase peak / measured - 1, the step's worst rank), worst first: over
+    every row, without the EP rows (sized at the default load factors), and the forward phase by checkpointing
+    (a checkpointed block's forward interior is not modelled: docs/accuracy.md, By phase)."""
+    ok = [r for r in results if r.get("status") == "ok" and r.get("phases_measured") and r.get("phases_predicted")]
+    lines = ["by phase (predicted phase peak / measured - 1):"]
+    for phase in ("forward", "backward", "optimizer"):
+        rows = [r for r in ok if r["phases_measured"].get(phase) and r["phases_predicted"].get(phase) is not None]
+        groups = {"all": rows,
+                  "without EP": [r for r in rows if (r.get("knobs") or {}).get("expert_parallel_size", 1) == 1]}
+        if phase == "forward":
+            groups.update({"no checkpointing": [r for r in groups["without EP"] if r["ckpt"] == "none"],
+                           "checkpointing": [r for r in groups["without EP"] if r["ckpt"] != "none"]})
+        for gname, rs in groups.items():
+            if not rs:
+                continue
+            e = sorted(((r["phases_predicted"][phase] / r["phases_measured"][phase] - 1, r) for r in rs), key=lambda x: x[0])
+            worst, top = e[0], e[-1]
+            lines.append(f"  {phase:<9} {gname:<16} n={len(e):<3} {100 * worst[0]:+.2f}% .. {100 * top[0]:+.2f}%  "
+                         f"median |err| {100 * statistics.median(abs(x) for x, _ in e):.2f}%  "
+                         f"(worst {worst[1]['model']} {worst[1]['stage']} {worst[1]['ckpt']} {worst[1]['precision']})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few reference configs instead of the full grid")
@@ -289,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", action="append", default=[],
                     help="a --json file of an earlier run: its measured rows are not run again, only "
                          "predicted again with the current model (later files win)")
+    ap.add_argument("--by-phase", action="store_true",
+                    help="also each phase's peak (estimate's peak_by_phase_bytes) against the largest total measured "
+                         "inside that phase's calls (the worst rank's)")
     ap.add_argument("--no-run", action="store_true",
                     help="with --reuse: report the stored measurements only, run nothing new")
     args = ap.parse_args(argv)
@@ -353,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     if len(results) < len(rows):
         print(f"{len(rows) - len(results)} of the {len(rows)} grid configs not measured (--no-run)")
-    for line in summarize(results):
+    for line in summarize(results) + (by_phase(results) if args.by_phase else []):
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
