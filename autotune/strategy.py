@@ -289,9 +289,12 @@ FLAG_KNOBS: tuple[str, ...] = knobs.flagged(Strategy)
 BUCKET_KNOBS: tuple[str, ...] = tuple(k for k in KNOBS if _FIELDS[k].metadata["buffer"])
 """The searched DeepSpeed buffer sizes (KNOBS order)."""
 
-MEMORY_FAMILY: tuple[str, ...] = ("zero_stage", "offload_optimizer", "offload_params", "precision", "engine")
+MEMORY_FAMILY: tuple[str, ...] = ("zero_stage", "offload_optimizer", "offload_params", "precision", "engine",
+                                  "expert_parallel_size")
 """The knobs that lay the model states out: candidates sharing their values share the memory model's
-error (the calibration's per-family correction, the sampler's families)."""
+error (the calibration's per-family correction, the sampler's families). Expert parallelism lays out the
+experts' states, and its received rows are sized at the stated routing factors (or their default bounds),
+an error no other layout shares."""
 
 _CHOICES = knobs.literal_choices(Strategy)
 

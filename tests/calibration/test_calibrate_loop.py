@@ -115,6 +115,22 @@ def test_load_calibration_errors(tmp_path, cfg, truth):
     assert "\n" not in str(err.value) and "fitted on" in str(err.value)
 
 
+def test_expert_parallel_trials_correct_expert_parallel_candidates_only(tmp_path):
+    """An EP layout is its own memory family: its measured / predicted ratio (the routing factors' bound)
+    corrects the unprofiled candidates of the same EP size, not the same engine and precision without EP."""
+    from autotune.memory import estimate_memory
+
+    cfg = load_config(os.path.join(ROOT, "examples", "tiny-cpu-moe.yaml"))
+    cal = Calibrator(cfg, str(tmp_path))
+    pred = lambda s: estimate_memory(cfg.model, cfg.training, cfg.hardware, s).gpu["peak"]  # noqa: E731
+    ep = [Strategy(engine="fsdp2", expert_parallel_size=2, micro_batch_size=m) for m in (1, 2, 4)]
+    plain = [Strategy(engine="fsdp2", micro_batch_size=m) for m in (1, 2)]
+    for s, f in ((ep[0], 0.94), (ep[1], 0.95), (plain[0], 1.0)):
+        cal.add(s, Measurement(status="ok", peak_memory_bytes=int(pred(s) * f), tokens_per_s_per_gpu=1000.0))
+    assert cal.memory_factor(ep[2]) == pytest.approx(0.945, abs=1e-3)
+    assert cal.memory_factor(plain[1]) == pytest.approx(1.0, abs=1e-3)
+
+
 def test_memory_is_calibrated_per_family(cfg, truth, tmp_path):
     """Measured / predicted peak of a family corrects that family's unprofiled candidates only."""
     from autotune.memory import estimate_memory
