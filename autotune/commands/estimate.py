@@ -134,7 +134,8 @@ def routed_load_line(f: dict[str, Any]) -> str:
     how = ("as the job states them" if not missing else
            ("autotune's default bounds" if not f["stated"] else "the rest autotune's default bounds")
            + ": state " + ", ".join(f"model.{k}" for k in missing[:-1]) + (" and " if len(missing) > 1 else "")
-           + f"model.{missing[-1]} from a measured routing, docs/moe.md")
+           + f"model.{missing[-1]} from a measured routing: a profiled expert-parallel trial measures them, "
+           "docs/moe.md")
     return (f"routed loads: busiest expert {f['busiest_expert']:g} x the mean, least {f['least_expert']:g} x, "
             f"busiest EP rank {f['busiest_rank']:g} x, over a step {f['busiest_rank_step']:g} x ({how})")
 
