@@ -285,7 +285,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
         "front": points,
         "best": next((p for p in points if best is not None and p["trial"] == best.number), None),
     }
-    routing = measured_routing_summary(rows)
+    routing = measured_routing_summary(rows, cfg.model)
     if routing is not None:
         front_obj["measured_routing"] = routing
     if not points:
@@ -308,13 +308,14 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
     return front_obj
 
 
-def measured_routing_summary(rows: list[TrialRow]) -> Optional[dict[str, Any]]:
+def measured_routing_summary(rows: list[TrialRow], model: Any) -> Optional[dict[str, Any]]:
     """The routing the measured expert-parallel trials dispatched (front.json ``measured_routing``): the trials,
-    the worst of their factors (the largest upper factors, the smallest least load: what covers every one), and
-    the range of their memory errors at the job's factors and at each trial's own measured routing; None
-    without such a trial."""
+    the worst of their factors (the largest upper factors, the smallest least load: what covers every one), the
+    range of their memory errors at the job's factors and at each trial's own measured routing, and
+    ``exceeds``: each factor a trial measured beyond what ``model`` sizes its layout with (an upper factor above,
+    the least load below: the job's EP points may be under-predicted); None without such a trial."""
     from autotune.backends.base import MEMORY_ERROR_AT_ROUTING_KEY, MEMORY_ERROR_KEY, ROUTING_KEY
-    from autotune.memory.expert_parallel import STATED_LOAD_KEYS
+    from autotune.memory.expert_parallel import STATED_LOAD_KEYS, sized_routing
 
     done = [r for r in rows if r.state == "COMPLETE" and r.duplicate_of is None and r.measured
             and r.measured.get(ROUTING_KEY)]
@@ -325,10 +326,18 @@ def measured_routing_summary(rows: list[TrialRow]) -> Optional[dict[str, Any]]:
         errs = [r.measured[key] for r in done if r.measured.get(key) is not None]  # type: ignore[index]
         return [min(errs), max(errs)] if errs else None
 
+    exceeds: dict[str, dict[str, float]] = {}
+    for r in done:
+        sized = sized_routing(model, r.strategy.expert_parallel_size)._asdict()
+        for k, v in r.measured[ROUTING_KEY].items():  # type: ignore[index]
+            beyond = v < sized[k] if k == "moe_min_load" else v > sized[k]
+            if beyond and (k not in exceeds or abs(v - sized[k]) > abs(exceeds[k]["measured"] - exceeds[k]["sized"])):
+                exceeds[k] = {"measured": v, "sized": sized[k]}
     return {"trials": [r.number for r in done],
             "factors": {k: (min if k == "moe_min_load" else max)(r.measured[ROUTING_KEY][k]  # type: ignore[index]
                                                                  for r in done) for k in STATED_LOAD_KEYS},
-            "memory_error_pct": span(MEMORY_ERROR_KEY), "memory_error_at_routing_pct": span(MEMORY_ERROR_AT_ROUTING_KEY)}
+            "memory_error_pct": span(MEMORY_ERROR_KEY), "memory_error_at_routing_pct": span(MEMORY_ERROR_AT_ROUTING_KEY),
+            "exceeds": exceeds}
 
 
 def measured_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
@@ -345,7 +354,11 @@ def measured_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
     if at and own:
         line += (f"; the memory model's error on their peaks {_pct_span(at)} with the job's factors, "
                  f"{_pct_span(own)} with their own routing")
-    return [line, "  to size expert-parallel candidates at it, state under model: "
+    beyond = summary.get("exceeds") or {}
+    warn = ["  WARNING: the routing measured is beyond what this job sizes its expert-parallel points with ("
+            + ", ".join(f"{k} {v['measured']:g} against {v['sized']:g}" for k, v in beyond.items())
+            + "): their memory may be under-predicted"] if beyond else []
+    return [line, *warn, "  to size expert-parallel candidates at it, state under model: "
             + ", ".join(f"{k}: {v:g}" for k, v in f.items())
             + " (the profiled model's router on its batches: docs/moe.md, \"Measuring the routing\")"]
 

@@ -117,12 +117,12 @@ def routed_load_factors(model: Any, ep: int) -> dict[str, Any]:
     least-loaded expert's tokens and the busiest EP rank's received rows, in one dispatch and over a step's
     blocks, over their means (memory.moe.expert_imbalance, ModelSpec.moe_min_load,
     memory.expert_parallel.rank_imbalance, step_imbalance), and whether the job stated them."""
-    from autotune.memory.expert_parallel import STATED_LOAD_KEYS, rank_imbalance, step_imbalance
-    from autotune.memory.moe import expert_imbalance
+    from autotune.memory.expert_parallel import STATED_LOAD_KEYS, sized_routing
 
     stated = [k for k in STATED_LOAD_KEYS if getattr(model, k) is not None]
-    return {"busiest_expert": expert_imbalance(model), "least_expert": model.moe_min_load or 0.0,
-            "busiest_rank": rank_imbalance(model, ep), "busiest_rank_step": step_imbalance(model, ep),
+    f = sized_routing(model, ep)
+    return {"busiest_expert": f.moe_load_imbalance, "least_expert": f.moe_min_load,
+            "busiest_rank": f.ep_rank_imbalance, "busiest_rank_step": f.ep_step_imbalance,
             "stated": bool(stated), "stated_keys": stated}
 
 

@@ -155,6 +155,13 @@ STATED_LOAD_KEYS: tuple[str, ...] = MeasuredRouting._fields
 """The model fields a job states its routing with (ModelSpec; docs/moe.md, Load imbalance)."""
 
 
+def sized_routing(m: ModelSpec, ep: int) -> MeasuredRouting:
+    """The factors the model sizes an expert-parallel layout of ``ep`` ranks with: the stated ones, else
+    autotune's default bounds (``moe.expert_imbalance``, ``moe_min_load`` or 0, ``rank_imbalance``,
+    ``step_imbalance``)."""
+    return MeasuredRouting(expert_imbalance(m), m.moe_min_load or 0.0, rank_imbalance(m, ep), step_imbalance(m, ep))
+
+
 def measured_routing(m: ModelSpec, sent: int, steps: Sequence[Sequence[Sequence[int]]]) -> Optional[MeasuredRouting]:
     """The factors of a measured routing: ``sent`` the rows each rank sends per dispatch (tokens x top-k),
     ``steps`` every rank's measured micro-steps, each the splits of its dispatches in forward order (the rows

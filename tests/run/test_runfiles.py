@@ -89,3 +89,39 @@ def test_a_failed_trial_keeps_its_status_through_trials_csv(tmp_path):
         ("COMPLETE", "", ""), ("FAIL", "oom", "oom: rank 1 in backward")}
     again = ReplayBackend(str(tmp_path / "run" / "trials.csv")).evaluate(big)
     assert (again.status, again.reason) == ("oom", "rank 1 in backward")
+
+
+def test_measured_routing_summary_covers_every_ep_trial_and_flags_an_under_stated_job():
+    """front.json's measured_routing: the worst factors over the measured EP trials (largest upper factors,
+    smallest least load), their error spans, and each factor measured beyond what the job sizes that trial's
+    layout with; repeats, failures and trials without a routing do not count; none without an EP trial."""
+    import os
+
+    from autotune.config import load_config
+    from autotune.output import TrialRow, measured_routing_lines, measured_routing_summary
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    model = load_config(os.path.join(root, "examples", "tiny-cpu-moe.yaml")).model
+
+    def row(n, routing, err=6.0, at=-0.1, state="COMPLETE", dup=None):
+        extra = {"memory_error_pct": err, "memory_error_at_routing_pct": at, **({"routing": routing} if routing else {})}
+        return TrialRow(number=n, state=state, strategy=Strategy(engine="fsdp2", expert_parallel_size=2),
+                        peak_memory_gib=1.0, tokens_per_s_per_gpu=1.0, step_time_s=1.0, mfu=None, prune_reason="",
+                        fail_reason="", duplicate_of=dup, measured=extra)
+
+    a = {"moe_load_imbalance": 1.4, "moe_min_load": 0.5, "ep_rank_imbalance": 1.1, "ep_step_imbalance": 1.05}
+    b = {"moe_load_imbalance": 1.5, "moe_min_load": 0.6, "ep_rank_imbalance": 1.2, "ep_step_imbalance": 1.0}
+    rows = [row(0, a, 5.0, -0.2), row(1, b, 7.0, 0.3), row(2, {**b, "ep_rank_imbalance": 9.0}, dup=1),
+            row(3, {**b, "ep_rank_imbalance": 9.0}, state="FAIL"), row(4, None)]
+    s = measured_routing_summary(rows, model)
+    assert s["trials"] == [0, 1] and s["memory_error_pct"] == [5.0, 7.0] and s["memory_error_at_routing_pct"] == [-0.2, 0.3]
+    assert s["factors"] == {"moe_load_imbalance": 1.5, "moe_min_load": 0.5, "ep_rank_imbalance": 1.2,
+                            "ep_step_imbalance": 1.05}
+    assert s["exceeds"] == {}  # the defaults (1.8 / 0 / 1.5 / 1.5) bound them
+    stated = model.replace(moe_load_imbalance=1.45, moe_min_load=0.55, ep_rank_imbalance=1.2, ep_step_imbalance=1.1)
+    assert measured_routing_summary(rows, stated)["exceeds"] == {
+        "moe_load_imbalance": {"measured": 1.5, "sized": 1.45}, "moe_min_load": {"measured": 0.5, "sized": 0.55}}
+    lines = measured_routing_lines(measured_routing_summary(rows, stated))
+    assert "WARNING" in lines[1] and "moe_load_imbalance 1.5 against 1.45" in lines[1]
+    assert lines[-1].startswith("  to size expert-parallel candidates at it, state under model: moe_load_imbalance: 1.5,")
+    assert measured_routing_summary([row(4, None)], model) is None and measured_routing_lines(None) == []
