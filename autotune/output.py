@@ -358,8 +358,10 @@ def measured_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
     warn = ["  WARNING: the routing measured is beyond what this job sizes its expert-parallel points with ("
             + ", ".join(f"{k} {v['measured']:g} against {v['sized']:g}" for k, v in beyond.items())
             + "): their memory may be under-predicted"] if beyond else []
+    from autotune.memory.expert_parallel import MeasuredRouting
+
     return [line, *warn, "  to size expert-parallel candidates at it, state under model: "
-            + ", ".join(f"{k}: {v:g}" for k, v in f.items())
+            + MeasuredRouting(**f).statement()
             + " (the profiled model's router on its batches: docs/moe.md, \"Measuring the routing\")"]
 
 

@@ -9,8 +9,9 @@ checkpointing, then ``fully_shard`` per block and on the root; expert parallelis
 has it) and its tiling / activation offload (``long_context``: autotune.models.long_context),
 builds the layout's optimizer (``autotune.models.fsdp2.make_optimizer``) and runs ``--steps``
 optimizer steps of ``gradient_accumulation_steps`` micro-batches with the layout's clipping (and,
-for fp16, a ShardedGradScaler). Replace the model and the batches with yours; the layout and the
-calls stay. A context-parallel point is refused here: its batches run inside torch's
+for fp16, a ShardedGradScaler). With expert parallelism it records what the steps dispatched
+(autotune.worker.routing) and prints it as the routing factors a job states. Replace the model and the
+batches with yours; the layout and the calls stay. A context-parallel point is refused here: its batches run inside torch's
 ``context_parallel`` (CUDA only), which the point's snippet (``fsdp2_configs/<k>.py``) does.
 
 Without a launcher (``python -m autotune.examples.train_fsdp2 ...``) it runs as one process over gloo, which
@@ -103,9 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         def clip_grad_norm(m, max_norm):
             return torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
 
+    routing = None
+    if layout.get("expert_parallel"):  # the routing the steps dispatch, as the factors a job states
+        from autotune.worker.routing import RoutingRecorder
+
+        routing = RoutingRecorder.install(model)
     seq_len = cfg.training.seq_len
     for step in range(args.steps):
         for _ in range(gas):
+            if routing is not None:
+                routing.open_micro_step()
             batch = built.batch_fn(mbs, seq_len, device)
             loss = loss_of(model(**batch)) / gas
             (scaler.scale(loss) if scaler else loss).backward()
@@ -121,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:
             print(f"step {step}: loss {loss.item() * gas:.4f} ({mbs} x {gas} micro-batches of {seq_len} tokens)")
+    factors = routing.factors(cfg.model) if routing is not None else None
+    if factors is not None and rank == 0:
+        print(f"routing measured over {args.steps} step(s) of {world} rank(s); to size expert-parallel points at it, "
+              f"state under model: {factors.statement()} (docs/moe.md, \"Measuring the routing\")")
     dist.barrier()  # every rank past its last collective before any tears the group down (gloo can abort)
     dist.destroy_process_group()
     return 0

@@ -150,6 +150,10 @@ class MeasuredRouting(NamedTuple):
     """A rank's received rows summed over a micro-step's MoE blocks (their forward dispatches, the first of the
     step's: a recomputation dispatches them again) over MoE blocks x the mean."""
 
+    def statement(self) -> str:
+        """The factors as a job file's model section states them (``key: value, ...``)."""
+        return ", ".join(f"{k}: {v:g}" for k, v in self._asdict().items())
+
 
 STATED_LOAD_KEYS: tuple[str, ...] = MeasuredRouting._fields
 """The model fields a job states its routing with (ModelSpec; docs/moe.md, Load imbalance)."""

@@ -43,6 +43,21 @@ class RoutingRecorder:
             self.sent = sent
             self.steps[-1].append([int(n) for n in received])
 
+    def factors(self, model_spec: Any) -> Any:
+        """The routing every rank recorded as the factors a job states (a MeasuredRouting; None when nothing was
+        dispatched): a collective when torch.distributed is initialised, so every rank calls it."""
+        import torch.distributed as dist
+
+        from autotune.memory.expert_parallel import measured_routing
+
+        mine = (self.sent, self.steps)
+        ranks = [mine]
+        if dist.is_available() and dist.is_initialized():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        sent = next((s for s, _ in ranks if s), None)
+        return measured_routing(model_spec, sent, [st for _, steps in ranks for st in steps]) if sent else None
+
     def result(self) -> Optional[dict[str, Any]]:
         """The rank's ``routing`` result entry: ``sent`` rows per dispatch and the micro-steps' splits."""
         if self.sent is None:

@@ -259,6 +259,35 @@ def test_ep_on_two_ranks_gives_one_process_loss_and_gradients(tmp_path):
             assert r["diff"] < 1e-4, mode
 
 
+@pytest.mark.slow
+def test_the_fsdp2_training_script_prints_the_routing_it_dispatched(tmp_path):
+    """An EP point's launch script (autotune.examples.train_fsdp2) on 2 gloo ranks: it trains and prints the
+    routing its steps dispatched as the factors a job states, which the job's rules accept."""
+    import re
+
+    from autotune.backends.launch import free_port
+    from autotune.model_rules import check_stated_balance
+
+    job = ROOT / "examples" / "tiny-cpu-moe.yaml"
+    cfg = load_config(str(job))
+    layout = tmp_path / "ep.json"
+    layout.write_text(json.dumps(to_fsdp2_config(Strategy(engine="fsdp2", expert_parallel_size=2, micro_batch_size=2),
+                                                 cfg.model, cfg.training, cfg.hardware)))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "autotune.examples.train_fsdp2", "--job", str(job), "--fsdp2",
+                           str(layout), "--steps", "1"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("routing measured over 1 step(s) of 2 rank(s)")]
+    stated = dict(re.findall(r"(\w+): ([0-9.]+)", line.split("state under model: ")[1]))
+    assert list(stated) == ["moe_load_imbalance", "moe_min_load", "ep_rank_imbalance", "ep_step_imbalance"], line
+    factors = {k: float(v) for k, v in stated.items()}
+    assert 1.0 <= factors["ep_step_imbalance"] <= factors["ep_rank_imbalance"] and factors["moe_min_load"] <= 1.0
+    check_stated_balance(cfg.model.replace(**factors))
+
+
 if __name__ == "__main__":  # a rank of test_ep_on_two_ranks_gives_one_process_loss_and_gradients
     _ep_rank(sys.argv[1])
     # the results are written and the group destroyed: leave without the interpreter's teardown. Rank 0
