@@ -315,7 +315,7 @@ def measured_routing_summary(rows: list[TrialRow], model: Any) -> Optional[dict[
     ``exceeds``: each factor a trial measured beyond what ``model`` sizes its layout with (an upper factor above,
     the least load below: the job's EP points may be under-predicted); None without such a trial."""
     from autotune.backends.base import MEMORY_ERROR_AT_ROUTING_KEY, MEMORY_ERROR_KEY, ROUTING_KEY
-    from autotune.memory.expert_parallel import STATED_LOAD_KEYS, sized_routing
+    from autotune.memory.expert_parallel import STATED_LOAD_KEYS, MeasuredRouting, sized_routing
 
     done = [r for r in rows if r.state == "COMPLETE" and r.duplicate_of is None and r.measured
             and r.measured.get(ROUTING_KEY)]
@@ -330,11 +330,11 @@ def measured_routing_summary(rows: list[TrialRow], model: Any) -> Optional[dict[
     for r in done:
         sized = sized_routing(model, r.strategy.expert_parallel_size)._asdict()
         for k, v in r.measured[ROUTING_KEY].items():  # type: ignore[index]
-            beyond = v < sized[k] if k == "moe_min_load" else v > sized[k]
+            beyond = v < sized[k] if k in MeasuredRouting.LOWER else v > sized[k]
             if beyond and (k not in exceeds or abs(v - sized[k]) > abs(exceeds[k]["measured"] - exceeds[k]["sized"])):
                 exceeds[k] = {"measured": v, "sized": sized[k]}
     return {"trials": [r.number for r in done],
-            "factors": {k: (min if k == "moe_min_load" else max)(r.measured[ROUTING_KEY][k]  # type: ignore[index]
+            "factors": {k: (min if k in MeasuredRouting.LOWER else max)(r.measured[ROUTING_KEY][k]  # type: ignore[index]
                                                                  for r in done) for k in STATED_LOAD_KEYS},
             "memory_error_pct": span(MEMORY_ERROR_KEY), "memory_error_at_routing_pct": span(MEMORY_ERROR_AT_ROUTING_KEY),
             "exceeds": exceeds}

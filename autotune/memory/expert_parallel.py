@@ -150,6 +150,9 @@ class MeasuredRouting(NamedTuple):
     """A rank's received rows summed over a micro-step's MoE blocks (their forward dispatches, the first of the
     step's: a recomputation dispatches them again) over MoE blocks x the mean."""
 
+    LOWER = ("moe_min_load",)
+    """The factors that bound from below (a routing beyond them is smaller); the others bound from above."""
+
     def statement(self) -> str:
         """The factors as a job file's model section states them (``key: value, ...``)."""
         return ", ".join(f"{k}: {v:g}" for k, v in self._asdict().items())
