@@ -133,6 +133,7 @@ def check_measured_routing(run: Path) -> None:
         assert -2.0 <= extra["memory_error_at_routing_pct"] <= 3.0, extra
         assert extra["predicted_peak_at_routing_bytes"] <= extra["predicted_peak_bytes"]
     assert "## Routing measured" in (run / "summary.md").read_text()
+    assert "<h2>Routing measured</h2>" in (run / "report.html").read_text()
 
 
 @pytest.mark.slow
