@@ -360,9 +360,9 @@ def measured_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
             + "): their memory may be under-predicted"] if beyond else []
     from autotune.memory.expert_parallel import MeasuredRouting
 
-    return [line, *warn, "  to size expert-parallel candidates at it, state under model: "
-            + MeasuredRouting(**f).statement()
-            + " (the profiled model's router on its batches: docs/moe.md, \"Measuring the routing\")"]
+    return [line, *warn, "  to size expert-parallel candidates at it, state in the job file (the profiled model's "
+            "router on its batches: docs/moe.md, \"Measuring the routing\"):",
+            *(f"    {x}" for x in MeasuredRouting(**f).statement())]
 
 
 def _pct_span(span: list[float]) -> str:
@@ -510,7 +510,7 @@ def _write_summary(path: str, cfg: Config, space: SearchSpace, front_obj: dict[s
             lines += ["Equivalent within 1% in memory and speed: "
                       + "; ".join(e["strategy_text"] for e in best["equivalents"]), ""]
     if front_obj.get("measured_routing"):
-        lines += ["## Routing measured", "", *measured_routing_lines(front_obj["measured_routing"]), ""]
+        lines += ["## Routing measured", "", "```", *measured_routing_lines(front_obj["measured_routing"]), "```", ""]
     if reasons:
         lines += ["## Why candidates were pruned", ""]
         lines += [f"- {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:15]]

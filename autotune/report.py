@@ -338,7 +338,7 @@ def _html_around_plotly_js(run: RunData, capacity: Optional[float], headroom: Op
     routing = measured_routing_lines(f.get("measured_routing"))
     if routing:
         parts.append("<h2>Routing measured</h2>")
-        parts += [f"<p>{esc(line.strip())}</p>" for line in routing]
+        parts.append("<pre>" + esc("\n".join(routing)) + "</pre>")
     for title, state, column in (("Why candidates were pruned", "PRUNED", "prune_reason"),
                                  ("Why candidates failed", "FAIL", "fail_reason")):
         summary = reason_summary(run.records, state, column)

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     factors = routing.factors(cfg.model) if routing is not None else None
     if factors is not None and rank == 0:
         print(f"routing measured over {args.steps} step(s) of {world} rank(s); to size expert-parallel points at it, "
-              f"state under model: {factors.statement()} (docs/moe.md, \"Measuring the routing\")")
+              "state in the job file (docs/moe.md, \"Measuring the routing\"):")
+        print("\n".join(f"    {x}" for x in factors.statement()))
     dist.barrier()  # every rank past its last collective before any tears the group down (gloo can abort)
     dist.destroy_process_group()
     return 0

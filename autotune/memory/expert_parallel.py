@@ -153,9 +153,9 @@ class MeasuredRouting(NamedTuple):
     LOWER = ("moe_min_load",)
     """The factors that bound from below (a routing beyond them is smaller); the others bound from above."""
 
-    def statement(self) -> str:
-        """The factors as a job file's model section states them (``key: value, ...``)."""
-        return ", ".join(f"{k}: {v:g}" for k, v in self._asdict().items())
+    def statement(self, indent: str = "  ") -> list[str]:
+        """The factors as a job file states them: ``model:`` and one ``key: value`` line each under it, to paste."""
+        return ["model:", *(f"{indent}{k}: {v:g}" for k, v in self._asdict().items())]
 
 
 STATED_LOAD_KEYS: tuple[str, ...] = MeasuredRouting._fields

@@ -263,7 +263,9 @@ def test_ep_on_two_ranks_gives_one_process_loss_and_gradients(tmp_path):
 def test_the_fsdp2_training_script_prints_the_routing_it_dispatched(tmp_path):
     """An EP point's launch script (autotune.examples.train_fsdp2) on 2 gloo ranks: it trains and prints the
     routing its steps dispatched as the factors a job states, which the job's rules accept."""
-    import re
+    import textwrap
+
+    import yaml
 
     from autotune.backends.launch import free_port
     from autotune.model_rules import check_stated_balance
@@ -280,10 +282,11 @@ def test_the_fsdp2_training_script_prints_the_routing_it_dispatched(tmp_path):
                            str(layout), "--steps", "1"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("routing measured over 1 step(s) of 2 rank(s)")]
-    stated = dict(re.findall(r"(\w+): ([0-9.]+)", line.split("state under model: ")[1]))
-    assert list(stated) == ["moe_load_imbalance", "moe_min_load", "ep_rank_imbalance", "ep_step_imbalance"], line
-    factors = {k: float(v) for k, v in stated.items()}
+    out = proc.stdout.splitlines()
+    (at,) = [i for i, x in enumerate(out) if x.startswith("routing measured over 1 step(s) of 2 rank(s)")]
+    stated = yaml.safe_load(textwrap.dedent("\n".join(out[at + 1:at + 6])))  # the lines to paste into the job
+    assert list(stated["model"]) == ["moe_load_imbalance", "moe_min_load", "ep_rank_imbalance", "ep_step_imbalance"]
+    factors = {k: float(v) for k, v in stated["model"].items()}
     assert 1.0 <= factors["ep_step_imbalance"] <= factors["ep_rank_imbalance"] and factors["moe_min_load"] <= 1.0
     check_stated_balance(cfg.model.replace(**factors))
 

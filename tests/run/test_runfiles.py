@@ -123,5 +123,6 @@ def test_measured_routing_summary_covers_every_ep_trial_and_flags_an_under_state
         "moe_load_imbalance": {"measured": 1.5, "sized": 1.45}, "moe_min_load": {"measured": 0.5, "sized": 0.55}}
     lines = measured_routing_lines(measured_routing_summary(rows, stated))
     assert "WARNING" in lines[1] and "moe_load_imbalance 1.5 against 1.45" in lines[1]
-    assert lines[-1].startswith("  to size expert-parallel candidates at it, state under model: moe_load_imbalance: 1.5,")
+    assert lines[-5:] == ["    model:", "      moe_load_imbalance: 1.5", "      moe_min_load: 0.5",
+                          "      ep_rank_imbalance: 1.2", "      ep_step_imbalance: 1.05"]
     assert measured_routing_summary([row(4, None)], model) is None and measured_routing_lines(None) == []
