@@ -118,8 +118,31 @@ def check_section(raw: Any, path: str, schema: dict[str, Checker]) -> dict[str, 
     return out
 
 
+def _unique_key_loader() -> Any:
+    """yaml's SafeLoader refusing a key given twice in one mapping (the safe loader keeps the last silently: a
+    second ``model:`` section pasted below the first would drop every key of the first); merge keys (``<<``)
+    may still be overridden."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen: dict[tuple, int] = {}
+                for key, _ in node.value:
+                    if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                        if (key.tag, key.value) in seen:
+                            raise yaml.constructor.ConstructorError(
+                                None, None, f"key {key.value!r} given twice (first at line "
+                                f"{seen[key.tag, key.value] + 1}): merge the two into one", key.start_mark)
+                        seen[key.tag, key.value] = key.start_mark.line
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
 def read_yaml(path: str) -> Any:
-    """Read a YAML file with the safe loader; any failure is a one-line ConfigError naming the file."""
+    """Read a YAML file with the safe loader, a key given twice in one mapping refused; any failure is a
+    one-line ConfigError naming the file."""
     import yaml
 
     try:
@@ -138,7 +161,7 @@ def read_yaml(path: str) -> Any:
     if "\x00" in text:
         raise ConfigError("not a text file (contains NUL bytes)", file=path)
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506  (a SafeLoader subclass)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

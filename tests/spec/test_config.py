@@ -36,6 +36,9 @@ BAD = [
     ("- 1\n- 2\n", "expected a mapping"),
     (BASE.replace("training: {seq_len: 4096, global_batch_size: 64}\n", ""), "training"),
     ("model: {preset: llama2-7b\n", "malformed YAML"),
+    # a section pasted below its first copy (YAML's loaders keep the last silently, the first's keys lost)
+    (BASE + "model:\n  moe_load_imbalance: 1.5\n", "line 5, column 1: key 'model' given twice (first at line 2)"),
+    (BASE.replace("preset: llama2-7b", "preset: llama2-7b, preset: gpt2"), "key 'preset' given twice"),
     (BASE.replace("preset: llama2-7b", "hf_config: missing.json"), "model.hf_config"),
     (BASE.replace("preset: llama2-7b", "preset: llama2-7b, rms_norm_kernel: triton"), "model.rms_norm_kernel"),
     (BASE.replace("preset: llama2-7b", "preset: gpt2, rms_norm_kernel: liger"), "model.rms_norm_kernel"),
