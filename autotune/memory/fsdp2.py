@@ -114,8 +114,8 @@ def pinned_shards(m: ModelSpec, n: int, ep: int) -> float:
     expert_sizes = {e * 2 * hf, e * hf} if (m.is_moe and ep > 1) else set()  # gate_up_proj, down_proj
     out = 0.0
     for d0, numel in parameter_shapes(m):
-        if d0 == e and numel in expert_sizes:
-            d0, numel, ranks = d0 // ep, numel // ep, mod_ep
+        if d0 == e and numel in expert_sizes:  # (ep above the experts breaks a rule: one each, the estimate total)
+            d0, numel, ranks = max(1, d0 // ep), numel // ep, mod_ep
         else:
             ranks = n
         out += pinned_bytes(4 * _partition(d0, ranks) * (numel // d0), True)

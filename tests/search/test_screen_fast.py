@@ -46,6 +46,9 @@ JOBS = {
     # block by block), uniform and with a dense first block
     "qwen3-moe-ep-step": ("examples/qwen3-30b-a3b.yaml", {"model": {"ep_step_imbalance": 1.1}}),
     "deepseek-v2-lite-step": ("examples/deepseek-v2-lite.yaml", {"model": {"ep_step_imbalance": 1.05}}),
+    # every routing factor stated, as a profiled EP trial prints them (docs/moe.md, Measuring the routing)
+    "tiny-moe-measured": ("examples/tiny-cpu-moe.yaml", {"model": {
+        "moe_load_imbalance": 1.5313, "moe_min_load": 0.4062, "ep_rank_imbalance": 1.1641, "ep_step_imbalance": 1.1221}}),
     # eager attention with sinks (the core's backward instant, ZeRO-0's gradients held there), MoE
     "gpt-oss-20b": ("examples/gpt-oss-20b.yaml", {}),
 }
@@ -87,7 +90,7 @@ def test_grid_verdicts_equal_estimate_memory(job, device, loop):
         for j, s in enumerate(on):
             est = estimate_memory(m, tr, hwspec, s, device=device, loop=loop)
             assert {ph: v[j] for ph, v in phases.items()} == est.phases and act_peak[j] == est.activation_peak, s
-    assert fits < computed or job in ("tiny-fsdp2", "gpt2-2rank")  # tiny models fit everywhere
+    assert fits < computed or job in ("tiny-fsdp2", "gpt2-2rank", "tiny-moe-measured")  # tiny models fit everywhere
 
 
 @pytest.mark.parametrize("job", ["llama2-7b", "gpt2", "tiny-fsdp2"])
