@@ -343,13 +343,14 @@ def measured_routing_summary(rows: list[TrialRow], model: Any) -> Optional[dict[
 def measured_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
     """front.json's ``measured_routing`` for people: what was measured, how the predictions did with it, and
     the lines that state it in a job file."""
+    from autotune.memory.expert_parallel import MeasuredRouting
+
     if not summary:
         return []
-    f = summary["factors"]
+    worst = MeasuredRouting(**summary["factors"])
     trials = ", ".join(map(str, summary["trials"]))
     line = (f"routing measured (expert-parallel trial{'s' if len(summary['trials']) > 1 else ''} {trials}, the worst "
-            f"over them): busiest expert {f['moe_load_imbalance']:g} x the mean, least {f['moe_min_load']:g} x, "
-            f"busiest EP rank {f['ep_rank_imbalance']:g} x, over a step {f['ep_step_imbalance']:g} x")
+            f"over them): {worst.describe()}")
     at, own = summary.get("memory_error_pct"), summary.get("memory_error_at_routing_pct")
     if at and own:
         line += (f"; the memory model's error on their peaks {_pct_span(at)} with the job's factors, "
@@ -358,11 +359,9 @@ def measured_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
     warn = ["  WARNING: the routing measured is beyond what this job sizes its expert-parallel points with ("
             + ", ".join(f"{k} {v['measured']:g} against {v['sized']:g}" for k, v in beyond.items())
             + "): their memory may be under-predicted"] if beyond else []
-    from autotune.memory.expert_parallel import MeasuredRouting
-
     return [line, *warn, "  to size expert-parallel candidates at it, state in the job file (the profiled model's "
             "router on its batches: docs/moe.md, \"Measuring the routing\"):",
-            *(f"    {x}" for x in MeasuredRouting(**f).statement())]
+            *(f"    {x}" for x in worst.statement())]
 
 
 def _pct_span(span: list[float]) -> str:

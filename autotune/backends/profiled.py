@@ -159,20 +159,13 @@ class DeepSpeedBackend(Backend):
         return m
 
     def predictions(self, strategy: Strategy, device: Optional[str] = None) -> dict[str, Optional[float]]:
-        """The analytical models' numbers for this strategy (memory model peak, simulated tokens/s); the peak
-        of the same step on the device the workers ran on (``"cpu"``: DeepSpeed's CPU accelerator's kernels,
-        estimate_memory's ``device``; else CUDA's)."""
+        """The analytical models' numbers for this strategy (memory model peak on the device the workers ran on,
+        ``_predicted_peak``; simulated tokens/s)."""
         from autotune.simulate import simulate
 
         cfg = self.cfg
-        out: dict[str, Optional[float]] = {PREDICTED_PEAK_KEY: None, PREDICTED_TPS_KEY: None}
-        try:
-            from autotune.memory import estimate_memory
-
-            out[PREDICTED_PEAK_KEY] = int(estimate_memory(cfg.model, cfg.training, cfg.hardware, strategy,
-                                                          device=_estimate_device(device)).gpu["peak"])
-        except ImportError:  # memory model not installed in this checkout
-            pass
+        out: dict[str, Optional[float]] = {PREDICTED_PEAK_KEY: self._predicted_peak(cfg.model, strategy, device),
+                                           PREDICTED_TPS_KEY: None}
         params = self.calibrator.current_params() if self.calibrator is not None else self.params
         out[PREDICTED_TPS_KEY] = simulate(cfg.model, cfg.training, cfg.hardware, strategy,
                                                          params).tokens_per_s_per_gpu
@@ -229,25 +222,25 @@ class DeepSpeedBackend(Backend):
                       device: Optional[str] = None) -> dict[str, Any]:
         """An expert-parallel trial's measured routing (every rank's measured micro-steps) as the factors a job
         states (ROUTING_KEY), the memory model's peak with them stated and its error; {} without a routing."""
-        from autotune.memory.expert_parallel import measured_routing
+        from autotune.worker.routing import factors_of
 
-        routed = [r.routing for r in ranks if r.routing]
-        factors = measured_routing(self.cfg.model, int(routed[0]["sent"]),
-                                   [st for r in routed for st in r["steps"]]) if routed else None
+        factors = factors_of(self.cfg.model, [r.routing for r in ranks])
         if factors is None:
             return {}
-        out: dict[str, Any] = {ROUTING_KEY: factors._asdict(), PREDICTED_AT_ROUTING_KEY: None}
+        at = self._predicted_peak(self.cfg.model.replace(**factors._asdict()), strategy, device)
+        return {ROUTING_KEY: factors._asdict(), PREDICTED_AT_ROUTING_KEY: at, MEMORY_ERROR_AT_ROUTING_KEY: _pct(at, peak)}
+
+    def _predicted_peak(self, model: Any, strategy: Strategy, device: Optional[str]) -> Optional[int]:
+        """The memory model's peak of ``strategy`` for ``model`` on the device the workers ran on (``"cpu"``:
+        the CPU accelerator's kernels, estimate_memory's ``device``; else CUDA's); None without the memory model."""
+        cfg = self.cfg
         try:
             from autotune.memory import estimate_memory
 
-            cfg = self.cfg
-            out[PREDICTED_AT_ROUTING_KEY] = int(estimate_memory(cfg.model.replace(**factors._asdict()), cfg.training,
-                                                                cfg.hardware, strategy,
-                                                                device=_estimate_device(device)).gpu["peak"])
+            return int(estimate_memory(model, cfg.training, cfg.hardware, strategy,
+                                       device="cpu" if device == "cpu" else "cuda").gpu["peak"])
         except ImportError:  # memory model not installed in this checkout
-            pass
-        out[MEMORY_ERROR_AT_ROUTING_KEY] = _pct(out[PREDICTED_AT_ROUTING_KEY], peak)
-        return out
+            return None
 
     @staticmethod
     def _failure(res: LaunchResult, ranks: list[WorkerResult], rank0: WorkerResult, failed: tuple[str, str],
@@ -263,11 +256,6 @@ class DeepSpeedBackend(Backend):
         if rank0.losses:
             extra["losses"] = rank0.losses
         return Measurement(status=status, reason=reason, extra=extra)  # type: ignore[arg-type]
-
-
-def _estimate_device(device: Optional[str]) -> str:
-    """estimate_memory's ``device`` for workers that ran on ``device`` (the worker's result: cpu | cuda)."""
-    return "cpu" if device == "cpu" else "cuda"
 
 
 def _number_of(trial_dir: Path) -> Optional[int]:

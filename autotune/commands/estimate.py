@@ -128,7 +128,7 @@ def routed_load_factors(model: Any, ep: int) -> dict[str, Any]:
 
 def routed_load_line(f: dict[str, Any]) -> str:
     """The routing an expert-parallel estimate assumed, in one line."""
-    from autotune.memory.expert_parallel import STATED_LOAD_KEYS
+    from autotune.memory.expert_parallel import STATED_LOAD_KEYS, MeasuredRouting
 
     missing = [k for k in STATED_LOAD_KEYS if k not in f["stated_keys"]]
     how = ("as the job states them" if not missing else
@@ -136,8 +136,8 @@ def routed_load_line(f: dict[str, Any]) -> str:
            + ": state " + ", ".join(f"model.{k}" for k in missing[:-1]) + (" and " if len(missing) > 1 else "")
            + f"model.{missing[-1]} from a measured routing: a profiled expert-parallel trial measures them, "
            "docs/moe.md")
-    return (f"routed loads: busiest expert {f['busiest_expert']:g} x the mean, least {f['least_expert']:g} x, "
-            f"busiest EP rank {f['busiest_rank']:g} x, over a step {f['busiest_rank_step']:g} x ({how})")
+    sized = MeasuredRouting(f["busiest_expert"], f["least_expert"], f["busiest_rank"], f["busiest_rank_step"])
+    return f"routed loads: {sized.describe()} ({how})"
 
 
 def fsdp2_line(layout: dict[str, Any]) -> str:

@@ -153,6 +153,11 @@ class MeasuredRouting(NamedTuple):
     LOWER = ("moe_min_load",)
     """The factors that bound from below (a routing beyond them is smaller); the others bound from above."""
 
+    def describe(self) -> str:
+        """The factors in words, as the estimate's routed-loads line and a run's routing line print them."""
+        return (f"busiest expert {self.moe_load_imbalance:g} x the mean, least {self.moe_min_load:g} x, "
+                f"busiest EP rank {self.ep_rank_imbalance:g} x, over a step {self.ep_step_imbalance:g} x")
+
     def statement(self, indent: str = "  ") -> list[str]:
         """The factors as a job file states them: ``model:`` and one ``key: value`` line each under it, to paste."""
         return ["model:", *(f"{indent}{k}: {v:g}" for k, v in self._asdict().items())]
