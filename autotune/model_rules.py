@@ -51,12 +51,12 @@ def check_stated_balance(spec: ModelSpec) -> None:
         raise ConfigError(f"{key} is stated for a model without routed experts (num_experts 0)", path=f"model.{key}")
     if not spec.is_moe:
         return
-    most = spec.num_experts / spec.num_experts_per_tok
+    from autotune.memory.moe import expert_cap, expert_imbalance
+
+    most = expert_cap(spec)
     if expert and expert > most:
         raise ConfigError(f"moe_load_imbalance {expert} is above experts / top-k = {most:g}: the busiest expert "
                           f"would take more than every token", path="model.moe_load_imbalance")
-    from autotune.memory.moe import expert_imbalance
-
     if rank and rank > expert_imbalance(spec):
         raise ConfigError(f"ep_rank_imbalance {rank} is above the busiest expert's factor "
                           f"{expert_imbalance(spec):g} (moe_load_imbalance): a rank's received rows average "

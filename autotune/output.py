@@ -364,6 +364,22 @@ def measured_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
             *(f"    {x}" for x in worst.statement())]
 
 
+def assumed_routing_lines(front: dict[str, Any], model: Any) -> list[str]:
+    """A run whose front has expert-parallel points sized at autotune's default routing (the job states some
+    factor not, and no trial measured one): say so, and how to size them at the job's own routing."""
+    from autotune.memory.expert_parallel import STATED_LOAD_KEYS
+    from autotune.memory.moe import EP_RANK_IMBALANCE
+
+    ep = [p for p in front.get("front") or [] if int(p["strategy"].get("expert_parallel_size") or 1) > 1]
+    unstated = [k for k in STATED_LOAD_KEYS if getattr(model, k, None) is None]
+    if not ep or not unstated or front.get("measured_routing"):
+        return []
+    return [f"expert-parallel points ({len(ep)} on the front) are sized at autotune's default routing where the job "
+            f"states none ({', '.join(unstated)}): the busiest expert takes every token of a rank, the busiest "
+            f"rank {EP_RANK_IMBALANCE:g} x the mean or all that can reach it, as routers that see text do; state your model's routing on your "
+            "data to size them at it (an EP point's launch script measures it; docs/moe.md, \"Load imbalance\")"]
+
+
 def _pct_span(span: list[float]) -> str:
     lo, hi = span
     return f"{lo:+.2f}%" if lo == hi else f"{lo:+.2f}%..{hi:+.2f}%"
@@ -510,6 +526,9 @@ def _write_summary(path: str, cfg: Config, space: SearchSpace, front_obj: dict[s
                       + "; ".join(e["strategy_text"] for e in best["equivalents"]), ""]
     if front_obj.get("measured_routing"):
         lines += ["## Routing measured", "", "```", *measured_routing_lines(front_obj["measured_routing"]), "```", ""]
+    assumed = assumed_routing_lines(front_obj, cfg.model)
+    if assumed:
+        lines += ["## Routing assumed", "", *assumed, ""]
     if reasons:
         lines += ["## Why candidates were pruned", ""]
         lines += [f"- {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:15]]

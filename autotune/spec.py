@@ -154,8 +154,8 @@ class ModelSpec:
     moe_load_imbalance: Optional[float] = None
     """Stated load imbalance: the busiest expert's routed tokens over the mean (tokens x top-k /
     experts), what per-expert buffers are sized with (expert parallelism's per-chunk rows); at most
-    experts / top-k; None: ``memory.moe.MOE_LOAD_IMBALANCE``. State what the run's router does (a trained
-    router with its auxiliary loss balances better than one at init)."""
+    experts / top-k; None: experts / top-k (``memory.moe.expert_imbalance``: routers that see text send some
+    block's every token of a rank to one expert). State what the run's router does on its data."""
     moe_min_load: Optional[float] = None
     """Stated least load: the least-loaded expert's routed tokens from one rank over the mean (an expert
     parallelism chunk, one source rank's rows for one expert, over tokens x top-k / experts), in [0, 1];
@@ -164,7 +164,7 @@ class ModelSpec:
     ep_rank_imbalance: Optional[float] = None
     """Stated imbalance of expert parallelism's ranks: the busiest EP rank's received rows over the mean
     (tokens x top-k), at most moe_load_imbalance (a rank's experts average the busiest one out);
-    None: ``memory.moe.EP_RANK_IMBALANCE``, at most moe_load_imbalance."""
+    None: ``memory.moe.EP_RANK_IMBALANCE``, at most moe_load_imbalance and what can reach the rank."""
     ep_step_imbalance: Optional[float] = None
     """Stated imbalance of expert parallelism's ranks over a micro-step: the busiest EP rank's received rows
     summed over the step's MoE blocks, over the mean (MoE blocks x tokens x top-k), at most

@@ -293,7 +293,7 @@ MEMORY_FAMILY: tuple[str, ...] = ("zero_stage", "offload_optimizer", "offload_pa
                                   "expert_parallel_size")
 """The knobs that lay the model states out: candidates sharing their values share the memory model's
 error (the calibration's per-family correction, the sampler's families). Expert parallelism lays out the
-experts' states, and its received rows are sized at the stated routing factors (or their default bounds),
+experts' states, and its received rows are sized at the stated routing factors (or their defaults),
 an error no other layout shares."""
 
 _CHOICES = knobs.literal_choices(Strategy)

@@ -132,10 +132,10 @@ def routed_load_line(f: dict[str, Any]) -> str:
 
     missing = [k for k in STATED_LOAD_KEYS if k not in f["stated_keys"]]
     how = ("as the job states them" if not missing else
-           ("autotune's default bounds" if not f["stated"] else "the rest autotune's default bounds")
+           ("autotune's defaults" if not f["stated"] else "the rest autotune's defaults")
            + ": state " + ", ".join(f"model.{k}" for k in missing[:-1]) + (" and " if len(missing) > 1 else "")
-           + f"model.{missing[-1]} from a measured routing: a profiled expert-parallel trial measures them, "
-           "docs/moe.md")
+           + f"model.{missing[-1]} from your model's routing on your data: an EP point's launch script "
+           "measures them, docs/moe.md")
     sized = MeasuredRouting(f["busiest_expert"], f["least_expert"], f["busiest_rank"], f["busiest_rank_step"])
     return f"routed loads: {sized.describe()} ({how})"
 

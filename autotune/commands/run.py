@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from autotune import compare
     from autotune.commands._job import load_job
     from autotune.config import check_backend
-    from autotune.output import config_dirs, measured_routing_lines, recommendation_lines
+    from autotune.output import assumed_routing_lines, config_dirs, measured_routing_lines, recommendation_lines
     from autotune.report import write_report
     from autotune.rundir import open_run
 
@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_front(front))
         print("\n" + "\n".join(recommendation_lines(front["best"], run.run_dir)
-                                + measured_routing_lines(front.get("measured_routing"))))
+                                + measured_routing_lines(front.get("measured_routing"))
+                                + assumed_routing_lines(front, cfg.model)))
         if front.get("front_confidence"):
             print(front["front_confidence"])
         configs = "".join(f"{d}/, " for d in config_dirs(front))

@@ -30,17 +30,24 @@ def block_expert_elements(m: ModelSpec) -> int:
     return 3 * m.num_experts * m.hidden_size * expert_width(m)
 
 
+def rank_cap(m: ModelSpec, ep: int) -> float:
+    """The most an EP rank can receive over the mean: every token of the ep ranks once per local expert it
+    can pick, ep x min(top-k, E / ep) / top-k (top-k picks distinct experts)."""
+    k = max(1, m.num_experts_per_tok)
+    return ep * min(k, m.num_experts // ep) / k
+
+
 def rank_imbalance(m: ModelSpec, ep: int = 0) -> float:
     """The busiest EP rank's received rows over the mean: the stated ``ep_rank_imbalance``, else
     ``moe.EP_RANK_IMBALANCE`` up to the busiest expert's factor (``moe.expert_imbalance``: a rank's E / ep
-    experts average it out); with one expert per rank (E = ep) nothing averages: the rank receives its
-    expert's rows from every source, at most the expert factor x the mean, as a router that prefers one
-    expert everywhere sends them."""
+    experts average it out) and to ``rank_cap``; with one expert per rank (E = ep) nothing averages: the rank
+    receives its expert's rows from every source, at most the expert factor x the mean, as a router that
+    prefers one expert everywhere sends them."""
     if m.ep_rank_imbalance:
         return m.ep_rank_imbalance
     if ep and m.num_experts // ep == 1:
         return expert_imbalance(m)
-    return min(EP_RANK_IMBALANCE, expert_imbalance(m))
+    return min(EP_RANK_IMBALANCE, expert_imbalance(m), rank_cap(m, ep) if ep else EP_RANK_IMBALANCE)
 
 
 def step_imbalance(m: ModelSpec, ep: int = 0) -> float:
@@ -169,7 +176,7 @@ STATED_LOAD_KEYS: tuple[str, ...] = MeasuredRouting._fields
 
 def sized_routing(m: ModelSpec, ep: int) -> MeasuredRouting:
     """The factors the model sizes an expert-parallel layout of ``ep`` ranks with: the stated ones, else
-    autotune's default bounds (``moe.expert_imbalance``, ``moe_min_load`` or 0, ``rank_imbalance``,
+    autotune's defaults (``moe.expert_imbalance``, ``moe_min_load`` or 0, ``rank_imbalance``,
     ``step_imbalance``)."""
     return MeasuredRouting(expert_imbalance(m), m.moe_min_load or 0.0, rank_imbalance(m, ep), step_imbalance(m, ep))
 

@@ -8,7 +8,7 @@ Sized: the routed-expert blocks of transformers' Mixtral (``MixtralSparseMoeBloc
 requested_experts is None``; integrations/moe.py ``grouped_mm_experts_forward``). That path sorts
 the S = tokens x top-k (token, expert) pairs by expert and runs one grouped GEMM over all of them:
 every buffer is S rows, whatever the split among experts, so the bytes do not depend on the
-routing (no load imbalance in them; ``MOE_LOAD_IMBALANCE`` is where it would enter).
+routing (no load imbalance in them; ``expert_imbalance`` is where it would enter).
 """
 
 from __future__ import annotations
@@ -17,27 +17,29 @@ from typing import Optional
 
 from autotune.spec import ModelSpec
 
-MOE_LOAD_IMBALANCE = 1.8
-"""Worst expert's routed tokens over the mean (tokens x top-k / experts) where the job states none
-(``ModelSpec.moe_load_imbalance``): what the routers of the tiny MoE models of
-benchmarks/memory_vs_deepspeed.py do at init, rounded up from the largest measured (an expert-parallel
-chunk, one source rank's rows for one expert: OLMoE's 1.705; docs/moe.md, Load imbalance). transformers' default ``grouped_mm`` path, the one sized here, has no per-expert buffer:
-every tensor is tokens x top-k rows, so its bytes are exact for any routing and the factor multiplies
-nothing; a per-expert layout (expert parallelism's chunks and tokens per EP rank) takes its worst
-expert as this factor x the mean."""
-
-
-EP_RANK_IMBALANCE = 1.5
+EP_RANK_IMBALANCE = 3.0
 """The busiest expert-parallel rank's received rows over the mean (tokens x top-k) where the job states
-none (``ModelSpec.ep_rank_imbalance``), at most the expert factor: above every rank measured here (a
-rank's E / ep experts average its busiest one out: 1.02-1.38 x the mean on the tiny models' routers at
-init, while their chunks reached 1.71; docs/moe.md, Load imbalance). With one expert per rank (E = ep)
-nothing averages and the expert factor applies (``expert_parallel.rank_imbalance``)."""
+none (``ModelSpec.ep_rank_imbalance``), at most the expert factor and what can reach the rank
+(``expert_parallel.rank_imbalance``): rounded up from the largest measured on routers that see text, at
+init and trained (2.91: OLMoE's router, 8 experts per rank, one domain per step;
+benchmarks/trained_routing.py, docs/moe.md Load imbalance). With one expert per rank (E = ep) nothing
+averages and the expert factor applies."""
+
+
+def expert_cap(m: ModelSpec) -> float:
+    """The most the busiest expert can take over the mean: every token (top-k picks distinct experts), experts / top-k."""
+    return m.num_experts / max(1, m.num_experts_per_tok)
 
 
 def expert_imbalance(m: ModelSpec) -> float:
-    """The busiest expert's tokens over the mean: the stated ``moe_load_imbalance``, else the default."""
-    return m.moe_load_imbalance or MOE_LOAD_IMBALANCE
+    """The busiest expert's tokens over the mean: the stated ``moe_load_imbalance``, else ``expert_cap``: a
+    router that sees text sends some block's every token of a rank to one expert (measured on every family
+    of benchmarks/trained_routing.py, at init and trained: at init the deep blocks' inputs are nearly one
+    vector, Dong et al. 2021, "Attention is not all you need", Thm 2.2). transformers' default ``grouped_mm``
+    path, the one sized for ZeRO and plain FSDP2, has no per-expert buffer: every tensor is tokens x top-k
+    rows, so its bytes are exact for any routing and the factor multiplies nothing; a per-expert layout
+    (expert parallelism's chunks and tokens per EP rank) takes its worst expert as this factor x the mean."""
+    return m.moe_load_imbalance or expert_cap(m)
 
 
 def worst_expert_tokens(m: ModelSpec, tokens: int, imbalance: Optional[float] = None) -> int:

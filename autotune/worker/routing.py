@@ -1,7 +1,7 @@
 """The routing an expert-parallel job's measured steps dispatched, recorded by the worker.
 
 The memory model sizes an EP rank's received rows with stated factors (ModelSpec ``moe_load_imbalance``,
-``moe_min_load``, ``ep_rank_imbalance``, ``ep_step_imbalance``; autotune's default bounds where a job
+``moe_min_load``, ``ep_rank_imbalance``, ``ep_step_imbalance``; autotune's defaults where a job
 states none). A profiled EP candidate measures them: every routed-experts module that
 autotune.models.expert_parallel laid out calls its ``on_dispatch`` with the rows it sends and the rows it
 receives per (source rank, local expert) after its counts exchange; the recorder keeps them per measured

@@ -241,8 +241,8 @@ def _model_job(tmp_path, base: str, **model):
     (dict(moe_load_imbalance=0.9), "model.moe_load_imbalance"),
     (dict(moe_min_load=1.5), "model.moe_min_load"),
     (dict(ep_rank_imbalance=1.1, ep_step_imbalance=1.2), "model.ep_step_imbalance: ep_step_imbalance 1.2 is above"),
-    (dict(ep_step_imbalance=1.9), "model.ep_step_imbalance: ep_step_imbalance 1.9 is above the busiest rank's "
-                                  "dispatch factor 1.8 (moe_load_imbalance)"),
+    (dict(ep_step_imbalance=4.5), "model.ep_step_imbalance: ep_step_imbalance 4.5 is above the busiest rank's "
+                                  "dispatch factor 4 (moe_load_imbalance)"),
     (dict(ep_step_imbalance=0.9), "model.ep_step_imbalance"),
 ])
 def test_a_stated_load_imbalance_the_model_cannot_have_is_one_line(tmp_path, capsys, model, needle):

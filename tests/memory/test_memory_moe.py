@@ -127,7 +127,7 @@ def test_moe_terms_are_the_grouped_path():
     assert moe.pair_saved(mix, 2) == 24 + 2 * (2 * h + 4 * f) + 4
     assert moe.pair_saved(qwen, 2) == 24 + 2 * (2 * qwen.hidden_size + 4 * 768) + 2
     assert moe.ffn_parameter_order(mix)[0] == 8 * h and moe.ffn_parameter_order(qwen)[-1] == 128 * qwen.hidden_size
-    assert moe.worst_expert_tokens(mix, 1000) == -(-moe.MOE_LOAD_IMBALANCE * 1000 * 2 // 8)  # the ceiling
+    assert moe.worst_expert_tokens(mix, 1000) == 1000  # the default: every token (experts / top-k x the mean)
     assert moe.worst_expert_tokens(mix.replace(moe_load_imbalance=1.2), 1000) == 300  # a stated factor
     assert moe.worst_expert_tokens(mix, 1000, imbalance=9.0) == 1000
 

@@ -117,7 +117,7 @@ def test_measured_routing_summary_covers_every_ep_trial_and_flags_an_under_state
     assert s["trials"] == [0, 1] and s["memory_error_pct"] == [5.0, 7.0] and s["memory_error_at_routing_pct"] == [-0.2, 0.3]
     assert s["factors"] == {"moe_load_imbalance": 1.5, "moe_min_load": 0.5, "ep_rank_imbalance": 1.2,
                             "ep_step_imbalance": 1.05}
-    assert s["exceeds"] == {}  # the defaults (1.8 / 0 / 1.5 / 1.5) bound them
+    assert s["exceeds"] == {}  # the defaults (every token: 2 / 0 / 2 / 2 with 4 experts, top-2, EP 2) bound them
     stated = model.replace(moe_load_imbalance=1.45, moe_min_load=0.55, ep_rank_imbalance=1.2, ep_step_imbalance=1.1)
     assert measured_routing_summary(rows, stated)["exceeds"] == {
         "moe_load_imbalance": {"measured": 1.5, "sized": 1.45}, "moe_min_load": {"measured": 0.5, "sized": 0.55}}
@@ -126,3 +126,25 @@ def test_measured_routing_summary_covers_every_ep_trial_and_flags_an_under_state
     assert lines[-5:] == ["    model:", "      moe_load_imbalance: 1.5", "      moe_min_load: 0.5",
                           "      ep_rank_imbalance: 1.2", "      ep_step_imbalance: 1.05"]
     assert measured_routing_summary([row(4, None)], model) is None and measured_routing_lines(None) == []
+
+
+def test_a_front_with_expert_parallel_points_at_the_default_routing_says_so():
+    """The run's note on EP points sized at autotune's default routing: only with an EP point on the front, a
+    factor the job leaves unstated and no routing measured; it names the unstated keys."""
+    import os
+
+    from autotune.config import load_config
+    from autotune.output import assumed_routing_lines
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    model = load_config(os.path.join(root, "examples", "tiny-cpu-moe.yaml")).model
+    front = {"front": [{"strategy": {"expert_parallel_size": 1}}, {"strategy": {"expert_parallel_size": 2}}]}
+    (line,) = assumed_routing_lines(front, model)
+    assert line.startswith("expert-parallel points (1 on the front) are sized at autotune's default routing") and (
+        "(moe_load_imbalance, moe_min_load, ep_rank_imbalance, ep_step_imbalance)" in line)
+    partly = model.replace(moe_load_imbalance=1.5, ep_rank_imbalance=1.2)
+    assert "(moe_min_load, ep_step_imbalance)" in assumed_routing_lines(front, partly)[0]
+    stated = partly.replace(moe_min_load=0.5, ep_step_imbalance=1.1)
+    assert assumed_routing_lines(front, stated) == []
+    assert assumed_routing_lines({"front": front["front"][:1]}, model) == []
+    assert assumed_routing_lines({**front, "measured_routing": {"trials": [1]}}, model) == []
