@@ -288,6 +288,9 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
     routing = measured_routing_summary(rows, cfg.model)
     if routing is not None:
         front_obj["measured_routing"] = routing
+    assumed = assumed_routing_summary(points, cfg.model)
+    if assumed is not None:
+        front_obj["assumed_routing"] = assumed
     if not points:
         front_obj["smallest_pruned"] = smallest_pruned(cfg, rows, est)
     if front_obj["best"] is not None:
@@ -364,20 +367,30 @@ def measured_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
             *(f"    {x}" for x in worst.statement())]
 
 
-def assumed_routing_lines(front: dict[str, Any], model: Any) -> list[str]:
-    """A run whose front has expert-parallel points sized at autotune's default routing (the job states some
-    factor not, and no trial measured one): say so, and how to size them at the job's own routing."""
+def assumed_routing_summary(points: list[dict[str, Any]], model: Any) -> Optional[dict[str, Any]]:
+    """front.json's ``assumed_routing``: the front's expert-parallel points (trial numbers) sized at autotune's
+    default routing for the factors the job leaves unstated; None without such a point or such a factor."""
     from autotune.memory.expert_parallel import STATED_LOAD_KEYS
     from autotune.memory.moe import EP_RANK_IMBALANCE
 
-    ep = [p for p in front.get("front") or [] if int(p["strategy"].get("expert_parallel_size") or 1) > 1]
+    ep = [p["trial"] for p in points if int(p["strategy"].get("expert_parallel_size") or 1) > 1]
     unstated = [k for k in STATED_LOAD_KEYS if getattr(model, k, None) is None]
-    if not ep or not unstated or front.get("measured_routing"):
+    if not ep or not unstated:
+        return None
+    return {"trials": ep, "unstated": unstated, "ep_rank_imbalance_default": EP_RANK_IMBALANCE}
+
+
+def assumed_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
+    """front.json's ``assumed_routing`` for people: which points are sized at the default routing, and how to
+    size them at the job's own."""
+    if not summary:
         return []
-    return [f"expert-parallel points ({len(ep)} on the front) are sized at autotune's default routing where the job "
-            f"states none ({', '.join(unstated)}): the busiest expert takes every token of a rank, the busiest "
-            f"rank {EP_RANK_IMBALANCE:g} x the mean or all that can reach it, as routers that see text do; state your model's routing on your "
-            "data to size them at it (an EP point's launch script measures it; docs/moe.md, \"Load imbalance\")"]
+    n = len(summary["trials"])
+    return [f"expert-parallel points ({n} on the front) are sized at autotune's default routing where the job "
+            f"states none ({', '.join(summary['unstated'])}): the busiest expert takes every token of a rank, the "
+            f"busiest rank {summary['ep_rank_imbalance_default']:g} x the mean or all that can reach it, as routers "
+            "that see text do; state your model's routing on your data to size them at it (an EP point's launch "
+            "script measures it; docs/moe.md, \"Load imbalance\")"]
 
 
 def _pct_span(span: list[float]) -> str:
@@ -526,9 +539,8 @@ def _write_summary(path: str, cfg: Config, space: SearchSpace, front_obj: dict[s
                       + "; ".join(e["strategy_text"] for e in best["equivalents"]), ""]
     if front_obj.get("measured_routing"):
         lines += ["## Routing measured", "", "```", *measured_routing_lines(front_obj["measured_routing"]), "```", ""]
-    assumed = assumed_routing_lines(front_obj, cfg.model)
-    if assumed:
-        lines += ["## Routing assumed", "", *assumed, ""]
+    if front_obj.get("assumed_routing"):
+        lines += ["## Routing assumed", "", *assumed_routing_lines(front_obj["assumed_routing"]), ""]
     if reasons:
         lines += ["## Why candidates were pruned", ""]
         lines += [f"- {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:15]]
@@ -576,7 +588,7 @@ def format_show(run: RunData) -> str:
         "",
     ]
     lines += recommendation_lines(run.best, run.run_dir)
-    lines += measured_routing_lines(f.get("measured_routing"))
+    lines += measured_routing_lines(f.get("measured_routing")) + assumed_routing_lines(f.get("assumed_routing"))
     if f.get("front_confidence"):
         lines.append(f["front_confidence"])
     report = os.path.join(run.run_dir, "report.html")

@@ -21,7 +21,8 @@ import re
 from typing import Any, Optional
 
 from autotune.config import Config
-from autotune.output import config_dirs, empty_front_reason, format_gib, measured_routing_lines, point_memory_gib
+from autotune.output import (assumed_routing_lines, config_dirs, empty_front_reason, format_gib, measured_routing_lines,
+                             point_memory_gib)
 from autotune.errors import ConfigError
 from autotune.backends.base import PREDICTED_PEAK_KEY, PREDICTED_TPS_KEY, Backend
 from autotune.backends.factory import backend_class
@@ -335,10 +336,11 @@ def _html_around_plotly_js(run: RunData, capacity: Optional[float], headroom: Op
     else:
         parts.append(f'<p class="muted">Not profiled: the {esc(str(f.get("backend")))} backend\'s numbers are '
                      "the models' predictions.</p>")
-    routing = measured_routing_lines(f.get("measured_routing"))
-    if routing:
-        parts.append("<h2>Routing measured</h2>")
-        parts.append("<pre>" + esc("\n".join(routing)) + "</pre>")
+    for title, routing in (("Routing measured", measured_routing_lines(f.get("measured_routing"))),
+                           ("Routing assumed", assumed_routing_lines(f.get("assumed_routing")))):
+        if routing:
+            parts.append(f"<h2>{title}</h2>")
+            parts.append("<pre>" + esc("\n".join(routing)) + "</pre>")
     for title, state, column in (("Why candidates were pruned", "PRUNED", "prune_reason"),
                                  ("Why candidates failed", "FAIL", "fail_reason")):
         summary = reason_summary(run.records, state, column)

@@ -1,6 +1,6 @@
 """``autotune.worker.main`` with the rows each expert-parallel dispatch delivers recorded, for the memory
 benchmark's EP rows (memory_vs_deepspeed.py MOE_EP_ROWS): the memory model sizes a rank's received rows
-as MOE_LOAD_IMBALANCE x the mean (a stated bound); this records what the routing of the measured step
+at stated factors x the mean (autotune's defaults where a job states none); this records what the routing of the measured step
 gave, so the benchmark can also predict at the measured routing (the mechanism's own error).
 
     python benchmarks/ep_rows_worker.py JOB.json     # as python -m autotune.worker.main JOB.json

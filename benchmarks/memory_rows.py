@@ -509,8 +509,8 @@ MLA_CORE_ROWS = [  # latent attention's core on sdpa's CPU math kernel at 384-51
 
 
 # expert parallelism 2 on 2 gloo ranks (fsdp2: each block's E / 2 experts their own fully_shard unit,
-# all_to_all_single dispatch and combine; autotune.models.fsdp2.apply), predicted with the stated
-# MOE_LOAD_IMBALANCE for the rows each rank receives (docs/moe.md "Expert parallelism")
+# all_to_all_single dispatch and combine; autotune.models.fsdp2.apply), predicted at the default load factors
+# for the rows each rank receives, and at the routing each measured (docs/moe.md "Expert parallelism")
 MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_parallel_size 2
     ("hf-mixtral", "fsdp2", 2, 1, 2, 256, "none", "bf16"), ("hf-qwen3moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
     ("hf-mixtral-sv", "fsdp2", 2, 1, 4, 256, "none", "fp32"), ("hf-qwen3moe", "fsdp2-keep", 2, 1, 2, 256, "full", "fp32"),

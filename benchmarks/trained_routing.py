@@ -1,20 +1,21 @@
-"""The routing factors of trained routers against the defaults the memory model sizes expert parallelism
-with where a job states none (memory.moe ``MOE_LOAD_IMBALANCE``, ``EP_RANK_IMBALANCE``; docs/moe.md, Load
-imbalance): those defaults come from routers at init, and a router trained on real text prefers experts.
+"""What routers that see text do to expert parallelism's load factors, against the defaults the memory model
+sizes EP with where a job states none (memory.moe ``expert_imbalance``, ``EP_RANK_IMBALANCE``; docs/moe.md,
+Load imbalance).
 
-    python benchmarks/trained_routing.py                      # 3 families, 300 steps each (a few minutes)
+    python benchmarks/trained_routing.py                      # 3 families, 300 steps each (about 25 minutes)
+    python benchmarks/trained_routing.py --alignment          # the routers' inputs at init (a minute)
     python benchmarks/trained_routing.py --steps 100 --only mixtral --json /tmp/routing.json
 
 Each family's published config.json (tests/data/hf/moe) keeps its router (experts, top-k, auxiliary-loss
-coefficient, top-k renormalisation) and is shrunk elsewhere (h 64, 4 layers, expert width 64, bytes as
-tokens). It is trained with its auxiliary loss (transformers' ``load_balancing_loss_func``, added by the
-model when ``output_router_logits``) on this repository's own text, five domains (Python, Markdown, JSON,
-YAML, CSV; every fifth file held out), then routes held-out micro-batches. For an EP size ``ep`` with
-``ep`` ranks, each rank's micro-batch is dispatched as autotune.models.expert_parallel lays it out (expert e
-on rank e // (E / ep)), and ``memory.expert_parallel.measured_routing`` turns the splits into the four
-factors a profiled trial prints (the worst over the micro-steps). Batches: ``mixed`` (every sequence from
-any domain), ``domain/rank`` (each rank's micro-batch from one domain), ``one domain`` (every rank the same
-domain: a fine-tuning set of one kind). ``init`` rows route with the untrained router.
+coefficient, top-k renormalisation) and is shrunk elsewhere (4 blocks, expert width 64, h ``--hidden``; at
+init also h ``--wide``). The text: this repository's files at a fixed commit (CORPUS_REV), five domains
+(Python, Markdown, JSON, YAML, CSV; every fifth file held out) as byte-level BPE tokens of a tokenizer trained
+on the rest. The ``trained`` router learns with its auxiliary loss (transformers' ``load_balancing_loss_func``,
+added by the model under ``output_router_logits``). Each held-out micro-step of ``ep`` ranks is dispatched as
+autotune.models.expert_parallel lays it out (expert e on rank e // (E / ep)), and
+``memory.expert_parallel.measured_routing`` turns the splits into the four factors a profiled trial prints
+(the worst over the micro-steps). Batches (BATCHINGS): uniform random ids (what the profile backend feeds),
+any domain per sequence, one domain per rank's micro-batch, one domain for every rank.
 """
 
 from __future__ import annotations
@@ -42,14 +43,23 @@ SHRUNK = dict(num_hidden_layers=4, intermediate_size=64, moe_intermediate_size=6
 """What each published file is shrunk by (its router kept); the width is ``--hidden`` (trained) or ``--wide``."""
 
 
+CORPUS_REV = "cec667f30c6c075bb08577ac133f8aa6e178365a"
+"""The commit whose files are the corpus, so the figures do not move as the repository does."""
+
+
 def corpus() -> tuple[dict[str, bytes], dict[str, bytes]]:
-    """Training and held-out text per domain: the tracked files of each kind concatenated, every fifth file
-    (sorted by path) held out."""
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    """Training and held-out text per domain: the files of each kind at CORPUS_REV concatenated, every fifth
+    file (sorted by path) held out."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, check=True).stdout  # noqa: E731
+    try:
+        files = git("ls-tree", "-r", "--name-only", CORPUS_REV).decode().split()
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"trained_routing.py: commit {CORPUS_REV[:7]} (the corpus) is not in this clone: "
+                         f"git fetch --unshallow")
     train: dict[str, bytes] = {}
     held: dict[str, bytes] = {}
     for domain, suffix in DOMAINS.items():
-        texts = [(ROOT / f).read_bytes() for f in sorted(files) if f.endswith(suffix)]
+        texts = [git("show", f"{CORPUS_REV}:{f}") for f in sorted(files) if f.endswith(suffix)]
         train[domain] = b"\n".join(t for i, t in enumerate(texts) if i % 5)
         held[domain] = b"\n".join(t for i, t in enumerate(texts) if not i % 5)
     return train, held
@@ -113,12 +123,12 @@ def train(model, texts: dict[str, list[int]], steps: int, seq: int, batch: int, 
     return losses
 
 
-def routed(model, ids):
-    """Every MoE block's top-k expert indices (tokens x k) for one micro-batch."""
+def routers(model, ids, take) -> list:
+    """One forward of ``ids`` without gradients, ``take(inputs, outputs)`` of every MoE block's router collected."""
     import torch
 
-    picks = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: picks.append(out[2].reshape(-1, out[2].shape[-1])))
+    seen: list = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: seen.append(take(inp, out)))
              for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
     try:
         with torch.no_grad():
@@ -126,7 +136,12 @@ def routed(model, ids):
     finally:
         for h in hooks:
             h.remove()
-    return picks
+    return seen
+
+
+def routed(model, ids):
+    """Every MoE block's top-k expert indices (tokens x k) for one micro-batch."""
+    return routers(model, ids, lambda inp, out: out[2].reshape(-1, out[2].shape[-1]))
 
 
 BATCHINGS = ("uniform", "mixed", "domain/rank", "one domain")
@@ -138,17 +153,8 @@ def alignment(model, ids) -> list[float]:
     """Each MoE block's router inputs' mean pairwise cosine over one micro-batch's tokens (1: one vector)."""
     import torch
 
-    inputs = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: inputs.append(inp[0].reshape(-1, inp[0].shape[-1])))
-             for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-    try:
-        with torch.no_grad():
-            model(input_ids=ids)
-    finally:
-        for h in hooks:
-            h.remove()
     out = []
-    for x in inputs:
+    for x in routers(model, ids, lambda inp, _: inp[0].reshape(-1, inp[0].shape[-1])):
         x = torch.nn.functional.normalize(x.float(), dim=-1)
         n = x.shape[0]
         out.append(float(((x @ x.T).sum() - n) / (n * n - n)))

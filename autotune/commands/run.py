@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_front(front))
         print("\n" + "\n".join(recommendation_lines(front["best"], run.run_dir)
                                 + measured_routing_lines(front.get("measured_routing"))
-                                + assumed_routing_lines(front, cfg.model)))
+                                + assumed_routing_lines(front.get("assumed_routing"))))
         if front.get("front_confidence"):
             print(front["front_confidence"])
         configs = "".join(f"{d}/, " for d in config_dirs(front))

@@ -129,22 +129,23 @@ def test_measured_routing_summary_covers_every_ep_trial_and_flags_an_under_state
 
 
 def test_a_front_with_expert_parallel_points_at_the_default_routing_says_so():
-    """The run's note on EP points sized at autotune's default routing: only with an EP point on the front, a
-    factor the job leaves unstated and no routing measured; it names the unstated keys."""
+    """front.json's assumed_routing: the front's EP points, with the factors the job leaves unstated; none
+    without an EP point on the front or once every factor is stated; its line names the unstated keys."""
     import os
 
     from autotune.config import load_config
-    from autotune.output import assumed_routing_lines
+    from autotune.output import assumed_routing_lines, assumed_routing_summary
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     model = load_config(os.path.join(root, "examples", "tiny-cpu-moe.yaml")).model
-    front = {"front": [{"strategy": {"expert_parallel_size": 1}}, {"strategy": {"expert_parallel_size": 2}}]}
-    (line,) = assumed_routing_lines(front, model)
+    points = [{"trial": 3, "strategy": {"expert_parallel_size": 1}}, {"trial": 5, "strategy": {"expert_parallel_size": 2}}]
+    s = assumed_routing_summary(points, model)
+    assert s["trials"] == [5] and s["unstated"] == ["moe_load_imbalance", "moe_min_load", "ep_rank_imbalance",
+                                                    "ep_step_imbalance"]
+    (line,) = assumed_routing_lines(s)
     assert line.startswith("expert-parallel points (1 on the front) are sized at autotune's default routing") and (
         "(moe_load_imbalance, moe_min_load, ep_rank_imbalance, ep_step_imbalance)" in line)
     partly = model.replace(moe_load_imbalance=1.5, ep_rank_imbalance=1.2)
-    assert "(moe_min_load, ep_step_imbalance)" in assumed_routing_lines(front, partly)[0]
-    stated = partly.replace(moe_min_load=0.5, ep_step_imbalance=1.1)
-    assert assumed_routing_lines(front, stated) == []
-    assert assumed_routing_lines({"front": front["front"][:1]}, model) == []
-    assert assumed_routing_lines({**front, "measured_routing": {"trials": [1]}}, model) == []
+    assert assumed_routing_summary(points, partly)["unstated"] == ["moe_min_load", "ep_step_imbalance"]
+    assert assumed_routing_summary(points, partly.replace(moe_min_load=0.5, ep_step_imbalance=1.1)) is None
+    assert assumed_routing_summary(points[:1], model) is None and assumed_routing_lines(None) == []
