@@ -371,13 +371,12 @@ def assumed_routing_summary(points: list[dict[str, Any]], model: Any) -> Optiona
     """front.json's ``assumed_routing``: the front's expert-parallel points (trial numbers) sized at autotune's
     default routing for the factors the job leaves unstated; None without such a point or such a factor."""
     from autotune.memory.expert_parallel import STATED_LOAD_KEYS
-    from autotune.memory.moe import EP_RANK_IMBALANCE
 
     ep = [p["trial"] for p in points if int(p["strategy"].get("expert_parallel_size") or 1) > 1]
     unstated = [k for k in STATED_LOAD_KEYS if getattr(model, k, None) is None]
     if not ep or not unstated:
         return None
-    return {"trials": ep, "unstated": unstated, "ep_rank_imbalance_default": EP_RANK_IMBALANCE}
+    return {"trials": ep, "unstated": unstated}
 
 
 def assumed_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
@@ -387,9 +386,8 @@ def assumed_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
         return []
     n = len(summary["trials"])
     return [f"expert-parallel points ({n} on the front) are sized at autotune's default routing where the job "
-            f"states none ({', '.join(summary['unstated'])}): the busiest expert takes every token of a rank, the "
-            f"busiest rank {summary['ep_rank_imbalance_default']:g} x the mean or all that can reach it, as routers "
-            "that see text do; state your model's routing on your data to size them at it (an EP point's launch "
+            f"states none ({', '.join(summary['unstated'])}): the busiest expert takes every token of a rank and the "
+            "busiest rank what it gets when every token picks the same experts, as routers that see text can; state your model's routing on your data to size them at it (an EP point's launch "
             "script measures it; docs/moe.md, \"Load imbalance\")"]
 
 

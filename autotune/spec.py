@@ -164,12 +164,14 @@ class ModelSpec:
     ep_rank_imbalance: Optional[float] = None
     """Stated imbalance of expert parallelism's ranks: the busiest EP rank's received rows over the mean
     (tokens x top-k), at most moe_load_imbalance (a rank's experts average the busiest one out);
-    None: ``memory.moe.EP_RANK_IMBALANCE``, at most moe_load_imbalance and what can reach the rank."""
+    None: a collapsed router's (``memory.expert_parallel.collapsed_rank_imbalance``: every token of a block
+    picks the same experts), at most moe_load_imbalance."""
     ep_step_imbalance: Optional[float] = None
     """Stated imbalance of expert parallelism's ranks over a micro-step: the busiest EP rank's received rows
     summed over the step's MoE blocks, over the mean (MoE blocks x tokens x top-k), at most
     ep_rank_imbalance (a rank's mean over the blocks is at most its busiest block's); what the blocks' saved
-    tensors are sized with, the block being run at ep_rank_imbalance; None: ep_rank_imbalance."""
+    tensors are sized with, the block being run at ep_rank_imbalance; None: ep_rank_imbalance where that is
+    stated, else a collapsed router's (``memory.expert_parallel.collapsed_step_imbalance``)."""
     router_bias: bool = False
     """The router ``Linear(d, num_experts)`` has a bias (gpt-oss)."""
     expert_bias: bool = False

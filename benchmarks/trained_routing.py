@@ -1,6 +1,6 @@
 """What routers that see text do to expert parallelism's load factors, against the defaults the memory model
-sizes EP with where a job states none (memory.moe ``expert_imbalance``, ``EP_RANK_IMBALANCE``; docs/moe.md,
-Load imbalance).
+sizes EP with where a job states none (memory.moe ``expert_imbalance``, memory.expert_parallel
+``rank_imbalance``; docs/moe.md, Load imbalance).
 
     python benchmarks/trained_routing.py                      # 3 families, 300 steps each (about 25 minutes)
     python benchmarks/trained_routing.py --alignment          # the routers' inputs at init (a minute)
@@ -191,6 +191,21 @@ def factors(model, spec, held, ep: int, batching: str, mbs: int, seq: int, micro
     return measured_routing(spec, mbs * seq * k, [st for rank in steps for st in rank])
 
 
+def summary(rows: list[dict]) -> None:
+    """Per family and router, over every batching: the largest factors (the expert's over experts / top-k) and
+    the rows beyond the defaults."""
+    for family in dict.fromkeys(r["family"] for r in rows):
+        for router in dict.fromkeys(r["router"] for r in rows if r["family"] == family):
+            sel = [r for r in rows if r["family"] == family and r["router"] == router]
+            top = {k: max(sel, key=lambda r: r["factors"][k]) for k in ("moe_load_imbalance", "ep_rank_imbalance")}
+            print(f"  {family:10} {router:13} largest: expert {top['moe_load_imbalance']['factors']['moe_load_imbalance']:.3f}"
+                  f" (of {top['moe_load_imbalance']['defaults']['expert']:g}), rank "
+                  f"{top['ep_rank_imbalance']['factors']['ep_rank_imbalance']:.3f} (EP {top['ep_rank_imbalance']['ep']}, "
+                  f"{top['ep_rank_imbalance']['batches']}, default {top['ep_rank_imbalance']['defaults']['rank']:g}), step "
+                  f"{max(r['factors']['ep_step_imbalance'] for r in sel):.3f}; beyond the defaults "
+                  f"{sum(r['beyond_defaults'] for r in sel)} of {len(sel)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300, help="training steps per family")
@@ -257,14 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"{f.ep_step_imbalance:.3f}   {d[0]:g} / {d[1]:g}{'   BEYOND' if over else ''}")
             del model
     print(f"rows: {len(rows)}, beyond the defaults: {sum(r['beyond_defaults'] for r in rows)}")
-    for batching in BATCHINGS:
-        for router in sorted({r["router"] for r in rows}):
-            sel = [r for r in rows if r["batches"] == batching and r["router"] == router]
-            if sel:
-                hi = lambda k: max(r["factors"][k] for r in sel)  # noqa: E731
-                print(f"  {batching:11} {router:13} largest: expert {hi('moe_load_imbalance'):.3f}, rank "
-                      f"{hi('ep_rank_imbalance'):.3f}, step {hi('ep_step_imbalance'):.3f}; beyond the defaults "
-                      f"{sum(r['beyond_defaults'] for r in sel)} of {len(sel)}")
+    summary(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -17,10 +17,11 @@ most the busiest expert's tokens, ``moe.worst_expert_tokens`` (``moe_load_imbala
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple, Optional, Sequence
 
-from autotune.memory.moe import (EP_RANK_IMBALANCE, _routing_weight_bytes, expert_imbalance, expert_width,
+from autotune.memory.moe import (_routing_weight_bytes, expert_imbalance, expert_width,
                                  least_expert_tokens, pair_saved, saved_after_routed, worst_expert_tokens)
 from autotune.spec import ModelSpec
 
@@ -30,31 +31,94 @@ def block_expert_elements(m: ModelSpec) -> int:
     return 3 * m.num_experts * m.hidden_size * expert_width(m)
 
 
-def rank_cap(m: ModelSpec, ep: int) -> float:
-    """The most an EP rank can receive over the mean: every token of the ep ranks once per local expert it
-    can pick, ep x min(top-k, E / ep) / top-k (top-k picks distinct experts)."""
+COLLAPSE_QUANTILE = 0.99
+"""The probability with which ``collapsed_rank_imbalance`` covers every MoE block of a step (docs/moe.md, Load
+imbalance)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _collapsed_picks(experts: int, k: int, ep: int, blocks: int) -> int:
+    """The most of a block's k picks one rank's E / ep experts hold, for ``blocks`` blocks that each pick k
+    distinct experts at random, at COLLAPSE_QUANTILE: the smallest m with P(every rank holds <= m)^blocks >=
+    the quantile, P from the count of k-subsets with at most m on each rank ([x^k] (sum_{i<=m} C(E/ep, i)
+    x^i)^ep over C(E, k))."""
+    local = experts // ep
+    top = min(k, local)
+    for most in range(1, top):
+        row = [math.comb(local, i) for i in range(most + 1)]
+        ways = [1]
+        for _ in range(ep):
+            ways = [sum(ways[a] * row[n - a] for a in range(max(0, n - most), min(n, len(ways) - 1) + 1))
+                    for n in range(min(k, len(ways) - 1 + most) + 1)]
+        if len(ways) > k and (ways[k] / math.comb(experts, k)) ** blocks >= COLLAPSE_QUANTILE:
+            return most
+    return top
+
+
+def collapsed_rank_imbalance(m: ModelSpec, ep: int) -> float:
+    """The busiest EP rank's received rows over the mean when every token of a block picks the same top-k
+    experts (a collapsed router: what routers at init do in the deeper blocks, whose inputs are nearly one
+    vector; benchmarks/trained_routing.py): a rank holding j of the k picks receives every token of the ep
+    ranks j times, ep x j / k x the mean, with j the most one rank holds over the step's MoE blocks
+    (``_collapsed_picks``); with one expert per rank, ep / top-k (every token of its expert)."""
     k = max(1, m.num_experts_per_tok)
-    return ep * min(k, m.num_experts // ep) / k
+    blocks = max(1, m.num_hidden_layers - m.num_dense_layers)
+    return ep * _collapsed_picks(m.num_experts, k, ep, blocks) / k
 
 
 def rank_imbalance(m: ModelSpec, ep: int = 0) -> float:
-    """The busiest EP rank's received rows over the mean: the stated ``ep_rank_imbalance``, else
-    ``moe.EP_RANK_IMBALANCE`` up to the busiest expert's factor (``moe.expert_imbalance``: a rank's E / ep
-    experts average it out) and to ``rank_cap``; with one expert per rank (E = ep) nothing averages: the rank
-    receives its expert's rows from every source, at most the expert factor x the mean, as a router that
-    prefers one expert everywhere sends them."""
+    """The busiest EP rank's received rows over the mean: the stated ``ep_rank_imbalance``, else the collapsed
+    router's (``collapsed_rank_imbalance``), at most the busiest expert's factor (``moe.expert_imbalance``: a
+    rank's E / ep experts average it out; with one expert per rank, that expert's); without an EP size, the
+    expert factor."""
     if m.ep_rank_imbalance:
         return m.ep_rank_imbalance
-    if ep and m.num_experts // ep == 1:
+    if not ep:
         return expert_imbalance(m)
-    return min(EP_RANK_IMBALANCE, expert_imbalance(m), rank_cap(m, ep) if ep else EP_RANK_IMBALANCE)
+    return min(collapsed_rank_imbalance(m, ep), expert_imbalance(m))
+
+
+@functools.lru_cache(maxsize=None)
+def _collapsed_step_picks(experts: int, k: int, ep: int, blocks: int) -> int:
+    """The most picks one rank's E / ep experts hold summed over ``blocks`` blocks that each pick k distinct
+    experts at random, at COLLAPSE_QUANTILE over every rank (a union bound: the smallest t with ep x P(a rank
+    holds more than t) <= 1 - the quantile); a block's count on one rank is hypergeometric, the blocks'
+    independent (their sum's distribution by convolution)."""
+    local = experts // ep
+    one = [math.comb(local, i) * math.comb(experts - local, k - i) / math.comb(experts, k)
+           for i in range(min(k, local) + 1)]
+    total = [1.0]
+    for _ in range(blocks):
+        total = [sum(total[t - i] * p for i, p in enumerate(one) if 0 <= t - i < len(total))
+                 for t in range(len(total) + len(one) - 1)]
+    above = 0.0
+    for t in range(len(total) - 1, -1, -1):  # above = P(sum > t)
+        if ep * (above + total[t]) > 1 - COLLAPSE_QUANTILE:
+            return t
+        above += total[t]
+    return 0
+
+
+def collapsed_step_imbalance(m: ModelSpec, ep: int) -> float:
+    """The busiest EP rank's received rows summed over a micro-step's MoE blocks over the mean when every token
+    of each block picks that block's same top-k experts, the blocks' picks independent (a collapsed router,
+    ``collapsed_rank_imbalance``): ep x t / (blocks x top-k), t the most picks one rank holds over the blocks
+    (``_collapsed_step_picks``); at least 1."""
+    k = max(1, m.num_experts_per_tok)
+    blocks = max(1, m.num_hidden_layers - m.num_dense_layers)
+    return max(1.0, ep * _collapsed_step_picks(m.num_experts, k, ep, blocks) / (blocks * k))
 
 
 def step_imbalance(m: ModelSpec, ep: int = 0) -> float:
     """The busiest EP rank's received rows summed over a micro-step's MoE blocks over the mean (MoE blocks x
-    tokens x top-k): the stated ``ep_step_imbalance``, else the rank's busiest dispatch (``rank_imbalance``),
-    at most it (a rank's mean over the blocks is at most its busiest block's)."""
-    return min(m.ep_step_imbalance or rank_imbalance(m, ep), rank_imbalance(m, ep))
+    tokens x top-k): the stated ``ep_step_imbalance``; else, where the rank's factor is stated, that factor (a
+    measured router's blocks need not pick independently), and otherwise the collapsed router's
+    (``collapsed_step_imbalance``); at most the rank's busiest dispatch (``rank_imbalance``: a rank's mean over
+    the blocks is at most its busiest block's)."""
+    rank = rank_imbalance(m, ep)
+    if m.ep_step_imbalance:
+        return min(m.ep_step_imbalance, rank)
+    return rank if m.ep_rank_imbalance or not ep else min(collapsed_step_imbalance(m, ep), rank)
 
 
 def received_rows(m: ModelSpec, tokens: int, ep: int, imbalance: Optional[float] = None) -> int:

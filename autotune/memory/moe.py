@@ -17,15 +17,6 @@ from typing import Optional
 
 from autotune.spec import ModelSpec
 
-EP_RANK_IMBALANCE = 3.0
-"""The busiest expert-parallel rank's received rows over the mean (tokens x top-k) where the job states
-none (``ModelSpec.ep_rank_imbalance``), at most the expert factor and what can reach the rank
-(``expert_parallel.rank_imbalance``): rounded up from the largest measured on routers that see text, at
-init and trained (2.91: OLMoE's router, 8 experts per rank, one domain per step;
-benchmarks/trained_routing.py, docs/moe.md Load imbalance). With one expert per rank (E = ep) nothing
-averages and the expert factor applies."""
-
-
 def expert_cap(m: ModelSpec) -> float:
     """The most the busiest expert can take over the mean: every token (top-k picks distinct experts), experts / top-k."""
     return m.num_experts / max(1, m.num_experts_per_tok)
@@ -35,7 +26,7 @@ def expert_imbalance(m: ModelSpec) -> float:
     """The busiest expert's tokens over the mean: the stated ``moe_load_imbalance``, else ``expert_cap``: a
     router that sees text sends some block's every token of a rank to one expert (measured on every family
     of benchmarks/trained_routing.py, at init and trained: at init the deep blocks' inputs are nearly one
-    vector, Dong et al. 2021, "Attention is not all you need", Thm 2.2). transformers' default ``grouped_mm``
+    vector: benchmarks/trained_routing.py --alignment). transformers' default ``grouped_mm``
     path, the one sized for ZeRO and plain FSDP2, has no per-expert buffer: every tensor is tokens x top-k
     rows, so its bytes are exact for any routing and the factor multiplies nothing; a per-expert layout
     (expert parallelism's chunks and tokens per EP rank) takes its worst expert as this factor x the mean."""

@@ -12,9 +12,10 @@ from autotune.config import load_config
 from autotune.memory import PREDICTION_MARGIN, activation_breakdown, estimate_memory
 from autotune.memory import moe
 from autotune.memory import expert_parallel
-from autotune.memory.expert_parallel import (block_expert_elements, ep_backward_transient, ep_saved, ep_units, rank_cap,
+from autotune.memory.expert_parallel import (COLLAPSE_QUANTILE, _collapsed_picks, _collapsed_step_picks, block_expert_elements,
+                                             collapsed_rank_imbalance, ep_backward_transient, ep_saved, ep_units,
                                              received_rows)
-from autotune.memory.moe import EP_RANK_IMBALANCE, expert_cap, least_expert_tokens, worst_expert_tokens
+from autotune.memory.moe import expert_cap, least_expert_tokens, worst_expert_tokens
 from autotune.memory.fsdp2 import _units
 from autotune.spec import TrainingSpec
 from autotune.strategy import Strategy, validation_errors
@@ -149,12 +150,11 @@ def test_ep_units_and_shards():
         a, b = (estimate_memory(m, tr, hw, x) for x in (Strategy(engine="fsdp2"), s))
         assert (a.gpu["parameters"], a.gpu["optimizer_states"]) == (b.gpu["parameters"], b.gpu["optimizer_states"])
     # the busiest rank's rows: the stated factor x the mean, at most every row that can reach it; the
-    # rank's factor defaults to EP_RANK_IMBALANCE up to the expert's (by default every token: experts / top-k)
-    # and to every row that can reach the rank (rank_cap)
-    assert EP_RANK_IMBALANCE < expert_cap(m) and EP_RANK_IMBALANCE < rank_cap(m, 8)
-    assert received_rows(m, 1000, 8) == -(-EP_RANK_IMBALANCE * 8000 // 1)
+    # rank's factor defaults to a collapsed router's (Qwen3-30B-A3B at EP 8: some block puts 6 of its 8 picks on
+    # one rank's 16 experts), up to the expert's (by default every token: experts / top-k)
+    assert collapsed_rank_imbalance(m, 8) == 6.0 < expert_cap(m)
+    assert received_rows(m, 1000, 8) == 48_000
     assert received_rows(m, 1000, 2) == 16_000  # 2 ranks: every token of both, at most
-    assert rank_cap(m, 2) == 2 and rank_cap(m.replace(num_experts=8), 8) == 1.0  # 8 ranks, one expert each, top-8
     assert received_rows(m.replace(moe_load_imbalance=1.25), 1000, 8) == 10_000
     assert received_rows(m.replace(moe_load_imbalance=1.25, ep_rank_imbalance=1.1), 1000, 8) == 8800
     assert received_rows(m, 1000, 1) == 8000  # one rank receives its own rows, no more
@@ -240,8 +240,8 @@ def test_stored_ep_rows_at_their_routing_within_the_margin(tmp_path):
     one may be lower); at the factors it measured stated (moe_load_imbalance, moe_min_load,
     ep_rank_imbalance, ep_step_imbalance) none under-predicted, none over by more than the benchmark's 3%
     (with the blocks at the busiest dispatch, before ep_step_imbalance, +3.94%), and never below the
-    measured routing's own walk; at the defaults (every token for the busiest expert, EP_RANK_IMBALANCE
-    above every rank) above the stated."""
+    measured routing's own walk; at the defaults (every token for the busiest expert, a collapsed router's
+    rank) above the stated."""
     pytest.importorskip("transformers")
     bench = _bench()
     stored = {bench.row_key(r): r for r in json.loads(
@@ -251,7 +251,7 @@ def test_stored_ep_rows_at_their_routing_within_the_margin(tmp_path):
     for r in rows:
         out = bench.predict(dict(stored[bench.row_key(r)]), tmp_path)
         assert out["imbalance_measured"] <= out["expert_imbalance_measured"] <= expert_cap(bench.specs(r, tmp_path)[0]), out
-        assert out["imbalance_measured"] <= EP_RANK_IMBALANCE, out
+        assert out["imbalance_measured"] <= collapsed_rank_imbalance(bench.specs(r, tmp_path)[0], 2), out
         assert out["error_routing_busiest"] >= -PREDICTION_MARGIN and out["error_routing_busiest"] >= out["error_routing"]
         assert out["error"] >= out["error_stated"] >= max(out["error_routing"], -PREDICTION_MARGIN), out
         assert out["error_stated"] <= 0.03 and 1.0 <= out["step_imbalance_measured"] <= out["imbalance_measured"], out
@@ -314,3 +314,43 @@ def test_ep_forward_instants_in_the_screen_and_the_walk(name, binds, tmp_path, m
     monkeypatch.undo()
     activations._breakdown.cache_clear()
     assert all(a >= b for a, b in zip(with_it, without)) and any(a > b for a, b in zip(with_it, without)) == binds
+
+
+def test_collapsed_picks_against_every_subset():
+    """The collapsed router's most picks on one rank (``_collapsed_picks``): the smallest m whose probability
+    that no rank holds more than m of a block's k random distinct picks, to the power of the blocks, reaches
+    COLLAPSE_QUANTILE, checked against all k-subsets of small layouts; bounded by top-k and the local experts."""
+    import itertools
+    import math
+
+    for experts, k, ep in ((8, 3, 4), (12, 4, 3), (16, 2, 8), (10, 5, 2), (9, 3, 3)):
+        local = experts // ep
+        subsets = list(itertools.combinations(range(experts), k))
+        most = [max(sum(1 for e in s if e // local == r) for r in range(ep)) for s in subsets]
+        for blocks in (1, 4, 48):
+            expected = next(m for m in range(1, min(k, local) + 1)
+                            if m == min(k, local) or (sum(x <= m for x in most) / len(subsets)) ** blocks >= COLLAPSE_QUANTILE)
+            assert _collapsed_picks(experts, k, ep, blocks) == expected, (experts, k, ep, blocks)
+    assert _collapsed_picks(8, 2, 8, 32) == 1 and _collapsed_picks(64, 8, 2, 16) == 8  # one expert per rank; two ranks
+    assert math.isclose(COLLAPSE_QUANTILE, 0.99)
+
+
+def test_collapsed_step_picks_against_every_step():
+    """Over a step's blocks (each picking k distinct experts at random, independently): the most picks one rank
+    holds, at COLLAPSE_QUANTILE over every rank by a union bound, checked against every combination of small
+    layouts' blocks; the step factor it gives is at most the rank factor, and a stated rank factor bounds it."""
+    import itertools
+
+    from autotune.memory.expert_parallel import step_imbalance
+
+    for experts, k, ep, blocks in ((4, 2, 2, 3), (6, 2, 3, 2), (8, 3, 2, 2), (6, 3, 3, 3)):
+        local = experts // ep
+        picks = list(itertools.combinations(range(experts), k))
+        sums = [sum(sum(1 for e in p if e < local) for p in step) for step in itertools.product(picks, repeat=blocks)]
+        above = lambda t: sum(x > t for x in sums) / len(sums)  # noqa: E731  (rank 0; every rank alike)
+        expected = min(t for t in range(max(sums) + 1) if ep * above(t) <= 1 - COLLAPSE_QUANTILE)
+        assert _collapsed_step_picks(experts, k, ep, blocks) == expected, (experts, k, ep, blocks)
+    m = load_config(QWEN).model
+    assert 1.0 < step_imbalance(m, 8) < collapsed_rank_imbalance(m, 8)
+    assert step_imbalance(m.replace(ep_rank_imbalance=1.1), 8) == 1.1
+    assert step_imbalance(m.replace(ep_step_imbalance=1.05), 8) == 1.05
