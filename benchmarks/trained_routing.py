@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="only print each family's router inputs' alignment at init (--hidden, --wide, 4096)")
     ap.add_argument("--json", default="", help="write the rows here")
     args = ap.parse_args(argv)
+    unknown = [f for f in args.only.split(",") if f and f not in FAMILIES]
+    if unknown:
+        ap.error(f"--only: unknown famil{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)} "
+                 f"(choices: {', '.join(FAMILIES)})")
 
     import torch
 
