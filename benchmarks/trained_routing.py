@@ -38,9 +38,10 @@ FAMILIES = {  # a published file (tests/data/hf/moe) whose router is kept
 }
 DOMAINS = {"python": ".py", "markdown": ".md", "json": ".json", "yaml": ".yaml", "csv": ".csv"}
 """This repository's tracked text, by kind (file suffix)."""
-SHRUNK = dict(num_hidden_layers=4, intermediate_size=64, moe_intermediate_size=64,
+SHRUNK = dict(intermediate_size=64, moe_intermediate_size=64,
               max_position_embeddings=1024, output_router_logits=True, tie_word_embeddings=False)
-"""What each published file is shrunk by (its router kept); the width is ``--hidden`` (trained) or ``--wide``."""
+"""What each published file is shrunk by (its router kept); the width is ``--hidden`` (trained) or ``--wide``,
+the depth ``--blocks``."""
 
 
 CORPUS_REV = "cec667f30c6c075bb08577ac133f8aa6e178365a"
@@ -89,14 +90,14 @@ def window(rng: random.Random, text: list[int], seq: int) -> list[int]:
     return list(text[start:start + seq])
 
 
-def build(family: str, vocab: int, hidden: int):
+def build(family: str, vocab: int, hidden: int, blocks: int = 4):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = json.loads((ROOT / "tests/data/hf/moe" / FAMILIES[family]).read_text())
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in ("architectures", "transformers_version")}
     heads = max(4, hidden // 64)
-    cfg.update(SHRUNK, vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads, head_dim=hidden // heads,
+    cfg.update(SHRUNK, num_hidden_layers=blocks, vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads, head_dim=hidden // heads,
                num_key_value_heads=max(2, heads // 4))
     cfg.pop("torch_dtype", None)
     cfg.pop("dtype", None)
@@ -208,7 +209,8 @@ def summary(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300, help="training steps per family")
+    ap.add_argument("--steps", type=int, default=300, help="training steps per family (0: no trained rows)")
+    ap.add_argument("--blocks", type=int, default=4, help="decoder blocks of every model")
     ap.add_argument("--only", default="", help="comma-separated families (default: all)")
     ap.add_argument("--micro-steps", type=int, default=8, help="held-out micro-steps per row")
     ap.add_argument("--hidden", type=int, default=64, help="hidden size of the trained models")
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.tensor([window(rng, held["python"], 512)])
         for family in [f for f in FAMILIES if not args.only or f in args.only.split(",")]:
             for hidden in sorted({args.hidden, args.wide or args.hidden, 4096}):
-                model, _ = build(family, vocab, hidden)
+                model, _ = build(family, vocab, hidden, args.blocks)
                 cos = alignment(model.eval(), ids)
                 print(f"{family:10} h {hidden:5d} at init: router inputs' mean pairwise cosine per MoE block "
                       f"{' '.join(f'{c:.2f}' for c in cos)}")
@@ -251,11 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for family in [f for f in FAMILIES if not args.only or f in args.only.split(",")]:
         routers = [("init", args.hidden)] + ([(f"init h{args.wide}", args.wide)] if args.wide else [])
-        for router, hidden in routers + [("trained", args.hidden)]:
-            if router != "trained":
-                model, config = build(family, vocab, hidden)
-            else:
-                model, config = build(family, vocab, hidden)
+        for router, hidden in routers + ([("trained", args.hidden)] if args.steps else []):
+            model, config = build(family, vocab, hidden, args.blocks)
+            if router == "trained":
                 losses = train(model, train_ids, args.steps, 512, 8, seed=1)
                 print(f"  {family}: trained {args.steps} steps (h {hidden}), loss {losses[0]:.2f} -> "
                       f"{sum(losses[-20:]) / len(losses[-20:]):.2f}")
