@@ -331,11 +331,12 @@ def measured_routing_summary(rows: list[TrialRow], model: Any) -> Optional[dict[
 
     exceeds: dict[str, dict[str, float]] = {}
     for r in done:
-        sized = sized_routing(model, r.strategy.expert_parallel_size)._asdict()
-        for k, v in r.measured[ROUTING_KEY].items():  # type: ignore[index]
-            beyond = v < sized[k] if k in MeasuredRouting.LOWER else v > sized[k]
-            if beyond and (k not in exceeds or abs(v - sized[k]) > abs(exceeds[k]["measured"] - exceeds[k]["sized"])):
-                exceeds[k] = {"measured": v, "sized": sized[k]}
+        sized = sized_routing(model, r.strategy.expert_parallel_size)
+        measured = MeasuredRouting(**r.measured[ROUTING_KEY])  # type: ignore[index]
+        for k in measured.beyond(sized):
+            v, at = getattr(measured, k), getattr(sized, k)
+            if k not in exceeds or abs(v - at) > abs(exceeds[k]["measured"] - exceeds[k]["sized"]):
+                exceeds[k] = {"measured": v, "sized": at}
     return {"trials": [r.number for r in done],
             "factors": {k: (min if k in MeasuredRouting.LOWER else max)(r.measured[ROUTING_KEY][k]  # type: ignore[index]
                                                                  for r in done) for k in STATED_LOAD_KEYS},
@@ -387,8 +388,9 @@ def assumed_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
     n = len(summary["trials"])
     return [f"expert-parallel points ({n} on the front) are sized at autotune's default routing where the job "
             f"states none ({', '.join(summary['unstated'])}): the busiest expert takes every token of a rank and the "
-            "busiest rank what it gets when every token picks the same experts, as routers that see text can; state your model's routing on your data to size them at it (an EP point's launch "
-            "script measures it; docs/moe.md, \"Load imbalance\")"]
+            "busiest rank what it gets when every token picks the same experts, as routers that see text can; "
+            "state your model's routing on your data to size them at it (an EP point's launch script measures it; "
+            "docs/moe.md, \"Load imbalance\")"]
 
 
 def _pct_span(span: list[float]) -> str:

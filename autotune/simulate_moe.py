@@ -22,13 +22,9 @@ def expert_params(model: ModelSpec) -> int:
     return 3 * d * f + ((2 * f + d) if model.expert_bias else 0)
 
 
-def num_moe_layers(model: ModelSpec) -> int:
-    return model.num_hidden_layers - model.num_dense_layers if model.is_moe else 0
-
-
 def routed_expert_params(model: ModelSpec) -> int:
     """Every routed expert of every MoE block (what expert parallelism splits)."""
-    return num_moe_layers(model) * model.num_experts * expert_params(model)
+    return model.num_moe_layers * model.num_experts * expert_params(model)
 
 
 def active_params(model: ModelSpec) -> int:
@@ -39,7 +35,7 @@ def active_params(model: ModelSpec) -> int:
     if not model.is_moe:
         return model.num_parameters
     idle = model.num_experts - model.num_experts_per_tok
-    return model.num_parameters - num_moe_layers(model) * idle * expert_params(model)
+    return model.num_parameters - model.num_moe_layers * idle * expert_params(model)
 
 
 def moe_flops_per_token(model: ModelSpec, seq_len: int) -> float:
@@ -82,7 +78,7 @@ def moe_micro_batch(model: ModelSpec, T: float, ep: int, rates: Any, p: dict, mb
     # and unpermute (r d, w d per row each) and the weighted combine (r k d, w d), softmax/top-k over
     # e logits (torchtitan/models/moe/moe.py TokenChoiceTopKRouter, _permute / _unpermute)
     moe_elem = T * (k * 3 * fm + 3 * fs + 4 * k * d + k * d + d + 3 * e) * act_bytes / hbm
-    n_moe = num_moe_layers(model)
+    n_moe = model.num_moe_layers
     gemm_delta = n_moe * (moe_gemm - dense_gemm) / L  # per block, averaged over the L blocks
     elem_delta = n_moe * (moe_elem - dense_elem) / L
     fwd_delta = gemm_delta + elem_delta
@@ -108,7 +104,7 @@ def all_to_all_time(model: ModelSpec, hardware: HardwareSpec, T: float, ep: int,
         return 0.0
     bw = _link_bandwidth(hardware, p, crosses_nodes=ep > hardware.gpus_per_node)
     one = all_to_all_bytes(model, T, ep, act_bytes) / bw + (ep - 1) * p["coll_latency_s"]
-    return (4 * num_moe_layers(model) + 2 * recomputed_moe_blocks) * one
+    return (4 * model.num_moe_layers + 2 * recomputed_moe_blocks) * one
 
 
 def recomputed_moe_blocks(model: ModelSpec, strategy: Any) -> int:

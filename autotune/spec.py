@@ -352,6 +352,11 @@ class ModelSpec:
         L = self.num_hidden_layers
         return sum(1 for i in set(self.dense_layers) if 0 <= i < L) if self.is_moe else L
 
+    @property
+    def num_moe_layers(self) -> int:
+        """Blocks with routed experts (0 for a dense model)."""
+        return self.num_hidden_layers - self.num_dense_layers
+
     def embedding_params(self) -> int:
         n = self.vocab_size * self.hidden_size
         if self.position_embedding == "learned":
@@ -365,10 +370,9 @@ class ModelSpec:
     @property
     def num_parameters(self) -> int:
         """Exact trainable parameter count (tied embeddings counted once)."""
-        dense = self.num_dense_layers
-        blocks = dense * self.block_params(False)
-        if dense < self.num_hidden_layers:
-            blocks += (self.num_hidden_layers - dense) * self.block_params(True)
+        blocks = self.num_dense_layers * self.block_params(False)
+        if self.num_moe_layers:
+            blocks += self.num_moe_layers * self.block_params(True)
         return self.embedding_params() + blocks + self.norm_params() + self.lm_head_params()
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -97,8 +97,8 @@ def build(family: str, vocab: int, hidden: int, blocks: int = 4):
     cfg = json.loads((ROOT / "tests/data/hf/moe" / FAMILIES[family]).read_text())
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in ("architectures", "transformers_version")}
     heads = max(4, hidden // 64)
-    cfg.update(SHRUNK, num_hidden_layers=blocks, vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads, head_dim=hidden // heads,
-               num_key_value_heads=max(2, heads // 4))
+    cfg.update(SHRUNK, num_hidden_layers=blocks, vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads,
+               head_dim=hidden // heads, num_key_value_heads=max(2, heads // 4))
     cfg.pop("torch_dtype", None)
     cfg.pop("dtype", None)
     config = AutoConfig.for_model(**cfg)
@@ -172,7 +172,7 @@ def factors(model, spec, held, ep: int, batching: str, mbs: int, seq: int, micro
     E, k = spec.num_experts, spec.num_experts_per_tok
     local = E // ep
     domains = sorted(held)
-    steps: list[list[list[list[int]]]] = [[] for _ in range(ep)]  # per destination rank: micro-steps
+    steps: list[list[list[int]]] = []  # every destination rank's micro-steps
     for _ in range(micro_steps):
         one = rng.choice(domains)
         per_rank = []
@@ -187,9 +187,9 @@ def factors(model, spec, held, ep: int, batching: str, mbs: int, seq: int, micro
             per_rank.append([torch.bincount(p.reshape(-1), minlength=E).tolist()
                              for p in routed(model, torch.tensor(seqs))])
         for q in range(ep):  # destination rank q receives (source r, local expert j) chunks per block
-            steps[q].append([[per_rank[r][b][q * local + j] for r in range(ep) for j in range(local)]
-                             for b in range(len(per_rank[0]))])
-    return measured_routing(spec, mbs * seq * k, [st for rank in steps for st in rank])
+            steps.append([[per_rank[r][b][q * local + j] for r in range(ep) for j in range(local)]
+                          for b in range(len(per_rank[0]))])
+    return measured_routing(spec, mbs * seq * k, steps)
 
 
 def summary(rows: list[dict]) -> None:
@@ -198,13 +198,13 @@ def summary(rows: list[dict]) -> None:
     for family in dict.fromkeys(r["family"] for r in rows):
         for router in dict.fromkeys(r["router"] for r in rows if r["family"] == family):
             sel = [r for r in rows if r["family"] == family and r["router"] == router]
-            top = {k: max(sel, key=lambda r: r["factors"][k]) for k in ("moe_load_imbalance", "ep_rank_imbalance")}
-            print(f"  {family:10} {router:13} largest: expert {top['moe_load_imbalance']['factors']['moe_load_imbalance']:.3f}"
-                  f" (of {top['moe_load_imbalance']['defaults']['expert']:g}), rank "
-                  f"{top['ep_rank_imbalance']['factors']['ep_rank_imbalance']:.3f} (EP {top['ep_rank_imbalance']['ep']}, "
-                  f"{top['ep_rank_imbalance']['batches']}, default {top['ep_rank_imbalance']['defaults']['rank']:g}), step "
+            expert = max(sel, key=lambda r: r["factors"]["moe_load_imbalance"])
+            rank = max(sel, key=lambda r: r["factors"]["ep_rank_imbalance"])
+            print(f"  {family:10} {router:13} largest: expert {expert['factors']['moe_load_imbalance']:.3f} "
+                  f"(of {expert['defaults']['moe_load_imbalance']:g}), rank {rank['factors']['ep_rank_imbalance']:.3f} "
+                  f"(EP {rank['ep']}, {rank['batches']}, default {rank['defaults']['ep_rank_imbalance']:g}), step "
                   f"{max(r['factors']['ep_step_imbalance'] for r in sel):.3f}; beyond the defaults "
-                  f"{sum(r['beyond_defaults'] for r in sel)} of {len(sel)}")
+                  f"{sum(bool(r['beyond_defaults']) for r in sel)} of {len(sel)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from autotune.hf_config import map_hf_config
-    from autotune.memory.expert_parallel import rank_imbalance
-    from autotune.memory.moe import expert_imbalance
+    from autotune.memory.expert_parallel import sized_routing
     from autotune.spec import ModelSpec
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -249,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 del model
         return 0
     print(f"{'family':10} {'router':13} {'batches':11} {'ep':>3} {'tokens':>6}  expert / least / rank / step"
-          f"   defaults (expert / rank)")
+          f"   defaults (expert / rank / step)")
     rows = []
     for family in [f for f in FAMILIES if not args.only or f in args.only.split(",")]:
         routers = [("init", args.hidden)] + ([(f"init h{args.wide}", args.wide)] if args.wide else [])
@@ -266,16 +265,16 @@ def main(argv: list[str] | None = None) -> int:
                 for ep in (2, 8):
                     for mbs in (1, 4):
                         f = factors(model, spec, held, ep, batching, mbs, 512, args.micro_steps, seed=2)
-                        d = (expert_imbalance(spec), rank_imbalance(spec, ep))
-                        over = f.moe_load_imbalance > d[0] or f.ep_rank_imbalance > d[1]
+                        d = sized_routing(spec, ep)
+                        over = f.beyond(d)
                         rows.append(dict(family=family, router=router, batches=batching, ep=ep, tokens=mbs * 512,
-                                         factors=f._asdict(), defaults=dict(expert=d[0], rank=d[1]),
-                                         beyond_defaults=over))
+                                         factors=f._asdict(), defaults=d._asdict(), beyond_defaults=over))
                         print(f"{family:10} {router:13} {batching:11} {ep:3d} {mbs * 512:6d}  "
                               f"{f.moe_load_imbalance:.3f} / {f.moe_min_load:.3f} / {f.ep_rank_imbalance:.3f} / "
-                              f"{f.ep_step_imbalance:.3f}   {d[0]:g} / {d[1]:g}{'   BEYOND' if over else ''}")
+                              f"{f.ep_step_imbalance:.3f}   {d.moe_load_imbalance:g} / {d.ep_rank_imbalance:g} / "
+                              f"{d.ep_step_imbalance:.3g}{'   BEYOND ' + ', '.join(over) if over else ''}")
             del model
-    print(f"rows: {len(rows)}, beyond the defaults: {sum(r['beyond_defaults'] for r in rows)}")
+    print(f"rows: {len(rows)}, beyond the defaults: {sum(bool(r['beyond_defaults']) for r in rows)}")
     summary(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

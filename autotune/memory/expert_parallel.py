@@ -62,20 +62,14 @@ def collapsed_rank_imbalance(m: ModelSpec, ep: int) -> float:
     ranks j times, ep x j / k x the mean, with j the most one rank holds over the step's MoE blocks
     (``_collapsed_picks``); with one expert per rank, ep / top-k (every token of its expert)."""
     k = max(1, m.num_experts_per_tok)
-    blocks = max(1, m.num_hidden_layers - m.num_dense_layers)
-    return ep * _collapsed_picks(m.num_experts, k, ep, blocks) / k
+    return ep * _collapsed_picks(m.num_experts, k, ep, max(1, m.num_moe_layers)) / k
 
 
-def rank_imbalance(m: ModelSpec, ep: int = 0) -> float:
+def rank_imbalance(m: ModelSpec, ep: int) -> float:
     """The busiest EP rank's received rows over the mean: the stated ``ep_rank_imbalance``, else the collapsed
     router's (``collapsed_rank_imbalance``), at most the busiest expert's factor (``moe.expert_imbalance``: a
-    rank's E / ep experts average it out; with one expert per rank, that expert's); without an EP size, the
-    expert factor."""
-    if m.ep_rank_imbalance:
-        return m.ep_rank_imbalance
-    if not ep:
-        return expert_imbalance(m)
-    return min(collapsed_rank_imbalance(m, ep), expert_imbalance(m))
+    rank's E / ep experts average it out; with one expert per rank, that expert's)."""
+    return m.ep_rank_imbalance or min(collapsed_rank_imbalance(m, ep), expert_imbalance(m))
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,12 +98,11 @@ def collapsed_step_imbalance(m: ModelSpec, ep: int) -> float:
     of each block picks that block's same top-k experts, the blocks' picks independent (a collapsed router,
     ``collapsed_rank_imbalance``): ep x t / (blocks x top-k), t the most picks one rank holds over the blocks
     (``_collapsed_step_picks``); at least 1."""
-    k = max(1, m.num_experts_per_tok)
-    blocks = max(1, m.num_hidden_layers - m.num_dense_layers)
+    k, blocks = max(1, m.num_experts_per_tok), max(1, m.num_moe_layers)
     return max(1.0, ep * _collapsed_step_picks(m.num_experts, k, ep, blocks) / (blocks * k))
 
 
-def step_imbalance(m: ModelSpec, ep: int = 0) -> float:
+def step_imbalance(m: ModelSpec, ep: int) -> float:
     """The busiest EP rank's received rows summed over a micro-step's MoE blocks over the mean (MoE blocks x
     tokens x top-k): the stated ``ep_step_imbalance``; else, where the rank's factor is stated, that factor (a
     measured router's blocks need not pick independently), and otherwise the collapsed router's
@@ -118,7 +111,7 @@ def step_imbalance(m: ModelSpec, ep: int = 0) -> float:
     rank = rank_imbalance(m, ep)
     if m.ep_step_imbalance:
         return min(m.ep_step_imbalance, rank)
-    return rank if m.ep_rank_imbalance or not ep else min(collapsed_step_imbalance(m, ep), rank)
+    return rank if m.ep_rank_imbalance else min(collapsed_step_imbalance(m, ep), rank)
 
 
 def received_rows(m: ModelSpec, tokens: int, ep: int, imbalance: Optional[float] = None) -> int:
@@ -224,6 +217,12 @@ class MeasuredRouting(NamedTuple):
     LOWER = ("moe_min_load",)
     """The factors that bound from below (a routing beyond them is smaller); the others bound from above."""
 
+    def beyond(self, sized: "MeasuredRouting") -> list[str]:
+        """The factors of this routing beyond ``sized`` (what a layout is sized with): an upper factor above it,
+        a lower one (LOWER) below it."""
+        return [k for k, v in self._asdict().items()
+                if (v < getattr(sized, k) if k in self.LOWER else v > getattr(sized, k))]
+
     def describe(self) -> str:
         """The factors in words, as the estimate's routed-loads line and a run's routing line print them."""
         return (f"busiest expert {self.moe_load_imbalance:g} x the mean, least {self.moe_min_load:g} x, "
@@ -252,7 +251,7 @@ def measured_routing(m: ModelSpec, sent: int, steps: Sequence[Sequence[Sequence[
     The upper factors are rounded up and the least load down (4 decimals), so a job that states them is
     sized at or above the routing measured; None when nothing was dispatched."""
     chunks = [n for st in steps for dispatch in st for n in dispatch]
-    moe_blocks = m.num_hidden_layers - m.num_dense_layers
+    moe_blocks = m.num_moe_layers
     if not chunks or sent <= 0 or moe_blocks <= 0:
         return None
     up = lambda x: math.ceil(x * 1e4 - 1e-6) / 1e4  # noqa: E731  (1e-6: a float's last bit is no imbalance)

@@ -311,8 +311,9 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
         routing = RoutingRecorder.install(built.module)
     if not _step_loop(ctx, engine, built, batches, routing):
         return
-    if routing is not None and routing.sent is not None:
-        result["routing"] = routing.result()
+    recorded = routing.result() if routing is not None else None
+    if recorded is not None:
+        result["routing"] = recorded
     _maybe_fault(job, rank, "end")
     times = sorted(result["step_times_s"])
     if times:
