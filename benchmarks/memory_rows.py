@@ -510,7 +510,8 @@ MLA_CORE_ROWS = [  # latent attention's core on sdpa's CPU math kernel at 384-51
 
 # expert parallelism 2 on 2 gloo ranks (fsdp2: each block's E / 2 experts their own fully_shard unit,
 # all_to_all_single dispatch and combine; autotune.models.fsdp2.apply), predicted at the default load factors
-# for the rows each rank receives, and at the routing each measured (docs/moe.md "Expert parallelism")
+# for the rows each rank receives, and at the routing each measured (docs/moe.md "Expert parallelism");
+# EP_MEASURE measured steps, each micro-step a new batch (a rank's received rows follow its batch's routing)
 MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_parallel_size 2
     ("hf-mixtral", "fsdp2", 2, 1, 2, 256, "none", "bf16"), ("hf-qwen3moe-sv", "fsdp2", 2, 1, 4, 256, "none", "bf16"),
     ("hf-mixtral-sv", "fsdp2", 2, 1, 4, 256, "none", "fp32"), ("hf-qwen3moe", "fsdp2-keep", 2, 1, 2, 256, "full", "fp32"),
@@ -538,12 +539,17 @@ MOE_EP_ROWS = [  # (model, stage, ranks, GA, mbs, seq, ckpt, precision): expert_
 ]
 
 
+EP_MEASURE = dict(measure_steps=8, fresh_batches=True)
+"""How an EP row is measured (the worker's settings): the worst of 8 optimizer steps, every micro-step a new batch,
+as a job's data loader gives (with two batches reused every step, the peak is one batch's routing)."""
+
+
 def moe_grid() -> list[dict]:
     """MOE_ROWS, ATTENTION_INSTANT_ROWS, POST_BACKWARD_ROWS, CARRY_MOE_ROWS, GQA_MATH_ROWS, EAGER_WEIGHTS_ROWS,
     MLA_CORE_ROWS and MOE_EP_ROWS (knob expert_parallel_size 2) as grid rows (--moe)."""
     return ([dict(zip(ROW_KEYS, r)) for r in MOE_ROWS + ATTENTION_INSTANT_ROWS + POST_BACKWARD_ROWS + CARRY_MOE_ROWS
              + GQA_MATH_ROWS + EAGER_WEIGHTS_ROWS + MLA_CORE_ROWS]
-            + [dict(zip(ROW_KEYS, r), knobs={"expert_parallel_size": 2}) for r in MOE_EP_ROWS])
+            + [dict(zip(ROW_KEYS, r), knobs={"expert_parallel_size": 2}, **EP_MEASURE) for r in MOE_EP_ROWS])
 
 
 def row_key(row: dict) -> tuple:

@@ -30,7 +30,9 @@ ZeRO-1's accumulation carry at a late backward peak (``CARRY_ROWS``). Every conf
 ``autotune.worker.main`` in fresh processes (``python`` for 1 rank, ``torchrun
 --nproc_per_node 2`` with gloo for 2) with a torch AdamW (fused, like DeepSpeed's FusedAdam)
 passed to ``deepspeed.initialize``, the usual loop (``outputs = engine(**batch);
-engine.backward(outputs.loss); engine.step()``), 2 warm-up and 2 measured optimizer steps.
+engine.backward(outputs.loss); engine.step()``), 2 warm-up and 2 measured optimizer steps (the EP rows 8, each
+micro-step a new batch: memory_rows.EP_MEASURE; and a pilot run of each on other batches, PILOT_DATA_SEED, whose
+measured routing the row is also predicted with, stated: a held-out measurement).
 
 Measured: the peak tensor bytes from torch.profiler's allocation events (c10's tally made to count
 every thread, ``autotune.worker.cpu_memory.track_all_threads``), the max over the measured optimizer
@@ -100,6 +102,40 @@ def specs(row: dict, workdir: Path | None = None) -> tuple[ModelSpec, TrainingSp
     return model, training, hardware, row_strategy(row)
 
 
+PILOT_DATA_SEED = 1
+"""The batches' seed (the worker's ``data_seed``) of an expert-parallel row's pilot: the same model on other
+batches, whose routing the row states (a held-out measurement, as a job states what it measured before)."""
+
+
+def _launch(row: dict, job: dict, d: Path, ep: bool, timeout: float) -> tuple[dict | None, dict]:
+    """Run the worker on ``job`` in ``d`` (1 rank: python; more: torchrun over gloo): rank 0's result, or None
+    and the row's status and reason (a timeout, a crash without a result)."""
+    (d / "job.json").write_text(json.dumps(dict(job, result_path=str(d / "result.json"))))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # expert parallelism: the worker that records the dispatch's received rows
+    worker = [str(ROOT / "benchmarks" / "ep_rows_worker.py")] if ep else ["-m", "autotune.worker.main"]
+    if row["nproc"] == 1:
+        cmd = [sys.executable, *worker, str(d / "job.json")]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(row["nproc"]),
+               "--master_port", str(29500 + (hash(str(d)) % 2000)), *worker, str(d / "job.json")]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # one stuck config does not end the run (the others are kept)
+        return None, dict(status="timeout", reason=f"no result after {timeout:.0f} s")
+    try:
+        return json.loads((d / "result.json").read_text()), {}
+    except FileNotFoundError:
+        return None, dict(status="crash", reason=(proc.stderr or "")[-500:])
+
+
+def _routing_steps(d: Path) -> list:
+    """Every measured micro-step's dispatch splits (rows per source rank and local expert, forward order), all
+    ranks: the worker's own record (autotune.worker.routing), as the profile backend reads it."""
+    return [st for f in [d / "result.json", *sorted(d.glob("result.rank*.json"))]
+            for st in (json.loads(f.read_text()).get("routing") or {}).get("steps", [])]
+
+
 def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
     model, training, hardware, strategy = specs(row, workdir)
     d = Path(tempfile.mkdtemp(prefix="mem_", dir=workdir))
@@ -107,31 +143,17 @@ def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
                                                        "global_batch_size": training.global_batch_size,
                                                        "precision": training.precision},
            "strategy": strategy.as_dict(), "warmup_steps": 2, "measure_steps": row.get("measure_steps", 2), "device": "cpu",
-           "result_path": str(d / "result.json")}
+           "fresh_batches": bool(row.get("fresh_batches"))}
     if row["model"] in HF_FAMILIES or row["model"] in LONG_FAMILIES:
         job["hf_config"] = _hf_path(row["model"], workdir)
-    (d / "job.json").write_text(json.dumps(job))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    ep = strategy.expert_parallel_size > 1  # the worker that records the dispatch's received rows
-    worker = [str(ROOT / "benchmarks" / "ep_rows_worker.py")] if ep else ["-m", "autotune.worker.main"]
-    if row["nproc"] == 1:
-        cmd = [sys.executable, *worker, str(d / "job.json")]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(row["nproc"]),
-               "--master_port", str(29500 + (hash(str(d)) % 2000)), *worker, str(d / "job.json")]
+    ep = strategy.expert_parallel_size > 1
     t0 = time.time()
     out = dict(row)
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:  # one stuck config does not end the run (the others are kept)
-        out.update(status="timeout", reason=f"no result after {timeout:.0f} s")
+    res, failed = _launch(row, job, d, ep, timeout)
+    if res is None:
+        out.update(failed)
         return out
     out["wall_s"] = round(time.time() - t0, 1)
-    try:
-        res = json.loads((d / "result.json").read_text())
-    except FileNotFoundError:
-        out.update(status="crash", reason=(proc.stderr or "")[-500:])
-        return out
     out["status"] = res["status"]
     if res["status"] != "ok":
         out["reason"] = res.get("reason")
@@ -151,10 +173,10 @@ def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
     if ep:  # the busiest rank's dispatch: the largest output of an all-to-all fed tokens x top-k rows
         sent = row["mbs"] * row["seq"] * model.num_experts_per_tok
         out["received_rows"] = max(json.loads(f.read_text()).get(str(sent), 0) for f in d.glob("received_rows.*.json"))
-        # every measured micro-step's dispatch splits (rows per source rank and local expert, forward order), all
-        # ranks: the worker's own record (autotune.worker.routing), as the profile backend reads it
-        out["routing_steps"] = [st for f in [d / "result.json", *sorted(d.glob("result.rank*.json"))]
-                                for st in (json.loads(f.read_text()).get("routing") or {}).get("steps", [])]
+        out["routing_steps"] = _routing_steps(d)
+        pilot = Path(tempfile.mkdtemp(prefix="pilot_", dir=workdir))
+        if _launch(row, dict(job, data_seed=PILOT_DATA_SEED), pilot, ep, timeout)[0] is not None:
+            out["pilot_routing_steps"] = _routing_steps(pilot)
     return predict(out, workdir)
 
 
@@ -194,6 +216,13 @@ def predict(out: dict, workdir: Path) -> dict:
             out["predicted_stated"] = estimate_memory(model.replace(**stated._asdict()), training, hardware, strategy,
                                                       device="cpu").gpu["peak"]
             out["error_stated"] = (out["predicted_stated"] - out["measured"]) / out["measured"]
+        # the factors measured on the pilot (the same model on other batches: PILOT_DATA_SEED) stated
+        pilot = measured_routing(model, mean, out.get("pilot_routing_steps") or [])
+        if pilot is not None:
+            out["pilot_factors"] = list(pilot)
+            out["predicted_pilot"] = estimate_memory(model.replace(**pilot._asdict()), training, hardware, strategy,
+                                                     device="cpu").gpu["peak"]
+            out["error_pilot"] = (out["predicted_pilot"] - out["measured"]) / out["measured"]
     return out
 
 
@@ -268,6 +297,8 @@ def summarize(results: list[dict]) -> list[str]:
     # the EP rows again with the routing their steps measured stated, as a profiled EP trial states it
     # (memory.expert_parallel.measured_routing; docs/moe.md, Measuring the routing)
     errors["EP, routing stated"] = [r["error_stated"] for r in groups["expert parallel"] if r.get("error_stated") is not None]
+    # and with the routing their pilots measured (other batches) stated: a held-out measurement
+    errors["EP, pilot stated"] = [r["error_pilot"] for r in groups["expert parallel"] if r.get("error_pilot") is not None]
     for gname, e in errors.items():
         if e:
             lines.append(f"  {gname:<20} n={len(e):<3} worst {100 * min(e):+.2f}%  median |err| "
@@ -308,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                          "offload) instead of the grid")
     ap.add_argument("--moe", action="store_true", help="the mixture-of-experts rows (moe_grid) instead of the grid")
     ap.add_argument("--json", help="write all rows (measured, predicted, per-phase) to this file")
-    ap.add_argument("--filter", action="append", default=[], help="KEY=VALUE on grid rows, e.g. stage=3 or stage=fsdp2,fsdp2-keep")
+    ap.add_argument("--filter", action="append", default=[], help="KEY=VALUE on grid rows, e.g. stage=3 or stage=fsdp2,fsdp2-keep or "
+                                                                  "expert_parallel_size=2 (a knob)")
     ap.add_argument("--jobs", type=int, default=2, help="configs run this many at a time")
     ap.add_argument("--reuse", action="append", default=[],
                     help="a --json file of an earlier run: its measured rows are not run again, only "
@@ -330,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += hf_grid()
     for f in args.filter:
         k, v = f.split("=", 1)
-        rows = [r for r in rows if str(r.get(k)) in v.split(",")]  # VALUE: one, or alternatives a,b
+        # VALUE: one, or alternatives a,b; KEY a row's key or one of its knobs (expert_parallel_size=2)
+        rows = [r for r in rows if str(r.get(k, (r.get("knobs") or {}).get(k))) in v.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="autotune_membench_"))
     print(f"{len(rows)} configs; work dir {workdir}", flush=True)
     header = (f"{'model':<15}{'engine':>11}{'np':>3}{'GA':>3}{'mbs':>4}{'seq':>5} {'ckpt':<10}{'prec':<5}{'measured MiB':>13}"
@@ -352,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
             routing += (f"; stated factors {r['expert_imbalance_measured']:.3f} / {r.get('expert_least_measured', 0):.3f}"
                         f" / {r['imbalance_measured']:.3f} / {r.get('step_imbalance_measured', 0):.3f}: "
                         f"{100 * r['error_stated']:+.2f}%")
+        if r.get("error_pilot") is not None:
+            routing += (f"; the pilot's ({' / '.join(f'{x:.3f}' for x in r['pilot_factors'])}): "
+                        f"{100 * r['error_pilot']:+.2f}%")
         return (head + f"{r['measured'] / 2**20:>13.2f}{r['predicted'] / 2**20:>14.2f}{100 * r['error']:>+8.2f}"
                 f"  {r['measured_phase']}/{r['predicted_phase']}" + routing)
 
@@ -373,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
             print(row_text(r), flush=True)
             if args.json:  # written as rows arrive: an interrupted run keeps what it measured (--reuse)
                 Path(args.json).write_text(json.dumps(results, indent=1))
-    print("\nworst first (signed error = predicted / measured - 1; measured = max over 2 measured optimizer "
-          "steps, every micro-step, and over ranks):")
+    print("\nworst first (signed error = predicted / measured - 1; measured = max over the measured optimizer "
+          "steps (2; EP rows 8), every micro-step, and over ranks):")
     for r in sorted(results, key=lambda r: r.get("error", -9)):
         print(row_text(r))
     print()

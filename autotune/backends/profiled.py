@@ -124,7 +124,10 @@ class DeepSpeedBackend(Backend):
                                     self.ds_config_overrides) if strategy.engine == "deepspeed" else None,
             result_path=str(trial_dir / "result.json"), warmup_steps=profile.warmup_steps,
             measure_steps=profile.measure_steps, optimizer_impl=self.optimizer_impl, memory=self.memory,
-            seed=self.seed, device=self.device, snapshot=snapshot, **source)
+            seed=self.seed, device=self.device, snapshot=snapshot,
+            # an EP rank's received rows follow each batch's routing: every micro-step a new batch, as a job's
+            # data loader gives (the peak then the worst of the measured batches, not one batch's)
+            fresh_batches=True if strategy.expert_parallel_size > 1 else None, **source)
 
     def job_for(self, strategy: Strategy, trial_dir: Path, trial_number: Optional[int] = None) -> dict[str, Any]:
         """The job.json object of :meth:`job`."""

@@ -45,6 +45,11 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
                                                 #   tensor bytes from torch.profiler allocation events),
                                                 #   "none"; "auto": cuda on CUDA, profiler on CPU
       "seed": 0,
+      "data_seed": null,                        # the batches' seed alone (null: seed): the same model on
+                                                #   other batches
+      "fresh_batches": false,                   # true: every micro-step a new batch (a data loader; EP's
+                                                #   received rows follow each batch's routing); false: two
+                                                #   batches, reused every step
       "gc_collect": true,                       # after backward and after the step: gc.collect()
                                                 #   and, on CPU, a few 1-element all-reduces per
                                                 #   process group: ProcessGroupGloo keeps each worker
@@ -283,7 +288,8 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
         _make_exchange_group(float(job.setting("exchange_timeout_s")))
     _maybe_fault(job, rank, "init")
 
-    built = build_for_job(job.to_json(), model_spec, training, seed=seed * 1000 + rank * 100)
+    data_seed = seed if job.data_seed is None else int(job.data_seed)
+    built = build_for_job(job.to_json(), model_spec, training, seed=data_seed * 1000 + rank * 100)
     result["model_source"] = built.source
     result["num_parameters"] = count_parameters(built.module)
     engine = engine_cls(ctx, built, model_spec, strategy, device)
@@ -294,7 +300,10 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     if probe is not None:
         probe.gas = engine.gas
     # the batches of this rank (Ulysses / context parallel: its group's sample, sharded by the engine)
-    batches = [engine.prepare_batch(built.batch_fn(engine.mbs, training.seq_len, device)) for _ in range(2)]
+    def new_batch() -> dict:
+        return engine.prepare_batch(built.batch_fn(engine.mbs, training.seq_len, device))
+
+    batches = [new_batch() for _ in range(2)]
     if job.setting("gc_collect"):
         # collect once, then freeze the survivors (torch, DeepSpeed, transformers modules...) so
         # the per-phase collections below only scan what the steps create (seconds -> ms)
@@ -309,7 +318,7 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
         from autotune.worker.routing import RoutingRecorder
 
         routing = RoutingRecorder.install(built.module)
-    if not _step_loop(ctx, engine, built, batches, routing):
+    if not _step_loop(ctx, engine, built, batches, routing, new_batch if job.setting("fresh_batches") else None):
         return
     recorded = routing.result() if routing is not None else None
     if recorded is not None:
@@ -328,10 +337,12 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     result["reason"] = None
 
 
-def _step_loop(ctx: Context, engine: Any, built: Any, batches: list, routing: Any = None) -> bool:
+def _step_loop(ctx: Context, engine: Any, built: Any, batches: list, routing: Any = None,
+               new_batch: Any = None) -> bool:
     """Warm-up and measured optimizer steps (each GAS micro-steps of forward, backward, optimizer),
     one engine-neutral loop; False when a loss went non-finite (status nan already set). ``routing``: an
-    autotune.worker.routing.RoutingRecorder, told where each measured micro-step begins.
+    autotune.worker.routing.RoutingRecorder, told where each measured micro-step begins. ``new_batch``
+    (``fresh_batches``): each micro-step after the first replaces the batch it reads (the old one freed first).
 
     "loop": "keep_outputs" (default) is the loop people write, ``outputs = engine(**batch);
     engine.backward(outputs.loss); engine.step()``: ``outputs`` (and the logits in it) stays alive
@@ -370,6 +381,9 @@ def _step_loop(ctx: Context, engine: Any, built: Any, batches: list, routing: An
                     if phase == "forward":
                         if routing is not None and measured:
                             routing.open_micro_step()
+                        if new_batch is not None and (step or micro):
+                            batches[micro % len(batches)] = None
+                            batches[micro % len(batches)] = new_batch()
                         out = engine.forward(batches[micro % len(batches)])
                         loss = loss_of(out, built.source)
                         outputs = out if keep else None

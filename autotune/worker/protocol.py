@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 WORKER_DEFAULTS: dict[str, Any] = {
     "warmup_steps": 2, "measure_steps": 2, "optimizer_impl": "auto", "memory": "auto", "seed": 0,
-    "device": "auto", "loop": "keep_outputs", "gc_collect": True, "exchange_timeout_s": 60, "gpu": "h100-80gb",
+    "device": "auto", "loop": "keep_outputs", "gc_collect": True, "fresh_batches": False, "exchange_timeout_s": 60, "gpu": "h100-80gb",
 }
 """What the worker uses for a WorkerJob field left out (None)."""
 
@@ -42,6 +42,12 @@ class WorkerJob:
     """How peak memory is measured: cuda | profiler | none | auto."""
     seed: Optional[int] = None
     """Seed of the model and the batches."""
+    fresh_batches: Optional[bool] = None
+    """Every micro-step a new batch, as a job's data loader gives (False: two batches, reused every step): an
+    expert-parallel model's received rows follow its batches' routing."""
+    data_seed: Optional[int] = None
+    """Seed of the batches alone (None: ``seed``): the same model on other batches (the memory benchmark's pilot
+    of an expert-parallel row measures the routing it states there)."""
     device: Optional[str] = None
     """cuda | cpu | auto."""
     gpu: Optional[str] = None

@@ -214,6 +214,9 @@ def test_an_ep_measurement_states_its_ranks_routing(tmp_path):
     plain = backend(cfg, tmp_path).measurement(dataclasses.replace(s, expert_parallel_size=1),
                                                _res(returncode=0, results=results))
     assert ROUTING_KEY not in plain.extra
+    # an EP trial reads a new batch every micro-step (its peak the worst of their routings); a non-EP one does not
+    assert backend(cfg, tmp_path).job(s, tmp_path).fresh_batches is True
+    assert backend(cfg, tmp_path).job(dataclasses.replace(s, expert_parallel_size=1), tmp_path).fresh_batches is None
 
 
 def test_bounded_log_keeps_head_and_tail(tmp_path):

@@ -13,8 +13,8 @@ from autotune.memory import PREDICTION_MARGIN, activation_breakdown, estimate_me
 from autotune.memory import moe
 from autotune.memory import expert_parallel
 from autotune.memory.expert_parallel import (COLLAPSE_QUANTILE, _collapsed_picks, _collapsed_step_picks, block_expert_elements,
-                                             collapsed_rank_imbalance, ep_backward_transient, ep_saved, ep_units,
-                                             received_rows)
+                                             collapsed_rank_imbalance, collapsed_step_imbalance, ep_backward_transient,
+                                             ep_saved, ep_units, received_rows)
 from autotune.memory.moe import expert_cap, least_expert_tokens, worst_expert_tokens
 from autotune.memory.fsdp2 import _units
 from autotune.spec import TrainingSpec
@@ -255,6 +255,27 @@ def test_stored_ep_rows_at_their_routing_within_the_margin(tmp_path):
         assert out["error_routing_busiest"] >= -PREDICTION_MARGIN and out["error_routing_busiest"] >= out["error_routing"]
         assert out["error"] >= out["error_stated"] >= max(out["error_routing"], -PREDICTION_MARGIN), out
         assert out["error_stated"] <= 0.03 and 1.0 <= out["step_imbalance_measured"] <= out["imbalance_measured"], out
+
+
+def test_stored_ep_rows_pilots_within_the_defaults(tmp_path):
+    """Every stored EP row's pilot (the same model on other batches, 8 steps, each micro-step a new batch:
+    benchmarks' EP_MEASURE, PILOT_DATA_SEED) measured a routing the defaults cover (the busiest expert at most
+    every token, the rank and the step at most a collapsed router's), as the row's own steps did: at the defaults
+    no row is under-predicted; at the pilot's factors stated the row's error is the held-out figure."""
+    pytest.importorskip("transformers")
+    bench = _bench()
+    stored = {bench.row_key(r): r for r in json.loads(
+        (Path(ROOT) / "benchmarks" / "data" / "memory_vs_deepspeed.json").read_text()) if r.get("status") == "ok"}
+    rows = [r for r in bench.moe_grid() if r.get("knobs", {}).get("expert_parallel_size", 1) > 1]
+    assert rows and all(r["fresh_batches"] and r["measure_steps"] == 8 for r in rows)
+    for r in rows:
+        out = bench.predict(dict(stored[bench.row_key(r)]), tmp_path)
+        model = bench.specs(r, tmp_path)[0]
+        pilot = out["pilot_factors"]
+        assert len(out["pilot_routing_steps"]) == len(out["routing_steps"]) == 2 * 8 * r["ga"], r
+        assert pilot[0] <= expert_cap(model) and pilot[2] <= collapsed_rank_imbalance(model, 2), (r, pilot)
+        assert 1.0 <= pilot[3] <= min(pilot[2], collapsed_step_imbalance(model, 2)), (r, pilot)
+        assert out["error"] >= max(out["error_pilot"], out["error_stated"], -PREDICTION_MARGIN), out
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ def test_job_json_round_trips_and_leaves_defaults_to_the_worker(tmp_path):
     backend = DeepSpeedBackend(cfg, str(tmp_path / "run"), snapshot_trial=3)
     job = backend.job_for(Strategy(zero_stage=2, micro_batch_size=2), tmp_path / "3", 3)
     assert list(job)[:3] == ["model", "training", "strategy"]
-    assert "snapshot" in job and "loop" not in job and "gc_collect" not in job
+    assert "snapshot" in job and "loop" not in job and "gc_collect" not in job and "fresh_batches" not in job
     assert WorkerJob.from_json(job).to_json() == job
     with pytest.raises(ValueError, match="unknown job key"):
         WorkerJob.from_json({**job, "bogus": 1})

@@ -102,6 +102,26 @@ def test_zero3_two_processes_matches_model(tmp_path):
     assert abs(pred - worst) / worst < 0.02
 
 
+@pytest.mark.slow
+def test_data_seed_and_fresh_batches_move_the_batches(tmp_path):
+    """``data_seed`` (the memory benchmark's pilot: the same model on other batches): left out it is ``seed``;
+    another value changes the batches (the first loss), as ``seed`` with the same ``data_seed`` changes the model.
+    ``fresh_batches``: the first step reads the same batch, the second a new one (a data loader's)."""
+    job = dict(_job(stage=0, nproc=1, mbs=1, seq=32, precision="fp32"), warmup_steps=0, measure_steps=2)
+    losses = {}
+    for name, extra in {"default": {}, "same": {"data_seed": 0}, "other data": {"data_seed": 5},
+                        "other model": {"seed": 5, "data_seed": 0}, "fresh": {"fresh_batches": True}}.items():
+        (tmp_path / name).mkdir()
+        (res,) = _run(tmp_path / name, dict(job, **extra))
+        assert res["status"] == "ok", res
+        losses[name] = res["losses"]
+    assert losses["default"] == losses["same"]
+    first = {name: l[0] for name, l in losses.items()}
+    assert first["other data"] != first["default"] and first["other model"] != first["default"]
+    assert first["other data"] != first["other model"]
+    assert first["fresh"] == first["default"] and losses["fresh"][1] != losses["default"][1]
+
+
 def test_live_totals_drop_blocks_freed_on_unprofiled_threads():
     from autotune.worker.cpu_memory import live_totals as _live_totals
 
