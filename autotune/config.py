@@ -71,6 +71,11 @@ class ProfileSection:
     command: Optional[str] = None
     """For backend script: the training command run per trial, with placeholders
     (autotune.backends.script_command.PLACEHOLDERS; docs/profiling.md)."""
+    tokens: Optional[str] = None
+    """A .npy array of your tokenized data's ids (numpy.save; any integer dtype, a sample is enough): the profile
+    backend's trials and a point's launch script train on windows of it instead of uniform random ids, so a
+    mixture of experts' router routes your data (an expert-parallel rank's memory follows it;
+    autotune.models.tokens). Relative to the job file; every id below the model's vocab_size."""
 
 
 @dataclass(frozen=True)
@@ -301,6 +306,7 @@ PROFILE_SCHEMA: dict[str, Checker] = {
     "launcher": choice(*LAUNCHERS),
     "replay_csv": str_,
     "command": check_command,
+    "tokens": str_,
 }
 
 TOP_SCHEMA = ("model", "training", "hardware", "strategy", "search", "profile")
@@ -340,9 +346,19 @@ def _load(path: str) -> Config:
     check_strategy(strategy, model, training, hardware, prefix="strategy.")
     search = SearchSection(**check_section(top.get("search") or {}, "search", SEARCH_SCHEMA))
     profile_raw = check_section(top.get("profile") or {}, "profile", PROFILE_SCHEMA)
-    if "replay_csv" in profile_raw:
-        profile_raw["replay_csv"] = os.path.join(base_dir, profile_raw["replay_csv"])
+    for key in ("replay_csv", "tokens"):  # files named relative to the job file
+        if key in profile_raw:
+            profile_raw[key] = os.path.join(base_dir, profile_raw[key])
     profile = ProfileSection(**profile_raw)
+    if profile.tokens:
+        from autotune.models.tokens import check_tokens
+
+        if factory:
+            raise ConfigError("model.python's factory gives its own batches (its batch_fn); leave profile.tokens out",
+                              path="profile.tokens")
+        why = check_tokens(profile.tokens, model.vocab_size, training.seq_len)
+        if why:
+            raise ConfigError(why, path="profile.tokens")
     if profile.backend == "replay" and not profile.replay_csv:
         raise ConfigError("backend replay needs profile.replay_csv", path="profile.replay_csv")
     if profile.backend == "script" and not profile.command:

@@ -285,7 +285,7 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
         "front": points,
         "best": next((p for p in points if best is not None and p["trial"] == best.number), None),
     }
-    routing = measured_routing_summary(rows, cfg.model)
+    routing = measured_routing_summary(rows, cfg.model, cfg.profile.tokens)
     if routing is not None:
         front_obj["measured_routing"] = routing
     assumed = assumed_routing_summary(points, cfg.model)
@@ -311,12 +311,13 @@ def write_outputs(run_dir: str, cfg: Config, space: SearchSpace, study: Study, b
     return front_obj
 
 
-def measured_routing_summary(rows: list[TrialRow], model: Any) -> Optional[dict[str, Any]]:
+def measured_routing_summary(rows: list[TrialRow], model: Any, tokens: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The routing the measured expert-parallel trials dispatched (front.json ``measured_routing``): the trials,
     the worst of their factors (the largest upper factors, the smallest least load: what covers every one), the
     range of their memory errors at the job's factors and at each trial's own measured routing, and
     ``exceeds``: each factor a trial measured beyond what ``model`` sizes its layout with (an upper factor above,
-    the least load below: the job's EP points may be under-predicted); None without such a trial."""
+    the least load below: the job's EP points may be under-predicted) and ``tokens``: the .npy of ids the trials
+    read (profile.tokens; None: uniform random ids); None without such a trial."""
     from autotune.backends.base import MEMORY_ERROR_AT_ROUTING_KEY, MEMORY_ERROR_KEY, ROUTING_KEY
     from autotune.memory.expert_parallel import STATED_LOAD_KEYS, MeasuredRouting, sized_routing
 
@@ -341,7 +342,7 @@ def measured_routing_summary(rows: list[TrialRow], model: Any) -> Optional[dict[
             "factors": {k: (min if k in MeasuredRouting.LOWER else max)(r.measured[ROUTING_KEY][k]  # type: ignore[index]
                                                                  for r in done) for k in STATED_LOAD_KEYS},
             "memory_error_pct": span(MEMORY_ERROR_KEY), "memory_error_at_routing_pct": span(MEMORY_ERROR_AT_ROUTING_KEY),
-            "exceeds": exceeds}
+            "exceeds": exceeds, "tokens": tokens}
 
 
 def measured_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
@@ -363,8 +364,10 @@ def measured_routing_lines(summary: Optional[dict[str, Any]]) -> list[str]:
     warn = ["  WARNING: the routing measured is beyond what this job sizes its expert-parallel points with ("
             + ", ".join(f"{k} {v['measured']:g} against {v['sized']:g}" for k, v in beyond.items())
             + "): their memory may be under-predicted"] if beyond else []
-    return [line, *warn, "  to size expert-parallel candidates at it, state in the job file (the profiled model's "
-            "router on its batches: docs/moe.md, \"Measuring the routing\"):",
+    batches = (f"on {summary['tokens']} (profile.tokens)" if summary.get("tokens")
+               else "on uniform random ids, not your data: profile.tokens feeds it yours")
+    return [line, *warn, f"  to size expert-parallel candidates at it, state in the job file (the profiled model's "
+            f"router {batches}; a sample of its steps, not a bound: docs/moe.md, \"Measuring the routing\"):",
             *(f"    {x}" for x in worst.statement())]
 
 

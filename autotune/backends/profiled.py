@@ -112,6 +112,8 @@ class DeepSpeedBackend(Backend):
                       "python_path": [os.path.dirname(os.path.abspath(cfg.path)), os.getcwd()]}
         elif cfg.hf_config:
             source = {"hf_config": os.path.abspath(cfg.hf_config)}
+        if cfg.profile.tokens:  # the job's own tokens (autotune.models.tokens)
+            source["tokens"] = os.path.abspath(cfg.profile.tokens)
         snapshot = None
         if self.snapshot_trial is not None and trial_number == self.snapshot_trial:
             from autotune.worker.snapshot import SNAPSHOT_FILE

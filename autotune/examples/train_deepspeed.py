@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.deepspeed) as fh:
         ds_config = json.load(fh)
     job_dir = os.path.dirname(os.path.abspath(args.job))
+    # each rank its own batches (the worker's seeds), of the job's own tokens where profile.tokens names them
     built = build_for_job({"model_factory": cfg.model_factory, "hf_config": cfg.hf_config,
-                           "python_path": [job_dir, os.getcwd()]}, cfg.model, cfg.training)
+                           "python_path": [job_dir, os.getcwd()], "tokens": cfg.profile.tokens},
+                          cfg.model, cfg.training, seed=rank * 100)
     model = built.module
     ckpt: dict = {}
     if args.checkpointing:

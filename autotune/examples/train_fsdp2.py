@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     job_dir = os.path.dirname(os.path.abspath(args.job))
+    # each rank its own batches (the worker's seeds), of the job's own tokens where profile.tokens names them
     built = build_for_job({"model_factory": cfg.model_factory, "hf_config": cfg.hf_config,
-                           "python_path": [job_dir, os.getcwd()]}, cfg.model, cfg.training)
+                           "python_path": [job_dir, os.getcwd()], "tokens": cfg.profile.tokens},
+                          cfg.model, cfg.training, seed=rank * 100)
     model = built.module.to(device)
     shape = layout["mesh"]["shape"]
     if rank == 0 and int(torch.tensor(shape).prod()) != world:

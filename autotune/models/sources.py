@@ -186,8 +186,22 @@ def hf_model_from_config(hf_config: str) -> Any:
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
-def build_hf_model(hf_config: str, seed: int = 0) -> BuiltModel:
-    """``AutoModelForCausalLM.from_config`` (sdpa attention, random init, nothing downloaded)."""
+def _windows(tokens: Optional[str], vocab: int) -> Any:
+    """The job's own tokens (``profile.tokens``: autotune.models.tokens.token_windows), None without; a file
+    that cannot feed the model is a UserModelError (its one line)."""
+    if not tokens:
+        return None
+    from autotune.models.tokens import token_windows
+
+    try:
+        return token_windows(tokens, vocab)
+    except ValueError as err:
+        raise UserModelError(f"profile.tokens: {err}") from None
+
+
+def build_hf_model(hf_config: str, seed: int = 0, tokens: Optional[str] = None) -> BuiltModel:
+    """``AutoModelForCausalLM.from_config`` (sdpa attention, random init, nothing downloaded); batches of
+    uniform random ids, or windows of ``tokens`` (a .npy of the job's own ids)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
@@ -198,6 +212,7 @@ def build_hf_model(hf_config: str, seed: int = 0) -> BuiltModel:
         raise UserModelError(f"cannot build the Hugging Face model from {hf_config}: {type(err).__name__}: "
                              f"{_first_line(err)}") from err
     vocab = int(module.config.vocab_size)
+    draw = _windows(tokens, vocab)
 
     counter = [seed]
 
@@ -206,7 +221,8 @@ def build_hf_model(hf_config: str, seed: int = 0) -> BuiltModel:
 
         g = torch.Generator().manual_seed(counter[0])
         counter[0] += 1
-        ids = torch.randint(0, vocab, (micro_batch_size, seq_len), generator=g).to(device)
+        ids = (torch.randint(0, vocab, (micro_batch_size, seq_len), generator=g) if draw is None
+               else draw(micro_batch_size, seq_len, g)).to(device)
         return {"input_ids": ids, "labels": ids, "use_cache": False}
 
     return BuiltModel(module, batch_fn, "hf")
@@ -228,7 +244,9 @@ def reference_unbuilt(spec: Any) -> list[str]:
     return [name for name in _NOT_IN_REFERENCE if getattr(spec, name) != defaults[name]]
 
 
-def build_reference_model(spec: Any, seed: int = 0) -> BuiltModel:
+def build_reference_model(spec: Any, seed: int = 0, tokens: Optional[str] = None) -> BuiltModel:
+    """autotune.models.reference's decoder for ``spec``; batches of uniform random ids (``synthetic_batch``),
+    or windows of ``tokens`` (a .npy of the job's own ids), next-token labels."""
     unbuilt = reference_unbuilt(spec)
     if unbuilt:
         raise UserModelError(f"the reference decoder does not build {', '.join(unbuilt)} of model {spec.name!r}: "
@@ -236,11 +254,18 @@ def build_reference_model(spec: Any, seed: int = 0) -> BuiltModel:
     from autotune.models.reference import build_model, synthetic_batch
 
     module = build_model(spec)
+    draw = _windows(tokens, spec.vocab_size)
 
     counter = [seed]
 
     def batch_fn(micro_batch_size: int, seq_len: int, device: Any) -> dict:
-        x, y = synthetic_batch(spec, micro_batch_size, seq_len, seed=counter[0], device=device)
+        import torch
+
+        if draw is None:
+            x, y = synthetic_batch(spec, micro_batch_size, seq_len, seed=counter[0], device=device)
+        else:
+            window = draw(micro_batch_size, seq_len + 1, torch.Generator().manual_seed(counter[0]))
+            x, y = window[:, :-1].contiguous().to(device), window[:, 1:].contiguous().to(device)
         counter[0] += 1
         return {"input_ids": x, "labels": y}
 
@@ -250,14 +275,17 @@ def build_reference_model(spec: Any, seed: int = 0) -> BuiltModel:
 def build_for_job(job: dict, spec: Any, training: Any, seed: int = 0) -> BuiltModel:
     """The module and batch function the job asks for (see the module docstring), with the norm kernel
     the model states (``apply_norm_kernel``); ``seed``: the first synthetic batch's seed (built-in
-    sources; a factory seeds its own batches)."""
-    factory, hf_config = job.get("model_factory"), job.get("hf_config")
+    sources; a factory seeds its own batches); ``tokens`` in the job: the built-in sources' batches are
+    windows of that .npy of ids (profile.tokens; a factory's batches are its own)."""
+    factory, hf_config, tokens = job.get("model_factory"), job.get("hf_config"), job.get("tokens")
     if factory:
+        if tokens:
+            raise UserModelError("profile.tokens: model.python's factory gives its own batches (its batch_fn)")
         built = build_factory_model(factory, spec, training, job.get("python_path"))
     elif hf_config and transformers_available():
-        built = build_hf_model(hf_config, seed)
+        built = build_hf_model(hf_config, seed, tokens)
     else:
-        built = build_reference_model(spec, seed)
+        built = build_reference_model(spec, seed, tokens)
         if hf_config:
             built.notes.append("transformers not installed: profiled the reference decoder built from the HF config")
     apply_norm_kernel(built, spec)

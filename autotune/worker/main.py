@@ -64,6 +64,8 @@ Job JSON (all keys but ``model``, ``training``, ``strategy`` are optional)::
       "device": "auto",                         # "cuda" | "cpu" | "auto"
       "gpu": "h100-80gb",                       # GPU preset of the default deepspeed_config (none given)
       "hf_config": "path/config.json",          # build an HF model from_config (transformers installed)
+      "tokens": "path/tokens.npy",              # batches: windows of these token ids (profile.tokens;
+                                                #   autotune.models.tokens), not uniform random ids
       "model_factory": "pkg.mod:build_model",   # the user's factory (contract: autotune.models.sources)
       "python_path": ["dir", ...],              # put first on sys.path before importing the factory
       "snapshot": "trials/3/memory_snapshot.pickle",  # CUDA: record allocation history, dump it here

@@ -58,6 +58,9 @@ class WorkerJob:
     """Put first on sys.path before importing the factory."""
     hf_config: Optional[str] = None
     """An HF config.json to build the model from (transformers)."""
+    tokens: Optional[str] = None
+    """A .npy of token ids the built-in sources' batches are windows of (profile.tokens; None: uniform random
+    ids)."""
     snapshot: Optional[str] = None
     """Where rank 0 dumps a CUDA memory snapshot (--snapshot)."""
     loop: Optional[str] = None

@@ -261,16 +261,24 @@ def test_ep_on_two_ranks_gives_one_process_loss_and_gradients(tmp_path):
 
 @pytest.mark.slow
 def test_the_fsdp2_training_script_prints_the_routing_it_dispatched(tmp_path):
-    """An EP point's launch script (autotune.examples.train_fsdp2) on 2 gloo ranks: it trains and prints the
-    routing its steps dispatched as the factors a job states, which the job's rules accept."""
+    """An EP point's launch script (autotune.examples.train_fsdp2) on 2 gloo ranks, fed the job's own tokens
+    (profile.tokens: the UTF-8 bytes of this repository's README): it trains and prints the routing its steps
+    dispatched as the factors a job states, which the job's rules accept."""
     import textwrap
 
+    import numpy as np
     import yaml
 
     from autotune.backends.launch import free_port
     from autotune.model_rules import check_stated_balance
 
-    job = ROOT / "examples" / "tiny-cpu-moe.yaml"
+    raw = yaml.safe_load((ROOT / "examples" / "tiny-cpu-moe.yaml").read_text())
+    raw["model"]["hf_config"] = str(ROOT / "examples" / raw["model"]["hf_config"])
+    raw["search"]["space"] = str(ROOT / "examples" / raw["search"]["space"])
+    np.save(tmp_path / "tokens.npy", np.frombuffer((ROOT / "README.md").read_bytes(), dtype=np.uint8))
+    raw["profile"]["tokens"] = "tokens.npy"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(raw))
     cfg = load_config(str(job))
     layout = tmp_path / "ep.json"
     layout.write_text(json.dumps(to_fsdp2_config(Strategy(engine="fsdp2", expert_parallel_size=2, micro_batch_size=2),
