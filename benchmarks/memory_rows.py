@@ -553,9 +553,11 @@ def moe_grid() -> list[dict]:
 
 
 def row_key(row: dict) -> tuple:
-    """A row's identity (--reuse): ROW_KEYS, and its long-context knobs when it has any."""
+    """A row's identity (--reuse): ROW_KEYS, its long-context knobs when it has any, and its tokens when they are
+    not uniform random ids (``--text``)."""
     key = tuple(row.get(k, 1 if k == "ga" else None) for k in ROW_KEYS)
-    return key + (json.dumps(row["knobs"], sort_keys=True),) if row.get("knobs") else key
+    key = key + (json.dumps(row["knobs"], sort_keys=True),) if row.get("knobs") else key
+    return key + (row["tokens"],) if row.get("tokens") else key
 
 
 def grid(quick: bool) -> list[dict]:

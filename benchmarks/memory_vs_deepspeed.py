@@ -7,6 +7,7 @@
     python benchmarks/memory_vs_deepspeed.py --reuse out.json    # re-predict stored measurements
     python benchmarks/memory_vs_deepspeed.py --long-context      # 33 rows of issue 24's knobs (long_context_grid)
     python benchmarks/memory_vs_deepspeed.py --moe               # the Mixtral / Qwen3-MoE / DeepSeek-V2 rows (moe_grid, docs/moe.md)
+    python benchmarks/memory_vs_deepspeed.py --moe --filter expert_parallel_size=2 --text   # the EP rows on text
 
 The grid: 10 Hugging Face families from their published config.json (tests/data/hf: llama, mistral,
 qwen2, qwen3, gemma, gemma2, phi3, olmo2, gpt2 with its default dropout 0.1, gpt_neox), shrunk to CPU size
@@ -55,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -136,6 +138,25 @@ def _routing_steps(d: Path) -> list:
             for st in (json.loads(f.read_text()).get("routing") or {}).get("steps", [])]
 
 
+_TEXT_LOCK = threading.Lock()
+
+
+def text_tokens(vocab: int, workdir: Path) -> str:
+    """A .npy of this repository's text at trained_routing.CORPUS_REV (every domain's held-out files, as that
+    benchmark's byte-level BPE tokenizer of ``vocab`` ids trained on the rest encodes them), made once per
+    vocabulary in ``workdir``: the rows' profile.tokens under ``--text``."""
+    import numpy as np
+
+    path = workdir / f"text-{vocab}.npy"
+    with _TEXT_LOCK:
+        if not path.exists():
+            from trained_routing import corpus, tokenized
+
+            _, held, _ = tokenized(*corpus(), vocab)
+            np.save(path, np.array([i for d in sorted(held) for i in held[d]], dtype=np.int32))
+    return str(path)
+
+
 def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
     model, training, hardware, strategy = specs(row, workdir)
     d = Path(tempfile.mkdtemp(prefix="mem_", dir=workdir))
@@ -146,6 +167,8 @@ def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
            "fresh_batches": bool(row.get("fresh_batches"))}
     if row["model"] in HF_FAMILIES or row["model"] in LONG_FAMILIES:
         job["hf_config"] = _hf_path(row["model"], workdir)
+    if row.get("tokens") == "text":
+        job["tokens"] = text_tokens(model.vocab_size, workdir)
     ep = strategy.expert_parallel_size > 1
     t0 = time.time()
     out = dict(row)
@@ -338,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the long-context knob rows (long_context_grid: Ulysses, tiled loss / MLP, activation "
                          "offload) instead of the grid")
     ap.add_argument("--moe", action="store_true", help="the mixture-of-experts rows (moe_grid) instead of the grid")
+    ap.add_argument("--text", action="store_true",
+                    help="the rows train on this repository's text (text_tokens: BPE ids at the model's vocabulary) "
+                         "instead of uniform random ids; a row's key then carries tokens=text")
     ap.add_argument("--json", help="write all rows (measured, predicted, per-phase) to this file")
     ap.add_argument("--filter", action="append", default=[], help="KEY=VALUE on grid rows, e.g. stage=3 or stage=fsdp2,fsdp2-keep or "
                                                                   "expert_parallel_size=2 (a knob)")
@@ -360,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = moe_grid()
     elif not args.quick and importlib.util.find_spec("transformers") is not None:
         rows += hf_grid()
+    if args.text:
+        rows = [dict(r, tokens="text") for r in rows]
     for f in args.filter:
         k, v = f.split("=", 1)
         # VALUE: one, or alternatives a,b; KEY a row's key or one of its knobs (expert_parallel_size=2)
@@ -376,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['ckpt']:<10}{r['precision']:<5}")
         if r.get("knobs"):
             head += f"[{knob_text(r['knobs'])}] "
+        if r.get("tokens"):
+            head += f"<{r['tokens']}> "
         if r.get("status") != "ok":
             return head + f"  {r.get('status')}: {str(r.get('reason'))[:200]}"
         routing = (f"  at the measured routing (imbalance {r['imbalance_measured']:.3f}): {100 * r['error_routing']:+.2f}%"
