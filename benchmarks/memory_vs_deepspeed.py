@@ -60,6 +60,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -109,12 +110,13 @@ PILOT_DATA_SEED = 1
 batches, whose routing the row states (a held-out measurement, as a job states what it measured before)."""
 
 
-def _launch(row: dict, job: dict, d: Path, ep: bool, timeout: float) -> tuple[dict | None, dict]:
+def _launch(row: dict, job: dict, d: Path, timeout: float) -> tuple[dict | None, dict]:
     """Run the worker on ``job`` in ``d`` (1 rank: python; more: torchrun over gloo): rank 0's result, or None
     and the row's status and reason (a timeout, a crash without a result)."""
     (d / "job.json").write_text(json.dumps(dict(job, result_path=str(d / "result.json"))))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     # expert parallelism: the worker that records the dispatch's received rows
+    ep = job["strategy"].get("expert_parallel_size", 1) > 1
     worker = [str(ROOT / "benchmarks" / "ep_rows_worker.py")] if ep else ["-m", "autotune.worker.main"]
     if row["nproc"] == 1:
         cmd = [sys.executable, *worker, str(d / "job.json")]
@@ -172,7 +174,7 @@ def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
     ep = strategy.expert_parallel_size > 1
     t0 = time.time()
     out = dict(row)
-    res, failed = _launch(row, job, d, ep, timeout)
+    res, failed = _launch(row, job, d, timeout)
     if res is None:
         out.update(failed)
         return out
@@ -198,7 +200,7 @@ def run_row(row: dict, workdir: Path, timeout: float = 900) -> dict:
         out["received_rows"] = max(json.loads(f.read_text()).get(str(sent), 0) for f in d.glob("received_rows.*.json"))
         out["routing_steps"] = _routing_steps(d)
         pilot = Path(tempfile.mkdtemp(prefix="pilot_", dir=workdir))
-        if _launch(row, dict(job, data_seed=PILOT_DATA_SEED), pilot, ep, timeout)[0] is not None:
+        if _launch(row, dict(job, data_seed=PILOT_DATA_SEED), pilot, timeout)[0] is not None:
             out["pilot_routing_steps"] = _routing_steps(pilot)
     return predict(out, workdir)
 
@@ -236,17 +238,20 @@ def predict(out: dict, workdir: Path) -> dict:
         if stated is not None:
             (out["expert_imbalance_measured"], out["expert_least_measured"], out["imbalance_measured"],
              out["step_imbalance_measured"]) = stated
-            out["predicted_stated"] = estimate_memory(model.replace(**stated._asdict()), training, hardware, strategy,
-                                                      device="cpu").gpu["peak"]
+            out["predicted_stated"] = _stated(stated, model, training, hardware, strategy)
             out["error_stated"] = (out["predicted_stated"] - out["measured"]) / out["measured"]
         # the factors measured on the pilot (the same model on other batches: PILOT_DATA_SEED) stated
         pilot = measured_routing(model, mean, out.get("pilot_routing_steps") or [])
         if pilot is not None:
             out["pilot_factors"] = list(pilot)
-            out["predicted_pilot"] = estimate_memory(model.replace(**pilot._asdict()), training, hardware, strategy,
-                                                     device="cpu").gpu["peak"]
+            out["predicted_pilot"] = _stated(pilot, model, training, hardware, strategy)
             out["error_pilot"] = (out["predicted_pilot"] - out["measured"]) / out["measured"]
     return out
+
+
+def _stated(factors: Any, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec, strategy: Strategy) -> int:
+    """The peak predicted with ``factors`` (a MeasuredRouting) stated in the model, as a job states them."""
+    return estimate_memory(model.replace(**factors._asdict()), training, hardware, strategy, device="cpu").gpu["peak"]
 
 
 def _at_routing(imbalance: float, model: ModelSpec, training: TrainingSpec, hardware: HardwareSpec,

@@ -103,17 +103,10 @@ class DeepSpeedBackend(Backend):
 
     def job(self, strategy: Strategy, trial_dir: Path, trial_number: Optional[int] = None) -> WorkerJob:
         """The worker job measuring ``strategy`` in ``trial_dir``."""
+        from autotune.models.sources import job_source
+
         cfg = self.cfg
         profile = cfg.profile
-        source: dict[str, Any] = {}
-        if cfg.model_factory:
-            # the factory's module is looked up next to the config file, then in the current directory
-            source = {"model_factory": cfg.model_factory,
-                      "python_path": [os.path.dirname(os.path.abspath(cfg.path)), os.getcwd()]}
-        elif cfg.hf_config:
-            source = {"hf_config": os.path.abspath(cfg.hf_config)}
-        if cfg.profile.tokens:  # the job's own tokens (autotune.models.tokens)
-            source["tokens"] = os.path.abspath(cfg.profile.tokens)
         snapshot = None
         if self.snapshot_trial is not None and trial_number == self.snapshot_trial:
             from autotune.worker.snapshot import SNAPSHOT_FILE
@@ -129,7 +122,7 @@ class DeepSpeedBackend(Backend):
             seed=self.seed, device=self.device, snapshot=snapshot,
             # an EP rank's received rows follow each batch's routing: every micro-step a new batch, as a job's
             # data loader gives (the peak then the worst of the measured batches, not one batch's)
-            fresh_batches=True if strategy.expert_parallel_size > 1 else None, **source)
+            fresh_batches=True if strategy.expert_parallel_size > 1 else None, **job_source(cfg))
 
     def job_for(self, strategy: Strategy, trial_dir: Path, trial_number: Optional[int] = None) -> dict[str, Any]:
         """The job.json object of :meth:`job`."""

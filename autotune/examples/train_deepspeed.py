@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import autotune
     from autotune.config import load_config
-    from autotune.models.sources import build_for_job, loss_of, norm_kernel_refusal
+    from autotune.models.sources import batch_seed, build_for_job, job_source, loss_of, norm_kernel_refusal
     from autotune.worker.engines import torch_optimizer_of
 
     cuda = torch.cuda.is_available()
@@ -65,11 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with open(args.deepspeed) as fh:
         ds_config = json.load(fh)
-    job_dir = os.path.dirname(os.path.abspath(args.job))
     # each rank its own batches (the worker's seeds), of the job's own tokens where profile.tokens names them
-    built = build_for_job({"model_factory": cfg.model_factory, "hf_config": cfg.hf_config,
-                           "python_path": [job_dir, os.getcwd()], "tokens": cfg.profile.tokens},
-                          cfg.model, cfg.training, seed=rank * 100)
+    built = build_for_job(job_source(cfg), cfg.model, cfg.training, seed=batch_seed(0, rank))
     model = built.module
     ckpt: dict = {}
     if args.checkpointing:

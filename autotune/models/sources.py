@@ -186,6 +186,27 @@ def hf_model_from_config(hf_config: str) -> Any:
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
+def job_source(cfg: Any) -> dict[str, Any]:
+    """A job's (autotune.config.Config) model source as the worker job's keys, paths absolute: its factory and
+    where to import it from (the job file's directory, then the current one), or its HF config.json; and its own
+    tokens (profile.tokens). What the profile backend's worker jobs and the launch scripts build from."""
+    source: dict[str, Any] = {}
+    if cfg.model_factory:
+        source = {"model_factory": cfg.model_factory,
+                  "python_path": [os.path.dirname(os.path.abspath(cfg.path)), os.getcwd()]}
+    elif cfg.hf_config:
+        source = {"hf_config": os.path.abspath(cfg.hf_config)}
+    if cfg.profile.tokens:
+        source["tokens"] = os.path.abspath(cfg.profile.tokens)
+    return source
+
+
+def batch_seed(seed: int, rank: int) -> int:
+    """The first batch seed of ``rank`` in a run seeded ``seed`` (``build_for_job``'s ``seed``): each rank its own
+    batches, as data-parallel ranks read."""
+    return seed * 1000 + rank * 100
+
+
 def _windows(tokens: Optional[str], vocab: int) -> Any:
     """The job's own tokens (``profile.tokens``: autotune.models.tokens.token_windows), None without; a file
     that cannot feed the model is a UserModelError (its one line)."""

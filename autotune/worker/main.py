@@ -272,7 +272,7 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     import torch
 
     from autotune.models.reference import count_parameters
-    from autotune.models.sources import build_for_job, norm_kernel_refusal
+    from autotune.models.sources import batch_seed, build_for_job, norm_kernel_refusal
     from autotune.spec import ModelSpec, TrainingSpec
     from autotune.strategy import Strategy
 
@@ -291,7 +291,7 @@ def _run(job: WorkerJob, result: dict, probe: Optional[CpuMemoryProbe], rank: in
     _maybe_fault(job, rank, "init")
 
     data_seed = seed if job.data_seed is None else int(job.data_seed)
-    built = build_for_job(job.to_json(), model_spec, training, seed=data_seed * 1000 + rank * 100)
+    built = build_for_job(job.to_json(), model_spec, training, seed=batch_seed(data_seed, rank))
     result["model_source"] = built.source
     result["num_parameters"] = count_parameters(built.module)
     engine = engine_cls(ctx, built, model_spec, strategy, device)
